@@ -1,0 +1,186 @@
+"""The `agentrl` command line: thin launchers, heavy imports inside each command.
+
+    agentrl --help
+    agentrl init-model tiny runs/models/tiny
+    agentrl run --config recipes/quickstart.yaml --learner.lr 1e-6
+
+Every command that takes `--config` also takes dotted overrides of any field
+(`--section.key VALUE` or `--section.key=VALUE`); the config is validated before
+anything starts. `agentrl --help` must stay fast: import torch, transformers, zmq
+and friends only inside the command that needs them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from agentrl.config import AgentRLConfig
+
+app = typer.Typer(
+    name="agentrl",
+    help="Reinforcement learning for multi-turn, tool-calling LLM agents.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="YAML/TOML preset (see recipes/).", show_default=False)
+]
+
+# name -> (what it measures, issue that builds it)
+BENCHMARKS = {
+    "serve": ("embedded server tokens/s at concurrency 1, 8, 32", 3),
+    "queue": ("TransferQueue vs raw ZeroMQ, Redis Streams and Ray", 4),
+    "roller": ("roller concurrency and per-turn overhead", 5),
+    "learner": ("train step vs bare HF, packed vs padded", 6),
+    "sync": ("weight push vs raw gloo broadcast and disk", 7),
+    "async": ("samples/s at max_staleness 0, 1, 2, 4", 7),
+}
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"agentrl: {message}", err=True)
+    return typer.Exit(code)
+
+
+def load(config: Path | None, ctx: typer.Context) -> AgentRLConfig:
+    """Load and validate the run config, or exit with a message naming the bad field."""
+    from agentrl.config import ConfigError, load_config
+
+    try:
+        return load_config(config, list(ctx.args))
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+
+
+def not_built(command: str, issue: int, what: str) -> typer.Exit:
+    """Entry points whose component has not landed yet refuse to pretend."""
+    return _fail(
+        f"`agentrl {command}` is not built yet: {what} lands with issue #{issue} "
+        "(the config given was parsed and is valid)",
+        code=3,
+    )
+
+
+@app.command(context_settings=OVERRIDES)
+def learner(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the latest checkpoint.")] = False,
+) -> None:
+    """Train the policy on groups streamed from the TransferQueue (FSDP2; torchrun for several ranks)."""
+    load(config, ctx)
+    raise not_built("learner", 6, "the FSDP2 learner")
+
+
+@app.command(context_settings=OVERRIDES)
+def roller(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    queue: Annotated[str | None, typer.Option(help="TransferQueue address, e.g. tcp://host:5555.")] = None,
+    servers: Annotated[str | None, typer.Option(help="Comma-separated inference server URLs.")] = None,
+) -> None:
+    """Run multi-turn episodes against inference servers and stream groups to the learner."""
+    load(config, ctx)
+    raise not_built("roller", 5, "the roller and agent loop")
+
+
+@app.command(context_settings=OVERRIDES)
+def serve(
+    ctx: typer.Context,
+    model: Annotated[str | None, typer.Option(help="Checkpoint directory to serve.")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 30000,
+    config: ConfigOpt = None,
+) -> None:
+    """Serve a model over SGLang's native HTTP API (the embedded inference server)."""
+    load(config, ctx)
+    raise not_built("serve", 3, "the embedded inference server")
+
+
+@app.command(context_settings=OVERRIDES)
+def queue(
+    ctx: typer.Context,
+    bind: Annotated[str, typer.Option(help="ZeroMQ address to bind.")] = "tcp://127.0.0.1:5555",
+    config: ConfigOpt = None,
+) -> None:
+    """Run the TransferQueue server on its own (by default the learner hosts it)."""
+    load(config, ctx)
+    raise not_built("queue", 4, "the TransferQueue server")
+
+
+@app.command(context_settings=OVERRIDES)
+def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
+    """Run learner, queue, inference servers and rollers on this machine as one job."""
+    cfg = load(config, ctx)
+    from agentrl.config import save_resolved
+
+    path = save_resolved(cfg)
+    typer.echo(f"resolved config written to {path}")
+    raise not_built("run", 7, "the closed loop (learner + rollers + weight sync)")
+
+
+@app.command("init-model")
+def init_model(
+    preset: Annotated[str, typer.Argument(help="Model size: tiny (~0.2M params) or small (~13M).")],
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+) -> None:
+    """Write a random-weight Qwen2-style HF checkpoint with a Qwen2.5-format tokenizer (offline)."""
+    from agentrl.tiny_model import PRESETS
+
+    if preset not in PRESETS:
+        raise _fail(f"unknown model preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    from agentrl.tiny_model import init_model as build
+
+    out = build(preset, out_dir, seed=seed)
+    typer.echo(f"wrote {preset} model to {out}")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Benchmark: " + ", ".join(BENCHMARKS) + ".")],
+) -> None:
+    """Measure ours against a baseline in the same run; ends with one JSON line of ratios.
+
+    Each benchmark lives in `agentrl/bench/<name>.py` as `main(args: list[str]) -> int`;
+    extra arguments are passed to it."""
+    import importlib
+
+    if name not in BENCHMARKS:
+        raise _fail(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
+    what, issue = BENCHMARKS[name]
+    try:
+        module = importlib.import_module(f"agentrl.bench.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"agentrl.bench.{name}":
+            raise
+        raise _fail(
+            f"`agentrl bench {name}` ({what}) is not built yet: it lands with issue #{issue}", code=3
+        ) from None
+    raise typer.Exit(module.main(list(ctx.args)))
+
+
+@app.command(context_settings=OVERRIDES)
+def doctor(ctx: typer.Context, config: ConfigOpt = None) -> None:
+    """Check this machine and a config: versions, devices, optional backends, the model's chat template."""
+    from agentrl.doctor import run_doctor
+
+    cfg = load(config, ctx)
+    raise typer.Exit(run_doctor(cfg))
+
+
+def main() -> None:
+    app(prog_name="agentrl")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""Typed configuration: one pydantic model per component, loaded from presets.
+
+A run is described by `AgentRLConfig`, whose sections (`learner`, `roller`, `queue`,
+`inference`, `weight_sync`, `env`) are each handed only to the component that owns
+them. Presets are YAML or TOML files (see `recipes/`); dotted command-line overrides
+(`--learner.lr 1e-6`) are applied on top. Every model forbids unknown keys and every
+field carries a docstring, which doubles as CLI help and as the reference in
+`docs/config.md`. Validation happens before any process starts; the error names the
+field to change and what it accepts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A preset or override that does not describe a valid run."""
+
+
+class Section(BaseModel):
+    """Base of every config model: unknown keys fail, docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- learner
+
+
+class LearnerConfig(Section):
+    """The FSDP2 learner: model, optimiser, loss and checkpoints."""
+
+    model_path: str = "runs/models/tiny"
+    """Hugging Face checkpoint directory (or hub id where a hub is reachable) to train."""
+    groups_per_step: int = Field(8, ge=1)
+    """Prompt groups consumed per optimizer step (the batch size in groups)."""
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping threshold (global L2 norm)."""
+    max_steps: int = Field(100, ge=1)
+    """Optimizer steps to run before the learner stops."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Token budget of one packed micro-batch (forward/backward unit)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    """Advantage estimator: GRPO, Dr. GRPO, RLOO or REINFORCE++."""
+    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    """Policy objective: token-level PPO clip or GSPO's sequence-level ratio."""
+    clip_low: float = Field(0.2, ge=0)
+    """Lower clip range ε of the importance ratio (1 − ε)."""
+    clip_high: float = Field(0.28, ge=0)
+    """Upper clip range (1 + ε_high); DAPO's clip-higher when above clip_low."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip constant c (> 1) bounding the loss for negative advantages; null disables."""
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    """How per-token losses are aggregated into the batch loss."""
+    off_policy: Literal["none", "tis", "decoupled"] = "tis"
+    """Off-policy correction: none, truncated importance sampling, or decoupled PPO."""
+    is_cap: float = Field(2.0, gt=0)
+    """Cap C on importance weights (TIS weight or decoupled behaviour weight)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Coefficient of the KL penalty to the reference model; 0 disables the reference model."""
+    kl_estimator: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
+    """Estimator of the KL penalty."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype for training (mixed precision computes in bf16 where supported)."""
+    activation_checkpointing: bool = False
+    """Recompute activations of each decoder layer in the backward pass."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Save a resumable checkpoint every N steps; 0 saves only at the end."""
+    export_every: int = Field(0, ge=0)
+    """Write a Hugging Face checkpoint every N steps; 0 exports only at the end."""
+    seed: int = 0
+    """Random seed of the learner."""
+
+
+# --------------------------------------------------------------------------- roller
+
+
+class RollerConfig(Section):
+    """A roller: episode sampling, limits and the task source."""
+
+    tasks: str = "toy"
+    """Task source: a JSONL or Parquet path, or the name of an env's built-in generator."""
+    group_size: int = Field(8, ge=1)
+    """Episodes sampled per prompt; they form one group (GRPO's n)."""
+    max_concurrent_episodes: int = Field(64, ge=1)
+    """Episodes run at once by one roller process."""
+    max_turns: int = Field(4, ge=1)
+    """Assistant turns per episode before it is ended with reason `max_turns`."""
+    max_new_tokens: int = Field(128, ge=1)
+    """New tokens per assistant turn."""
+    max_total_tokens: int = Field(1024, ge=16)
+    """Context budget of a whole episode (prompt plus all turns)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (log-probs are those of the tempered distribution)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling; -1 disables."""
+    episode_timeout_s: float = Field(600.0, gt=0)
+    """Wall-clock limit of one episode."""
+    drop_uniform_reward_groups: bool = False
+    """Dynamic sampling: drop groups whose episodes all have the same reward (counted)."""
+    drop_overlong: bool = False
+    """Overlong filtering: mask out episodes that ended by running out of context."""
+    seed: int = 0
+    """Random seed of task order and sampling seeds."""
+
+
+# --------------------------------------------------------------------------- queue
+
+
+class ZmqQueueConfig(Section):
+    """The TransferQueue over ZeroMQ, hosted by the learner or by `agentrl queue`."""
+
+    type: Literal["zmq"] = "zmq"
+    address: str = "tcp://127.0.0.1:5555"
+    """Where the queue server binds (learner side) and where producers connect."""
+    capacity_groups: int = Field(1024, ge=1)
+    """Groups held before producers are made to wait."""
+    capacity_bytes: int = Field(1 << 30, ge=1 << 16)
+    """Bytes held before producers are made to wait."""
+    max_message_bytes: int = Field(256 << 20, ge=1 << 12)
+    """Largest group accepted on the wire; larger ones are refused and counted."""
+    durable: bool = False
+    """Write each accepted group to a write-ahead log before acknowledging it."""
+    wal_dir: str | None = None
+    """Directory of the write-ahead log (defaults to `<run_dir>/queue_wal` when durable)."""
+    selection: Literal["fifo", "oldest_first"] = "fifo"
+    """Order in which admissible groups are handed to the learner."""
+    secret_env: str = "AGENTRL_QUEUE_SECRET"
+    """Environment variable holding the shared secret that authenticates every message."""
+    nixl: bool = False
+    """Move array payloads over NIXL (RDMA/UCX) with ZeroMQ as the control plane."""
+
+
+class RedisQueueConfig(Section):
+    """The TransferQueue over Redis Streams, for teams that already run Redis."""
+
+    type: Literal["redis"] = "redis"
+    url: str = "redis://127.0.0.1:6379/0"
+    """Redis server URL."""
+    stream: str = "agentrl:groups"
+    """Stream key the groups are appended to."""
+    consumer_group: str = "learner"
+    """Redis consumer group of the learner ranks."""
+    capacity_groups: int = Field(1024, ge=1)
+    """Pending groups before producers are made to wait."""
+    selection: Literal["fifo", "oldest_first"] = "fifo"
+    """Order in which admissible groups are handed to the learner."""
+
+
+QueueConfig = Annotated[ZmqQueueConfig | RedisQueueConfig, Field(discriminator="type")]
+
+
+# --------------------------------------------------------------------------- inference
+
+
+class InferenceConfig(Section):
+    """Inference servers the rollers generate with and the weight sync updates."""
+
+    type: Literal["embedded", "sglang", "vllm"] = "embedded"
+    """Server kind: agentrl's embedded server, SGLang (native API) or vLLM (OpenAI API)."""
+    servers: list[str] = []
+    """URLs of running servers; empty means `agentrl run` starts `num_servers` embedded ones."""
+    num_servers: int = Field(1, ge=1)
+    """Embedded servers that `agentrl run` starts when `servers` is empty."""
+    model_path: str | None = None
+    """Checkpoint the embedded servers load; defaults to `learner.model_path`."""
+    device: str = "cpu"
+    """Device of an embedded server: cpu, cuda or cuda:N."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weight dtype of an embedded server."""
+    max_batch_size: int = Field(32, ge=1)
+    """Requests decoded together by an embedded server."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Timeout of one generation request before it is retried elsewhere."""
+    api_key_env: str = "AGENTRL_API_KEY"
+    """Environment variable holding the servers' API key (unset: no key)."""
+
+
+# --------------------------------------------------------------------------- weight sync
+
+
+class BroadcastSyncConfig(Section):
+    """Bucketed broadcast over a dedicated process group (NCCL on GPUs, gloo on CPU)."""
+
+    type: Literal["broadcast"] = "broadcast"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend; auto picks nccl on CUDA, gloo otherwise."""
+    bucket_mb: int = Field(256, ge=1)
+    """Size of one broadcast bucket in MiB; peak extra memory is about two buckets."""
+    master_address: str = "127.0.0.1"
+    """Address of learner rank 0 as the inference servers reach it."""
+    master_port: int = Field(0, ge=0, le=65535)
+    """Port of the weight-sync rendezvous; 0 picks a free one."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Timeout of group set-up and of every collective."""
+
+
+class DiskSyncConfig(Section):
+    """Fallback: safetensors in a shared directory plus `/update_weights_from_disk`."""
+
+    type: Literal["disk"] = "disk"
+    directory: str | None = None
+    """Shared directory the learner writes to (defaults to `<run_dir>/weights`)."""
+    keep_last: int = Field(2, ge=1)
+    """Weight versions kept on disk."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Timeout of one server's load."""
+
+
+WeightSyncConfig = Annotated[BroadcastSyncConfig | DiskSyncConfig, Field(discriminator="type")]
+
+
+# --------------------------------------------------------------------------- env
+
+
+class EnvConfig(Section):
+    """The environment episodes run in."""
+
+    name: str = "toy_calculator"
+    """Built-in env name or a dotted path `package.module:ClassName`."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments passed to the env's constructor."""
+    tool_parser: Literal["hermes", "tags"] = "hermes"
+    """How tool calls are parsed: Hermes/Qwen `<tool_call>` JSON or plain tags."""
+    tool_timeout_s: float = Field(30.0, gt=0)
+    """Time one tool call may take before it becomes an error observation."""
+    max_tool_output_chars: int = Field(4096, ge=64)
+    """Tool output beyond this is truncated with a marker."""
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class AgentRLConfig(Section):
+    """A whole run. Each component receives only its own section."""
+
+    run_dir: str = "runs/default"
+    """Directory of this run: resolved config, metrics, checkpoints, logs."""
+    max_staleness: int = Field(1, ge=0)
+    """Bound k on weight versions behind the learner: 0 is synchronous on-policy RL,
+    1 is one-step-off-policy, k is bounded async. A group is trained on only if
+    `v − min(versions) ≤ k`; rollers are admitted to start groups accordingly."""
+    seed: int = 0
+    """Global seed; components derive theirs from it unless set."""
+    learner: LearnerConfig = LearnerConfig()
+    roller: RollerConfig = RollerConfig()
+    queue: QueueConfig = ZmqQueueConfig()
+    inference: InferenceConfig = InferenceConfig()
+    weight_sync: WeightSyncConfig = BroadcastSyncConfig()
+    env: EnvConfig = EnvConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_backend_types(cls, data: Any) -> Any:
+        """A section that overrides backend fields without naming `type` keeps the default type."""
+        if isinstance(data, dict):
+            for section, default in (("queue", "zmq"), ("weight_sync", "broadcast")):
+                value = data.get(section)
+                if isinstance(value, dict) and "type" not in value:
+                    data[section] = {"type": default, **value}
+        return data
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> AgentRLConfig:
+        if self.inference.type != "embedded" and not self.inference.servers:
+            raise ValueError(
+                f"inference.servers: inference.type={self.inference.type!r} needs the URLs of running "
+                "servers (agentrl only starts embedded ones)"
+            )
+        if self.learner.clip_high < self.learner.clip_low:
+            raise ValueError(
+                "learner.clip_high: must be >= learner.clip_low (clip-higher widens the upper bound only)"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _read_preset(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml", ".json"):
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(
+                f"{path}: unknown config format {path.suffix!r}; use .yaml, .yml, .toml or .json"
+            )
+    except (yaml.YAMLError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{path}: cannot parse: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Turn `['--learner.lr', '1e-6', '--roller.group_size=4']` into (dotted key, value) pairs.
+
+    Values are read as YAML scalars/collections (`true`, `[a, b]`, `{k: v}`); pydantic then
+    coerces and validates them against the field's type."""
+    pairs: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{key} has no value")
+            i += 1
+            value = args[i]
+        try:
+            parsed = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            parsed = value
+        pairs.append((key.replace("-", "_"), parsed))
+        i += 1
+    return pairs
+
+
+def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `data[a][b][c] = value` for `a.b.c`, creating sections as needed."""
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"--{dotted}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The config models an annotation holds: itself, or each member of a tagged union."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if get_origin(annotation) is Annotated:
+        return _models_in(get_args(annotation)[0])
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The config model that an error location (minus its last part) points into.
+    Locations inside a tagged union carry the tag, e.g. ('queue', 'zmq', 'capacity')."""
+    candidates: list[type[BaseModel]] = [AgentRLConfig]
+    for part in loc[:-1]:
+        by_tag = {m.model_fields["type"].default: m for m in candidates if "type" in m.model_fields}
+        if len(candidates) > 1 and part in by_tag:
+            candidates = [by_tag[part]]
+            continue
+        field = candidates[0].model_fields.get(part) if len(candidates) == 1 else None
+        if field is None:
+            return None
+        candidates = _models_in(field.annotation)
+    return candidates[0] if len(candidates) == 1 else None
+
+
+_UNION_TAGS = {"zmq", "redis", "broadcast", "disk"}
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """A readable, field-naming message for every problem in a config."""
+    lines = []
+    for err in exc.errors():
+        raw_loc = tuple(err["loc"])
+        loc = tuple(p for p in raw_loc if p not in _UNION_TAGS)
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            model = _model_at(raw_loc)
+            allowed = sorted(model.model_fields) if model else []
+            close = difflib.get_close_matches(str(raw_loc[-1]), allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            lines.append(f"{where}: unknown key{hint}; allowed keys: {', '.join(allowed)}")
+        elif err["type"] == "value_error" and not loc:
+            # cross-field checks phrase their own message, starting with the field to change
+            lines.append(str(err["ctx"]["error"]) if "ctx" in err else err["msg"])
+        else:
+            given = err.get("input")
+            shown = json.dumps(given, default=str) if not isinstance(given, dict) else "{...}"
+            lines.append(f"{where}: {err['msg']} (got {shown})")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> AgentRLConfig:
+    """Load a preset (YAML/TOML), apply dotted overrides and validate the whole run."""
+    data = _read_preset(Path(path)) if path else {}
+    for key, value in parse_overrides(overrides or []):
+        apply_override(data, key, value)
+    try:
+        return AgentRLConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def save_resolved(config: AgentRLConfig, run_dir: str | Path | None = None) -> Path:
+    """Write the fully resolved config (every default filled in) into the run directory."""
+    out = Path(run_dir or config.run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.resolved.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return path

@@ -1,0 +1,1 @@
+"""Environments: the Env / ToolEnv API, @tool, tool-call parsing, rewards, built-in envs."""

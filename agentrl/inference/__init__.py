@@ -1,0 +1,1 @@
+"""Inference: clients for SGLang / vLLM / embedded servers, the router, and `agentrl serve`."""

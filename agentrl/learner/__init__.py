@@ -1,0 +1,1 @@
+"""The learner: FSDP2 training loop, losses, advantage estimators, packing, checkpoints."""

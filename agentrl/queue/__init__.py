@@ -1,0 +1,1 @@
+"""TransferQueue: streams trajectory groups from rollers to the learner (zmq; redis; nixl)."""

@@ -1,0 +1,1 @@
+"""Rollers: the roller main loop, the agent loop (episode runner) and the staleness gate."""

@@ -1,0 +1,287 @@
+"""Trajectory types (`Episode`, `Group`) and their wire format.
+
+Token-in, token-out: an `Episode` holds the exact token ids the model saw and
+produced, with per-token loss mask, behaviour log-probs and weight versions. A
+`Group` is the n episodes sampled for one prompt (GRPO-style advantages are computed
+within it) and is the unit that travels from rollers to the learner.
+
+On the wire a group is a list of frames: one msgpack header, then the four arrays of
+each episode as raw frames (`tokens`, `loss_mask`, `logprobs`, `versions`), so a
+sender can hand numpy buffers to ZeroMQ with `copy=False` and a receiver can view them
+with `np.frombuffer` without a copy. There is no pickle anywhere. `decode_group`
+treats its input as hostile: it checks the header schema, frame count, dtypes,
+lengths and value ranges, and raises `WireError` naming what is wrong.
+
+This module imports nothing else from agentrl.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+WIRE_VERSION = 1
+
+# name -> dtype of each per-token array, in frame order
+ARRAY_FIELDS: tuple[tuple[str, np.dtype], ...] = (
+    ("tokens", np.dtype("<i4")),
+    ("loss_mask", np.dtype("u1")),
+    ("logprobs", np.dtype("<f4")),
+    ("versions", np.dtype("<i4")),
+)
+_ARRAY_DTYPES = dict(ARRAY_FIELDS)
+
+DEFAULT_MAX_BYTES = 256 << 20
+MAX_HEADER_BYTES = 4 << 20
+MAX_EPISODES_PER_GROUP = 4096
+MAX_METRICS_DEPTH = 16
+
+
+class WireError(ValueError):
+    """A wire message that is not a well-formed group."""
+
+
+def _as_array(name: str, value: Any) -> np.ndarray:
+    dtype = _ARRAY_DTYPES[name]
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"Episode.{name} must be 1-D, got shape {arr.shape}")
+    if arr.dtype != dtype:
+        if arr.size and arr.dtype.kind == "f" and dtype.kind in "iu" and not np.all(arr == np.round(arr)):
+            raise ValueError(f"Episode.{name} must hold integers, got non-integral {arr.dtype} values")
+        arr = arr.astype(dtype)
+    return np.ascontiguousarray(arr)
+
+
+@dataclass
+class Episode:
+    """One multi-turn episode, token by token.
+
+    tokens     int32[T]  prompt + every turn, exactly as the model saw it
+    loss_mask  uint8[T]  1 on tokens the policy generated, 0 on prompt / env output
+    logprobs   float32[T] behaviour log-prob from the inference server (0 where mask is 0)
+    versions   int32[T]  weight version that produced each generated token, -1 elsewhere
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    reward: float = 0.0
+    num_turns: int = 0
+    finish_reason: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, _ in ARRAY_FIELDS:
+            setattr(self, name, _as_array(name, getattr(self, name)))
+        n = len(self.tokens)
+        for name, _ in ARRAY_FIELDS[1:]:
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Episode.{name} has {len(getattr(self, name))} entries, tokens has {n}")
+        self.reward = float(self.reward)
+        self.num_turns = int(self.num_turns)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def min_version(self) -> int:
+        """Oldest weight version behind any generated token (-1 if none were generated)."""
+        generated = self.versions[self.loss_mask.astype(bool)]
+        return int(generated.min()) if generated.size else -1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, name).nbytes for name, _ in ARRAY_FIELDS)
+
+
+@dataclass
+class Group:
+    """The episodes sampled for one prompt: the unit of transfer and of advantage computation."""
+
+    episodes: list[Episode]
+    group_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prompt_id: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest weight version behind any generated token of the group (-1 if none)."""
+        versions = [e.min_version for e in self.episodes if e.num_generated]
+        return min(versions) if versions else -1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.episodes)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([e.reward for e in self.episodes], dtype=np.float64)
+
+    def staleness(self, learner_version: int) -> int:
+        """Learner steps since the oldest weights that produced this group."""
+        return learner_version - self.min_version if self.min_version >= 0 else 0
+
+    def is_admissible(self, learner_version: int, max_staleness: int) -> bool:
+        """DESIGN.md: admissible at v iff v − min(versions) ≤ max_staleness."""
+        return self.staleness(learner_version) <= max_staleness
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _check_metrics(value: Any, where: str, depth: int = 0) -> None:
+    """Metrics travel in the msgpack header: plain JSON-like values only."""
+    if depth > MAX_METRICS_DEPTH:
+        raise WireError(f"{where}: nested deeper than {MAX_METRICS_DEPTH} levels")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_metrics(item, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise WireError(f"{where}: keys must be strings, got {type(key).__name__}")
+            _check_metrics(item, f"{where}.{key}", depth + 1)
+        return
+    raise WireError(
+        f"{where}: {type(value).__name__} is not a wire value (use str, int, float, bool, list, dict)"
+    )
+
+
+def encode_group(group: Group) -> list[bytes | memoryview]:
+    """Frames for one group: a msgpack header, then 4 raw array frames per episode.
+
+    The array frames are memoryviews of the episodes' own buffers (no copy)."""
+    _check_metrics(group.metrics, "group.metrics")
+    episodes = []
+    frames: list[bytes | memoryview] = []
+    for i, ep in enumerate(group.episodes):
+        _check_metrics(ep.metrics, f"episodes[{i}].metrics")
+        episodes.append(
+            {
+                "num_tokens": ep.num_tokens,
+                "reward": ep.reward,
+                "num_turns": ep.num_turns,
+                "finish_reason": ep.finish_reason,
+                "metrics": ep.metrics,
+            }
+        )
+        for name, _ in ARRAY_FIELDS:
+            frames.append(memoryview(getattr(ep, name)).cast("B"))
+    header = {
+        "wire": WIRE_VERSION,
+        "group_id": group.group_id,
+        "prompt_id": group.prompt_id,
+        "metrics": group.metrics,
+        "episodes": episodes,
+    }
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+_HEADER_KEYS = {"wire": int, "group_id": str, "prompt_id": str, "metrics": dict, "episodes": list}
+_EPISODE_KEYS = {"num_tokens": int, "reward": float, "num_turns": int, "finish_reason": str, "metrics": dict}
+
+
+def _check_keys(obj: Any, schema: dict[str, type], where: str) -> None:
+    if not isinstance(obj, dict):
+        raise WireError(f"{where}: expected a map, got {type(obj).__name__}")
+    missing = schema.keys() - obj.keys()
+    extra = obj.keys() - schema.keys()
+    if missing:
+        raise WireError(f"{where}: missing fields {sorted(missing)}")
+    if extra:
+        raise WireError(f"{where}: unexpected fields {sorted(map(str, extra))}")
+    for key, typ in schema.items():
+        value = obj[key]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if typ is float else None
+        if ok is None:
+            ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+        if not ok:
+            raise WireError(f"{where}.{key}: expected {typ.__name__}, got {type(value).__name__}")
+
+
+def _frame_bytes(frame: Any) -> memoryview:
+    """Accept bytes, memoryview or a zmq.Frame (anything exposing the buffer protocol)."""
+    buf = getattr(frame, "buffer", frame)
+    try:
+        return memoryview(buf).cast("B")
+    except TypeError as exc:
+        raise WireError(f"frame of type {type(frame).__name__} is not a byte buffer") from exc
+
+
+def decode_group(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Group:
+    """Rebuild a group from its frames, validating everything. Arrays are zero-copy
+    views of the frames. Raises `WireError` for anything that is not a valid group."""
+    if not frames:
+        raise WireError("empty message: no header frame")
+    header_buf = _frame_bytes(frames[0])
+    if len(header_buf) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(header_buf)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(header_buf, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise WireError(f"header is not valid msgpack: {exc}") from None
+    _check_keys(header, _HEADER_KEYS, "header")
+    if header["wire"] != WIRE_VERSION:
+        raise WireError(
+            f"header.wire: unsupported wire version {header['wire']} (this build speaks {WIRE_VERSION})"
+        )
+    _check_metrics(header["metrics"], "header.metrics")
+    meta = header["episodes"]
+    if len(meta) > MAX_EPISODES_PER_GROUP:
+        raise WireError(f"header.episodes: {len(meta)} episodes exceed {MAX_EPISODES_PER_GROUP}")
+    expected_frames = 1 + len(ARRAY_FIELDS) * len(meta)
+    if len(frames) != expected_frames:
+        raise WireError(f"expected {expected_frames} frames for {len(meta)} episodes, got {len(frames)}")
+    total = sum(len(_frame_bytes(f)) for f in frames[1:])
+    if total > max_bytes:
+        raise WireError(f"message of {total} bytes exceeds the limit of {max_bytes}")
+
+    episodes = []
+    for i, em in enumerate(meta):
+        where = f"episodes[{i}]"
+        _check_keys(em, _EPISODE_KEYS, where)
+        _check_metrics(em["metrics"], f"{where}.metrics")
+        n = em["num_tokens"]
+        if n < 0:
+            raise WireError(f"{where}.num_tokens: negative ({n})")
+        arrays = {}
+        for j, (name, dtype) in enumerate(ARRAY_FIELDS):
+            buf = _frame_bytes(frames[1 + i * len(ARRAY_FIELDS) + j])
+            if len(buf) != n * dtype.itemsize:
+                raise WireError(
+                    f"{where}.{name}: {len(buf)} bytes, expected {n} × {dtype.itemsize} for {n} tokens of {dtype}"
+                )
+            arrays[name] = np.frombuffer(buf, dtype=dtype)
+        if arrays["loss_mask"].size and arrays["loss_mask"].max() > 1:
+            raise WireError(f"{where}.loss_mask: values must be 0 or 1")
+        if arrays["versions"].size and arrays["versions"].min() < -1:
+            raise WireError(f"{where}.versions: values must be >= -1")
+        # NaN/inf rewards pass: the learner skips and counts such groups with a reason.
+        reward = float(em["reward"])
+        episodes.append(
+            Episode(
+                **arrays,
+                reward=reward,
+                num_turns=em["num_turns"],
+                finish_reason=em["finish_reason"],
+                metrics=em["metrics"],
+            )
+        )
+    return Group(
+        episodes, group_id=header["group_id"], prompt_id=header["prompt_id"], metrics=header["metrics"]
+    )

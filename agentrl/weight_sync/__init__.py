@@ -1,0 +1,1 @@
+"""Checkpoint engines that push learner weights to inference servers, and the HybridEngine."""

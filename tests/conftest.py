@@ -1,0 +1,82 @@
+"""Shared fixtures: a free loopback port, the tiny model (built once per session) and
+processes started by a test, stopped by PID at teardown (never by name)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    return find_free_port()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real HF Qwen2-style checkpoint written by `agentrl init-model tiny` code."""
+    from agentrl.tiny_model import init_model
+
+    return init_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
+
+
+class Processes:
+    """Starts subprocesses in their own process group and stops exactly those at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], **kwargs) -> subprocess.Popen:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+        proc = subprocess.Popen(args, start_new_session=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def agentrl(self, *args: str, **kwargs) -> subprocess.Popen:
+        return self.start([sys.executable, "-m", "agentrl", *args], **kwargs)
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    procs = Processes()
+    yield procs
+    procs.stop_all()
+
+
+def run_agentrl(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real `agentrl` command line in a child process and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "agentrl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )

@@ -1,0 +1,90 @@
+"""The command line as users run it: a real child process per invocation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_agentrl
+
+COMMANDS = ["learner", "roller", "serve", "queue", "run", "init-model", "bench", "doctor"]
+
+
+def test_help_lists_every_command() -> None:
+    result = run_agentrl("--help")
+    assert result.returncode == 0
+    for command in COMMANDS:
+        assert command in result.stdout
+
+
+def test_help_imports_no_heavy_library() -> None:
+    code = (
+        "import sys; from agentrl.cli import app\n"
+        "from typer.main import get_command; get_command(app)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'zmq', 'numpy', 'aiohttp', 'ray') if m in sys.modules]\n"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize(
+    ("command", "issue"),
+    [("learner", "#6"), ("roller", "#5"), ("serve", "#3"), ("queue", "#4")],
+)
+def test_unbuilt_commands_parse_config_then_refuse(command: str, issue: str) -> None:
+    result = run_agentrl(command, "--config", "recipes/quickstart.yaml")
+    assert result.returncode == 3
+    assert "not built yet" in result.stderr and issue in result.stderr
+
+
+def test_bad_override_fails_before_anything_starts() -> None:
+    result = run_agentrl("learner", "--config", "recipes/quickstart.yaml", "--learner.lrr", "1e-6")
+    assert result.returncode == 2
+    assert "learner.lrr: unknown key (did you mean 'lr'?)" in result.stderr
+
+
+def test_run_writes_the_resolved_config(tmp_path: Path) -> None:
+    result = run_agentrl(
+        "run", "--config", "recipes/quickstart.yaml", f"--run_dir={tmp_path}", "--learner.lr", "1e-6"
+    )
+    assert "learner:" in (tmp_path / "config.resolved.yaml").read_text()
+    assert "lr: 1.0e-06" in (tmp_path / "config.resolved.yaml").read_text()
+    assert result.returncode == 3 and "#7" in result.stderr
+
+
+def test_unknown_benchmark_names_the_choices() -> None:
+    result = run_agentrl("bench", "nope")
+    assert result.returncode == 2
+    assert "serve, queue, roller, learner, sync, async" in result.stderr
+
+
+def test_init_model_then_offline_load_in_a_fresh_process(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    result = run_agentrl("init-model", "tiny", str(out))
+    assert result.returncode == 0, result.stderr
+    code = (
+        "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "t = AutoTokenizer.from_pretrained(sys.argv[1]); m = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "print(m.config.model_type, t.apply_chat_template([{'role': 'user', 'content': 'x'}], tokenize=False))"
+    )
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    loaded = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=env)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.startswith("qwen2 <|im_start|>system")
+
+
+def test_init_model_rejects_unknown_preset(tmp_path: Path) -> None:
+    result = run_agentrl("init-model", "huge", str(tmp_path))
+    assert result.returncode == 2 and "tiny, small" in result.stderr
+
+
+def test_doctor_reports_a_usable_model(tiny_model: Path) -> None:
+    result = run_agentrl("doctor", f"--learner.model_path={tiny_model}", env={"COLUMNS": "240"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "decode round-trip exact" in result.stdout
+    missing = run_agentrl("doctor", "--learner.model_path=/nonexistent/model", env={"COLUMNS": "240"})
+    assert missing.returncode == 1 and "agentrl init-model tiny" in missing.stdout

@@ -1,0 +1,146 @@
+"""Config loading: presets, dotted overrides, and refusals that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agentrl.config import (
+    AgentRLConfig,
+    ConfigError,
+    DiskSyncConfig,
+    RedisQueueConfig,
+    load_config,
+    parse_overrides,
+    save_resolved,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_valid() -> None:
+    cfg = AgentRLConfig()
+    assert cfg.queue.type == "zmq"
+    assert cfg.weight_sync.type == "broadcast"
+    assert cfg.max_staleness == 1
+
+
+@pytest.mark.parametrize("preset", sorted((REPO / "recipes").glob("*.y*ml")), ids=lambda p: p.name)
+def test_every_recipe_validates(preset: Path) -> None:
+    load_config(preset)
+
+
+def test_yaml_and_toml_presets_agree(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("max_staleness: 2\nlearner:\n  lr: 3.0e-4\nqueue:\n  type: redis\n")
+    (tmp_path / "a.toml").write_text('max_staleness = 2\n[learner]\nlr = 3e-4\n[queue]\ntype = "redis"\n')
+    a = load_config(tmp_path / "a.yaml")
+    b = load_config(tmp_path / "a.toml")
+    assert a == b
+    assert isinstance(a.queue, RedisQueueConfig)
+    assert a.learner.lr == pytest.approx(3e-4)
+
+
+def test_dotted_overrides_apply_on_top_of_preset(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text("learner:\n  lr: 1.0e-3\n  max_steps: 5\n")
+    cfg = load_config(
+        tmp_path / "p.yaml",
+        [
+            "--learner.lr",
+            "1e-6",
+            "--roller.group_size=4",
+            "--env.kwargs",
+            "{digits: 2}",
+            "--weight_sync.type",
+            "disk",
+        ],
+    )
+    assert cfg.learner.lr == pytest.approx(1e-6)
+    assert cfg.learner.max_steps == 5  # untouched preset value survives
+    assert cfg.roller.group_size == 4
+    assert cfg.env.kwargs == {"digits": 2}
+    assert isinstance(cfg.weight_sync, DiskSyncConfig)
+
+
+def test_backend_fields_without_type_keep_default_backend() -> None:
+    cfg = load_config(None, ["--queue.capacity_groups", "7"])
+    assert cfg.queue.type == "zmq" and cfg.queue.capacity_groups == 7
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["--learner.lrr", "1"], ["learner.lrr", "unknown key", "did you mean 'lr'", "allowed keys"]),
+        (["--nonsense", "1"], ["nonsense: unknown key", "learner", "roller"]),
+        (["--queue.capcity_groups", "3"], ["queue.capcity_groups", "capacity_groups"]),
+        (["--queue.type", "redis", "--queue.durable", "true"], ["queue.durable", "unknown key", "stream"]),
+        (["--learner.lr", "-1"], ["learner.lr", "greater than 0"]),
+        (["--max_staleness", "-1"], ["max_staleness", "greater than or equal to 0"]),
+        (["--roller.group_size", "many"], ["roller.group_size", "valid integer", "many"]),
+        (["--learner.advantage", "ppo"], ["learner.advantage", "'grpo'", "'rloo'", "'reinforce_pp'"]),
+        (["--queue.type", "kafka"], ["queue", "'zmq'", "'redis'"]),
+        (["--learner.clip_high", "0.1"], ["learner.clip_high", "clip_low"]),
+        (["--inference.type", "sglang"], ["inference.servers"]),
+        (["--learner.lr"], ["--learner.lr has no value"]),
+        (["learner.lr", "3"], ["unexpected argument"]),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_field(overrides: list[str], expected: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+
+
+def test_bad_preset_files(tmp_path: Path) -> None:
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "broken.yaml").write_text("learner: [unclosed\n")
+    (tmp_path / "x.ini").write_text("[learner]\n")
+    for name, fragment in [
+        ("list.yaml", "mapping"),
+        ("broken.yaml", "cannot parse"),
+        ("x.ini", "unknown config"),
+        ("missing.yaml", "not found"),
+    ]:
+        with pytest.raises(ConfigError, match=fragment):
+            load_config(tmp_path / name)
+
+
+def test_every_field_is_documented() -> None:
+    from pydantic import BaseModel
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            members = [
+                a for a in getattr(sub, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)
+            ]
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                walk(sub, f"{prefix}{name}.")
+            elif members:
+                for m in members:
+                    walk(m, f"{prefix}{name}.")
+            elif name != "type":
+                assert field.description, f"{prefix}{name} has no docstring"
+
+    walk(AgentRLConfig, "")
+
+
+def test_resolved_config_is_written_and_reloads(tmp_path: Path) -> None:
+    cfg = load_config(REPO / "recipes" / "quickstart.yaml", [f"--run_dir={tmp_path / 'run'}", "--seed", "3"])
+    path = save_resolved(cfg)
+    assert path == tmp_path / "run" / "config.resolved.yaml"
+    data = yaml.safe_load(path.read_text())
+    assert data["seed"] == 3 and data["learner"]["advantage"] == "grpo"  # defaults are filled in
+    assert load_config(path) == cfg
+
+
+def test_parse_overrides_reads_yaml_values() -> None:
+    assert parse_overrides(["--a.b", "true", "--c=[1, 2]", "--d", "text", "--e-f", "1"]) == [
+        ("a.b", True),
+        ("c", [1, 2]),
+        ("d", "text"),
+        ("e_f", 1),
+    ]

@@ -1,0 +1,225 @@
+"""Episode / Group and the wire format: lossless round trips, hostile input refused."""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentrl.types import ARRAY_FIELDS, Episode, Group, WireError, decode_group, encode_group
+
+
+def make_episode(n: int = 10, prompt: int = 4, version: int = 3, reward: float = 1.0) -> Episode:
+    mask = np.zeros(n, np.uint8)
+    mask[prompt:] = 1
+    versions = np.where(mask == 1, version, -1)
+    logprobs = np.where(mask == 1, -0.5, 0.0)
+    return Episode(np.arange(n), mask, logprobs, versions, reward=reward, num_turns=2, finish_reason="stop")
+
+
+def test_episode_coerces_dtypes_and_checks_lengths() -> None:
+    ep = make_episode()
+    assert ep.tokens.dtype == np.int32 and ep.loss_mask.dtype == np.uint8
+    assert ep.logprobs.dtype == np.float32 and ep.versions.dtype == np.int32
+    with pytest.raises(ValueError, match="loss_mask has 3 entries, tokens has 4"):
+        Episode([1, 2, 3, 4], [0, 1, 1], [0, 0, 0, 0], [-1, 0, 0, 0])
+    with pytest.raises(ValueError, match="1-D"):
+        Episode(np.zeros((2, 2)), np.zeros(4), np.zeros(4), np.zeros(4))
+    with pytest.raises(ValueError, match="non-integral"):
+        Episode([1.5], [1], [0.0], [0])
+
+
+def test_staleness_is_judged_by_the_oldest_generated_token() -> None:
+    ep = make_episode(version=5)
+    ep.versions[6] = 2  # weights changed mid-episode: oldest generated token is version 2
+    group = Group([ep, make_episode(version=7)])
+    assert group.min_version == 2
+    assert group.staleness(4) == 2
+    assert group.is_admissible(4, max_staleness=2)
+    assert not group.is_admissible(5, max_staleness=2)
+    assert Group([make_episode(prompt=10)]).min_version == -1  # nothing generated
+
+
+def test_round_trip_is_zero_copy_on_decode() -> None:
+    group = Group([make_episode(), make_episode(n=3, prompt=1)], prompt_id="p1", metrics={"env": "toy"})
+    frames = [bytes(f) for f in encode_group(group)]
+    back = decode_group(frames)
+    assert back.group_id == group.group_id and back.prompt_id == "p1" and back.metrics == {"env": "toy"}
+    assert not back.episodes[0].tokens.flags.owndata  # a view over the received frame
+
+
+def test_encode_does_not_copy_arrays() -> None:
+    ep = make_episode(n=1000)
+    frames = encode_group(Group([ep]))
+    assert isinstance(frames[1], memoryview)
+    assert np.shares_memory(np.frombuffer(frames[1], np.int32), ep.tokens)
+
+
+def test_array_frames_line_up_with_fields() -> None:
+    frames = encode_group(Group([make_episode(n=5)]))
+    assert len(frames) == 1 + len(ARRAY_FIELDS)
+    for frame, (_, dtype) in zip(frames[1:], ARRAY_FIELDS, strict=True):
+        assert len(frame) == 5 * dtype.itemsize
+
+
+json_leaf = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats() | st.text(max_size=20)
+metrics_st = st.dictionaries(
+    st.text(max_size=10),
+    st.recursive(
+        json_leaf,
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+        max_leaves=8,
+    ),
+    max_size=4,
+)
+
+
+@st.composite
+def episodes(draw: st.DrawFn) -> Episode:
+    n = draw(st.integers(0, 64))
+    mask = np.array(draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)), np.uint8)
+    versions = np.array(draw(st.lists(st.integers(-1, 2**31 - 1), min_size=n, max_size=n)), np.int32)
+    logprobs = np.array(
+        draw(st.lists(st.floats(width=32, allow_nan=True), min_size=n, max_size=n)), np.float32
+    )
+    tokens = np.array(draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=n, max_size=n)), np.int32)
+    return Episode(
+        tokens,
+        mask,
+        logprobs,
+        versions,
+        reward=draw(st.floats(allow_nan=False)),
+        num_turns=draw(st.integers(0, 1000)),
+        finish_reason=draw(st.text(max_size=12)),
+        metrics=draw(metrics_st),
+    )
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(episodes(), max_size=6), st.text(max_size=16), metrics_st)
+def test_round_trip_is_lossless(eps: list[Episode], prompt_id: str, metrics: dict) -> None:
+    group = Group(eps, prompt_id=prompt_id, metrics=metrics)
+    back = decode_group([bytes(f) for f in encode_group(group)])
+    assert back.group_id == group.group_id and back.prompt_id == prompt_id
+    assert _same(back.metrics, metrics)
+    assert len(back.episodes) == len(eps)
+    for a, b in zip(eps, back.episodes, strict=True):
+        for name, _ in ARRAY_FIELDS:
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))  # NaN-aware, bit-exact values
+        assert (a.reward, a.num_turns, a.finish_reason) == (b.reward, b.num_turns, b.finish_reason)
+        assert _same(a.metrics, b.metrics)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (
+            isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return a == b and type(a) is type(b)
+
+
+def _header(frames) -> dict:
+    return msgpack.unpackb(frames[0], raw=False)
+
+
+def _with_header(frames, header) -> list:
+    return [msgpack.packb(header), *frames[1:]]
+
+
+def _frames() -> list:
+    return [bytes(f) for f in encode_group(Group([make_episode(), make_episode(n=6)]))]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda f: [], "no header"),
+        (lambda f: [b"\xc1garbage", *f[1:]], "not valid msgpack"),
+        (lambda f: [msgpack.packb([1, 2]), *f[1:]], "expected a map"),
+        (lambda f: f[:-1], "expected 9 frames"),
+        (lambda f: [*f, b"extra"], "expected 9 frames"),
+        (lambda f: [f[0], f[1][:-4], *f[2:]], "tokens: 36 bytes, expected 10"),
+        (lambda f: [f[0], f[1], f[2] + b"\x00", *f[3:]], "loss_mask"),
+        (lambda f: [f[0], f[1], b"\x02" * 10, *f[3:]], "loss_mask: values must be 0 or 1"),
+        (lambda f: [*f[:4], np.full(10, -7, np.int32).tobytes(), *f[5:]], "versions: values must be >= -1"),
+        (lambda f: _with_header(f, {**_header(f), "evil": 1}), "unexpected fields ['evil']"),
+        (
+            lambda f: _with_header(f, {k: v for k, v in _header(f).items() if k != "group_id"}),
+            "missing fields",
+        ),
+        (lambda f: _with_header(f, {**_header(f), "wire": 99}), "unsupported wire version 99"),
+        (lambda f: _with_header(f, {**_header(f), "group_id": 5}), "group_id: expected str"),
+        (lambda f: _with_header(f, {**_header(f), "episodes": "x"}), "episodes: expected list"),
+        (lambda f: _with_header(f, {**_header(f), "episodes": [{"num_tokens": 1}] * 2}), "missing fields"),
+        (lambda f: _with_header(f, {**_header(f), "metrics": {"k": b"\x00bytes"}}), "not a wire value"),
+        (
+            lambda f: _with_header(f, {**_header(f), "metrics": {"k": msgpack.ExtType(5, b"x")}}),
+            "not a wire value",
+        ),
+        (lambda f: [msgpack.packb({1: 2}), *f[1:]], "not valid msgpack"),
+    ],
+)
+def test_corrupt_messages_are_refused_with_a_clear_error(mutate, message: str) -> None:
+    with pytest.raises(WireError) as info:
+        decode_group(mutate(_frames()))
+    assert message in str(info.value)
+
+
+def test_episode_header_field_types_are_checked() -> None:
+    frames = _frames()
+    header = _header(frames)
+    header["episodes"][0]["num_tokens"] = True
+    with pytest.raises(WireError, match=r"episodes\[0\].num_tokens: expected int"):
+        decode_group(_with_header(frames, header))
+    header["episodes"][0]["num_tokens"] = -1
+    with pytest.raises(WireError, match="negative"):
+        decode_group(_with_header(frames, header))
+
+
+def test_oversize_messages_are_refused() -> None:
+    frames = [bytes(f) for f in encode_group(Group([make_episode(n=10_000)]))]
+    with pytest.raises(WireError, match="exceeds the limit"):
+        decode_group(frames, max_bytes=1000)
+    with pytest.raises(WireError, match="header of"):
+        decode_group([b"\x00" * (5 << 20)])
+
+
+def test_unencodable_metrics_are_refused_on_send() -> None:
+    with pytest.raises(WireError, match="not a wire value"):
+        encode_group(Group([make_episode()], metrics={"obj": object()}))
+    with pytest.raises(WireError, match="keys must be strings"):
+        encode_group(Group([make_episode()], metrics={1: 2}))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=200), max_size=12))
+def test_random_bytes_never_crash_the_decoder(frames: list[bytes]) -> None:
+    with contextlib.suppress(WireError):
+        decode_group(frames)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_bit_flips_in_a_valid_message_are_refused_or_decode_cleanly(data: st.DataObject) -> None:
+    frames = _frames()
+    i = data.draw(st.integers(0, len(frames) - 1))
+    frame = bytearray(frames[i])
+    if frame:
+        j = data.draw(st.integers(0, len(frame) - 1))
+        frame[j] ^= data.draw(st.integers(1, 255))
+    frames[i] = bytes(frame)
+    try:
+        group = decode_group(frames)
+    except WireError:
+        return
+    for ep in group.episodes:  # whatever decodes is a well-formed group
+        assert set(np.unique(ep.loss_mask)) <= {0, 1}
+        assert len({len(getattr(ep, name)) for name, _ in ARRAY_FIELDS}) == 1
