@@ -1,0 +1,98 @@
+"""The environment API: one `Env` instance per episode, plain Python, sync or async.
+
+    class MyEnv(Env):
+        def reset(self, task):            # -> the prompt: chat messages (or raw text)
+            return [{"role": "user", "content": task["question"]}]
+        def step(self, action_text):      # -> (observation, reward, done, info)
+            return None, 0.0, True, {}
+        def reward(self, transcript):     # -> float, once per episode; may be async
+            return float(task["answer"] in transcript.final_text)
+
+An observation is a list of chat messages to append (rendered by the model's chat
+template, e.g. `{"role": "tool", "content": ...}`), a raw string appended verbatim
+(continuation protocols such as Search-R1's `<information>` blocks), or None. Any
+method may be a coroutine. `tools` (rendered into the prompt through the chat
+template's `tools=`) and `stop` (extra stop strings for generation) are class or
+instance attributes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+Messages = list[dict[str, Any]]
+Observation = Messages | str | None
+
+
+class StepResult(NamedTuple):
+    """What `Env.step` returns; a plain 4-tuple works too."""
+
+    observation: Observation = None
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] | None = None
+
+
+@dataclass
+class Transcript:
+    """An ended episode as the reward function sees it."""
+
+    task: dict[str, Any]
+    messages: Messages
+    final_text: str  # the last assistant turn's text
+    num_turns: int
+    finish_reason: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+async def resolve(value: Any) -> Any:
+    """Await `value` if it is awaitable: lets env methods be sync or async."""
+    return await value if inspect.isawaitable(value) else value
+
+
+class Env:
+    """Base class of every environment. Subclasses override what they need."""
+
+    tools: Sequence[Any] = ()
+    """Tools rendered into the prompt (see ToolEnv); empty for tool-less envs."""
+    stop: Sequence[str] = ()
+    """Extra stop strings for generation (e.g. `</search>`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"{type(self).__name__} takes no options, got {sorted(kwargs)}")
+        self.metrics: dict[str, Any] = {}
+
+    def reset(self, task: dict[str, Any]) -> Messages | str:
+        raise NotImplementedError(f"{type(self).__name__}.reset(task) must return the prompt")
+
+    def step(self, action_text: str) -> StepResult | tuple:
+        return StepResult(None, 0.0, True, {})
+
+    def reward(self, transcript: Transcript) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        """Release what the episode held (sandboxes, connections)."""
+
+    @classmethod
+    def generate_tasks(cls, num: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
+        """Synthetic tasks for envs that can make their own (used when no task file is given)."""
+        raise NotImplementedError(f"{cls.__name__} has no task generator: give the roller a task file")
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return [t.schema for t in self.tools]
+
+
+def as_step_result(value: Any) -> StepResult:
+    """Accept a StepResult or a (observation, reward, done[, info]) tuple from user code."""
+    if isinstance(value, StepResult):
+        return value if value.info is not None else value._replace(info={})
+    if isinstance(value, tuple) and len(value) in (3, 4):
+        observation, reward, done, *info = value
+        return StepResult(observation, float(reward), bool(done), info[0] if info else {})
+    raise TypeError(f"Env.step must return (observation, reward, done, info), got {type(value).__name__}")

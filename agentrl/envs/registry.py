@@ -1,0 +1,68 @@
+"""Find an environment class by built-in name or dotted path, and build one per episode.
+
+env:
+  name: toy_calculator            # built-in
+  name: my_pkg.envs:MyEnv         # any importable class
+  kwargs: {format_bonus: 0.1}
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from agentrl.config import EnvConfig
+from agentrl.envs.base import Env
+from agentrl.envs.tool_env import ToolEnv
+
+BUILTIN_ENVS = {
+    "toy_calculator": "agentrl.envs.toy:CalculatorEnv",
+}
+
+
+def load_env_class(name: str) -> type[Env]:
+    """The Env subclass named by `name` (a built-in name or `module.path:ClassName`)."""
+    target = BUILTIN_ENVS.get(name, name)
+    if ":" not in target:
+        raise ValueError(
+            f"env.name: unknown env {name!r}; use a built-in ({', '.join(BUILTIN_ENVS)}) "
+            "or a dotted path like my_pkg.envs:MyEnv"
+        )
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"env.name: cannot import {module_name!r} for env {name!r}: {exc}") from exc
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Env)):
+        raise ValueError(f"env.name: {target!r} is not an agentrl Env subclass")
+    return cls
+
+
+def env_factory(config: EnvConfig) -> Callable[[], Env]:
+    """A function making a fresh env per episode, from the env section of the config.
+
+    The tool options (`tool_parser`, `tool_timeout_s`, `max_tool_output_chars`) apply to
+    ToolEnvs; setting one for an env that has no tools is an error, not silently ignored."""
+    cls = load_env_class(config.name)
+    kwargs: dict[str, Any] = dict(config.kwargs)
+    tool_options = {"tool_parser", "tool_timeout_s", "max_tool_output_chars"}
+    if issubclass(cls, ToolEnv):
+        kwargs.setdefault("parser", config.tool_parser)
+        kwargs.setdefault("tool_timeout_s", config.tool_timeout_s)
+        kwargs.setdefault("max_tool_output_chars", config.max_tool_output_chars)
+    elif config.model_fields_set & tool_options:
+        raise ValueError(
+            f"env.{sorted(config.model_fields_set & tool_options)[0]}: {cls.__name__} is not a "
+            "ToolEnv, so tool options do not apply to it"
+        )
+
+    def make() -> Env:
+        return cls(**kwargs)
+
+    try:
+        make().close()  # fail at start-up, not in the first episode, on bad kwargs
+    except TypeError as exc:
+        raise ValueError(f"env.kwargs: {cls.__name__} rejects {sorted(config.kwargs)}: {exc}") from exc
+    return make
