@@ -34,24 +34,39 @@ class Section(BaseModel):
 
 
 class LearnerConfig(Section):
-    """The FSDP2 learner: model, optimiser, loss and checkpoints."""
+    """The FSDP2 learner: model, optimiser, loss, packing, checkpoints and export."""
 
     model_path: str = "runs/models/tiny"
     """Hugging Face checkpoint directory (or hub id where a hub is reachable) to train."""
     groups_per_step: int = Field(8, ge=1)
-    """Prompt groups consumed per optimizer step (the batch size in groups)."""
+    """Prompt groups consumed per learner step (the batch size in groups)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer updates per consumed batch (its groups split evenly); > 1 makes π_old differ from π_θ."""
     lr: float = Field(1e-5, gt=0)
     """Peak learning rate of AdamW."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (β1, β2)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up, in optimizer steps."""
+    lr_decay: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate shape after warm-up, decaying to `min_lr_ratio`·lr at `max_steps`."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate as a fraction of the peak (cosine / linear decay)."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping threshold (global L2 norm)."""
     max_steps: int = Field(100, ge=1)
-    """Optimizer steps to run before the learner stops."""
+    """Learner steps (weight versions) to produce before the learner stops."""
     micro_batch_tokens: int = Field(4096, ge=16)
     """Token budget of one packed micro-batch (forward/backward unit)."""
+    pad_multiple: int = Field(8, ge=1)
+    """Packed rows are padded to a multiple of this many tokens (shape reuse on GPUs)."""
+    max_seq_tokens: int | None = Field(None, ge=2)
+    """Episodes longer than this are skipped and counted (`too_long`); null accepts any length."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature the rollers used; logits are divided by it so learner and behaviour
+    log-probs describe the same distribution (keep equal to `roller.temperature`)."""
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
     """Advantage estimator: GRPO, Dr. GRPO, RLOO or REINFORCE++."""
     policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
@@ -65,7 +80,8 @@ class LearnerConfig(Section):
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
     """How per-token losses are aggregated into the batch loss."""
     off_policy: Literal["none", "tis", "decoupled"] = "tis"
-    """Off-policy correction: none, truncated importance sampling, or decoupled PPO."""
+    """Off-policy correction: none (π_old = behaviour), truncated importance sampling, or
+    decoupled PPO (π_prox recomputed by the learner; behaviour weights above the cap dropped)."""
     is_cap: float = Field(2.0, gt=0)
     """Cap C on importance weights (TIS weight or decoupled behaviour weight)."""
     kl_coef: float = Field(0.0, ge=0)
@@ -75,13 +91,24 @@ class LearnerConfig(Section):
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype for training (mixed precision computes in bf16 where supported)."""
+    """Compute dtype: bfloat16 uses FSDP2 mixed precision (fp32 master weights and gradient
+    reduction) on devices with bf16 support; CPU trains in float32 and says so."""
     activation_checkpointing: bool = False
     """Recompute activations of each decoder layer in the backward pass."""
+    batch_timeout_s: float = Field(5.0, gt=0)
+    """How long one wait for a batch lasts before it is logged and retried."""
+    max_consecutive_skips: int = Field(20, ge=0)
+    """Stop with an error after this many consecutive skipped steps (bad data, NaN); 0 never stops."""
     checkpoint_every: int = Field(0, ge=0)
     """Save a resumable checkpoint every N steps; 0 saves only at the end."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Resumable checkpoints kept on disk (older ones are deleted)."""
     export_every: int = Field(0, ge=0)
     """Write a Hugging Face checkpoint every N steps; 0 exports only at the end."""
+    tensorboard: bool = False
+    """Also write metrics to TensorBoard under `<run_dir>/tensorboard`."""
+    wandb_project: str | None = None
+    """Also log metrics to this Weights & Biases project."""
     seed: int = 0
     """Random seed of the learner."""
 
@@ -141,8 +168,19 @@ class ZmqQueueConfig(Section):
     """Directory of the write-ahead log (defaults to `<run_dir>/queue_wal` when durable)."""
     selection: Literal["fifo", "oldest_first"] = "fifo"
     """Order in which admissible groups are handed to the learner."""
+    wal_fsync: bool = False
+    """Also fsync the write-ahead log before acknowledging (survives a machine crash, not only
+    a crash of the queue process); costs one fsync per batch of puts."""
+    auth: Literal["mac", "none"] = "mac"
+    """`mac`: every message carries a MAC under the shared secret in `secret_env`; messages that
+    fail it are refused and counted. `none`: no authentication (trusted networks only)."""
     secret_env: str = "AGENTRL_QUEUE_SECRET"
     """Environment variable holding the shared secret that authenticates every message."""
+    lease_s: float = Field(600.0, gt=0)
+    """Seconds a learner rank may hold groups without acking before they are handed out again."""
+    producer_window_bytes: int = Field(256 << 20, ge=1 << 16)
+    """Bytes one producer may have sent and not yet acknowledged (bounds what a full server
+    holds back on top of its capacity)."""
     nixl: bool = False
     """Move array payloads over NIXL (RDMA/UCX) with ZeroMQ as the control plane."""
 
@@ -190,6 +228,16 @@ class InferenceConfig(Section):
     """Timeout of one generation request before it is retried elsewhere."""
     api_key_env: str = "AGENTRL_API_KEY"
     """Environment variable holding the servers' API key (unset: no key)."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    """Timeout of opening a connection to a server (a dead server fails fast, then failover)."""
+    max_retries: int = Field(2, ge=0)
+    """Times the router retries a failed request on another server before counting it lost."""
+    health_check_interval_s: float = Field(5.0, gt=0)
+    """Seconds between the router's health checks of each server."""
+    context_length: int | None = Field(None, ge=16)
+    """Longest prompt + output an embedded server accepts; defaults to the model's max positions."""
+    served_model_name: str | None = None
+    """`model` field sent to vLLM's OpenAI API; null sends none (vLLM then uses its only model)."""
 
 
 # --------------------------------------------------------------------------- weight sync
@@ -224,6 +272,78 @@ class DiskSyncConfig(Section):
 
 
 WeightSyncConfig = Annotated[BroadcastSyncConfig | DiskSyncConfig, Field(discriminator="type")]
+
+
+# --------------------------------------------------------------------------- sandbox
+
+IsolationLevel = Literal["none", "rlimits", "namespaces", "bwrap"]
+
+
+class _SandboxLimits(Section):
+    """Limits every sandbox backend enforces on the code it runs."""
+
+    timeout_s: float = Field(60.0, gt=0)
+    """Default wall-clock limit of one `exec`; the whole process tree is killed when it passes."""
+    memory_mb: int = Field(1024, ge=16)
+    """Memory limit of the sandbox (all its processes together where cgroups or Docker allow)."""
+    max_processes: int = Field(64, ge=1)
+    """Processes/threads the sandbox may run at once (contains fork bombs)."""
+    max_output_bytes: int = Field(65536, ge=256)
+    """stdout and stderr of one `exec` are each cut to this size (head and tail kept, marker between)."""
+    workdir: str = "/work"
+    """Working directory inside the sandbox; relative paths of read_file/write_file start here."""
+
+
+class LocalSandboxConfig(_SandboxLimits):
+    """Processes on this machine, isolated with bubblewrap or Linux namespaces plus rlimits/cgroups."""
+
+    type: Literal["local"] = "local"
+    isolation: Literal["auto", "none", "rlimits", "namespaces", "bwrap"] = "auto"
+    """Isolation to use: `auto` takes the strongest available (bwrap > namespaces > rlimits)."""
+    min_isolation: IsolationLevel = "bwrap"
+    """Weakest isolation accepted: starting a sandbox with less fails (untrusted code never runs)."""
+    cpu_time_s: int = Field(120, ge=1)
+    """CPU seconds each process may use (RLIMIT_CPU)."""
+    max_file_size_mb: int = Field(256, ge=1)
+    """Largest file a sandboxed process may write (RLIMIT_FSIZE)."""
+    ro_paths: list[str] = []
+    """Extra host paths bound read-only at the same place (e.g. a Python prefix outside /usr)."""
+    root_dir: str | None = None
+    """Host directory the sandboxes' working directories are created in (default: the system temp dir)."""
+    uid: int | None = Field(None, ge=1)
+    """When started as root: the unprivileged uid sandboxed code runs as (default: a random high uid)."""
+
+
+class DockerSandboxConfig(_SandboxLimits):
+    """One Docker container per sandbox, network disabled, removed on close."""
+
+    type: Literal["docker"] = "docker"
+    image: str = "agentrl/python-sandbox:latest"
+    """Default image when `start()` is not given one (a task's own image wins)."""
+    cpus: float = Field(1.0, gt=0)
+    """CPUs the container may use (Docker's nano_cpus)."""
+    docker_host: str | None = None
+    """Docker engine URL, e.g. unix:///var/run/docker.sock; default: DOCKER_HOST or the local socket."""
+
+
+class RemoteSandboxConfig(Section):
+    """A sandbox hosted by `agentrl sandbox-server` on another machine, reached over HTTP.
+    Limits and isolation are the server's own (its `--backend` config); it reports them."""
+
+    type: Literal["remote"] = "remote"
+    url: str = "http://127.0.0.1:8765"
+    """Base URL of the sandbox server."""
+    api_key_env: str = "AGENTRL_SANDBOX_KEY"
+    """Environment variable holding the API key the server expects."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Default wall-clock limit of one `exec` (the server caps it at its own limit)."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    """Time to wait for the server to answer before the call fails."""
+
+
+SandboxConfig = Annotated[
+    LocalSandboxConfig | DockerSandboxConfig | RemoteSandboxConfig, Field(discriminator="type")
+]
 
 
 # --------------------------------------------------------------------------- env

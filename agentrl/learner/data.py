@@ -1,0 +1,137 @@
+"""From consumed groups to training samples: validation, advantages, aggregation weights.
+
+Bad input never reaches the model. A group is skipped — whole, because advantages are
+computed within it — and counted under a named reason when:
+
+    empty_group          it has no episodes
+    arrays_disagree      an episode's four arrays have different lengths
+    token_out_of_vocab   a token id is negative or ≥ the model's vocabulary size
+    nonfinite_reward     a reward is NaN or ±inf
+    nonfinite_logprobs   a behaviour log-prob on a generated token is NaN/inf or > 0
+    too_long             an episode exceeds `max_seq_tokens`
+    no_generated_tokens  no episode has a generated token after the first position
+
+A batch left with zero trainable tokens is skipped by the loop (`no_trainable_tokens`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agentrl.learner.advantages import compute_advantages
+from agentrl.learner.losses import token_weights
+from agentrl.learner.packing import Sample
+from agentrl.log import get_logger
+from agentrl.types import Group
+
+log = get_logger("learner.data")
+
+
+@dataclass
+class PreparedBatch:
+    """Samples split into mini-batches (one optimizer step each) plus what was skipped and why."""
+
+    mini_batches: list[list[Sample]]
+    skipped: Counter = field(default_factory=Counter)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(m) for m in self.mini_batches)
+
+    @property
+    def trainable_tokens(self) -> int:
+        return sum(int(s.loss_mask[1:].sum()) for m in self.mini_batches for s in m)
+
+
+def invalid_reason(group: Group, vocab_size: int, max_seq_tokens: int | None) -> str | None:
+    """Why this group cannot be trained on, or None if it can."""
+    if not group.episodes:
+        return "empty_group"
+    generated = 0
+    for ep in group.episodes:
+        n = len(ep.tokens)
+        if not (len(ep.loss_mask) == len(ep.logprobs) == len(ep.versions) == n):
+            return "arrays_disagree"
+        if n and (int(ep.tokens.min()) < 0 or int(ep.tokens.max()) >= vocab_size):
+            return "token_out_of_vocab"
+        if not np.isfinite(ep.reward):
+            return "nonfinite_reward"
+        gen = ep.loss_mask.astype(bool)
+        lp = ep.logprobs[gen]
+        if lp.size and (not np.isfinite(lp).all() or (lp > 1e-3).any()):
+            return "nonfinite_logprobs"
+        if max_seq_tokens is not None and n > max_seq_tokens:
+            return "too_long"
+        generated += int(ep.loss_mask[1:].sum())
+    return None if generated else "no_generated_tokens"
+
+
+def _weights(samples: list[Sample], mode: str) -> None:
+    lengths = [int(s.loss_mask[1:].sum()) for s in samples]
+    for s, w in zip(samples, token_weights(lengths, mode, sum(lengths), len(samples)), strict=True):
+        s.weight = w
+
+
+def prepare_batch(
+    groups: list[Group],
+    *,
+    advantage: str,
+    loss_agg: str,
+    vocab_size: int,
+    learner_version: int,
+    mini_batches: int = 1,
+    max_seq_tokens: int | None = None,
+) -> PreparedBatch:
+    """Validate, compute advantages per group, and split groups into `mini_batches` slices."""
+    skipped: Counter = Counter()
+    good: list[Group] = []
+    for g in groups:
+        reason = invalid_reason(g, vocab_size, max_seq_tokens)
+        if reason is None:
+            good.append(g)
+        else:
+            skipped[reason] += 1
+            log.warning("skipping group %s: %s", g.group_id, reason)
+    advs = compute_advantages(advantage, [g.rewards for g in good])
+    slices = [good[i::mini_batches] for i in range(mini_batches)] if good else []
+    adv_of = {id(g): a for g, a in zip(good, advs, strict=True)}
+    minis: list[list[Sample]] = []
+    for part in slices:
+        samples = [
+            Sample(ep.tokens, ep.loss_mask, ep.logprobs, ep.versions, float(a), 0.0)
+            for g in part
+            for ep, a in zip(g.episodes, adv_of[id(g)], strict=True)
+        ]
+        if samples:
+            _weights(samples, loss_agg)
+            minis.append(samples)
+    return PreparedBatch(minis, skipped, _batch_metrics(good, advs, learner_version))
+
+
+def _batch_metrics(groups: list[Group], advs: list[np.ndarray], version: int) -> dict[str, float]:
+    if not groups:
+        return {}
+    rewards = np.concatenate([g.rewards for g in groups])
+    adv = np.concatenate(advs)
+    lengths = np.array([ep.num_tokens for g in groups for ep in g.episodes])
+    gen = np.array([ep.num_generated for g in groups for ep in g.episodes])
+    m = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "reward/min": float(rewards.min()),
+        "reward/max": float(rewards.max()),
+        "adv/mean": float(adv.mean()),
+        "adv/std": float(adv.std()),
+        "adv/abs_max": float(np.abs(adv).max()),
+        "seq/len_mean": float(lengths.mean()),
+        "seq/len_max": float(lengths.max()),
+        "seq/generated_mean": float(gen.mean()),
+        "groups/uniform_reward_frac": float(np.mean([np.ptp(g.rewards) == 0 for g in groups])),
+    }
+    for s, n in sorted(Counter(g.staleness(version) for g in groups).items()):
+        m[f"staleness/{s}"] = float(n)
+    return m

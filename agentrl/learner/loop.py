@@ -1,0 +1,304 @@
+"""The learner's main loop, as a short numbered script, and the objects it runs with.
+
+    learner = build_learner(cfg, run_dir)           # model (FSDP2), optimizer, scheduler
+    run(learner, consumer, max_staleness, weight_sync, resume=True)
+
+`run` repeats until `cfg.max_steps` weight versions exist:
+
+    1. wait for a batch admissible at the current version (rank 0 asks the queue and
+       broadcasts the groups to the other ranks)
+    2. validate, skip bad groups with a counted reason, compute advantages
+    3. pack into token-budget micro-batches balanced across ranks; recompute frozen log-probs
+    4. forward/backward over the micro-batches, clip, AdamW step (skipped if non-finite)
+    5. version += 1; publish it; hand the weights to weight sync
+    6. ack the groups; log metrics
+    7. checkpoint and export every N steps (and at the end)
+
+The queue consumer and the weight-sync engine are reached through the small protocols below,
+so tests drive the loop with an in-process source and the real queue plugs in unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agentrl.config import LearnerConfig
+from agentrl.learner import checkpoint, fsdp
+from agentrl.learner.data import prepare_batch
+from agentrl.learner.packing import non_padding_fraction, plan_microbatches
+from agentrl.learner.train_step import optimizer_step, recompute_logprobs
+from agentrl.log import MetricsLogger, get_logger
+from agentrl.types import Group
+
+log = get_logger("learner")
+
+
+class Consumer(Protocol):
+    """The learner side of the TransferQueue (issue #4)."""
+
+    def get_batch(
+        self, num_groups: int, learner_version: int, max_staleness: int, timeout_s: float | None = None
+    ) -> Any: ...
+    def ack(self, group_ids: list[str]) -> None: ...
+    def publish_version(self, version: int) -> None: ...
+    def metrics(self) -> dict[str, Any]: ...
+
+
+class WeightSync(Protocol):
+    """Hands new weights to inference servers (issue #7); see `fsdp.iter_full_tensors`."""
+
+    def push(self, model: nn.Module, version: int) -> None: ...
+
+
+@dataclass
+class Learner:
+    cfg: LearnerConfig
+    run_dir: Path
+    model: nn.Module
+    ref_model: nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    rank: int
+    world_size: int
+    device: torch.device
+    vocab_size: int
+    pad_id: int
+    version: int = 0
+    consumed_groups: int = 0
+
+
+def lr_lambda(cfg: LearnerConfig):
+    """Linear warm-up to the peak, then constant / cosine / linear decay to min_lr_ratio."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_decay == "constant":
+            return 1.0
+        total = max(cfg.max_steps * cfg.mini_batches - cfg.warmup_steps, 1)
+        progress = min((step - cfg.warmup_steps) / total, 1.0)
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_decay == "cosine" else 1 - progress
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+    return factor
+
+
+def build_learner(cfg: LearnerConfig, run_dir: str | Path) -> Learner:
+    """Process group, FSDP2 model (and frozen reference when kl_coef > 0), AdamW, LR schedule."""
+    rank, world, device = fsdp.init_distributed()
+    torch.manual_seed(cfg.seed)
+    bf16 = cfg.dtype == "bfloat16"
+    model = fsdp.shard_model(
+        fsdp.load_model(cfg.model_path, device), device, bf16, cfg.activation_checkpointing
+    )
+    model.train()
+    ref = None
+    if cfg.kl_coef > 0:
+        ref = fsdp.shard_model(fsdp.load_model(cfg.model_path, device), device, bf16)
+        ref.eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, foreach=True
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    return Learner(cfg, Path(run_dir), model, ref, optimizer, scheduler, rank, world, device,
+                   model.config.vocab_size, pad)  # fmt: skip
+
+
+def _wait_for_groups(
+    learner: Learner, consumer: Consumer | None, max_staleness: int
+) -> tuple[list[Group], dict]:
+    """Rank 0 blocks on the queue until groups arrive; every rank returns the same groups."""
+    payload: list[Any] = [None]
+    if learner.rank == 0:
+        cfg, groups, stats = learner.cfg, [], {}
+        while not groups:
+            try:
+                batch = consumer.get_batch(
+                    cfg.groups_per_step, learner.version, max_staleness, cfg.batch_timeout_s
+                )
+            except TimeoutError:
+                batch = None
+            groups = list(getattr(batch, "groups", None) or [])
+            if not groups:
+                log.info("waiting for an admissible batch at version %d", learner.version)
+            else:
+                stats = {
+                    f"queue/{k}": v
+                    for k, v in vars(batch).items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)
+                }
+        payload = [(groups, stats)]
+    if learner.world_size > 1:
+        dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def _save(learner: Learner, consumer: Consumer | None) -> None:
+    cursor: dict[str, Any] = {"consumed_groups": learner.consumed_groups}
+    if consumer is not None and hasattr(consumer, "state_dict"):
+        cursor["consumer"] = consumer.state_dict()
+    checkpoint.save_checkpoint(learner.run_dir / "checkpoints", learner.model, learner.optimizer,
+                               learner.scheduler, learner.version, cursor, learner.cfg.keep_checkpoints)  # fmt: skip
+
+
+def export(learner: Learner) -> Path:
+    out = learner.run_dir / "hf" / f"step_{learner.version:08d}"
+    fsdp.export_hf(learner.model, out, learner.cfg.model_path, learner.rank)
+    if learner.rank == 0:
+        latest = learner.run_dir / "hf" / "latest"
+        latest.unlink(missing_ok=True)
+        latest.symlink_to(out.name)
+        log.info("exported HF checkpoint %s", out)
+    return out
+
+
+def resume(learner: Learner, consumer: Consumer | None) -> bool:
+    """Load the latest checkpoint if one exists; the consumer gets its saved cursor back."""
+    path = checkpoint.latest_checkpoint(learner.run_dir / "checkpoints")
+    if path is None:
+        log.info("--resume: no checkpoint under %s; starting fresh", learner.run_dir / "checkpoints")
+        return False
+    learner.version, cursor = checkpoint.load_checkpoint(
+        path, learner.model, learner.optimizer, learner.scheduler
+    )
+    learner.consumed_groups = cursor.get("consumed_groups", 0)
+    if consumer is not None and "consumer" in cursor and hasattr(consumer, "load_state_dict"):
+        consumer.load_state_dict(cursor["consumer"])
+    return True
+
+
+def run(
+    learner: Learner,
+    consumer: Consumer | None,
+    max_staleness: int,
+    weight_sync: WeightSync | None = None,
+    metrics: MetricsLogger | None = None,
+    resume_from_checkpoint: bool = False,
+) -> int:
+    """Train until `cfg.max_steps` versions exist; returns the final version. `consumer` is
+    needed on rank 0 only; `weight_sync.push` and `metrics.log` are called on every rank /
+    rank 0 respectively."""
+    cfg = learner.cfg
+    if resume_from_checkpoint:
+        resume(learner, consumer)
+    if learner.rank == 0 and consumer is not None:
+        consumer.publish_version(learner.version)
+    skips_in_a_row = 0
+    total_skipped: dict[str, int] = {}
+    while learner.version < cfg.max_steps:
+        # 1. wait for a batch admissible at the current version
+        t0 = time.perf_counter()
+        groups, queue_stats = _wait_for_groups(learner, consumer, max_staleness)
+        t_wait = time.perf_counter() - t0
+        learner.consumed_groups += len(groups)
+
+        # 2. validate, skip bad groups with a counted reason, compute advantages
+        batch = prepare_batch(groups, advantage=cfg.advantage, loss_agg=cfg.loss_agg,
+                              vocab_size=learner.vocab_size, learner_version=learner.version,
+                              mini_batches=cfg.mini_batches, max_seq_tokens=cfg.max_seq_tokens)  # fmt: skip
+        if batch.trainable_tokens == 0:
+            batch.skipped["no_trainable_tokens"] += 1
+        for reason, n in batch.skipped.items():
+            total_skipped[reason] = total_skipped.get(reason, 0) + n
+
+        # 3. pack into micro-batches balanced across ranks; recompute frozen log-probs
+        plans = [plan_microbatches(samples, cfg.micro_batch_tokens, learner.world_size, learner.rank,
+                                   cfg.pad_multiple, learner.pad_id) for samples in batch.mini_batches]  # fmt: skip
+        if batch.trainable_tokens == 0:
+            plans = []
+        plans = [[mb.to(learner.device) for mb in plan] for plan in plans]
+        needs_old = cfg.off_policy == "decoupled" or (cfg.off_policy == "tis" and cfg.mini_batches > 1)
+        for plan in plans:
+            if needs_old:
+                recompute_logprobs(learner.model, plan, "old_logp", cfg.temperature)
+            if learner.ref_model is not None:
+                recompute_logprobs(learner.ref_model, plan, "ref_logp", cfg.temperature)
+
+        # 4. forward/backward, clip, AdamW step per mini-batch (skipped when non-finite)
+        t1 = time.perf_counter()
+        steps = [optimizer_step(learner.model, learner.optimizer, learner.scheduler, plan, cfg,
+                                learner.version, learner.world_size, learner.device) for plan in plans]  # fmt: skip
+        t_train = time.perf_counter() - t1
+        applied = sum(1 for s in steps if not s["step_skipped"])
+        if steps and not applied:
+            total_skipped["nonfinite_step"] = total_skipped.get("nonfinite_step", 0) + 1
+            log.error("step at version %d skipped: non-finite loss or gradient norm", learner.version)
+
+        # 5. version += 1; publish; hand weights to weight sync
+        if applied:
+            learner.version += 1
+            skips_in_a_row = 0
+            if weight_sync is not None:
+                weight_sync.push(learner.model, learner.version)
+            if learner.rank == 0 and consumer is not None:
+                consumer.publish_version(learner.version)
+        else:
+            skips_in_a_row += 1
+            if cfg.max_consecutive_skips and skips_in_a_row >= cfg.max_consecutive_skips:
+                raise RuntimeError(f"{skips_in_a_row} consecutive learner steps skipped ({total_skipped}); "
+                                   "see the log for the reasons, or raise learner.max_consecutive_skips")  # fmt: skip
+
+        # 6. ack the groups (after the step: a crash before it means redelivery); log metrics
+        if learner.rank == 0:
+            if consumer is not None:
+                consumer.ack([g.group_id for g in groups])
+            if metrics is not None:
+                m = _step_metrics(learner, steps, batch, plans, queue_stats, total_skipped, t_wait, t_train)
+                if consumer is not None:
+                    m.update(
+                        {
+                            f"queue/{k}": v
+                            for k, v in consumer.metrics().items()
+                            if isinstance(v, (int, float))
+                        }
+                    )
+                metrics.log(m, learner.version)
+            if steps:
+                log.info("version %d  loss %.4g  reward %.3g  grad_norm %.3g  %.0f tok/s", learner.version,
+                         steps[-1]["loss"], batch.metrics.get("reward/mean", float("nan")),
+                         steps[-1]["grad_norm"], _tokens(plans) * learner.world_size / max(t_train, 1e-9))  # fmt: skip
+
+        # 7. checkpoint and export every N steps
+        if applied and cfg.checkpoint_every and learner.version % cfg.checkpoint_every == 0:
+            _save(learner, consumer)
+        if applied and cfg.export_every and learner.version % cfg.export_every == 0:
+            export(learner)
+
+    _save(learner, consumer)
+    export(learner)
+    return learner.version
+
+
+def _tokens(plans: list) -> int:
+    return sum(mb.real_tokens for plan in plans for mb in plan)
+
+
+def _step_metrics(
+    learner, steps, batch, plans, queue_stats, total_skipped, t_wait, t_train
+) -> dict[str, float]:
+    m: dict[str, float] = {}
+    if steps:
+        for key in steps[-1]:
+            m[key] = sum(s[key] for s in steps) / len(steps)
+        m["step_skipped"] = float(sum(s["step_skipped"] for s in steps))
+    m.update(batch.metrics)
+    m.update(queue_stats)
+    m.update({f"skipped/{k}": float(v) for k, v in total_skipped.items()})
+    mbs = [mb for plan in plans for mb in plan]
+    m["packing/non_padding_frac"] = non_padding_fraction(mbs) if mbs else 0.0
+    m["packing/micro_batches"] = float(len(mbs))
+    m["lr"] = learner.scheduler.get_last_lr()[0]
+    m["time/wait_data_s"] = t_wait
+    m["time/train_s"] = t_train
+    m["tokens_per_s"] = _tokens(plans) * learner.world_size / max(t_train, 1e-9)
+    m["groups_consumed"] = float(learner.consumed_groups)
+    return m

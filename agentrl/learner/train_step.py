@@ -1,0 +1,176 @@
+"""One learner step: log-probs, the policy objective per micro-batch, backward, clip, step.
+
+`train_step` runs the mini-batches of one consumed batch (one optimizer step each, usually
+one). Before the first update it recomputes, without gradients, whatever the objective
+needs from frozen policies: π_old/π_prox (decoupled PPO always; TIS when there are several
+mini-batches) and π_ref (KL penalty). Gradients are accumulated over packed micro-batches;
+each micro-batch contributes Σ loss·weight, with weights normalised over the whole
+mini-batch on all ranks, scaled by the world size because FSDP averages gradients.
+
+A non-finite loss or gradient norm skips the optimizer step (gradients dropped, scheduler
+not advanced) and is reported in the metrics, so a NaN never reaches the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agentrl.config import LearnerConfig
+from agentrl.learner import losses
+from agentrl.learner.packing import MicroBatch
+
+
+def forward_logprobs(
+    model: nn.Module, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each target token (flat [rows·T]) and the entropy per position when `entropy`
+    is "grad" (part of the loss) or "metric" (computed without gradient)."""
+    out = model(
+        input_ids=mb.input_ids,
+        position_ids=mb.position_ids,
+        attention_mask=mb.attention_mask,
+        use_cache=False,
+    )
+    logits = out.logits.reshape(-1, out.logits.shape[-1]).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, mb.targets[:, None]).squeeze(-1) - logz
+    ent = None
+    if entropy == "grad":
+        ent = losses.entropy_from_logits(logits)
+    elif entropy == "metric":
+        with torch.no_grad():
+            ent = losses.entropy_from_logits(logits.detach())
+    return logp, ent
+
+
+@torch.no_grad()
+def recompute_logprobs(model: nn.Module, mbs: list[MicroBatch], key: str, temperature: float) -> None:
+    """Store a frozen policy's log-probs in `mb.extra[key]` for every micro-batch."""
+    for mb in mbs:
+        mb.extra[key] = forward_logprobs(model, mb, temperature)[0].detach()
+
+
+def microbatch_loss(
+    logp: torch.Tensor, ent: torch.Tensor | None, mb: MicroBatch, cfg: LearnerConfig, version: int
+) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+    """The micro-batch's share of the loss, plus metric sums and maxima over its loss tokens."""
+    mask = mb.mask
+    old = mb.behav_logp if cfg.off_policy == "none" else mb.extra.get("old_logp", logp.detach())
+    if cfg.policy_loss == "gspo":
+        pg, clipped = losses.gspo(
+            logp, old, mb.adv, mask, mb.seq_idx, mb.num_seqs, cfg.clip_low, cfg.clip_high
+        )
+    else:
+        pg, clipped = losses.ppo_clip(logp, old, mb.adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+    is_w = None
+    if cfg.off_policy == "tis":
+        is_w = losses.tis_weight(old, mb.behav_logp, cfg.is_cap)
+    elif cfg.off_policy == "decoupled":
+        is_w = losses.decoupled_weight(old, mb.behav_logp, cfg.is_cap)
+    per_token = pg if is_w is None else pg * is_w
+    kl = None
+    if cfg.kl_coef > 0:
+        kl = losses.kl_penalty(logp, mb.extra["ref_logp"], cfg.kl_estimator)
+        per_token = per_token + cfg.kl_coef * kl
+    if ent is not None and cfg.entropy_coef > 0:
+        per_token = per_token - cfg.entropy_coef * ent
+    loss = losses.aggregate(per_token, mask, mb.weight)
+
+    with torch.no_grad():
+        m = mask.bool()
+        raw_w = torch.exp((old - mb.behav_logp).clamp(-20, 20))[m]  # π_old / π_behav before capping
+        diff = (mb.behav_logp - old)[m]  # log π_behav − log π_learner on tokens sampled from π_behav
+        on_policy = (mb.versions == version)[m]
+        sums = {
+            "tokens": float(m.sum()),
+            "loss": float(loss),
+            "pg_loss": float((pg * mask * mb.weight).sum()),
+            "clipfrac": float(clipped[m].sum()),
+            "ratio": float(torch.exp((logp.detach() - old).clamp(-20, 20))[m].sum()),
+            "is_weight": float(raw_w.sum()),
+            "is_capped": float((raw_w > cfg.is_cap).sum()),
+            "mismatch_kl_k1": float(diff.sum()),
+            "mismatch_kl_k3": float((torch.exp(-diff) + diff - 1).sum()),
+            "on_policy_tokens": float(on_policy.sum()),
+            "mismatch_kl_k3_on_policy": float((torch.exp(-diff) + diff - 1)[on_policy].sum()),
+            "entropy": float(ent[m].sum()) if ent is not None else 0.0,
+            "kl_ref": float(kl[m].sum()) if kl is not None else 0.0,
+        }
+        maxes = {"is_weight_max": float(raw_w.max()) if raw_w.numel() else 0.0}
+        maxes["is_weight_min_neg"] = float(-raw_w.min()) if raw_w.numel() else 0.0
+    return loss, sums, maxes
+
+
+def _all_reduce(values: dict[str, float], op: dist.ReduceOp, device: torch.device) -> dict[str, float]:
+    if not values:
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return dict(zip(values, t.tolist(), strict=True))
+
+
+def _grad_norm(model: nn.Module, max_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    mbs: list[MicroBatch],
+    cfg: LearnerConfig,
+    version: int,
+    world_size: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """Accumulate gradients over this rank's micro-batches and apply one clipped AdamW step."""
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = defaultdict(float)
+    maxes: dict[str, float] = defaultdict(lambda: -math.inf)
+    for mb in mbs:
+        logp, ent = forward_logprobs(model, mb, cfg.temperature, "grad" if cfg.entropy_coef > 0 else "metric")
+        loss, s, mx = microbatch_loss(logp, ent, mb, cfg, version)
+        (loss * world_size).backward()
+        for k, v in s.items():
+            sums[k] += v
+        for k, v in mx.items():
+            maxes[k] = max(maxes[k], v)
+    grad_norm = _grad_norm(model, cfg.max_grad_norm)
+    sums = _all_reduce(dict(sums), dist.ReduceOp.SUM, device)
+    maxes = _all_reduce(dict(maxes), dist.ReduceOp.MAX, device)
+    finite = math.isfinite(grad_norm) and math.isfinite(sums["loss"])
+    if finite:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    n = max(sums["tokens"], 1.0)
+    n_on = max(sums["on_policy_tokens"], 1.0)
+    return {
+        "loss": sums["loss"],
+        "pg_loss": sums["pg_loss"],
+        "grad_norm": grad_norm,
+        "step_skipped": 0.0 if finite else 1.0,
+        "clipfrac": sums["clipfrac"] / n,
+        "ratio_mean": sums["ratio"] / n,
+        "is_weight/mean": sums["is_weight"] / n,
+        "is_weight/max": maxes["is_weight_max"],
+        "is_weight/min": -maxes["is_weight_min_neg"],
+        "is_weight/capped_frac": sums["is_capped"] / n,
+        "mismatch_kl/k1": sums["mismatch_kl_k1"] / n,
+        "mismatch_kl/k3": sums["mismatch_kl_k3"] / n,
+        "mismatch_kl/k3_on_policy": sums["mismatch_kl_k3_on_policy"] / n_on,
+        "entropy": sums["entropy"] / n,
+        "kl_ref": sums["kl_ref"] / n,
+        "loss_tokens": sums["tokens"],
+    }
