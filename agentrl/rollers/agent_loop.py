@@ -1,0 +1,205 @@
+"""The agent loop: run one multi-turn episode, token-in/token-out, into an `Episode`.
+
+    episode = await run_episode(env, task, client, renderer, config)
+
+Steps of an episode:
+1. `env.reset(task)` gives the opening messages; the prompt is rendered once.
+2. Each turn: generate from the exact ids so far. If the server aborts the request
+   (weights are being updated), resubmit prompt + tokens so far; the new tokens carry
+   the new weight version. Generated ids, behaviour log-probs and versions are kept as
+   the server returned them (mask 1).
+3. `env.step(text)` answers with an observation: chat messages (rendered as the
+   template's delta after the closed assistant turn) or raw text (appended verbatim,
+   for continuation protocols like Search-R1). Both are mask 0, version −1.
+4. The episode ends when the env says done, or at a limit — max turns, the context
+   budget (`max_total_tokens`), a generation cut by length, or the wall-clock timeout —
+   with the reason recorded in `finish_reason`.
+5. `env.reward(transcript)` (plus any per-step rewards) is the episode's reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.config import RollerConfig
+from agentrl.envs.base import Env, Transcript, as_step_result, resolve
+from agentrl.inference.base import GenerateResult, InferenceClient
+from agentrl.rollers.chat import ChatRenderer
+from agentrl.types import Episode
+
+
+@dataclass
+class _Trace:
+    """An episode under construction (kept outside the timed section so a timeout keeps it)."""
+
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    final_text: str = ""
+    turns: int = 0
+    step_rewards: list[float] = field(default_factory=list)
+    finish_reason: str = "max_turns"
+    resumed: int = 0
+    gen_time: float = 0.0
+    env_time: float = 0.0
+
+    def add_context(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_generated(self, result: GenerateResult) -> None:
+        n = len(result.output_ids)
+        if len(result.logprobs) != n:
+            raise ValueError(f"server returned {n} tokens but {len(result.logprobs)} log-probs")
+        self.tokens += result.output_ids
+        self.mask += [1] * n
+        self.logprobs += result.logprobs
+        self.versions += [result.weight_version] * n
+
+
+def sampling_params(config: RollerConfig, max_new_tokens: int, stop: list[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "top_k": config.top_k,
+    }
+    if stop:
+        params["stop"] = list(stop)
+    return params
+
+
+async def _generate_turn(
+    client: InferenceClient, trace: _Trace, params: dict[str, Any], session_id: str
+) -> GenerateResult:
+    """Generate one assistant turn, resuming across aborts (weight updates)."""
+    budget = params["max_new_tokens"]
+    start = len(trace.tokens)
+    while True:
+        rid = uuid.uuid4().hex
+        result = await client.generate(
+            trace.tokens, {**params, "max_new_tokens": budget}, rid=rid, session_id=session_id
+        )
+        trace.add_generated(result)
+        budget -= len(result.output_ids)
+        if result.finish_reason != "abort":
+            break
+        trace.resumed += 1
+        if budget <= 0:
+            result.finish_reason = "length"
+            break
+    result.output_ids = trace.tokens[start:]  # the whole turn, across resumes
+    return result
+
+
+async def _run_turns(
+    env: Env,
+    trace: _Trace,
+    client: InferenceClient,
+    renderer: ChatRenderer,
+    config: RollerConfig,
+    session_id: str,
+) -> None:
+    stop = list(getattr(env, "stop", ()) or ())
+    for _ in range(config.max_turns):
+        budget = config.max_total_tokens - len(trace.tokens)
+        if budget <= 0:
+            trace.finish_reason = "context"
+            return
+        params = sampling_params(config, min(config.max_new_tokens, budget), stop)
+        t0 = time.perf_counter()
+        result = await _generate_turn(client, trace, params, session_id)
+        trace.gen_time += time.perf_counter() - t0
+        trace.turns += 1
+        text = renderer.tokenizer.decode(
+            [i for i in result.output_ids if i not in renderer.eos_ids], skip_special_tokens=False
+        )
+        trace.messages.append({"role": "assistant", "content": text})
+        trace.final_text = text
+        if result.finish_reason == "length":
+            trace.finish_reason = "context" if len(trace.tokens) >= config.max_total_tokens else "length"
+            return
+        t0 = time.perf_counter()
+        step = as_step_result(await resolve(env.step(text)))
+        trace.env_time += time.perf_counter() - t0
+        trace.step_rewards.append(step.reward)
+        if step.done:
+            trace.finish_reason = "done"
+            return
+        _append_observation(trace, step.observation, result.output_ids, renderer)
+        if len(trace.tokens) >= config.max_total_tokens:
+            trace.finish_reason = "context"
+            return
+
+
+def _append_observation(
+    trace: _Trace, observation: Any, output_ids: list[int], renderer: ChatRenderer
+) -> None:
+    if observation is None:
+        raise ValueError("Env.step returned no observation for an episode that is not done")
+    if isinstance(observation, str):  # raw continuation text, same assistant turn goes on
+        trace.add_context(renderer.encode(observation))
+        trace.messages.append({"role": "observation", "content": observation})
+        return
+    trace.add_context(renderer.close_turn_ids(output_ids))
+    trace.add_context(renderer.observation_ids(observation))
+    trace.messages.extend(observation)
+
+
+async def run_episode(
+    env: Env,
+    task: dict[str, Any],
+    client: InferenceClient,
+    renderer: ChatRenderer,
+    config: RollerConfig,
+) -> Episode:
+    """Run one episode to its end and return it; env errors propagate, limits do not."""
+    trace = _Trace()
+    start = time.perf_counter()
+    try:
+        opening = await resolve(env.reset(task))
+        if isinstance(opening, str):
+            trace.messages.append({"role": "prompt", "content": opening})
+            trace.add_context(renderer.encode(opening))
+        else:
+            trace.messages.extend(opening)
+            trace.add_context(renderer.prompt_ids(opening))
+        try:
+            await asyncio.wait_for(
+                _run_turns(env, trace, client, renderer, config, session_id=uuid.uuid4().hex),
+                config.episode_timeout_s,
+            )
+        except TimeoutError:
+            trace.finish_reason = "timeout"
+        transcript = Transcript(
+            task, trace.messages, trace.final_text, trace.turns, trace.finish_reason, dict(env.metrics)
+        )
+        reward = float(await resolve(env.reward(transcript))) + sum(trace.step_rewards)
+    finally:
+        await resolve(env.close())
+    metrics = {
+        **{k: v for k, v in env.metrics.items() if isinstance(v, (int, float, str, bool))},
+        "resumed_generations": trace.resumed,
+        "generation_s": round(trace.gen_time, 6),
+        "env_s": round(trace.env_time, 6),
+        "episode_s": round(time.perf_counter() - start, 6),
+        "prompt_tokens": trace.mask.index(1) if 1 in trace.mask else len(trace.mask),
+    }
+    return Episode(
+        trace.tokens,
+        trace.mask,
+        trace.logprobs,
+        trace.versions,
+        reward=reward,
+        num_turns=trace.turns,
+        finish_reason=trace.finish_reason,
+        metrics=metrics,
+    )
