@@ -101,8 +101,13 @@ def serve(
     config: ConfigOpt = None,
 ) -> None:
     """Serve a model over SGLang's native HTTP API (the embedded inference server)."""
-    load(config, ctx)
-    raise not_built("serve", 3, "the embedded inference server")
+    cfg = load(config, ctx)
+    model_path = model or cfg.inference.model_path or cfg.learner.model_path
+    if not Path(model_path).is_dir():
+        raise _fail(f"--model: {model_path} is not a checkpoint directory (make one: agentrl init-model tiny DIR)")
+    from agentrl.inference.server import run_server
+
+    run_server(model_path, host, port, cfg.inference)
 
 
 @app.command(context_settings=OVERRIDES)

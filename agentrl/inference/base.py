@@ -1,0 +1,188 @@
+"""One async client interface over SGLang, vLLM and the embedded server, and its result type.
+
+Rollers and weight sync talk to inference servers only through `InferenceClient`; which
+server sits behind it is chosen by `InferenceConfig.type` in `create()`. Every
+implementation returns the same `GenerateResult`: token ids exactly as sampled, the
+behaviour log-prob of each, why generation stopped, and the weight version that produced
+them. Errors fall into three kinds the router acts on: `BadRequestError` (the request is
+wrong; retrying elsewhere will not help), `ServerUnavailableError` (connection refused,
+timeout, 5xx; try another server) and `RequestLostError` (the router ran out of servers).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentrl.config import InferenceConfig
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class InferenceError(RuntimeError):
+    """Base of the errors inference clients raise."""
+
+
+class BadRequestError(InferenceError):
+    """The server rejected the request (HTTP 4xx); the message says why."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ServerUnavailableError(InferenceError):
+    """The server could not be reached, timed out or failed (5xx); another server may succeed."""
+
+
+class RequestLostError(InferenceError):
+    """No server could complete the request within the router's retries (counted by the router)."""
+
+
+@dataclass
+class GenerateResult:
+    """What one generation produced, whichever server made it."""
+
+    output_ids: list[int]
+    """Generated token ids, exactly as sampled (never re-tokenized)."""
+    logprobs: list[float]
+    """Behaviour log-prob of each generated token (empty if the server returned none)."""
+    finish_reason: str
+    """"stop" (EOS, stop token or string), "length" (max_new_tokens / context) or "abort"
+    (aborted or paused: resubmit prompt + output_ids to continue)."""
+    weight_version: int
+    """Weight version of the server when the request finished."""
+    prompt_tokens: int
+    completion_tokens: int
+    matched: int | str | None = None
+    """The stop token id or stop string that ended generation, if any."""
+    text: str | None = None
+    """Detokenized output where the server returns it (informational only)."""
+    server: str | None = None
+    """URL of the server that produced it (set by clients; the router reports it)."""
+
+
+def parse_weight_version(value: Any) -> int:
+    """SGLang reports `weight_version` as a string ("default" before any update); we use ints."""
+    if value is None or value == "default":
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InferenceError(f"weight_version {value!r} is not an integer version") from None
+
+
+class InferenceClient(abc.ABC):
+    """Async client of one inference server (or, for the router, of many)."""
+
+    url: str = ""
+
+    @abc.abstractmethod
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rid: str | None = None,
+        session_id: str | None = None,
+    ) -> GenerateResult:
+        """Generate from token ids. `sampling_params` uses SGLang's names (max_new_tokens, temperature,
+        top_p, top_k, stop, stop_token_ids, ignore_eos); `session_id` lets a router keep one episode's
+        turns on one server."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """True when the server answers its health check."""
+
+    @abc.abstractmethod
+    async def get_weight_version(self) -> int:
+        """The weight version the server generates with now."""
+
+    @abc.abstractmethod
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """Make the server join a weight-update group (blocks until the trainer, rank 0, joins too)."""
+
+    @abc.abstractmethod
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: int | None = None,
+    ) -> None:
+        """Receive one bucket of tensors broadcast by rank 0 in the order of `names`, then load it."""
+
+    @abc.abstractmethod
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
+        """Load a checkpoint directory written by the learner."""
+
+    @abc.abstractmethod
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Leave the weight-update group."""
+
+    @abc.abstractmethod
+    async def pause_generation(self) -> None:
+        """Abort in-flight requests (they return finish_reason "abort") and hold new ones."""
+
+    @abc.abstractmethod
+    async def continue_generation(self) -> None:
+        """Resume after `pause_generation`."""
+
+    @abc.abstractmethod
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort one request by id, or all of them."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections."""
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def create(config: InferenceConfig, urls: list[str] | None = None) -> InferenceClient:
+    """A client for `config.type`: one server gives its client, several give a `Router` over them.
+
+    The embedded server speaks SGLang's native API, so "embedded" and "sglang" share a client."""
+    import os
+
+    urls = list(urls if urls is not None else config.servers)
+    if not urls:
+        raise ValueError("inference: no server URLs given (set inference.servers)")
+    api_key = os.environ.get(config.api_key_env) or None
+    kwargs = dict(
+        api_key=api_key, timeout_s=config.request_timeout_s, connect_timeout_s=config.connect_timeout_s
+    )
+    if config.type in ("embedded", "sglang"):
+        from agentrl.inference.sglang import SGLangClient
+
+        clients: list[InferenceClient] = [SGLangClient(u, **kwargs) for u in urls]
+    elif config.type == "vllm":
+        from agentrl.inference.vllm import VLLMClient
+
+        clients = [VLLMClient(u, model=config.served_model_name, **kwargs) for u in urls]
+    else:
+        raise ValueError(f"inference.type: unknown server kind {config.type!r}")
+    if len(clients) == 1:
+        return clients[0]
+    from agentrl.inference.router import Router
+
+    return Router(
+        clients,
+        max_retries=config.max_retries,
+        request_timeout_s=config.request_timeout_s,
+        health_interval_s=config.health_check_interval_s,
+    )

@@ -1,0 +1,402 @@
+"""The embedded server's batched generation loop (continuous batching over a HF causal LM).
+
+Why our own loop rather than transformers' continuous-batching manager (`generate_batch`,
+`ContinuousBatchingManager` in transformers 5.x): that manager applies one generation
+config to every request, drops the partial output of a cancelled request, and offers no
+point between decode steps where weights can be swapped — RL needs per-request sampling
+parameters, partial results on abort (so a roller can resume), and weight loads that never
+land inside a step. The loop here is compact:
+
+* one engine thread owns the model; HTTP handlers hand it requests and commands;
+* running sequences share one left-padded KV cache (a `DynamicCache` built from per-layer
+  tensors); new requests are prefilled together and concatenated into the running batch
+  between decode steps, finished ones are dropped and leading all-padding columns trimmed;
+* each step samples every row with its own temperature / top-k / top-p / min-p and returns
+  the log-prob of the sampled token under the distribution actually sampled from (tempered
+  and truncated), taken from the same forward pass;
+* commands (weight loads, abort, pause, continue) run between steps, in arrival order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import inspect
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentrl.inference.sampling import SamplingParams, sample
+from agentrl.log import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Request:
+    """One sequence being generated; `on_done(request)` is called from the engine thread."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    on_done: Callable[[Request], None]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str = "0"
+    created: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+    abort_message: str | None = None
+
+
+@dataclass
+class _Batch:
+    """Running rows: per-layer K/V `[B, H, L, D]`, padding mask `[B, L]`, next position, last token."""
+
+    reqs: list[Request]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor
+    positions: torch.Tensor
+    last: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+
+def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim=dim)
+
+
+def _merge(a: _Batch | None, b: _Batch) -> _Batch:
+    if a is None or not a.reqs:
+        return b
+    length = max(a.length, b.length)
+    return _Batch(
+        reqs=a.reqs + b.reqs,
+        keys=[
+            torch.cat([_left_pad(x, length, 2), _left_pad(y, length, 2)])
+            for x, y in zip(a.keys, b.keys, strict=True)
+        ],
+        values=[
+            torch.cat([_left_pad(x, length, 2), _left_pad(y, length, 2)])
+            for x, y in zip(a.values, b.values, strict=True)
+        ],
+        mask=torch.cat([_left_pad(a.mask, length, 1), _left_pad(b.mask, length, 1)]),
+        positions=torch.cat([a.positions, b.positions]),
+        last=torch.cat([a.last, b.last]),
+    )
+
+
+def _select(batch: _Batch, keep: list[int]) -> _Batch | None:
+    if not keep:
+        return None
+    idx = torch.tensor(keep, device=batch.mask.device)
+    mask = batch.mask.index_select(0, idx)
+    start = int(mask.any(0).int().argmax())  # first column any kept row uses
+    return _Batch(
+        reqs=[batch.reqs[i] for i in keep],
+        keys=[k.index_select(0, idx)[:, :, start:] for k in batch.keys],
+        values=[v.index_select(0, idx)[:, :, start:] for v in batch.values],
+        mask=mask[:, start:],
+        positions=batch.positions.index_select(0, idx),
+        last=batch.last.index_select(0, idx),
+    )
+
+
+class Engine:
+    """Owns a model and a thread that decodes all admitted requests together.
+
+    Start-up: `Engine(...)` loads the model; `start()` launches the `_generate_loop` thread.
+    Shutdown: `stop()` aborts what is left and joins the thread."""
+
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_size: int = 32,
+        context_length: int | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = model_path
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        except Exception as exc:  # a weights-only directory still serves input_ids requests
+            logger.warning("no tokenizer in %s (%s): text in/out disabled", model_path, exc)
+            self.tokenizer = None
+        config = self.model.config
+        self.vocab_size = int(config.vocab_size)
+        self.context_length = int(context_length or getattr(config, "max_position_embeddings", 4096))
+        eos = self.model.generation_config.eos_token_id
+        self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.max_batch_size = max_batch_size
+        self.weight_version = "0"
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._waiting: queue.Queue[Request] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._paused = False
+        self._batch: _Batch | None = None
+        self._held: list[Request] = []  # admitted while paused; start on continue
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------------ public, any thread
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._generate_loop, name="generate_loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_running(self) -> int:
+        batch = self._batch
+        return len(batch.reqs) if batch is not None else 0
+
+    def submit(self, req: Request) -> None:
+        """Queue a request; it joins the running batch at the next step boundary."""
+        if req.params.sampling_seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(req.params.sampling_seed)
+        self._waiting.put(req)
+        self._wake.set()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn()` in the engine thread between two decode steps; its result lands in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> int:
+        """(engine thread) Finish matching running/waiting requests now with `finish_reason.type == "abort"`."""
+        count = 0
+        self._drain_waiting()
+        held = []
+        for req in self._held:
+            if abort_all or req.rid == rid:
+                self._finish(req, {"type": "abort", "message": message})
+                count += 1
+            else:
+                held.append(req)
+        self._held = held
+        if self._batch is not None:
+            keep = []
+            for i, req in enumerate(self._batch.reqs):
+                if abort_all or req.rid == rid:
+                    self._finish(req, {"type": "abort", "message": message})
+                    count += 1
+                else:
+                    keep.append(i)
+            self._batch = _select(self._batch, keep)
+        return count
+
+    def pause(self) -> int:
+        """(engine thread) Abort everything in flight and hold new requests until `resume()`."""
+        self._paused = True
+        return self.abort(abort_all=True, message="generation paused")
+
+    def resume(self) -> None:
+        """(engine thread) Start the held requests."""
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # ------------------------------------------------------------------ weights (engine thread)
+
+    def check_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Raise ValueError naming every name the model lacks and every shape that differs."""
+        state = self.model.state_dict()
+        unknown = [n for n in tensors if n not in state]
+        wrong = [
+            f"{n}: got {list(t.shape)}, model has {list(state[n].shape)}"
+            for n, t in tensors.items()
+            if n in state and tuple(t.shape) != tuple(state[n].shape)
+        ]
+        problems = []
+        if unknown:
+            problems.append(f"unknown parameter names: {unknown[:5]}{' …' if len(unknown) > 5 else ''}")
+        if wrong:
+            problems.append(f"shape mismatch: {wrong[:5]}{' …' if len(wrong) > 5 else ''}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
+        """Copy `tensors` into the model in place (checked first, so a bad update changes nothing)."""
+        self.check_weights(tensors)
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        logger.info("loaded %d tensors; weight_version=%s", len(tensors), self.weight_version)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _generate_loop(self) -> None:
+        """Commands, admission + prefill, one decode step; sleep when there is nothing to do."""
+        torch.set_grad_enabled(False)
+        while not self._stopping:
+            self._run_commands()
+            admitted = self._admit()
+            try:
+                if admitted:
+                    self._prefill(admitted)
+                if self._batch is not None:
+                    self._decode_step()
+            except Exception as exc:  # keep serving: fail the rows in this step, not the server
+                logger.exception("generation step failed")
+                for req in admitted + (self._batch.reqs if self._batch else []):
+                    if req.finish_reason is None:
+                        self._finish(req, {"type": "abort", "message": f"engine error: {exc}"})
+                self._batch = None
+            if self._batch is None and not admitted and self._commands.empty():
+                self._wake.wait(0.05)
+                self._wake.clear()
+        self._run_commands()
+        self.abort(abort_all=True, message="server shutting down")
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def _drain_waiting(self) -> None:
+        while True:
+            try:
+                self._held.append(self._waiting.get_nowait())
+            except queue.Empty:
+                return
+
+    def _admit(self) -> list[Request]:
+        self._drain_waiting()
+        if self._paused or not self._held:
+            return []
+        free = self.max_batch_size - self.num_running
+        admitted, self._held = self._held[:free], self._held[free:]
+        ready = []
+        for req in admitted:
+            if req.params.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+            else:
+                ready.append(req)
+        return ready
+
+    def _forward(self, input_ids, mask, positions, keys=None, values=None):
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True))) if keys else DynamicCache()
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        layers = cache.layers
+        return out.logits[:, -1, :].float(), [x.keys for x in layers], [x.values for x in layers]
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        length = max(len(r.input_ids) for r in reqs)
+        ids = torch.zeros(len(reqs), length, dtype=torch.long)
+        mask = torch.zeros(len(reqs), length, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, length - len(r.input_ids) :] = torch.tensor(r.input_ids)
+            mask[i, length - len(r.input_ids) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        logits, keys, values = self._forward(ids, mask, positions)
+        pad = (mask == 0)[:, None, :, None]
+        keys = [k.masked_fill(pad, 0) for k in keys]
+        values = [v.masked_fill(pad, 0) for v in values]
+        new = _Batch(reqs, keys, values, mask, mask.sum(1), torch.zeros(len(reqs), dtype=torch.long))
+        self._batch = _merge(self._batch, new)
+        self._sample_and_advance(logits, first=len(self._batch.reqs) - len(reqs))
+
+    def _decode_step(self) -> None:
+        b = self._batch
+        ones = torch.ones(len(b.reqs), 1, dtype=b.mask.dtype, device=b.mask.device)
+        mask = torch.cat([b.mask, ones], dim=1)
+        logits, keys, values = self._forward(b.last[:, None], mask, b.positions[:, None], b.keys, b.values)
+        b.keys, b.values, b.mask, b.positions = keys, values, mask, b.positions + 1
+        self.steps += 1
+        self._sample_and_advance(logits, first=0)
+
+    def _sample_and_advance(self, logits: torch.Tensor, first: int) -> None:
+        """Sample rows `first…` of the batch from `logits`, append, and retire finished rows."""
+        b = self._batch
+        rows = b.reqs[first:]
+        tokens, logprobs = sample(logits, [r.params for r in rows], [r.generator for r in rows])
+        b.last[first:] = tokens
+        keep = list(range(first))
+        for j, req in enumerate(rows):
+            token = int(tokens[j])
+            req.output_ids.append(token)
+            req.logprobs.append(float(logprobs[j]))
+            reason = self._finish_reason(req, token)
+            if reason is None:
+                keep.append(first + j)
+            else:
+                self._finish(req, reason)
+        if len(keep) < len(b.reqs):
+            self._batch = _select(b, keep)
+
+    def _finish_reason(self, req: Request, token: int) -> dict[str, Any] | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return {"type": "stop", "matched": token}
+        if p.stop and self.tokenizer is not None:
+            tail = self.tokenizer.decode(req.output_ids[-64:], skip_special_tokens=False)
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(req.output_ids)}
+        if len(req.input_ids) + len(req.output_ids) >= self.context_length:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        req.finish_reason = reason
+        req.weight_version = self.weight_version
+        try:
+            req.on_done(req)
+        except Exception:
+            logger.exception("on_done callback of %s failed", req.rid)

@@ -1,0 +1,165 @@
+"""Request bodies the embedded server accepts: SGLang's native field names, validated strictly.
+
+Field names and defaults follow SGLang's `GenerateReqInput`, `sampling_params`
+(`SamplingParams`) and the weight-update request dataclasses in
+`python/sglang/srt/managers/io_struct.py`. Unknown fields are rejected (HTTP 400 naming
+the field) rather than ignored, and SGLang features the embedded server does not implement
+(streaming, prompt log-probs, top log-probs, …) are rejected with a message saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParamsIn(Strict):
+    max_new_tokens: int = Field(128, ge=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = Field(1, ge=1, le=64)
+    sampling_seed: int | None = None
+    min_new_tokens: int = Field(0, ge=0, le=0, description="only 0 is supported by the embedded server")
+    no_stop_trim: bool = False
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class GenerateIn(Strict):
+    """SGLang `GenerateReqInput`, the subset the embedded server serves."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+    session_id: str | None = None
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("streaming is not supported by the embedded server; send stream=false")
+        return v
+
+    @field_validator("logprob_start_len")
+    @classmethod
+    def _output_logprobs_only(cls, v: int | list[int]) -> int | list[int]:
+        if any(x != -1 for x in (v if isinstance(v, list) else [v])):
+            raise ValueError("only output log-probs are supported (logprob_start_len = -1)")
+        return v
+
+    @field_validator("top_logprobs_num")
+    @classmethod
+    def _no_top(cls, v: int | list[int]) -> int | list[int]:
+        if any(x != 0 for x in (v if isinstance(v, list) else [v])):
+            raise ValueError("top log-probs are not supported by the embedded server (use 0)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateIn:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        if isinstance(self.input_ids, list) and len(self.input_ids) == 0:
+            raise ValueError("input_ids: empty")
+        return self
+
+    def prompts(self) -> tuple[list[Any], bool]:
+        """(list of prompts as text or ids, whether the request was a single prompt)."""
+        if self.input_ids is not None:
+            single = not isinstance(self.input_ids[0], list)
+            return ([self.input_ids] if single else list(self.input_ids)), single
+        single = isinstance(self.text, str)
+        return ([self.text] if single else list(self.text)), single
+
+    def per_item(self, value: Any, i: int, size: int, name: str) -> Any:
+        if isinstance(value, list) and name != "input_ids":
+            if len(value) != size:
+                raise ValueError(f"{name}: batch of {size} prompts but {len(value)} values")
+            return value[i]
+        return value
+
+
+class InitGroupIn(Strict):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateDistributedIn(Strict):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | int | None = None
+    load_format: str | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> UpdateDistributedIn:
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError(
+                f"names, dtypes and shapes differ in length ({len(self.names)}, {len(self.dtypes)}, "
+                f"{len(self.shapes)})"
+            )
+        return self
+
+
+class UpdateDiskIn(Strict):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | int | None = None
+    flush_cache: bool = True
+
+
+class DestroyGroupIn(Strict):
+    group_name: str = "weight_update_group"
+
+
+class AbortIn(Strict):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseIn(Strict):
+    mode: str = Field("abort", pattern="^abort$", description="only mode=abort is supported")
+
+
+class UpdateVersionIn(Strict):
+    new_version: str | int
+    abort_all_requests: bool = False
+
+
+def describe(exc: ValidationError) -> str:
+    """pydantic errors as `field: message` lines."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{where}: {msg}")
+    return "; ".join(lines)

@@ -1,0 +1,233 @@
+"""Client of SGLang's native HTTP API; it also drives agentrl's embedded server.
+
+Request and response shapes follow SGLang's `GenerateReqInput`, the weight-update request
+dataclasses in `python/sglang/srt/managers/io_struct.py` and the routes of
+`python/sglang/srt/entrypoints/http_server.py` (checked against commit 001067f; see
+tests/unit/inference/test_contracts.py). Errors map onto the three kinds in `base`:
+4xx → `BadRequestError`, connection failures / timeouts / 5xx → `ServerUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from agentrl.inference.base import (
+    BadRequestError,
+    GenerateResult,
+    InferenceClient,
+    InferenceError,
+    ServerUnavailableError,
+    parse_weight_version,
+)
+
+
+class HTTPClient:
+    """aiohttp session with timeouts, bearer auth and error mapping; shared by the SGLang and vLLM clients."""
+
+    def __init__(
+        self, url: str, api_key: str | None = None, timeout_s: float = 300.0, connect_timeout_s: float = 10.0
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
+            self._session = aiohttp.ClientSession(headers=headers, timeout=timeout)
+        return self._session
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout_s: float | None = None,
+        params: dict[str, str] | None = None,
+    ) -> Any:
+        """Send one request; return the parsed JSON body (or text, or None when empty)."""
+        kwargs: dict[str, Any] = {"params": params}
+        if body is not None:
+            kwargs["json"] = body
+        if timeout_s is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s)
+        try:
+            async with self._client().request(method, f"{self.url}{path}", **kwargs) as resp:
+                text = await resp.text()
+                status = resp.status
+                is_json = resp.content_type == "application/json"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise ServerUnavailableError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        if 400 <= status < 500:
+            raise BadRequestError(f"{self.url}{path}: HTTP {status}: {text[:2000]}", status)
+        if status >= 500:
+            raise ServerUnavailableError(f"{self.url}{path}: HTTP {status}: {text[:2000]}")
+        if not text:
+            return None
+        if is_json:
+            import json
+
+            return json.loads(text)
+        return text
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+
+def _check_success(path: str, reply: Any) -> None:
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise InferenceError(f"{path}: {reply.get('message', 'failed')}")
+
+
+class SGLangClient(InferenceClient):
+    """SGLang native API (`/generate` with `input_ids`, weight-update endpoints)."""
+
+    def __init__(
+        self, url: str, api_key: str | None = None, timeout_s: float = 300.0, connect_timeout_s: float = 10.0
+    ) -> None:
+        self.http = HTTPClient(url, api_key, timeout_s, connect_timeout_s)
+        self.url = self.http.url
+
+    def generate_payload(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None, session_id: str | None
+    ) -> dict[str, Any]:
+        """The `/generate` body: one prompt, output log-probs only."""
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params),
+            "return_logprob": True,
+            "logprob_start_len": -1,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        if session_id is not None:
+            payload["session_id"] = session_id
+        return payload
+
+    def parse_generate(self, reply: Any, prompt_tokens: int) -> GenerateResult:
+        """Read SGLang's `/generate` response (one item) into a `GenerateResult`."""
+        if isinstance(reply, list):
+            if len(reply) != 1:
+                raise InferenceError(f"/generate: expected one result, got {len(reply)}")
+            reply = reply[0]
+        try:
+            meta = reply["meta_info"]
+            triples = meta.get("output_token_logprobs") or []
+            output_ids = reply.get("output_ids")
+            if output_ids is None:  # older servers return ids only inside the logprob triples
+                output_ids = [int(t[1]) for t in triples]
+            finish = meta.get("finish_reason") or {"type": "abort"}
+            kind = finish.get("type")
+            if kind not in ("stop", "length", "abort"):
+                raise InferenceError(f"/generate: unknown finish_reason {finish!r}")
+            return GenerateResult(
+                output_ids=[int(t) for t in output_ids],
+                logprobs=[float(t[0]) for t in triples],
+                finish_reason=kind,
+                matched=finish.get("matched"),
+                weight_version=parse_weight_version(meta.get("weight_version")),
+                prompt_tokens=int(meta.get("prompt_tokens", prompt_tokens)),
+                completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
+                text=reply.get("text"),
+                server=self.url,
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise InferenceError(f"/generate: malformed response ({exc!r}): {str(reply)[:500]}") from exc
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rid: str | None = None,
+        session_id: str | None = None,
+    ) -> GenerateResult:
+        payload = self.generate_payload(input_ids, sampling_params, rid, session_id)
+        reply = await self.http.request("POST", "/generate", payload)
+        return self.parse_generate(reply, len(input_ids))
+
+    async def health(self) -> bool:
+        try:
+            await self.http.request("GET", "/health", timeout_s=self.http.connect_timeout_s)
+            return True
+        except InferenceError:
+            return False
+
+    async def get_weight_version(self) -> int:
+        reply = await self.http.request("GET", "/get_weight_version")
+        return parse_weight_version(reply["weight_version"] if isinstance(reply, dict) else reply)
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self.http.request("GET", "/get_model_info")
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        _check_success(
+            "/init_weights_update_group", await self.http.request("POST", "/init_weights_update_group", body)
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: int | None = None,
+    ) -> None:
+        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        reply = await self.http.request("POST", "/update_weights_from_distributed", body)
+        _check_success("/update_weights_from_distributed", reply)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
+        body: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        _check_success(
+            "/update_weights_from_disk", await self.http.request("POST", "/update_weights_from_disk", body)
+        )
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        body = {"group_name": group_name}
+        reply = await self.http.request("POST", "/destroy_weights_update_group", body)
+        _check_success("/destroy_weights_update_group", reply)
+
+    async def pause_generation(self) -> None:
+        await self.http.request("POST", "/pause_generation", {})
+
+    async def continue_generation(self) -> None:
+        await self.http.request("POST", "/continue_generation", {})
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        body: dict[str, Any] = {"abort_all": abort_all}
+        if rid is not None:
+            body["rid"] = rid
+        await self.http.request("POST", "/abort_request", body)
+
+    async def flush_cache(self) -> None:
+        await self.http.request("POST", "/flush_cache", {})
+
+    async def close(self) -> None:
+        await self.http.close()

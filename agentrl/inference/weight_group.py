@@ -1,0 +1,130 @@
+"""The side process group that carries a weight push from the trainer to inference servers.
+
+Both ends of a broadcast weight update use this module: the learner (rank 0, which hosts
+the rendezvous store) and every inference worker (ranks `rank_offset …`, as SGLang numbers
+them: engine i of a fleet with g GPUs per engine gets `rank_offset = 1 + i × g`). The group
+is built directly from a `TCPStore` wrapped in a `PrefixStore(group_name)`, so independently
+started processes can broadcast to each other without touching (or needing) the default
+`torch.distributed` process group. Every step has a timeout that fails loudly instead of
+hanging: set-up (all ranks must join) and each collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+
+from agentrl.log import get_logger
+
+logger = get_logger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """`"bfloat16"` or `"torch.bfloat16"` → `torch.bfloat16`; ValueError names the accepted spellings."""
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of: {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` → `"bfloat16"` (the spelling SGLang's `dtypes` field uses)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class WeightGroup:
+    """One member's handle on a weight-update group."""
+
+    group_name: str
+    rank: int
+    world_size: int
+    backend: str
+    timeout_s: float
+    _pg: object
+    _store: object
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast `tensor` in place from rank `src` (send on src, receive elsewhere); waits with timeout."""
+        work = self._pg.broadcast(tensor, src, datetime.timedelta(seconds=self.timeout_s))
+        if not work.wait(datetime.timedelta(seconds=self.timeout_s)):
+            raise TimeoutError(
+                f"weight group {self.group_name!r}: broadcast timed out after {self.timeout_s}s"
+            )
+        return tensor
+
+    def barrier(self) -> None:
+        """All ranks meet; a one-element broadcast keeps it backend-agnostic."""
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        self.broadcast(torch.zeros(1, device=device))
+
+    def close(self) -> None:
+        """Drop the group (gloo/nccl resources are released when the objects go)."""
+        shutdown = getattr(self._pg, "shutdown", None)
+        if callable(shutdown) and self.backend == "nccl":
+            try:
+                shutdown()
+            except Exception as exc:  # best effort: the group is being discarded anyway
+                logger.warning("weight group %s: shutdown failed: %s", self.group_name, exc)
+        self._pg = None
+        self._store = None
+
+
+def join_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = "weight_update_group",
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> WeightGroup:
+    """Join (rank 0: host) a weight-update group; blocks until all `world_size` ranks joined.
+
+    `backend` is "gloo" (CPU tensors) or "nccl" (CUDA tensors). Raises TimeoutError / RuntimeError
+    when the other ranks do not show up within `timeout_s`."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        is_master=(rank == 0),
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    prefixed = PrefixStore(group_name, store)
+    if backend == "gloo":
+        pg = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    elif backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
+        opts = torch.distributed.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = torch.distributed.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
+    group = WeightGroup(group_name, rank, world_size, backend, timeout_s, pg, store)
+    # Gloo connects lazily on the first collective: meet once so a missing rank fails here, not later.
+    group.barrier()
+    logger.info("joined weight group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
+    return group
