@@ -88,8 +88,25 @@ def roller(
     servers: Annotated[str | None, typer.Option(help="Comma-separated inference server URLs.")] = None,
 ) -> None:
     """Run multi-turn episodes against inference servers and stream groups to the learner."""
-    load(config, ctx)
-    raise not_built("roller", 5, "the roller and agent loop")
+    import asyncio
+
+    extra = list(ctx.args)
+    if queue:  # a redis:// URL picks the Redis Streams backend, anything else is a ZeroMQ address
+        extra += (
+            ["--queue.type=redis", f"--queue.url={queue}"]
+            if queue.startswith("redis")
+            else [f"--queue.address={queue}"]
+        )
+    if servers:
+        extra += ["--inference.servers", "[" + ", ".join(s.strip() for s in servers.split(",")) + "]"]
+    ctx.args = extra
+    cfg = load(config, ctx)
+    from agentrl.rollers.main import run_roller
+
+    try:
+        raise typer.Exit(asyncio.run(run_roller(cfg)))
+    except ValueError as exc:  # bad env / task / inference settings found while wiring
+        raise _fail(str(exc)) from None
 
 
 @app.command(context_settings=OVERRIDES)
@@ -104,7 +121,9 @@ def serve(
     cfg = load(config, ctx)
     model_path = model or cfg.inference.model_path or cfg.learner.model_path
     if not Path(model_path).is_dir():
-        raise _fail(f"--model: {model_path} is not a checkpoint directory (make one: agentrl init-model tiny DIR)")
+        raise _fail(
+            f"--model: {model_path} is not a checkpoint directory (make one: agentrl init-model tiny DIR)"
+        )
     from agentrl.inference.server import run_server
 
     run_server(model_path, host, port, cfg.inference)
@@ -117,8 +136,37 @@ def queue(
     config: ConfigOpt = None,
 ) -> None:
     """Run the TransferQueue server on its own (by default the learner hosts it)."""
-    load(config, ctx)
-    raise not_built("queue", 4, "the TransferQueue server")
+    cfg = load(config, ctx)
+    if cfg.queue.type != "zmq":
+        raise _fail(f"queue.type={cfg.queue.type!r} needs no agentrl server (Redis is the server)")
+    import signal
+
+    from agentrl.queue import create
+    from agentrl.queue.auth import AuthError
+
+    wal_dir = cfg.queue.wal_dir or str(Path(cfg.run_dir) / "queue_wal")
+    try:
+        server = create(cfg.queue).server(
+            groups_per_step=cfg.learner.groups_per_step,
+            max_staleness=cfg.max_staleness,
+            bind=bind,
+            wal_dir=wal_dir,
+        )
+        server.start()
+    except AuthError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(f"agentrl queue: serving on {server.endpoint}", err=True)
+
+    def _interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
 
 
 @app.command(context_settings=OVERRIDES)

@@ -119,8 +119,14 @@ class LearnerConfig(Section):
 class RollerConfig(Section):
     """A roller: episode sampling, limits and the task source."""
 
-    tasks: str = "toy"
-    """Task source: a JSONL or Parquet path, or the name of an env's built-in generator."""
+    tasks: str = "builtin"
+    """Task source: a JSONL or Parquet file of task objects, or `builtin` for the env's own generator."""
+    task_kwargs: dict[str, Any] = {}
+    """Options of the env's built-in task generator (e.g. `{digits: 2}` for the toy calculator)."""
+    tokenizer_path: str | None = None
+    """Tokenizer of the served model (defaults to the model the inference servers load)."""
+    max_groups: int | None = Field(None, ge=1)
+    """Stop after putting this many groups (None: run until stopped)."""
     group_size: int = Field(8, ge=1)
     """Episodes sampled per prompt; they form one group (GRPO's n)."""
     max_concurrent_episodes: int = Field(64, ge=1)
@@ -143,6 +149,8 @@ class RollerConfig(Section):
     """Dynamic sampling: drop groups whose episodes all have the same reward (counted)."""
     drop_overlong: bool = False
     """Overlong filtering: mask out episodes that ended by running out of context."""
+    log_every_s: float = Field(10.0, gt=0)
+    """Seconds between progress lines and metrics records."""
     seed: int = 0
     """Random seed of task order and sampling seeds."""
 

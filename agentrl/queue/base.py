@@ -1,0 +1,132 @@
+"""The TransferQueue's interfaces and the factory that picks a backend by `config.type`.
+
+Rollers hold a `Producer` (asyncio): `put(group)` returns once the queue has taken the
+group (after its write-ahead-log write when durable) and waits while the queue is full;
+`acquire_start(n)` is the admission gate of DESIGN.md "Versions and staleness".
+Learner ranks hold a `Consumer` (blocking, usable from a torch loop): `get_batch` hands
+out whole groups admissible at the learner's version, `ack` removes them once trained on,
+`publish_version` tells admission and staleness the learner's real version.
+
+Several learner data-parallel ranks take *disjoint shares*: each rank is its own
+consumer (a distinct `name`, e.g. `rank3`) and calls
+`get_batch(groups_per_step // world_size, ...)`; the server hands every group to exactly
+one rank, and only rank 0 needs to `publish_version`. A rank that restarts under the same
+name gets back the groups it held and had not acked.
+
+    backend = create(config.queue)
+    server = backend.server(groups_per_step=..., max_staleness=...)   # zmq only
+    producer = backend.producer()          # in a roller
+    consumer = backend.consumer("rank0", server=server)
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from agentrl.types import Group
+
+if TYPE_CHECKING:
+    from agentrl.config import RedisQueueConfig, ZmqQueueConfig
+
+
+class QueueError(RuntimeError):
+    """The queue refused a request or could not be reached."""
+
+
+@dataclass
+class Batch:
+    """Whole groups admissible at the requested learner version, plus what happened on the way."""
+
+    groups: list[Group]
+    learner_version: int
+    dropped_stale: int = 0
+    """Groups found inadmissible (too stale) while serving this request; not trained on, counted."""
+    ages_s: list[float] = field(default_factory=list)
+    """Seconds each group waited in the queue before being handed out."""
+    staleness: list[int] = field(default_factory=list)
+    """`learner_version - min(versions)` of each group."""
+
+    @property
+    def group_ids(self) -> list[str]:
+        return [g.group_id for g in self.groups]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
+class Producer(abc.ABC):
+    """Roller side (asyncio)."""
+
+    @abc.abstractmethod
+    async def put(self, group: Group) -> None:
+        """Hand one group to the queue; returns once acknowledged, waits while the queue is full."""
+
+    @abc.abstractmethod
+    async def acquire_start(self, n: int = 1) -> int:
+        """Wait for permission to start `n` new groups; returns the current learner version."""
+
+    @abc.abstractmethod
+    async def release_start(self, n: int = 1) -> None:
+        """Give back admission for `n` started groups that will never be put (abandoned)."""
+
+    @abc.abstractmethod
+    async def current_version(self) -> int:
+        """The learner version last published to the queue."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release sockets; pending puts are abandoned."""
+
+
+class Consumer(abc.ABC):
+    """Learner side (blocking)."""
+
+    @abc.abstractmethod
+    def get_batch(
+        self, num_groups: int, learner_version: int, max_staleness: int, timeout_s: float | None = None
+    ) -> Batch:
+        """`num_groups` whole groups admissible at `learner_version`; `TimeoutError` after `timeout_s`."""
+
+    @abc.abstractmethod
+    def ack(self, group_ids: list[str]) -> None:
+        """The learner trained on these groups: the queue forgets them (and their WAL records)."""
+
+    @abc.abstractmethod
+    def publish_version(self, version: int) -> None:
+        """Tell the queue the learner's version (admission and staleness use it)."""
+
+    @abc.abstractmethod
+    def metrics(self) -> dict[str, Any]:
+        """Queue depth, bytes, groups in/out, dropped for staleness, ages at consumption."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release sockets; unacked groups go back to the queue when this name reconnects."""
+
+
+class Backend(abc.ABC):
+    """Builds the server and clients of one backend from its config section."""
+
+    @abc.abstractmethod
+    def producer(self, **kwargs: Any) -> Producer: ...
+
+    @abc.abstractmethod
+    def consumer(self, name: str = "rank0", **kwargs: Any) -> Consumer: ...
+
+    def server(self, groups_per_step: int, max_staleness: int, **kwargs: Any) -> Any:
+        raise QueueError(f"the {type(self).__name__} backend has no server to host")
+
+
+def create(config: ZmqQueueConfig | RedisQueueConfig) -> Backend:
+    """The backend named by `config.type`."""
+    if config.type == "zmq":
+        from agentrl.queue.zmq_client import ZmqBackend
+
+        return ZmqBackend(config)
+    if config.type == "redis":
+        from agentrl.queue.redis_backend import RedisBackend
+
+        return RedisBackend(config)
+    raise QueueError(f"queue.type: unknown backend {config.type!r}")

@@ -1,0 +1,231 @@
+"""The TransferQueue over Redis Streams, for teams that already run Redis.
+
+Same `Producer` / `Consumer` interfaces as the ZeroMQ backend; Redis is the server.
+A group is one stream entry `XADD <stream> * gid <id> minv <v> lens <msgpack> data <bytes>`
+(the group frames of `encode_group`, concatenated). Learner ranks read through one
+consumer group (`XREADGROUP`), so each entry goes to exactly one rank (disjoint shares);
+`ack` is `XACK` + `XDEL`. A rank restarting under the same name first reads its own
+pending entries (`XREADGROUP ... 0`), which is the redelivery of what it had not acked.
+
+Dedupe: a Lua script adds the entry only if `SADD <stream>:ids <gid>` is new, atomically,
+so a producer retrying a put never creates a second entry. Flow control: a producer
+waits while `XLEN` (queued + handed out, not yet acked) is at `capacity_groups`; several
+producers can overshoot by one group each. Admission: `<stream>:state` holds the learner
+version, `groups_per_step`, `max_staleness` and the started count, and a Lua script
+grants `acquire_start` atomically. Durability is Redis's own (AOF/RDB); the MAC of the
+zmq backend is replaced by Redis AUTH/TLS in the URL. The ids set grows with the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import msgpack
+
+from agentrl.queue.base import Backend, Batch, Consumer, Producer
+from agentrl.types import Group, decode_group, encode_group
+
+POLL_S = 0.02
+
+_PUT = """
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[1], '*', 'gid', ARGV[1], 'minv', ARGV[2], 'lens', ARGV[3], 'data', ARGV[4])
+redis.call('HINCRBY', KEYS[3], 'groups_in', 1)
+redis.call('HINCRBY', KEYS[3], 'bytes_in', string.len(ARGV[4]))
+return 1
+"""
+
+_ACQUIRE = """
+local s = redis.call('HMGET', KEYS[1], 'version', 'started', 'groups_per_step', 'max_staleness')
+if not s[3] then return {0, -1} end
+local v, started, gps, k = tonumber(s[1] or 0), tonumber(s[2] or 0), tonumber(s[3]), tonumber(s[4])
+if started + tonumber(ARGV[1]) <= (v + k + 1) * gps then
+  redis.call('HINCRBY', KEYS[1], 'started', ARGV[1])
+  return {1, v}
+end
+return {0, v}
+"""
+
+
+class RedisProducer(Producer):
+    """Roller side over `redis.asyncio`."""
+
+    def __init__(self, url: str, stream: str, capacity_groups: int) -> None:
+        import redis.asyncio
+
+        self._redis = redis.asyncio.Redis.from_url(url)
+        self.stream, self.capacity = stream, capacity_groups
+        self._put = self._redis.register_script(_PUT)
+        self._acquire = self._redis.register_script(_ACQUIRE)
+
+    async def put(self, group: Group) -> None:
+        frames = encode_group(group)
+        while await self._redis.xlen(self.stream) >= self.capacity:
+            await asyncio.sleep(POLL_S)
+        lens = msgpack.packb([len(f) for f in frames])
+        keys = [self.stream, f"{self.stream}:ids", f"{self.stream}:state"]
+        await self._put(keys=keys, args=[group.group_id, group.min_version, lens, b"".join(frames)])
+
+    async def acquire_start(self, n: int = 1) -> int:
+        while True:
+            granted, version = await self._acquire(keys=[f"{self.stream}:state"], args=[n])
+            if granted:
+                return int(version)
+            await asyncio.sleep(POLL_S)
+
+    async def release_start(self, n: int = 1) -> None:
+        await self._redis.hincrby(f"{self.stream}:state", "started", -n)
+
+    async def current_version(self) -> int:
+        return int(await self._redis.hget(f"{self.stream}:state", "version") or 0)
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError):  # without a running loop the client is just dropped
+            asyncio.get_running_loop().create_task(self._redis.aclose())
+
+
+class RedisAdmission:
+    """The 'server' of the Redis backend: records groups_per_step and max_staleness for admission."""
+
+    def __init__(self, config: Any, groups_per_step: int, max_staleness: int, **_: Any) -> None:
+        import redis
+
+        self.config = config
+        self._redis = redis.Redis.from_url(config.url)
+        self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
+
+    def start(self) -> RedisAdmission:
+        state = f"{self.config.stream}:state"
+        self._redis.hset(
+            state, mapping={"groups_per_step": self.groups_per_step, "max_staleness": self.max_staleness}
+        )
+        self._redis.hsetnx(state, "version", 0)
+        return self
+
+    def stop(self) -> None:
+        self._redis.close()
+
+
+class RedisConsumer(Consumer):
+    """Learner rank over one Redis consumer group; blocking calls."""
+
+    def __init__(self, config: Any, name: str) -> None:
+        import redis
+
+        self.config, self.name = config, name
+        self.stream, self.state = config.stream, f"{config.stream}:state"
+        self._redis = redis.Redis.from_url(config.url)
+        try:
+            self._redis.xgroup_create(self.stream, config.consumer_group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._entry_of: dict[str, bytes] = {}  # gid -> stream entry id, for ack
+        self._buffer: list[tuple[Group, float]] = []
+        self._read("0", count=None, block_ms=None)  # what this name held and had not acked
+
+    def _read(self, start: str, count: int | None, block_ms: int | None) -> None:
+        reply = self._redis.xreadgroup(
+            self.config.consumer_group, self.name, {self.stream: start}, count=count, block=block_ms
+        )
+        now = time.time()
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                if not fields:
+                    continue  # deleted while pending
+                gid = fields[b"gid"].decode()
+                if gid in self._entry_of:
+                    continue
+                data, pos, frames = memoryview(fields[b"data"]), 0, []
+                for length in msgpack.unpackb(fields[b"lens"]):
+                    frames.append(data[pos : pos + length])
+                    pos += length
+                self._entry_of[gid] = entry_id
+                age = now - int(entry_id.split(b"-")[0]) / 1000
+                self._buffer.append((decode_group(frames, max_bytes=1 << 62), age))
+
+    def get_batch(
+        self, num_groups: int, learner_version: int, max_staleness: int, timeout_s: float | None = None
+    ) -> Batch:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        dropped = 0
+        while True:
+            stale = [
+                g.group_id for g, _ in self._buffer if not g.is_admissible(learner_version, max_staleness)
+            ]
+            if stale:
+                self._buffer = [b for b in self._buffer if b[0].group_id not in stale]
+                self._remove(stale, stale=True)
+                dropped += len(stale)
+            if len(self._buffer) >= num_groups:
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(
+                    f"no {num_groups} admissible groups within {timeout_s}s ({dropped} dropped)"
+                )
+            count = (
+                self.config.capacity_groups
+                if self.config.selection == "oldest_first"
+                else num_groups - len(self._buffer)
+            )
+            self._read(
+                ">", count=count, block_ms=int(min(left if left is not None else 1.0, 1.0) * 1000) or 1
+            )
+        if self.config.selection == "oldest_first":
+            self._buffer.sort(key=lambda b: b[0].min_version)
+        taken, self._buffer = self._buffer[:num_groups], self._buffer[num_groups:]
+        self._redis.hincrby(self.state, "groups_out", len(taken))
+        return Batch(
+            groups=[g for g, _ in taken],
+            learner_version=learner_version,
+            dropped_stale=dropped,
+            ages_s=[a for _, a in taken],
+            staleness=[g.staleness(learner_version) for g, _ in taken],
+        )
+
+    def _remove(self, group_ids: list[str], stale: bool = False) -> None:
+        entries = [self._entry_of.pop(g) for g in group_ids if g in self._entry_of]
+        if not entries:
+            return
+        pipe = self._redis.pipeline()
+        pipe.xack(self.stream, self.config.consumer_group, *entries)
+        pipe.xdel(self.stream, *entries)
+        if stale:
+            pipe.hincrby(self.state, "dropped_stale", len(entries))
+            pipe.hincrby(self.state, "started", -len(entries))  # admission replaces them
+        pipe.execute()
+
+    def ack(self, group_ids: list[str]) -> None:
+        self._remove(list(group_ids))
+
+    def publish_version(self, version: int) -> None:
+        self._redis.hset(self.state, "version", int(version))
+
+    def metrics(self) -> dict[str, Any]:
+        state = {k.decode(): int(v) for k, v in self._redis.hgetall(self.state).items()}
+        pending = self._redis.xpending(self.stream, self.config.consumer_group)["pending"]
+        depth = self._redis.xlen(self.stream) - pending
+        return {**state, "depth": depth, "inflight": pending}
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+class RedisBackend(Backend):
+    """`create(config)` for `queue.type: redis`."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def server(self, groups_per_step: int, max_staleness: int, **kwargs: Any) -> RedisAdmission:
+        return RedisAdmission(self.config, groups_per_step, max_staleness)
+
+    def producer(self, **kwargs: Any) -> RedisProducer:
+        return RedisProducer(self.config.url, self.config.stream, self.config.capacity_groups)
+
+    def consumer(self, name: str = "rank0", **kwargs: Any) -> RedisConsumer:
+        return RedisConsumer(self.config, name)

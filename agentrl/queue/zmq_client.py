@@ -1,0 +1,334 @@
+"""Producer (rollers, asyncio) and consumer (learner, blocking) of the ZeroMQ TransferQueue.
+
+Both are DEALER sockets talking to the server's ROUTER with `[mac, control, *payload]`
+messages (see `zmq_server.py`). Every request carries an id and is kept until answered;
+every reply carries the server's *epoch* (random per server start). When a client sees
+a new epoch, the server restarted: it re-sends everything unanswered, and the server
+deduplicates puts by group id. So a producer's `put` survives a server crash and
+restart (with `durable`, nothing it was told is stored is lost), and so does a consumer
+waiting in `get_batch` or `ack`.
+
+The producer coalesces puts that are waiting to be sent into one message (up to
+`COALESCE_BYTES`), which is what makes small groups cheap; a large group goes alone.
+Arrays are sent with `copy=False`: do not modify a group's arrays after `put`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections import deque
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from agentrl.log import get_logger
+from agentrl.queue.auth import Authenticator, AuthError, load_secret
+from agentrl.queue.base import Backend, Batch, Consumer, Producer, QueueError
+from agentrl.types import Group, decode_group, encode_group
+
+log = get_logger("queue.client")
+
+COALESCE_BYTES = 1 << 20
+COALESCE_GROUPS = 512
+PING_S = 0.5
+
+
+def _auth_for(config: Any) -> Authenticator:
+    return Authenticator(load_secret(config.secret_env) if config.auth == "mac" else None)
+
+
+class ZmqProducer(Producer):
+    """Sends groups to the queue server; one per roller process, shared by its coroutines."""
+
+    def __init__(self, address: str, auth: Authenticator, window_bytes: int = 256 << 20) -> None:
+        self.address = address
+        self.auth = auth
+        self.window_bytes = window_bytes
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[dict, list, asyncio.Future]] = {}  # rid -> (ctl, frames, future)
+        self._outbox: deque[int] = deque()
+        self._inflight_bytes = 0
+        self._epoch: str | None = None
+        self._version = 0
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    def _ensure_started(self) -> None:
+        if self._sock is not None:
+            return
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)
+        self._wake = asyncio.Event()
+        self._room = asyncio.Condition()
+        self._tasks = [
+            asyncio.create_task(self._send_loop(), name="queue-producer-send"),
+            asyncio.create_task(self._recv_loop(), name="queue-producer-recv"),
+            asyncio.create_task(self._ping_loop(), name="queue-producer-ping"),
+        ]
+
+    async def _call(self, ctl: dict, frames: list | None = None) -> dict:
+        self._ensure_started()
+        rid = next(self._ids)
+        ctl["rid"] = rid
+        future = asyncio.get_running_loop().create_future()
+        self._pending[rid] = (ctl, frames or [], future)
+        self._outbox.append(rid)
+        self._wake.set()
+        try:
+            return await future
+        finally:
+            self._pending.pop(rid, None)
+
+    async def put(self, group: Group) -> None:
+        frames = encode_group(group)
+        nbytes = sum(len(f) for f in frames)
+        self._ensure_started()
+        async with self._room:
+            await self._room.wait_for(
+                lambda: self._inflight_bytes == 0 or self._inflight_bytes + nbytes <= self.window_bytes
+            )
+            self._inflight_bytes += nbytes
+        try:
+            await self._call({"k": "put", "gid": group.group_id}, frames)
+        finally:
+            async with self._room:
+                self._inflight_bytes -= nbytes
+                self._room.notify_all()
+
+    async def acquire_start(self, n: int = 1) -> int:
+        ctl = {"k": "acq", "n": n}
+        try:
+            return (await self._call(ctl))["v"]
+        except asyncio.CancelledError:  # withdraw the request, or give back what was granted
+            if self._sock is not None:
+                await self._send(msgpack.packb({"k": "cancel", "rid": ctl["rid"], "n": n}), [])
+            raise
+
+    async def release_start(self, n: int = 1) -> None:
+        await self._call({"k": "rel", "n": n})
+
+    async def current_version(self) -> int:
+        return (await self._call({"k": "ping"}))["v"]
+
+    async def _send_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._outbox:
+                rid = self._outbox.popleft()
+                if rid not in self._pending:
+                    continue
+                ctl, frames, _ = self._pending[rid]
+                if ctl["k"] != "put":
+                    await self._send(msgpack.packb(ctl), [])
+                    continue
+                items, payload, size = [[rid, ctl["gid"], len(frames)]], list(frames), sum(map(len, frames))
+                while self._outbox and size < COALESCE_BYTES and len(items) < COALESCE_GROUPS:
+                    nxt = self._pending.get(self._outbox[0])
+                    if nxt is None or nxt[0]["k"] != "put":
+                        break
+                    self._outbox.popleft()
+                    items.append([nxt[0]["rid"], nxt[0]["gid"], len(nxt[1])])
+                    payload.extend(nxt[1])
+                    size += sum(len(f) for f in nxt[1])
+                await self._send(msgpack.packb({"k": "put", "items": items}), payload)
+
+    async def _send(self, control: bytes, payload: list) -> None:
+        await self._sock.send_multipart([self.auth.sign(control, payload), control, *payload], copy=False)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self._sock.recv_multipart(copy=False)
+            try:
+                self.auth.verify(msg[0], msg[1], msg[2:])
+                ctl = msgpack.unpackb(msg[1].buffer, raw=False)
+            except (AuthError, ValueError, IndexError) as exc:
+                log.warning("producer ignored a reply that failed its check: %s", exc)
+                continue
+            self._version = ctl.get("v", self._version)
+            if self._epoch is not None and ctl.get("e") != self._epoch:
+                log.warning(
+                    "queue server restarted (epoch %s -> %s): re-sending %d requests",
+                    self._epoch,
+                    ctl.get("e"),
+                    len(self._pending),
+                )
+                self._outbox.extend(sorted(self._pending))
+                self._wake.set()
+            self._epoch = ctl.get("e")
+            for rid in ctl.get("rids", [ctl.get("rid")]):
+                waiting = self._pending.get(rid)
+                if waiting is None or waiting[2].done():
+                    continue
+                if ctl["k"] == "err":
+                    waiting[2].set_exception(QueueError(f"queue server refused the request: {ctl['msg']}"))
+                else:
+                    waiting[2].set_result(ctl)
+
+    async def _ping_loop(self) -> None:
+        ping = {"k": "ping", "rid": 0}
+        while True:
+            await asyncio.sleep(PING_S)
+            await self._send(msgpack.packb(ping), [])
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._sock = None
+
+
+class ZmqConsumer(Consumer):
+    """A learner rank's handle on the queue; blocking calls, one rank per `name`."""
+
+    def __init__(
+        self, address: str, name: str, auth: Authenticator, context: zmq.Context | None = None
+    ) -> None:
+        self.name = name
+        self.auth = auth
+        self._own_context = context is None
+        self._ctx = context or zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._ids = itertools.count(1)
+        self._epoch: str | None = None
+        self._buffer: list[tuple[Group, float, int]] = []  # delivered, not yet returned
+        self._held: set[str] = set()  # delivered to this consumer and not acked
+        self._call({"k": "hello", "c": name})
+
+    def _send(self, ctl: dict) -> None:
+        body = msgpack.packb(ctl)
+        self._sock.send_multipart([self.auth.sign(body), body], copy=False)
+
+    def _call(self, ctl: dict, timeout_s: float | None = None) -> tuple[dict, list]:
+        """Send a request and wait for its answer, re-sending it if the server restarted."""
+        ctl["rid"] = next(self._ids)
+        self._send(ctl)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        last_heard = time.monotonic()
+        while True:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"queue server did not answer {ctl['k']!r} within {timeout_s:.1f}s")
+            if not self._sock.poll(int(PING_S * 1000)):
+                if time.monotonic() - last_heard > PING_S:
+                    self._send({"k": "ping", "rid": 0})
+                continue
+            msg = self._sock.recv_multipart(copy=False)
+            try:
+                self.auth.verify(msg[0], msg[1], msg[2:])
+                reply = msgpack.unpackb(msg[1].buffer, raw=False)
+            except (AuthError, ValueError, IndexError) as exc:
+                log.warning("consumer ignored a reply that failed its check: %s", exc)
+                continue
+            last_heard = time.monotonic()
+            if self._epoch is not None and reply.get("e") != self._epoch:
+                log.warning("queue server restarted: re-sending %r", ctl["k"])
+                self._epoch = reply.get("e")
+                self._send(ctl)
+                continue
+            self._epoch = reply.get("e")
+            if reply["k"] == "batch" and reply["rid"] != ctl["rid"]:
+                self._take(reply, msg[2:])  # answer to an earlier request that timed out
+            elif reply.get("rid") == ctl["rid"] and reply["rid"] != 0:
+                if reply["k"] == "err":
+                    raise QueueError(f"queue server refused {ctl['k']!r}: {reply['msg']}")
+                return reply, msg[2:]
+
+    def _take(self, reply: dict, frames: list) -> None:
+        pos = 0
+        for gid, nframes, age, staleness in reply["groups"]:
+            group_frames = frames[pos : pos + nframes]
+            pos += nframes
+            if gid in self._held:
+                continue  # redelivered after a server restart; we already have it
+            self._held.add(gid)
+            self._buffer.append((decode_group(group_frames, max_bytes=1 << 62), age, staleness))
+
+    def get_batch(
+        self, num_groups: int, learner_version: int, max_staleness: int, timeout_s: float | None = None
+    ) -> Batch:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        dropped = self._drop_stale_buffered(learner_version, max_staleness)
+        while len(self._buffer) < num_groups:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ctl = {"k": "get", "n": num_groups - len(self._buffer), "v": learner_version, "s": max_staleness}
+            reply, frames = self._call(
+                {**ctl, "t": left, "c": self.name}, None if left is None else left + 30
+            )
+            dropped += reply.get("dropped", 0)
+            if reply["k"] == "empty":
+                raise TimeoutError(
+                    f"no {num_groups} admissible groups within {timeout_s}s "
+                    f"({len(self._buffer)} held, {dropped} dropped as stale)"
+                )
+            self._take(reply, frames)
+        taken, self._buffer = self._buffer[:num_groups], self._buffer[num_groups:]
+        return Batch(
+            groups=[g for g, _, _ in taken],
+            learner_version=learner_version,
+            dropped_stale=dropped,
+            ages_s=[a for _, a, _ in taken],
+            staleness=[s for _, _, s in taken],
+        )
+
+    def _drop_stale_buffered(self, version: int, max_staleness: int) -> int:
+        stale = [g.group_id for g, _, _ in self._buffer if not g.is_admissible(version, max_staleness)]
+        if stale:
+            self._buffer = [b for b in self._buffer if b[0].group_id not in stale]
+            self.ack(stale, stale=True)  # leaves the queue; counted as dropped
+        return len(stale)
+
+    def ack(self, group_ids: list[str], stale: bool = False) -> None:
+        """Trained on (or, with `stale`, dropped as too stale): the queue forgets these groups."""
+        if group_ids:
+            self._call({"k": "ack", "ids": list(group_ids), "stale": stale})
+            self._held.difference_update(group_ids)
+
+    def publish_version(self, version: int) -> None:
+        self._call({"k": "pub", "v": int(version)})
+
+    def metrics(self) -> dict[str, Any]:
+        return self._call({"k": "stats"})[0]["m"]
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        if self._own_context:
+            self._ctx.term()
+
+
+class ZmqBackend(Backend):
+    """`create(config)` for `queue.type: zmq`."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def server(self, groups_per_step: int, max_staleness: int, **kwargs: Any) -> Any:
+        from agentrl.queue.zmq_server import QueueServer
+
+        return QueueServer(self.config, groups_per_step, max_staleness, **kwargs)
+
+    def producer(self, address: str | None = None, **kwargs: Any) -> ZmqProducer:
+        return ZmqProducer(
+            address or self.config.address, _auth_for(self.config), self.config.producer_window_bytes
+        )
+
+    def consumer(self, name: str = "rank0", server: Any = None, address: str | None = None) -> ZmqConsumer:
+        """With `server` (hosted in this process) the consumer uses its inproc socket: no MAC, no copy."""
+        if server is not None:
+            return ZmqConsumer(server.inproc_address, name, Authenticator(None), context=server.context)
+        return ZmqConsumer(address or self.config.address, name, _auth_for(self.config))
+
+
+def unique_name(prefix: str = "consumer") -> str:
+    """A consumer name that no other process uses (for ad-hoc tools and tests)."""
+    return f"{prefix}-{os.getpid()}-{os.urandom(3).hex()}"

@@ -1,0 +1,523 @@
+"""The TransferQueue server: one thread, one ZeroMQ context, bounded and staleness-aware.
+
+Hosted by the learner in-process (`QueueServer(...).start()`) or on its own by
+`agentrl queue --bind tcp://0.0.0.0:PORT`. It binds a ROUTER socket at the public
+address (every message MAC-checked, see `auth.py`) and a second ROUTER on `inproc://`
+for a consumer in the same process (no network, no MAC, zero-copy).
+
+Messages are `[mac, control, *payload]`; `control` is a small msgpack map with a kind
+`k`, and a put's payload is the group frames of `agentrl.types.encode_group` (several
+groups may share one message). Payload frames are received with `copy=False`, kept as
+they arrived and forwarded to the consumer as the same buffers.
+
+What the loop does each turn (`_run`):
+1. receive what is waiting on both sockets and handle each message (`_handle`);
+2. expire leases (unacked groups go back to the queue) and answer `get`s whose deadline
+   passed;
+3. commit the write-ahead log, then send the replies — so a producer's ack always
+   follows the WAL write of its group.
+
+Flow control: queued plus handed-out groups stay within `capacity_groups` and
+`capacity_bytes`; a put that does not fit is held unanswered until room frees up, so
+`Producer.put` waits (each producer also bounds its unacknowledged bytes). Admission:
+`acq` requests are granted while `started + n <= (v + max_staleness + 1) * groups_per_step`;
+groups dropped as stale give their admission back so rollers replace them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from agentrl.log import get_logger
+from agentrl.queue.auth import Authenticator, AuthError, load_secret
+from agentrl.queue.wal import MAX_REMEMBERED_ACKS, WriteAheadLog
+from agentrl.types import WireError, decode_group
+
+log = get_logger("queue.server")
+
+COALESCE_SLACK = 8 << 20  # a put message may carry several small groups beyond one group's limit
+
+
+@dataclass
+class _Entry:
+    gid: str
+    frames: list[Any]
+    nbytes: int
+    min_version: int
+    seq: int
+    t_in: float
+    holder: str | None = None
+    lease_until: float = 0.0
+
+
+@dataclass
+class _Get:
+    sock: zmq.Socket
+    ident: bytes
+    rid: int
+    n: int
+    version: int
+    max_staleness: int
+    deadline: float | None
+    name: str
+    dropped: int = 0
+
+
+class QueueServer:
+    """The queue's state machine and its socket thread. `start()`, `stop()`, `metrics()`."""
+
+    def __init__(
+        self,
+        config: Any,
+        groups_per_step: int,
+        max_staleness: int,
+        bind: str | None = None,
+        wal_dir: str | Path | None = None,
+    ) -> None:
+        self.config = config
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+        self.bind = bind or config.address
+        secret = load_secret(config.secret_env) if config.auth == "mac" else None
+        self._auth = {"public": Authenticator(secret), "local": Authenticator(None)}
+        self.inproc_address = f"inproc://agentrl-queue-{os.getpid()}-{id(self)}"
+        self.context = zmq.Context()
+        self.epoch = os.urandom(4).hex()
+        self.endpoint: str | None = None
+        self.wal: WriteAheadLog | None = None
+        if config.durable:
+            self.wal = WriteAheadLog(wal_dir or config.wal_dir or "runs/default/queue_wal", config.wal_fsync)
+        self._queued: dict[str, _Entry] = {}
+        self._inflight: dict[str, _Entry] = {}
+        self._acked: OrderedDict[str, None] = OrderedDict()
+        self._parked: deque[tuple[zmq.Socket, bytes, int, _Entry]] = deque()
+        self._parked_ids: set[str] = set()
+        self._gets: dict[bytes, _Get] = {}
+        self._last_batch: dict[bytes, tuple[int, list[str]]] = {}
+        self._acqs: deque[tuple[zmq.Socket, bytes, int, int]] = deque()
+        self._replies: list[tuple[zmq.Socket, bytes, dict, list]] = []
+        self._put_acks: dict[tuple[zmq.Socket, bytes], list[int]] = {}
+        self.version = 0
+        self.started = 0
+        self._seq = 0
+        self._bytes = 0
+        self._ages: deque[float] = deque(maxlen=4096)
+        self.counters = dict.fromkeys(
+            (
+                "groups_in",
+                "groups_out",
+                "bytes_in",
+                "dropped_stale",
+                "duplicates",
+                "redelivered",
+                "refused_auth",
+                "refused_corrupt",
+                "refused_oversize",
+            ),
+            0,
+        )
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> QueueServer:
+        """Recover the WAL, bind, and serve in a daemon thread; raises if binding fails."""
+        if self.wal is not None:
+            self._recover()
+        self._thread = threading.Thread(target=self._run, name="agentrl-queue-server", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        log.info("queue server on %s (epoch %s, durable=%s)", self.endpoint, self.epoch, self.wal is not None)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.wal is not None:
+            self.wal.close()
+        self.context.term()
+
+    def serve_forever(self) -> None:
+        """Block the calling thread until interrupted (the standalone `agentrl queue`)."""
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=0.5)
+
+    def _recover(self) -> None:
+        found = self.wal.recover()
+        self._acked = found.acked
+        self.version, self.started = found.version, found.started
+        for gid, frames in found.groups.items():
+            group = decode_group(frames, max_bytes=self.config.max_message_bytes)
+            self._seq += 1
+            self._store(
+                _Entry(gid, frames, sum(map(len, frames[1:])), group.min_version, self._seq, time.time())
+            )
+        log.info("WAL: recovered %d unacked groups, version %d", len(self._queued), self.version)
+
+    def _run(self) -> None:
+        try:
+            public = self._socket(self.bind)
+            local = self._socket(self.inproc_address)
+            self.endpoint = public.getsockopt_string(zmq.LAST_ENDPOINT)
+        except Exception as exc:
+            self._error = exc
+            self._ready.set()
+            return
+        self._names = {public: "public", local: "local"}
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(public, zmq.POLLIN)
+        poller.register(local, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(50))
+            for sock in (public, local):
+                for _ in range(512 if sock in events else 0):
+                    try:
+                        msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    with self._lock:
+                        self._handle(sock, msg)
+            with self._lock:
+                self._tick()
+                if self.wal is not None:
+                    self.wal.commit()
+                    self.wal.maybe_roll(self.version, self.started, self._acked)
+            self._flush()
+        public.close(linger=0)
+        local.close(linger=0)
+
+    def _socket(self, address: str) -> zmq.Socket:
+        sock = self.context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        # frames above this make libzmq drop the connection; the app-level check below counts the rest
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + COALESCE_SLACK)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        return sock
+
+    # ------------------------------------------------------------------ messages
+
+    def _handle(self, sock: zmq.Socket, msg: list[Any]) -> None:
+        if len(msg) < 3:
+            self.counters["refused_corrupt"] += 1
+            return
+        ident, mac, control, payload = msg[0].bytes, msg[1], msg[2], msg[3:]
+        if sum(len(f) for f in payload) > self.config.max_message_bytes + COALESCE_SLACK:
+            self.counters["refused_oversize"] += 1
+            return
+        try:
+            self._auth[self._names[sock]].verify(mac, control, payload)
+        except AuthError as exc:
+            self.counters["refused_auth"] += 1
+            log.debug("refused message: %s", exc)
+            return
+        ctl: Any = None
+        try:
+            try:
+                ctl = msgpack.unpackb(control.buffer, raw=False)
+            except Exception as exc:  # msgpack raises several unrelated types
+                raise WireError(f"control frame is not msgpack: {exc}") from None
+            if not isinstance(ctl, dict) or not isinstance(ctl.get("k"), str):
+                raise WireError("control frame is not a map with a kind")
+            handler = getattr(self, f"_on_{ctl['k']}", None)
+            if handler is None:
+                raise WireError(f"unknown message kind {ctl['k']!r}")
+            handler(sock, ident, ctl, payload)
+        except (WireError, ValueError, KeyError, TypeError, IndexError) as exc:
+            self.counters["refused_corrupt"] += 1
+            log.warning("refused corrupt message: %s", exc)
+            self._reply(
+                sock,
+                ident,
+                {"k": "err", "rid": ctl.get("rid") if isinstance(ctl, dict) else None, "msg": str(exc)},
+            )
+
+    def _reply(self, sock: zmq.Socket, ident: bytes, ctl: dict, frames: list | None = None) -> None:
+        ctl["e"], ctl["v"] = self.epoch, self.version
+        self._replies.append((sock, ident, ctl, frames or []))
+
+    def _flush(self) -> None:
+        with self._lock:
+            for (sock, ident), rids in self._put_acks.items():
+                self._reply(sock, ident, {"k": "ok", "rids": rids})
+            self._put_acks.clear()
+            replies, self._replies = self._replies, []
+        for sock, ident, ctl, frames in replies:
+            body = msgpack.packb(ctl)
+            mac = self._auth[self._names[sock]].sign(body, frames)
+            try:
+                sock.send_multipart([ident, mac, body, *frames], copy=False)
+            except zmq.ZMQError as exc:  # the peer went away
+                log.debug("reply to a gone peer dropped: %s", exc)
+
+    def _on_put(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        items = ctl["items"]
+        if sum(int(item[2]) for item in items) != len(payload):
+            raise WireError("put: frame counts do not add up to the payload")
+        pos = 0
+        for rid, gid, nframes in items:
+            frames = payload[pos : pos + nframes]
+            pos += nframes
+            if gid in self._acked or gid in self._queued or gid in self._inflight or gid in self._parked_ids:
+                self.counters["duplicates"] += 1
+                self._put_acks.setdefault((sock, ident), []).append(rid)
+                continue
+            nbytes = sum(len(f) for f in frames[1:])
+            if nbytes > self.config.max_message_bytes:
+                self.counters["refused_oversize"] += 1
+                msg = (
+                    f"group of {nbytes} bytes exceeds queue.max_message_bytes={self.config.max_message_bytes}"
+                )
+                self._reply(sock, ident, {"k": "err", "rid": rid, "msg": msg})
+                continue
+            try:
+                group = decode_group(frames, max_bytes=self.config.max_message_bytes)
+                if group.group_id != gid:
+                    raise WireError(f"put: header group_id {group.group_id!r} differs from {gid!r}")
+            except WireError as exc:
+                self.counters["refused_corrupt"] += 1
+                self._reply(sock, ident, {"k": "err", "rid": rid, "msg": str(exc)})
+                continue
+            self._seq += 1
+            entry = _Entry(gid, frames, nbytes, group.min_version, self._seq, time.time())
+            if self._has_room(nbytes) and not self._parked:
+                self._accept(sock, ident, rid, entry)
+            else:
+                self._parked.append((sock, ident, rid, entry))
+                self._parked_ids.add(gid)
+        self._serve_gets()
+
+    def _has_room(self, nbytes: int) -> bool:
+        held = len(self._queued) + len(self._inflight)
+        if held == 0:
+            return True
+        return held < self.config.capacity_groups and self._bytes + nbytes <= self.config.capacity_bytes
+
+    def _accept(self, sock: zmq.Socket, ident: bytes, rid: int, entry: _Entry) -> None:
+        if self.wal is not None:
+            self.wal.append_put(entry.gid, entry.frames)
+        self._store(entry)
+        self.counters["groups_in"] += 1
+        self.counters["bytes_in"] += entry.nbytes
+        self._put_acks.setdefault((sock, ident), []).append(rid)
+
+    def _store(self, entry: _Entry) -> None:
+        self._queued[entry.gid] = entry
+        self._bytes += entry.nbytes
+
+    def _admit_parked(self) -> None:
+        while self._parked and self._has_room(self._parked[0][3].nbytes):
+            sock, ident, rid, entry = self._parked.popleft()
+            self._parked_ids.discard(entry.gid)
+            self._accept(sock, ident, rid, entry)
+
+    def _forget(self, entry: _Entry) -> None:
+        self._bytes -= entry.nbytes
+        self._acked[entry.gid] = None
+        while len(self._acked) > MAX_REMEMBERED_ACKS:
+            self._acked.popitem(last=False)
+
+    def _drop_stale(self, version: int, max_staleness: int) -> int:
+        stale = [
+            e for e in self._queued.values() if e.min_version >= 0 and version - e.min_version > max_staleness
+        ]
+        for entry in stale:
+            del self._queued[entry.gid]
+            self._forget(entry)
+        if stale:
+            self.counters["dropped_stale"] += len(stale)
+            self.started = max(0, self.started - len(stale))  # admission replaces them
+            if self.wal is not None:
+                self.wal.append_ack([e.gid for e in stale])
+                self.wal.append_meta(self.version, self.started)
+            self._admit_parked()
+            self._grant_acqs()
+        return len(stale)
+
+    # ---------------------------------------------------------------- consumers
+
+    def _on_hello(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        held = [e for e in self._inflight.values() if e.holder == ctl["c"]]
+        self._requeue(held)
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"], "requeued": len(held)})
+
+    def _requeue(self, entries: list[_Entry]) -> None:
+        if not entries:
+            return
+        for entry in entries:
+            del self._inflight[entry.gid]
+            entry.holder = None
+            self._queued[entry.gid] = entry
+        self.counters["redelivered"] += len(entries)
+        self._queued = dict(sorted(self._queued.items(), key=lambda kv: kv[1].seq))
+
+    def _on_get(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        rid, n = ctl["rid"], int(ctl["n"])
+        last = self._last_batch.get(ident)
+        if last is not None and last[0] == rid:  # a resend of a request already answered
+            entries = [self._inflight[g] for g in last[1] if g in self._inflight]
+            self._send_batch(_Get(sock, ident, rid, n, ctl["v"], ctl["s"], None, ctl["c"]), entries)
+            return
+        if not 1 <= n <= self.config.capacity_groups:
+            raise ValueError(f"get: num_groups must be 1..capacity_groups={self.config.capacity_groups}")
+        timeout = ctl.get("t")
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        self.version = max(self.version, int(ctl["v"]))
+        self._gets[ident] = _Get(sock, ident, rid, n, int(ctl["v"]), int(ctl["s"]), deadline, ctl["c"])
+        self._serve_gets()
+
+    def _serve_gets(self) -> None:
+        for ident, get in list(self._gets.items()):
+            get.dropped += self._drop_stale(get.version, get.max_staleness)
+            if len(self._queued) < get.n:
+                continue
+            if self.config.selection == "oldest_first":
+                chosen = sorted(self._queued.values(), key=lambda e: (e.min_version, e.seq))[: get.n]
+            else:
+                chosen = [e for _, e in zip(range(get.n), self._queued.values(), strict=False)]
+            del self._gets[ident]
+            now, lease = time.time(), time.monotonic() + self.config.lease_s
+            for entry in chosen:
+                del self._queued[entry.gid]
+                entry.holder, entry.lease_until = get.name, lease
+                self._inflight[entry.gid] = entry
+                self._ages.append(now - entry.t_in)
+            self.counters["groups_out"] += len(chosen)
+            self._last_batch[ident] = (get.rid, [e.gid for e in chosen])
+            self._send_batch(get, chosen)
+
+    def _send_batch(self, get: _Get, entries: list[_Entry]) -> None:
+        now = time.time()
+        meta = [
+            [e.gid, len(e.frames), now - e.t_in, get.version - e.min_version if e.min_version >= 0 else 0]
+            for e in entries
+        ]
+        frames = [f for e in entries for f in e.frames]
+        self._reply(
+            get.sock,
+            get.ident,
+            {"k": "batch", "rid": get.rid, "groups": meta, "dropped": get.dropped},
+            frames,
+        )
+
+    def _on_ack(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        done = []
+        for gid in ctl["ids"]:
+            entry = self._inflight.pop(gid, None) or self._queued.pop(gid, None)
+            if entry is not None:
+                self._forget(entry)
+                done.append(gid)
+        if done and ctl.get("stale"):
+            self.counters["dropped_stale"] += len(done)
+            self.started = max(0, self.started - len(done))
+            self._grant_acqs()
+        if done and self.wal is not None:
+            self.wal.append_ack(done)
+        self._admit_parked()
+        self._serve_gets()
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"], "acked": len(done)})
+
+    def _on_pub(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        self.version = int(ctl["v"])
+        if self.wal is not None:
+            self.wal.append_meta(self.version, self.started)
+        self._drop_stale(self.version, self.max_staleness)
+        self._grant_acqs()
+        self._serve_gets()
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"]})
+
+    def _on_stats(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"], "m": self._metrics()})
+
+    def _on_ping(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"]})
+
+    # ---------------------------------------------------------------- admission
+
+    def _on_acq(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        n = int(ctl["n"])
+        if not 1 <= n <= self.groups_per_step * (self.max_staleness + 1):
+            raise ValueError(f"acq: n must be 1..{self.groups_per_step * (self.max_staleness + 1)}")
+        self._acqs.append((sock, ident, ctl["rid"], n))
+        self._grant_acqs()
+
+    def _on_cancel(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        for i, (_, who, rid, _) in enumerate(self._acqs):
+            if who == ident and rid == ctl["rid"]:
+                del self._acqs[i]
+                return
+        self.started = max(0, self.started - int(ctl["n"]))  # it had been granted already
+        self._grant_acqs()
+
+    def _on_rel(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        self.started = max(0, self.started - int(ctl["n"]))
+        self._grant_acqs()
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"]})
+
+    def _grant_acqs(self) -> None:
+        limit = (self.version + self.max_staleness + 1) * self.groups_per_step
+        granted = False
+        while self._acqs and self.started + self._acqs[0][3] <= limit:
+            sock, ident, rid, n = self._acqs.popleft()
+            self.started += n
+            granted = True
+            self._reply(sock, ident, {"k": "ok", "rid": rid})
+        if granted and self.wal is not None:
+            self.wal.append_meta(self.version, self.started)
+
+    # ---------------------------------------------------------------- timers, metrics
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        expired = [e for e in self._inflight.values() if e.lease_until < now]
+        if expired:
+            log.warning(
+                "%d groups not acked within lease_s=%s: handing them out again",
+                len(expired),
+                self.config.lease_s,
+            )
+            self._requeue(expired)
+        for ident, get in list(self._gets.items()):
+            if get.deadline is not None and get.deadline < now:
+                del self._gets[ident]
+                self._reply(get.sock, ident, {"k": "empty", "rid": get.rid, "dropped": get.dropped})
+        if expired:
+            self._serve_gets()
+
+    def _metrics(self) -> dict[str, Any]:
+        ages = sorted(self._ages)
+        return {
+            **self.counters,
+            "depth": len(self._queued),
+            "inflight": len(self._inflight),
+            "bytes": self._bytes,
+            "parked_puts": len(self._parked),
+            "version": self.version,
+            "started": self.started,
+            "age_s_mean": sum(ages) / len(ages) if ages else 0.0,
+            "age_s_p50": ages[len(ages) // 2] if ages else 0.0,
+            "age_s_max": ages[-1] if ages else 0.0,
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        """A snapshot of the queue's metrics (thread-safe)."""
+        with self._lock:
+            return self._metrics()

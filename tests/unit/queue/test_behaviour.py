@@ -1,0 +1,118 @@
+"""Behaviour every TransferQueue backend shares: run against the ZeroMQ server and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from tests.unit.queue.conftest import Harness, make_group
+
+
+def test_groups_arrive_whole_and_in_order(queue: Harness) -> None:
+    queue.start()
+    groups = [make_group(version=0, seed=i, episodes=1 + i % 3) for i in range(6)]
+    queue.put(groups)
+    consumer = queue.consumer()
+    batch = consumer.get_batch(6, learner_version=0, max_staleness=1, timeout_s=10)
+    assert batch.group_ids == [g.group_id for g in groups]  # FIFO
+    for sent, got in zip(groups, batch.groups, strict=False):
+        assert len(got.episodes) == len(sent.episodes) and got.prompt_id == sent.prompt_id
+        for a, b in zip(sent.episodes, got.episodes, strict=False):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_array_equal(a.logprobs, b.logprobs)
+            assert a.reward == b.reward
+    assert len(batch.ages_s) == 6 and all(a >= 0 for a in batch.ages_s)
+    consumer.ack(batch.group_ids)
+    m = consumer.metrics()
+    assert m["groups_in"] == 6 and m["groups_out"] == 6 and m["depth"] == 0
+
+
+def test_oldest_first_hands_out_the_stalest_admissible_groups(queue: Harness) -> None:
+    queue.start(selection="oldest_first")
+    groups = [make_group(version=v, seed=v) for v in (3, 1, 2)]
+    queue.put(groups)
+    batch = queue.consumer().get_batch(2, learner_version=3, max_staleness=5, timeout_s=10)
+    assert [g.min_version for g in batch.groups] == [1, 2]
+    assert batch.staleness == [2, 1]
+
+
+def test_stale_groups_are_dropped_counted_and_never_returned(queue: Harness) -> None:
+    queue.start()
+    old, fresh = make_group(version=0, seed=1), make_group(version=5, seed=2)
+    queue.put([old, fresh])
+    consumer = queue.consumer()
+    batch = consumer.get_batch(1, learner_version=5, max_staleness=2, timeout_s=10)
+    assert batch.group_ids == [fresh.group_id]
+    assert batch.dropped_stale == 1
+    assert consumer.metrics()["dropped_stale"] == 1
+    with pytest.raises(TimeoutError):
+        consumer.get_batch(1, learner_version=5, max_staleness=2, timeout_s=0.5)
+
+
+def test_admission_waits_for_the_learner_version(queue: Harness) -> None:
+    queue.start(groups_per_step=2, max_staleness=0)
+    consumer = queue.consumer()
+
+    async def roller() -> list[int]:
+        producer = queue.producer()
+        try:
+            first = await producer.acquire_start(2)  # (0 + 0 + 1) * 2 groups may start at v=0
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(producer.acquire_start(1), timeout=0.7)
+            publisher = threading.Timer(0.3, consumer.publish_version, args=(1,))
+            publisher.start()
+            second = await asyncio.wait_for(producer.acquire_start(2), timeout=10)
+            publisher.join()
+            return [first, second, await producer.current_version()]
+        finally:
+            producer.close()
+
+    assert asyncio.run(roller()) == [0, 1, 1]
+
+
+def test_full_queue_makes_put_wait_never_drop(queue: Harness) -> None:
+    queue.start(capacity_groups=2)
+    groups = [make_group(seed=i) for i in range(3)]
+    done = threading.Event()
+
+    def rollers() -> None:
+        queue.put(groups)
+        done.set()
+
+    thread = threading.Thread(target=rollers)
+    thread.start()
+    consumer = queue.consumer()
+    first = consumer.get_batch(2, learner_version=0, max_staleness=1, timeout_s=10)
+    assert not done.wait(0.7), "the third put returned while the queue was full"
+    consumer.ack(first.group_ids)
+    assert done.wait(10)
+    thread.join()
+    last = consumer.get_batch(1, learner_version=0, max_staleness=1, timeout_s=10)
+    assert first.group_ids + last.group_ids == [g.group_id for g in groups]
+
+
+def test_unacked_groups_come_back_when_the_rank_restarts(queue: Harness) -> None:
+    queue.start()
+    groups = [make_group(seed=i) for i in range(4)]
+    queue.put(groups)
+    crashed = queue.consumer("rank0")
+    held = crashed.get_batch(2, learner_version=0, max_staleness=1, timeout_s=10)
+    crashed.close()  # never acked
+    other = queue.consumer("rank1").get_batch(2, learner_version=0, max_staleness=1, timeout_s=10)
+    restarted = queue.consumer("rank0").get_batch(2, learner_version=0, max_staleness=1, timeout_s=10)
+    assert set(restarted.group_ids) == set(held.group_ids)
+    assert set(other.group_ids).isdisjoint(held.group_ids)
+
+
+def test_a_group_put_twice_is_delivered_once(queue: Harness) -> None:
+    queue.start()
+    group = make_group(seed=7)
+    queue.put([group])
+    queue.put([group])
+    consumer = queue.consumer()
+    assert consumer.get_batch(1, 0, 1, timeout_s=10).group_ids == [group.group_id]
+    with pytest.raises(TimeoutError):
+        consumer.get_batch(1, 0, 1, timeout_s=0.5)
