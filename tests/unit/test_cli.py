@@ -33,7 +33,7 @@ def test_help_imports_no_heavy_library() -> None:
 
 @pytest.mark.parametrize(
     ("command", "issue"),
-    [("learner", "#6"), ("roller", "#5"), ("serve", "#3"), ("queue", "#4")],
+    [("learner", "#6"), ("serve", "#3"), ("queue", "#4")],
 )
 def test_unbuilt_commands_parse_config_then_refuse(command: str, issue: str) -> None:
     result = run_agentrl(command, "--config", "recipes/quickstart.yaml")

@@ -1,0 +1,228 @@
+"""The roller: many multi-turn episodes at once, streamed to the learner as groups.
+
+    roller = Roller(config, make_env, tasks, client, renderer, producer)
+    stats = await roller.run()
+
+Each task becomes one `Group` of `group_size` episodes. Staleness is bounded by
+admission, not by discarding work: before starting a group the roller asks the queue
+(`producer.acquire_start`), which grants it only while
+`started_groups ≤ (v + max_staleness + 1) × groups_per_step` across *all* rollers, with
+`v` the learner's published version. Groups the roller drops itself (dynamic sampling,
+failures) give their admission back, so they never hold up the learner.
+
+Named loops, started by `run()` in this order and stopped in reverse:
+- `_report_loop`: a progress line and a metrics record every `log_every_s`;
+- `_admit_loop`: waits for admission and a free slot, then starts `_run_group` tasks;
+- `_run_group` (one per group in flight): runs its episodes under the episode semaphore,
+  filters, and `put`s the group (waiting while the queue is full).
+`run()` returns when `max_groups` groups were put or `stop()` was called; in-flight
+groups finish first, so no admitted work is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agentrl.config import RollerConfig
+from agentrl.envs.base import Env
+from agentrl.inference.base import InferenceClient
+from agentrl.log import MetricsLogger, get_logger
+from agentrl.queue.base import Producer
+from agentrl.rollers.agent_loop import run_episode
+from agentrl.rollers.chat import ChatRenderer
+from agentrl.types import Episode, Group
+
+logger = get_logger(__name__)
+
+OVERLONG = ("context", "length")
+
+
+@dataclass
+class RollerStats:
+    episodes: int = 0
+    groups_put: int = 0
+    groups_dropped_uniform: int = 0
+    groups_failed: int = 0
+    episodes_overlong_masked: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    rewards: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    staleness_at_put: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
+    newest_version: int = -1
+    version_regressions: int = 0
+    in_flight_episodes: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def snapshot(self) -> dict[str, Any]:
+        elapsed = time.perf_counter() - self.started
+        recent = list(self.rewards)[-256:]
+        return {
+            "roller/episodes": self.episodes,
+            "roller/episodes_per_s": self.episodes / elapsed if elapsed else 0.0,
+            "roller/groups_put": self.groups_put,
+            "roller/groups_dropped_uniform": self.groups_dropped_uniform,
+            "roller/groups_failed": self.groups_failed,
+            "roller/episodes_overlong_masked": self.episodes_overlong_masked,
+            "roller/reward_mean": float(np.mean(recent)) if recent else 0.0,
+            "roller/tool_calls": self.tool_calls,
+            "roller/tool_errors": self.tool_errors,
+            "roller/in_flight_episodes": self.in_flight_episodes,
+            "roller/staleness_max": max(self.staleness_at_put, default=0),
+            "roller/version": self.newest_version,
+            "roller/version_regressions": self.version_regressions,
+        }
+
+
+class Roller:
+    def __init__(
+        self,
+        config: RollerConfig,
+        make_env: Callable[[], Env],
+        tasks: Iterator[dict[str, Any]],
+        client: InferenceClient,
+        renderer: ChatRenderer,
+        producer: Producer,
+        metrics: MetricsLogger | None = None,
+    ) -> None:
+        self.config = config
+        self.make_env = make_env
+        self.tasks = tasks
+        self.client = client
+        self.renderer = renderer
+        self.producer = producer
+        self.metrics = metrics
+        self.stats = RollerStats()
+        self._episode_slots = asyncio.Semaphore(config.max_concurrent_episodes)
+        # never admit more groups than can run at once: admission stays meaningful
+        self._group_slots = asyncio.Semaphore(max(1, config.max_concurrent_episodes // config.group_size))
+        self._stopping = asyncio.Event()
+        self._groups: set[asyncio.Task] = set()
+        self._admitted = 0
+
+    def stop(self) -> None:
+        """Stop admitting new groups; `run()` returns once in-flight groups are put."""
+        self._stopping.set()
+
+    async def run(self) -> RollerStats:
+        reporter = asyncio.create_task(self._report_loop(), name="_report_loop")
+        try:
+            await self._admit_loop()
+            if self._groups:
+                await asyncio.gather(*self._groups)
+        finally:
+            reporter.cancel()
+            for task in self._groups:
+                task.cancel()
+            self._report()
+        return self.stats
+
+    async def _admit_loop(self) -> None:
+        limit = self.config.max_groups
+        while not self._stopping.is_set():
+            if limit is not None and self.stats.groups_put + len(self._groups) >= limit:
+                if not self._groups:
+                    return  # all put
+                await asyncio.wait(set(self._groups), return_when=asyncio.FIRST_COMPLETED)
+                continue  # a dropped or failed group frees its place for a new one
+            await self._group_slots.acquire()
+            version = await self._wait_or_stop(self.producer.acquire_start(1))
+            if version is None:
+                self._group_slots.release()
+                return
+            self._admitted += 1
+            metrics = {"admitted_version": version, "admitted_index": self._admitted}
+            group_task = asyncio.create_task(self._run_group(next(self.tasks), metrics), name="_run_group")
+            self._groups.add(group_task)
+            group_task.add_done_callback(self._groups.discard)
+
+    async def _wait_or_stop(self, awaitable: Any) -> Any:
+        """Await `awaitable` unless `stop()` comes first (then None)."""
+        waiter = asyncio.ensure_future(awaitable)
+        stopper = asyncio.ensure_future(self._stopping.wait())
+        done, _ = await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if waiter in done:
+            return waiter.result()
+        waiter.cancel()
+        return None
+
+    async def _run_group(self, task: dict[str, Any], admission: dict[str, int]) -> None:
+        runs = [asyncio.create_task(self._run_one(task)) for _ in range(self.config.group_size)]
+        try:
+            episodes = await asyncio.gather(*runs)
+        except Exception as exc:  # a lost request or a bug in user env code: count it, keep rolling
+            for run in runs:
+                run.cancel()
+            self.stats.groups_failed += 1
+            log = logger.exception if self.stats.groups_failed <= 3 else logger.warning
+            log("group for task %s failed and was dropped (counted): %s", task.get("id", "?"), exc)
+            await self.producer.release_start(1)
+            return
+        finally:
+            self._group_slots.release()
+        group = Group(list(episodes), prompt_id=str(task.get("id", "")), metrics=admission)
+        if self.config.drop_uniform_reward_groups and len(set(group.rewards.tolist())) == 1:
+            self.stats.groups_dropped_uniform += 1
+            await self.producer.release_start(1)
+            return
+        await self.producer.put(group)
+        self.stats.groups_put += 1
+        current = await self.producer.current_version()
+        self.stats.staleness_at_put.append(group.staleness(current))
+        if self.config.max_groups is not None and self.stats.groups_put >= self.config.max_groups:
+            self.stop()
+
+    async def _run_one(self, task: dict[str, Any]) -> Episode:
+        async with self._episode_slots:
+            self.stats.in_flight_episodes += 1
+            try:
+                episode = await run_episode(self.make_env(), task, self.client, self.renderer, self.config)
+            finally:
+                self.stats.in_flight_episodes -= 1
+        self._account(episode)
+        return episode
+
+    def _account(self, episode: Episode) -> None:
+        stats = self.stats
+        stats.episodes += 1
+        stats.rewards.append(episode.reward)
+        stats.tool_calls += int(episode.metrics.get("tool_calls", 0))
+        stats.tool_errors += int(episode.metrics.get("tool_errors", 0))
+        if episode.num_generated:
+            newest = int(episode.versions.max())
+            if newest < stats.newest_version:
+                stats.version_regressions += 1
+                logger.warning("weight version went backwards: %d after %d", newest, stats.newest_version)
+            stats.newest_version = max(stats.newest_version, newest)
+        if self.config.drop_overlong and episode.finish_reason in OVERLONG:
+            episode.loss_mask = np.zeros_like(episode.loss_mask)
+            episode.metrics["overlong_masked"] = True
+            stats.episodes_overlong_masked += 1
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.log_every_s)
+            self._report()
+
+    def _report(self) -> None:
+        snap = self.stats.snapshot()
+        logger.info(
+            "episodes %d (%.1f/s)  groups put %d  reward %.3f  tool errors %d/%d  in flight %d  staleness ≤ %d",
+            snap["roller/episodes"],
+            snap["roller/episodes_per_s"],
+            snap["roller/groups_put"],
+            snap["roller/reward_mean"],
+            snap["roller/tool_errors"],
+            snap["roller/tool_calls"],
+            snap["roller/in_flight_episodes"],
+            snap["roller/staleness_max"],
+        )
+        if self.metrics is not None:
+            self.metrics.log(snap, step=self.stats.groups_put)

@@ -1,0 +1,184 @@
+"""The roller against a scripted SGLang server and a real ZeroMQ TransferQueue."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from agentrl.bench.scripted_server import Reply, ScriptedServer
+from agentrl.config import EnvConfig, RollerConfig, ZmqQueueConfig
+from agentrl.envs.registry import env_factory
+from agentrl.envs.toy import CalculatorEnv, safe_eval
+from agentrl.inference.sglang import SGLangClient
+from agentrl.queue.base import create as create_queue
+from agentrl.rollers.chat import ChatRenderer
+from agentrl.rollers.roller import Roller
+from agentrl.rollers.tasks import read_task_file, task_stream
+from tests.conftest import find_free_port
+
+
+class CalculatorPolicy:
+    """Scripted 'model': calls the calculator on the question, then answers with the tool's result
+    (or, when `wrong`, with a wrong number). The server's weight version plays the learner's."""
+
+    def __init__(self, tokenizer, wrong: bool = False) -> None:
+        self.tok = tokenizer
+        self.wrong = wrong
+
+    def __call__(self, ids: list[int], params: dict) -> Reply:
+        text = self.tok.decode(ids)
+        responses = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.S)
+        if responses:
+            answer = "0" if self.wrong else responses[-1]
+            out = answer
+        else:
+            expression = re.findall(r"What is (.*?)\?", text)[-1]
+            out = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>'
+        return Reply([*self.tok.encode(out, add_special_tokens=False), self.tok.eos_token_id])
+
+
+@pytest.fixture
+def tokenizer(tiny_model: Path):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+async def _setup(tokenizer, groups_per_step: int, max_staleness: int, wrong: bool = False, **roller_kwargs):
+    server = ScriptedServer(CalculatorPolicy(tokenizer, wrong))
+    url = await server.start()
+    qcfg = ZmqQueueConfig(address=f"tcp://127.0.0.1:{find_free_port()}", auth="none")
+    backend = create_queue(qcfg)
+    queue = backend.server(groups_per_step=groups_per_step, max_staleness=max_staleness).start()
+    consumer = backend.consumer("rank0", server=queue)
+    producer = backend.producer()
+    make_env = env_factory(EnvConfig(name="toy_calculator"))
+    config = RollerConfig(group_size=3, max_concurrent_episodes=12, log_every_s=60, **roller_kwargs)
+    tasks = task_stream("builtin", CalculatorEnv, seed=0)
+    client = SGLangClient(url)
+    roller = Roller(
+        config, make_env, tasks, client, ChatRenderer(tokenizer, make_env().tool_schemas), producer
+    )
+
+    async def close() -> None:
+        await client.close()
+        producer.close()
+        consumer.close()
+        queue.stop()
+        await server.stop()
+
+    return server, roller, consumer, close
+
+
+async def test_groups_arrive_whole_and_exact(tokenizer) -> None:
+    _server, roller, consumer, close = await _setup(
+        tokenizer, groups_per_step=4, max_staleness=1, max_groups=4
+    )
+    try:
+        stats = await roller.run()
+        batch = await asyncio.to_thread(consumer.get_batch, 4, 0, 1, 10)
+    finally:
+        await close()
+    assert stats.groups_put == 4 and stats.episodes == 12 and stats.groups_failed == 0
+    assert len(batch.groups) == 4 and len({g.group_id for g in batch.groups}) == 4
+    for group in batch.groups:
+        assert len(group.episodes) == 3  # a GRPO group is never split
+        assert len({e.tokens.tobytes() for e in group.episodes}) == 1  # deterministic scripted policy
+        for ep in group.episodes:
+            assert ep.reward == 1.0 and ep.finish_reason == "done" and ep.num_turns == 2
+            gen = ep.loss_mask.astype(bool)
+            assert np.all(ep.versions[gen] == 0) and np.all(ep.versions[~gen] == -1)
+            assert np.all(ep.logprobs[gen] == -0.5)
+
+
+async def test_admission_keeps_staleness_within_k_as_the_learner_advances(tokenizer) -> None:
+    groups_per_step, k, steps = 2, 1, 5
+    server, roller, consumer, close = await _setup(
+        tokenizer, groups_per_step=groups_per_step, max_staleness=k
+    )
+    run = asyncio.create_task(roller.run())
+    admitted_at: list[int] = []
+    try:
+        for version in range(steps):
+            batch = await asyncio.to_thread(consumer.get_batch, groups_per_step, version, k, 30)
+            assert batch.dropped_stale == 0
+            assert all(s <= k for s in batch.staleness), batch.staleness
+            assert all(g.is_admissible(version, k) for g in batch.groups)
+            admitted_at += [g.metrics["admitted_version"] for g in batch.groups]
+            consumer.ack(batch.group_ids)
+            # the learner steps: new weights reach the server, the new version is published
+            server.weight_version = version + 1
+            consumer.publish_version(version + 1)
+        roller.stop()
+        await asyncio.wait_for(run, 30)
+    finally:
+        roller.stop()
+        await close()
+    # at most (v + k + 1) × groups_per_step groups were ever started while the learner was at v
+    for i, v in enumerate(sorted(admitted_at)):
+        assert i + 1 <= (v + k + 1) * groups_per_step
+
+
+async def test_dynamic_sampling_drops_uniform_groups_and_gives_admission_back(tokenizer) -> None:
+    _server, roller, _consumer, close = await _setup(
+        tokenizer,
+        groups_per_step=1,
+        max_staleness=0,
+        wrong=True,
+        max_groups=3,
+        drop_uniform_reward_groups=True,
+    )
+    run = asyncio.create_task(roller.run())
+    try:
+        for _ in range(200):
+            if roller.stats.groups_dropped_uniform >= 3:
+                break
+            await asyncio.sleep(0.05)
+        roller.stop()
+        await asyncio.wait_for(run, 30)
+    finally:
+        await close()
+    # with k=0 and one group per step only one group could ever be admitted at version 0,
+    # unless dropped groups return their admission: three were dropped, so it was returned
+    assert roller.stats.groups_dropped_uniform >= 3 and roller.stats.groups_put == 0
+
+
+async def test_failed_groups_are_counted_and_release_admission(tokenizer) -> None:
+    server, roller, _consumer, close = await _setup(
+        tokenizer, groups_per_step=1, max_staleness=0, max_groups=1
+    )
+    server.script = lambda ids, params: Reply(
+        [], finish="stop", logprobs=[0.0]
+    )  # malformed: 0 ids, 1 logprob
+    run = asyncio.create_task(roller.run())
+    try:
+        for _ in range(200):
+            if roller.stats.groups_failed >= 2:
+                break
+            await asyncio.sleep(0.05)
+        roller.stop()
+        await asyncio.wait_for(run, 30)
+    finally:
+        await close()
+    assert roller.stats.groups_failed >= 2 and roller.stats.groups_put == 0
+
+
+def test_task_files(tmp_path: Path) -> None:
+    good = tmp_path / "tasks.jsonl"
+    good.write_text('{"id": 1, "question": "a"}\n\n{"id": 2, "question": "b"}\n')
+    stream = task_stream(str(good), CalculatorEnv, seed=0)
+    assert sorted(next(stream)["id"] for _ in range(2)) == [1, 2]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not JSON"):
+        read_task_file(bad)
+    with pytest.raises(ValueError, match="file not found"):
+        read_task_file(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="task_kwargs"):
+        next(task_stream(str(good), CalculatorEnv, seed=0, digits=2))
+    generated = task_stream("builtin", CalculatorEnv, seed=1, digits=2)
+    first = [next(generated) for _ in range(5)]
+    assert all(str(safe_eval(t["expression"])) == t["answer"] for t in first)
