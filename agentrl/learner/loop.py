@@ -296,7 +296,6 @@ def _step_metrics(
     mbs = [mb for plan in plans for mb in plan]
     m["packing/non_padding_frac"] = non_padding_fraction(mbs) if mbs else 0.0
     m["packing/micro_batches"] = float(len(mbs))
-    m["lr"] = learner.scheduler.get_last_lr()[0]
     m["time/wait_data_s"] = t_wait
     m["time/train_s"] = t_train
     m["tokens_per_s"] = _tokens(plans) * learner.world_size / max(t_train, 1e-9)

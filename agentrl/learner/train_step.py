@@ -150,6 +150,7 @@ def optimizer_step(
     sums = _all_reduce(dict(sums), dist.ReduceOp.SUM, device)
     maxes = _all_reduce(dict(maxes), dist.ReduceOp.MAX, device)
     finite = math.isfinite(grad_norm) and math.isfinite(sums["loss"])
+    lr = optimizer.param_groups[0]["lr"]
     if finite:
         optimizer.step()
         scheduler.step()
@@ -160,6 +161,7 @@ def optimizer_step(
         "loss": sums["loss"],
         "pg_loss": sums["pg_loss"],
         "grad_norm": grad_norm,
+        "lr": lr,
         "step_skipped": 0.0 if finite else 1.0,
         "clipfrac": sums["clipfrac"] / n,
         "ratio_mean": sums["ratio"] / n,

@@ -1,0 +1,143 @@
+"""The learner loop on one rank (a real world-size-1 gloo group and FSDP2), fed by an
+in-process source with the queue consumer's methods: it trains, publishes versions, acks,
+logs metrics, exports a loadable HF checkpoint, skips bad input with counted reasons, skips
+non-finite steps without touching the weights, and resumes to the same weights."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from agentrl.config import LearnerConfig
+from agentrl.learner.fsdp import full_state_dict, iter_full_tensors
+from agentrl.learner.loop import build_learner, run
+from agentrl.log import MetricsLogger, read_metrics
+from tests.unit.learner.source import ListSource, make_groups
+
+
+def _cfg(tiny_model, **kw):
+    base = dict(model_path=str(tiny_model), groups_per_step=2, max_steps=3, micro_batch_tokens=64, lr=1e-3,
+                warmup_steps=2, batch_timeout_s=0.1)  # fmt: skip
+    return LearnerConfig(**{**base, **kw})
+
+
+def _weights(learner):
+    return {k: v.clone() for k, v in full_state_dict(learner.model).items()}
+
+
+class Pushes:
+    def __init__(self):
+        self.versions, self.names = [], []
+
+    def push(self, model, version):
+        self.versions.append(version)
+        self.names = [name for name, _ in iter_full_tensors(model)]
+
+
+def test_loop_trains_publishes_acks_logs_and_exports(tiny_model, tmp_path):
+    learner = build_learner(_cfg(tiny_model), tmp_path)
+    before = _weights(learner)
+    source = ListSource(make_groups(6))
+    sync = Pushes()
+    metrics = MetricsLogger(tmp_path)
+    assert run(learner, source, max_staleness=1, weight_sync=sync, metrics=metrics) == 3
+    metrics.close()
+    assert source.versions == [0, 1, 2, 3]
+    assert sync.versions == [1, 2, 3]
+    assert (
+        "model.embed_tokens.weight" in sync.names and "model.layers.0.self_attn.q_proj.weight" in sync.names
+    )
+    assert source.acked == [g.group_id for g in source.groups]
+    after = _weights(learner)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("loss", "grad_norm", "reward/mean", "adv/std", "clipfrac", "is_weight/mean", "mismatch_kl/k3",
+                "entropy", "tokens_per_s", "time/wait_data_s", "packing/non_padding_frac", "lr", "staleness/2"):  # fmt: skip
+        assert key in rows[-1], key
+    assert rows[0]["staleness/0"] == 2  # groups made at version 0, consumed at 0, 1, 2
+    assert [r["lr"] for r in rows] == pytest.approx([5e-4, 1e-3, 1e-3])  # two warm-up steps, then constant
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "latest")
+    assert type(exported).__name__ == "Qwen2ForCausalLM"
+    AutoTokenizer.from_pretrained(tmp_path / "hf" / "latest")
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(tensor, after[name], msg=name)
+
+
+def test_bad_input_is_skipped_and_counted(tiny_model, tmp_path):
+    groups = make_groups(6, seed=1)
+    groups[0].episodes[1].reward = float("nan")
+    groups[1].episodes[0].logprobs = np.zeros(3, dtype=np.float32)  # arrays disagree
+    groups[2].episodes[2].tokens[3] = 5000  # beyond the vocabulary
+    for ep in groups[3].episodes:  # nothing to train on in this batch
+        ep.loss_mask[:] = 0
+    learner = build_learner(_cfg(tiny_model, max_steps=1), tmp_path)
+    metrics = MetricsLogger(tmp_path)
+    source = ListSource(groups)
+    run(learner, source, max_staleness=1, metrics=metrics)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    last = rows[-1]
+    assert last["skipped/nonfinite_reward"] == 1
+    assert last["skipped/arrays_disagree"] == 1
+    assert last["skipped/token_out_of_vocab"] == 1
+    assert last["skipped/no_generated_tokens"] == 1
+    assert last["skipped/no_trainable_tokens"] == 2  # batches 1 and 2 had nothing left
+    assert learner.version == 1 and source.cursor == 6
+    assert all(torch.isfinite(v).all() for v in _weights(learner).values())
+
+
+def test_nonfinite_step_is_skipped_and_weights_untouched(tiny_model, tmp_path):
+    learner = build_learner(_cfg(tiny_model, max_steps=1), tmp_path)
+    before = _weights(learner)
+    layer = learner.model.model.layers[0]
+    calls = {"n": 0}
+
+    def poison(module, args, output):  # the outside edge misbehaves once: a NaN activation
+        calls["n"] += 1
+        if calls["n"] == 1:
+            hidden = output[0] if isinstance(output, tuple) else output
+            hidden = hidden * float("nan")
+            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+        return output
+
+    handle = layer.register_forward_hook(poison)
+    metrics = MetricsLogger(tmp_path)
+    learner.cfg.micro_batch_tokens = 4096  # one micro-batch per step
+    source = ListSource(make_groups(4, seed=2))
+    run(learner, source, max_staleness=1, metrics=metrics, weight_sync=None)
+    handle.remove()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert rows[0]["step_skipped"] == 1 and rows[0]["step"] == 0
+    assert rows[0]["skipped/nonfinite_step"] == 1
+    assert rows[1]["step_skipped"] == 0 and rows[1]["step"] == 1
+    assert not math.isfinite(float(rows[0]["grad_norm"]))
+    after = _weights(learner)
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert source.versions == [0, 1]
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the second batch trained
+
+
+@pytest.mark.parametrize("off_policy", ["tis", "decoupled"])
+def test_resume_gives_the_same_weights_as_a_straight_run(tiny_model, tmp_path, off_policy):
+    groups = make_groups(8, seed=3)
+    kw = dict(max_steps=4, off_policy=off_policy, mini_batches=2 if off_policy == "decoupled" else 1)
+    straight = build_learner(_cfg(tiny_model, **kw), tmp_path / "straight")
+    run(straight, ListSource(groups), max_staleness=1)
+    expected = _weights(straight)
+
+    first = build_learner(_cfg(tiny_model, **{**kw, "max_steps": 2}), tmp_path / "resumed")
+    source = ListSource(groups)
+    run(first, source, max_staleness=1)
+    second = build_learner(_cfg(tiny_model, **kw), tmp_path / "resumed")
+    fresh_source = ListSource(groups)  # a new process: the cursor comes back from the checkpoint
+    assert run(second, fresh_source, max_staleness=1, resume_from_checkpoint=True) == 4
+    assert fresh_source.versions[0] == 2 and fresh_source.cursor == 8
+    got = _weights(second)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7, msg=name)
+    optim = second.optimizer.state_dict()["state"]
+    assert optim and all(int(s["step"]) == 4 * kw["mini_batches"] for s in optim.values())
