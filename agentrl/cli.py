@@ -76,8 +76,10 @@ def learner(
     resume: Annotated[bool, typer.Option(help="Continue from the latest checkpoint.")] = False,
 ) -> None:
     """Train the policy on groups streamed from the TransferQueue (FSDP2; torchrun for several ranks)."""
-    load(config, ctx)
-    raise not_built("learner", 6, "the FSDP2 learner")
+    cfg = load(config, ctx)
+    from agentrl.learner.main import exit_process, main
+
+    exit_process(main(cfg, resume=resume))
 
 
 @app.command(context_settings=OVERRIDES)
@@ -229,6 +231,102 @@ def doctor(ctx: typer.Context, config: ConfigOpt = None) -> None:
 
     cfg = load(config, ctx)
     raise typer.Exit(run_doctor(cfg))
+
+
+sandbox_app = typer.Typer(
+    help="Run commands in a fresh sandbox (debugging, scripted checks).", no_args_is_help=True
+)
+app.add_typer(sandbox_app, name="sandbox")
+BackendOpt = Annotated[str, typer.Option(help="Sandbox backend: local or docker.")]
+
+
+def _sandbox_config(backend: str, **fields: object):  # -> LocalSandboxConfig | DockerSandboxConfig
+    """A validated sandbox config from command-line options (None values keep the defaults)."""
+    from pydantic import ValidationError
+
+    from agentrl.config import DockerSandboxConfig, LocalSandboxConfig
+
+    kinds = {"local": LocalSandboxConfig, "docker": DockerSandboxConfig}
+    if backend not in kinds:
+        raise _fail(f"--backend: unknown sandbox backend {backend!r}; choose local or docker")
+    given = {k: v for k, v in fields.items() if v is not None and k in kinds[backend].model_fields}
+    try:
+        return kinds[backend](**given)
+    except ValidationError as exc:
+        raise _fail(
+            f"invalid sandbox option: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}"
+        ) from None
+
+
+@sandbox_app.command("exec")
+def sandbox_exec(
+    cmd: Annotated[
+        list[str],
+        typer.Argument(help="The command and its arguments after --; one argument runs via /bin/sh -c."),
+    ],
+    backend: BackendOpt = "local",
+    timeout: Annotated[float | None, typer.Option(help="Wall-clock limit in seconds.")] = None,
+    memory_mb: Annotated[int | None, typer.Option(help="Memory limit in MiB.")] = None,
+    image: Annotated[str | None, typer.Option(help="Docker image, or a directory copied in (local).")] = None,
+    isolation: Annotated[str | None, typer.Option(help="Local: auto, bwrap, namespaces, rlimits.")] = None,
+    min_isolation: Annotated[str | None, typer.Option(help="Local: weakest isolation accepted.")] = None,
+) -> None:
+    """Run one command in a fresh sandbox; print {"exit_code", "stdout", "stderr", "timed_out", "isolation"}."""
+    import asyncio
+    import json
+
+    from agentrl.envs.sandbox import SandboxError, create
+
+    cfg = _sandbox_config(
+        backend, timeout_s=timeout, memory_mb=memory_mb, isolation=isolation, min_isolation=min_isolation
+    )
+
+    async def run_one() -> dict:
+        box = create(cfg)
+        try:
+            await box.start(image)
+            result = await box.exec(cmd if len(cmd) > 1 else cmd[0], timeout=timeout)
+            return {**result.to_dict(), "isolation": box.isolation}
+        finally:
+            await box.close()
+
+    try:
+        typer.echo(json.dumps(asyncio.run(run_one())))
+    except SandboxError as exc:
+        raise _fail(str(exc), code=3) from None
+
+
+@app.command("sandbox-server")
+def sandbox_server(
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8765,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    backend: BackendOpt = "local",
+    api_key_env: Annotated[str, typer.Option(help="Environment variable holding the API key.")] = (
+        "AGENTRL_SANDBOX_KEY"
+    ),
+    timeout: Annotated[float | None, typer.Option(help="Cap on one exec's wall-clock time (s).")] = None,
+    memory_mb: Annotated[int | None, typer.Option(help="Memory limit of each sandbox in MiB.")] = None,
+    max_processes: Annotated[int | None, typer.Option(help="Process limit of each sandbox.")] = None,
+    min_isolation: Annotated[str | None, typer.Option(help="Local: weakest isolation accepted.")] = None,
+    max_sandboxes: Annotated[int, typer.Option(help="Live sandboxes at most (429 beyond).")] = 64,
+    idle_timeout: Annotated[float, typer.Option(help="Close sandboxes idle this long (s).")] = 1800.0,
+) -> None:
+    """Serve sandboxes over HTTP with an API key, for rollers without Docker or bubblewrap."""
+    import os
+
+    key = os.environ.get(api_key_env, "")
+    if not key:
+        raise _fail(f"--api-key-env: set {api_key_env} to the API key clients will send")
+    cfg = _sandbox_config(
+        backend,
+        timeout_s=timeout,
+        memory_mb=memory_mb,
+        max_processes=max_processes,
+        min_isolation=min_isolation,
+    )
+    from agentrl.envs.sandbox.server import serve
+
+    serve(cfg, key, host, port, max_sandboxes=max_sandboxes, idle_timeout_s=idle_timeout)
 
 
 def main() -> None:
