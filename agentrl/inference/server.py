@@ -420,4 +420,11 @@ def run_server(model_path: str, host: str, port: int, config) -> None:
     logger.info(
         "serving %s on http://%s:%d (api key: %s)", model_path, host, port, "on" if api_key else "off"
     )
-    web.run_app(app, host=host, port=port, access_log=None, print=lambda msg: print(msg, flush=True))
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        access_log=None,
+        shutdown_timeout=5,
+        print=lambda msg: print(msg, flush=True),
+    )

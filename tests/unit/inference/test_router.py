@@ -1,0 +1,104 @@
+"""The router over real embedded servers, a dead port and a server that hangs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from agentrl.inference.base import BadRequestError, RequestLostError
+from agentrl.inference.router import Router
+from agentrl.inference.sglang import SGLangClient
+from tests.conftest import find_free_port
+from tests.unit.inference.conftest import ServerThread
+
+PROMPT = [5, 17, 42, 99, 3]
+PARAMS = {"max_new_tokens": 6, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def second(tiny_model: Path):
+    srv = ServerThread(tiny_model).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+async def hanging() -> AsyncIterator[str]:
+    """A server that accepts /generate and never answers (a wedged GPU, a stuck process)."""
+
+    async def never(request: web.Request) -> web.Response:
+        await asyncio.sleep(3600)
+        return web.Response()
+
+    app = web.Application()
+    app.add_routes([web.post("/generate", never), web.get("/health", never)])
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    port = find_free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+def _dead_url() -> str:
+    return f"http://127.0.0.1:{find_free_port()}"
+
+
+async def test_balances_and_fails_over_from_a_dead_server(server: ServerThread, second: ServerThread):
+    router = Router(
+        [SGLangClient(_dead_url(), connect_timeout_s=2), SGLangClient(server.url), SGLangClient(second.url)]
+    )
+    try:
+        results = await asyncio.gather(*(router.generate(PROMPT, PARAMS) for _ in range(24)))
+        assert all(len(r.output_ids) == 6 for r in results)
+        used = Counter(r.server for r in results)
+        assert set(used) == {server.url, second.url} and min(used.values()) >= 4, used
+        assert router.stats["lost"] == 0 and router.stats["completed"] == 24
+        assert router.healthy[0] is False
+    finally:
+        await router.close()
+
+
+async def test_sticky_sessions_stay_on_one_server(server: ServerThread, second: ServerThread):
+    async with Router([SGLangClient(server.url), SGLangClient(second.url)]) as router:
+        for session in ("ep-a", "ep-b", "ep-c"):
+            servers = {(await router.generate(PROMPT, PARAMS, session_id=session)).server for _ in range(4)}
+            assert len(servers) == 1
+
+
+async def test_hanging_server_times_out_and_request_moves_on(server: ServerThread, hanging: str):
+    async with Router([SGLangClient(hanging), SGLangClient(server.url)], request_timeout_s=1.5) as router:
+        router.outstanding[1] = 5  # make the hanging one look least loaded so it is tried first
+        res = await asyncio.wait_for(router.generate(PROMPT, PARAMS), 20)
+        router.outstanding[1] = 0
+        assert res.server == server.url and router.stats["retries"] == 1 and router.stats["lost"] == 0
+
+
+async def test_all_servers_down_is_a_counted_loss_not_a_hang():
+    async with Router(
+        [SGLangClient(_dead_url(), connect_timeout_s=1) for _ in range(2)], max_retries=3
+    ) as router:
+        with pytest.raises(RequestLostError, match="2 server"):
+            await asyncio.wait_for(router.generate(PROMPT, PARAMS), 20)
+        assert router.stats["lost"] == 1
+
+
+async def test_bad_request_is_not_retried(server: ServerThread, second: ServerThread):
+    async with Router([SGLangClient(server.url), SGLangClient(second.url)]) as router:
+        with pytest.raises(BadRequestError):
+            await router.generate([10**7], PARAMS)
+        assert router.stats["retries"] == 0 and router.stats["bad_requests"] == 1
+
+
+async def test_admin_calls_fan_out(server: ServerThread, second: ServerThread):
+    async with Router([SGLangClient(server.url), SGLangClient(second.url)]) as router:
+        await router.pause_generation()
+        assert server.engine.paused and second.engine.paused
+        await router.continue_generation()
+        assert not server.engine.paused and not second.engine.paused
+        assert await router.get_weight_version() == 0

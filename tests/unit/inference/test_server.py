@@ -1,0 +1,231 @@
+"""The embedded server over real HTTP: generate, bad input, API key, abort/pause, weight updates.
+
+The server runs in a background thread of this process (see conftest.py) on a free loopback
+port; the test talks to it with the SGLang client and raw aiohttp, and plays the trainer's
+side of a real gloo group for `/update_weights_from_distributed`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from agentrl.inference.base import BadRequestError, InferenceError
+from agentrl.inference.sglang import SGLangClient
+from tests.conftest import find_free_port
+from tests.unit.inference.conftest import ServerThread
+
+PROMPT = [5, 17, 42, 99, 3]
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+async def _post(url: str, path: str, body, headers=None) -> tuple[int, dict | str]:
+    async with aiohttp.ClientSession(headers=headers) as s:
+        data = body if isinstance(body, (str, bytes)) else None
+        kw = {"data": data} if data is not None else {"json": body}
+        async with s.post(url + path, **kw) as r:
+            return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+
+
+async def test_generate_returns_sglang_shape_and_matching_logprobs(server: ServerThread):
+    status, out = await _post(
+        server.url,
+        "/generate",
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 10, "ignore_eos": True},
+            "return_logprob": True,
+        },
+    )
+    assert status == 200
+    meta = out["meta_info"]
+    assert len(out["output_ids"]) == 10 and meta["completion_tokens"] == 10 and meta["prompt_tokens"] == 5
+    assert meta["finish_reason"] == {"type": "length", "length": 10}
+    assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
+    ids = torch.tensor([PROMPT + out["output_ids"]])
+    with torch.no_grad():
+        logp = server.engine.model(input_ids=ids).logits[0].log_softmax(-1)
+    ref = logp[4:-1].gather(1, torch.tensor(out["output_ids"])[:, None]).squeeze(1)
+    got = torch.tensor([t[0] for t in meta["output_token_logprobs"]])
+    assert torch.allclose(got, ref, atol=1e-4)
+
+
+async def test_batch_and_n_and_text(server: ServerThread):
+    status, out = await _post(
+        server.url,
+        "/generate",
+        {"input_ids": [PROMPT, PROMPT[:2]], "sampling_params": {**GREEDY, "n": 2}, "rid": "batch"},
+    )
+    assert status == 200 and len(out) == 4
+    assert out[0]["output_ids"] == out[1]["output_ids"]  # greedy copies agree
+    assert {o["meta_info"]["id"] for o in out} == {"batch-0-0", "batch-0-1", "batch-1-0", "batch-1-1"}
+    status, out = await _post(server.url, "/generate", {"text": "the answer is", "sampling_params": GREEDY})
+    assert status == 200 and isinstance(out["text"], str) and len(out["output_ids"]) == 8
+
+
+async def test_client_generate_result(server: ServerThread):
+    async with SGLangClient(server.url) as client:
+        res = await client.generate(PROMPT, GREEDY, rid="c1")
+        assert res.finish_reason == "length" and len(res.output_ids) == 8 == len(res.logprobs)
+        assert res.weight_version == await client.get_weight_version()
+        assert await client.health()
+        with pytest.raises(BadRequestError, match="out of vocabulary"):
+            await client.generate([10**6], GREEDY)
+
+
+BAD = [
+    ("{not json", "malformed JSON"),
+    ({"input_ids": PROMPT, "bogus": 1}, "bogus: unknown field"),
+    ({"input_ids": [1, 2, 999999]}, "out of vocabulary"),
+    ({"input_ids": [-1]}, "out of vocabulary"),
+    ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"input_ids": PROMPT, "sampling_params": {"temprature": 1}}, "temprature: unknown field"),
+    ({"input_ids": [7] * 4200}, "context length"),
+    ({"input_ids": []}, "empty"),
+    ({"text": "hi", "input_ids": PROMPT}, "exactly one"),
+    ({"input_ids": PROMPT, "stream": True}, "streaming is not supported"),
+    ([1, 2], "JSON object"),
+]
+
+
+async def test_bad_input_gets_400_and_server_keeps_serving(server: ServerThread):
+    for body, message in BAD:
+        raw = body if isinstance(body, str) else None
+        status, out = await _post(server.url, "/generate", raw if raw is not None else body)
+        assert status == 400, (body, out)
+        assert message in out["error"]["message"], (body, out)
+    status, out = await _post(server.url, "/update_weights_from_disk", {"model_path": "/nonexistent"})
+    assert status == 400 and out["success"] is False
+    status, out = await _post(server.url, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+    assert status == 200 and len(out["output_ids"]) == 8
+
+
+async def test_abort_by_rid_returns_partial_then_pause_holds(server: ServerThread):
+    async with SGLangClient(server.url) as client:
+        long = {"max_new_tokens": 3000, "ignore_eos": True}
+        task = asyncio.create_task(client.generate(PROMPT, long, rid="to-abort"))
+        while server.engine.num_running == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        await client.abort_request(rid="to-abort")
+        res = await asyncio.wait_for(task, 30)
+        assert res.finish_reason == "abort" and 0 < len(res.output_ids) < 3000
+        assert len(res.logprobs) == len(res.output_ids)
+
+        task = asyncio.create_task(client.generate(PROMPT, long))
+        while server.engine.num_running == 0:
+            await asyncio.sleep(0.01)
+        await client.pause_generation()
+        assert (await asyncio.wait_for(task, 30)).finish_reason == "abort"
+        held = asyncio.create_task(client.generate(PROMPT, GREEDY))
+        await asyncio.sleep(0.3)
+        assert not held.done()
+        await client.continue_generation()
+        assert len((await asyncio.wait_for(held, 30)).output_ids) == 8
+
+
+async def test_api_key_guards_every_route(tiny_model: Path):
+    srv = ServerThread(tiny_model, api_key="s3cret").start()
+    try:
+        for path in ("/health", "/get_model_info", "/get_weight_version"):
+            async with aiohttp.ClientSession() as s, s.get(srv.url + path) as r:
+                assert r.status == 401
+        status, _ = await _post(srv.url, "/generate", {"input_ids": PROMPT})
+        assert status == 401
+        async with SGLangClient(srv.url, api_key="wrong") as bad:
+            assert not await bad.health()
+        async with SGLangClient(srv.url, api_key="s3cret") as good:
+            assert await good.health()
+            assert len((await good.generate(PROMPT, GREEDY)).output_ids) == 8
+    finally:
+        srv.stop()
+
+
+def _perturbed_checkpoint(src: Path, dst: Path, scale: float = 5.0) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    changed = {k: (v + scale * torch.randn(v.shape, generator=gen)).contiguous() for k, v in tensors.items()}
+    save_file(changed, str(dst / "model.safetensors"))
+    return changed
+
+
+async def test_update_weights_from_disk_changes_outputs_and_version(tiny_model: Path, tmp_path: Path):
+    srv = ServerThread(tiny_model).start()
+    try:
+        async with SGLangClient(srv.url) as client:
+            before = await client.generate(PROMPT, GREEDY)
+            _perturbed_checkpoint(tiny_model, tmp_path / "v7")
+            await client.update_weights_from_disk(str(tmp_path / "v7"), weight_version=7)
+            after = await client.generate(PROMPT, GREEDY)
+            assert after.weight_version == 7 == await client.get_weight_version()
+            assert after.output_ids != before.output_ids
+            # a checkpoint of another shape is refused and changes nothing
+            from safetensors.torch import save_file
+
+            (tmp_path / "bad").mkdir()
+            save_file({"model.norm.weight": torch.ones(3)}, str(tmp_path / "bad" / "model.safetensors"))
+            with pytest.raises(BadRequestError, match="shape mismatch"):
+                await client.update_weights_from_disk(str(tmp_path / "bad"), weight_version=8)
+            again = await client.generate(PROMPT, GREEDY)
+            assert again.output_ids == after.output_ids and again.weight_version == 7
+    finally:
+        srv.stop()
+
+
+async def test_update_weights_from_distributed_over_gloo(tiny_model: Path, tmp_path: Path):
+    """This test is the trainer: rank 0 of a real gloo group; the server joins as rank 1."""
+    from agentrl.inference.weight_group import dtype_name, join_group
+
+    srv = ServerThread(tiny_model).start()
+    port = find_free_port()
+    trainer: dict = {}
+    joined = threading.Thread(
+        target=lambda: trainer.update(g=join_group("127.0.0.1", port, 0, 2, "wg", "gloo", 30))
+    )
+    try:
+        async with SGLangClient(srv.url) as client:
+            before = await client.generate(PROMPT, GREEDY)
+            joined.start()
+            await client.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo")
+            joined.join(30)
+            group = trainer["g"]
+            new = _perturbed_checkpoint(tiny_model, tmp_path / "ckpt")
+            names = sorted(new)
+            # send in two buckets, each: post the metadata, then broadcast in the order of `names`
+            for bucket, version in ((names[: len(names) // 2], None), (names[len(names) // 2 :], 3)):
+                call = asyncio.create_task(
+                    client.update_weights_from_distributed(
+                        bucket,
+                        [dtype_name(new[n].dtype) for n in bucket],
+                        [list(new[n].shape) for n in bucket],
+                        "wg",
+                        weight_version=version,
+                    )
+                )
+                for n in bucket:
+                    await asyncio.to_thread(group.broadcast, new[n].clone(), 0)
+                await asyncio.wait_for(call, 30)
+            after = await client.generate(PROMPT, GREEDY)
+            assert after.weight_version == 3 and after.output_ids != before.output_ids
+            for n in names:
+                assert torch.equal(srv.engine.model.state_dict()[n], new[n]), n
+            # names the model lacks: the server still receives (the group stays aligned), then refuses
+            call = asyncio.create_task(
+                client.update_weights_from_distributed(["nope"], ["float32"], [[2]], "wg", 4)
+            )
+            await asyncio.to_thread(group.broadcast, torch.ones(2), 0)
+            with pytest.raises(BadRequestError, match="unknown parameter names"):
+                await asyncio.wait_for(call, 30)
+            assert await client.get_weight_version() == 3
+            await client.destroy_weights_update_group("wg")
+            with pytest.raises(InferenceError):
+                await client.update_weights_from_distributed(["x"], ["float32"], [[1]], "wg")
+    finally:
+        srv.stop()
