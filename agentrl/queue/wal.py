@@ -65,6 +65,7 @@ class WriteAheadLog:
         self._live_per_segment: dict[int, int] = {}
         self._file = None
         self._segment = 0
+        self._older: list[int] = []  # closed segments, oldest first
         self._dirty = False
 
     # ------------------------------------------------------------------ replay
@@ -82,6 +83,7 @@ class WriteAheadLog:
         for n in segments:
             self._replay(n, out, last=n == segments[-1])
         self._segment = segments[-1] if segments else 1
+        self._older = segments[:-1]
         self._file = open(self._path(self._segment), "ab")  # noqa: SIM115 - held open for appends
         return out
 
@@ -173,19 +175,19 @@ class WriteAheadLog:
 
     def maybe_roll(self, version: int, started: int, acked: Iterable[str]) -> None:
         """Start a new segment when this one is full; delete leading segments with no live group."""
-        if self._file.tell() < self.segment_bytes:
-            return
-        self.commit()
-        self._file.close()
-        self._segment += 1
-        self._file = open(self._path(self._segment), "ab")  # noqa: SIM115
-        snap = {"version": version, "started": started, "acked": list(acked)[-MAX_REMEMBERED_ACKS:]}
-        self._write(SNAPSHOT, [msgpack.packb(snap)])
-        self.commit()
-        for n in self._segments():
-            if n >= self._segment or self._live_per_segment.get(n, 0) > 0:
-                break
-            self._path(n).unlink()
+        if self._file.tell() >= self.segment_bytes:
+            self.commit()
+            self._file.close()
+            self._segment += 1
+            self._file = open(self._path(self._segment), "ab")  # noqa: SIM115
+            snap = {"version": version, "started": started, "acked": list(acked)[-MAX_REMEMBERED_ACKS:]}
+            self._write(SNAPSHOT, [msgpack.packb(snap)])
+            self.commit()
+            self._older.append(self._segment - 1)
+        # the acked ids of a deleted segment live on in the snapshot that opens every later one
+        while self._older and self._live_per_segment.get(self._older[0], 0) == 0:
+            n = self._older.pop(0)
+            self._path(n).unlink(missing_ok=True)
             self._live_per_segment.pop(n, None)
 
     def close(self) -> None:

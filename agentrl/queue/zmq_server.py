@@ -27,6 +27,7 @@ groups dropped as stale give their admission back so rollers replace them.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections import OrderedDict, deque
@@ -146,12 +147,15 @@ class QueueServer:
         return self
 
     def stop(self) -> None:
+        """Stop serving, close the sockets and the WAL (idempotent)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
-        if self.wal is not None:
-            self.wal.close()
-        self.context.term()
+            self._thread.join()
+        with self._lock:
+            if self.wal is not None:
+                self.wal.close()
+        if not self.context.closed:
+            self.context.term()
 
     def serve_forever(self) -> None:
         """Block the calling thread until interrupted (the standalone `agentrl queue`)."""
@@ -171,6 +175,8 @@ class QueueServer:
         log.info("WAL: recovered %d unacked groups, version %d", len(self._queued), self.version)
 
     def _run(self) -> None:
+        # signals are for the main thread; an EINTR inside libzmq here would only get in the way
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             public = self._socket(self.bind)
             local = self._socket(self.inproc_address)
@@ -184,6 +190,18 @@ class QueueServer:
         poller = zmq.Poller()
         poller.register(public, zmq.POLLIN)
         poller.register(local, zmq.POLLIN)
+        try:
+            self._loop(poller, public, local)
+        except zmq.ContextTerminated:
+            pass
+        except Exception:
+            log.exception("queue server thread failed")
+            raise
+        finally:
+            public.close(linger=0)
+            local.close(linger=0)
+
+    def _loop(self, poller: zmq.Poller, public: zmq.Socket, local: zmq.Socket) -> None:
         while not self._stop.is_set():
             events = dict(poller.poll(50))
             for sock in (public, local):
@@ -200,8 +218,6 @@ class QueueServer:
                     self.wal.commit()
                     self.wal.maybe_roll(self.version, self.started, self._acked)
             self._flush()
-        public.close(linger=0)
-        local.close(linger=0)
 
     def _socket(self, address: str) -> zmq.Socket:
         sock = self.context.socket(zmq.ROUTER)

@@ -1,0 +1,116 @@
+"""Unauthenticated, corrupt and oversized messages are refused and counted; the server keeps serving."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from agentrl.queue.auth import Authenticator, AuthError, load_secret
+from agentrl.types import encode_group
+from tests.unit.queue.conftest import SECRET, Harness, make_group
+
+
+@pytest.mark.parametrize("scheme", ["P", "H"])
+def test_mac_covers_control_payload_and_framing(scheme: str) -> None:
+    auth = Authenticator(SECRET.encode(), scheme)
+    control, payload = b"ctl", [b"abc", b"def"]
+    mac = auth.sign(control, payload)
+    auth.verify(mac, control, payload)
+    for bad_control, bad_payload in [
+        (b"ctX", payload),
+        (control, [b"abc", b"deX"]),
+        (control, [b"ab", b"cdef"]),
+    ]:
+        with pytest.raises(AuthError):
+            auth.verify(mac, bad_control, bad_payload)
+    with pytest.raises(AuthError):
+        Authenticator(b"another-secret-of-some-length").verify(mac, control, payload)
+    with pytest.raises(AuthError):
+        auth.verify(b"-", control, payload)
+
+
+def test_missing_secret_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTRL_QUEUE_SECRET", raising=False)
+    with pytest.raises(AuthError, match="AGENTRL_QUEUE_SECRET"):
+        load_secret("AGENTRL_QUEUE_SECRET")
+
+
+def _raw_dealer(address: str) -> tuple[zmq.Context, zmq.Socket]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return ctx, sock
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_unauthenticated_and_corrupt_messages_are_refused(zmq_queue: Harness) -> None:
+    zmq_queue.start(max_message_bytes=1 << 16)
+    server = zmq_queue.server
+    ctx, sock = _raw_dealer(zmq_queue.address)
+    group = make_group(seed=1)
+    frames = [bytes(f) for f in encode_group(group)]
+    put = msgpack.packb({"k": "put", "items": [[1, group.group_id, len(frames)]]})
+    wrong = Authenticator(b"not-the-secret-but-long-enough")
+    right = Authenticator(SECRET.encode())
+    sock.send_multipart([b"-", put, *frames])  # unsigned
+    sock.send_multipart([wrong.sign(put, frames), put, *frames])  # wrong secret
+    sock.send_multipart(
+        [right.sign(put, frames), put, *frames[:-1], b"\x00" * 7]
+    )  # payload changed after signing
+    sock.send_multipart([b"x"])  # too few frames
+    assert _wait_for(
+        lambda: server.metrics()["refused_auth"] == 3 and server.metrics()["refused_corrupt"] == 1
+    )
+    assert not sock.poll(300), "an unauthenticated peer got an answer"
+
+    garbage = b"\xc1 not msgpack"
+    sock.send_multipart([right.sign(garbage), garbage])
+    bad_group = [frames[0], frames[1][:-4], *frames[2:]]  # signed, but the tokens frame is cut short
+    sock.send_multipart([right.sign(put, bad_group), put, *bad_group])
+    big = make_group(seed=2, tokens=8192)
+    big_frames = [bytes(f) for f in encode_group(big)]
+    big_put = msgpack.packb({"k": "put", "items": [[2, big.group_id, len(big_frames)]]})
+    sock.send_multipart([right.sign(big_put, big_frames), big_put, *big_frames])
+    assert _wait_for(
+        lambda: server.metrics()["refused_corrupt"] == 3 and server.metrics()["refused_oversize"] == 1
+    )
+    replies = []
+    while sock.poll(1000) and len(replies) < 3:
+        mac, control = sock.recv_multipart()
+        right.verify(mac, control)
+        replies.append(msgpack.unpackb(control))
+    assert [r["k"] for r in replies] == ["err"] * 3
+    assert "max_message_bytes" in replies[2]["msg"]
+    sock.close()
+    ctx.term()
+
+    zmq_queue.put([group])  # and the server still serves honest peers
+    batch = zmq_queue.consumer().get_batch(1, 0, 1, timeout_s=10)
+    assert batch.group_ids == [group.group_id]
+    assert server.metrics()["groups_in"] == 1
+
+
+def test_in_process_consumer_uses_inproc(zmq_queue: Harness) -> None:
+    zmq_queue.start()
+    groups = [make_group(seed=i) for i in range(3)]
+    zmq_queue.put(groups, concurrent=True)
+    consumer = zmq_queue.backend.consumer("rank0", server=zmq_queue.server)
+    try:
+        batch = consumer.get_batch(3, 0, 1, timeout_s=10)
+        assert sorted(batch.group_ids) == sorted(g.group_id for g in groups)
+        consumer.ack(batch.group_ids)
+        assert consumer.metrics()["bytes"] == 0
+    finally:
+        consumer.close()
