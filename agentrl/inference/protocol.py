@@ -33,6 +33,13 @@ class SamplingParamsIn(Strict):
     min_new_tokens: int = Field(0, ge=0, le=0, description="only 0 is supported by the embedded server")
     no_stop_trim: bool = False
 
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("top_k must be -1 (disabled) or at least 1, as in SGLang")
+        return v
+
     def stops(self) -> list[str]:
         if self.stop is None:
             return []
@@ -140,8 +147,9 @@ class DestroyGroupIn(Strict):
 
 
 class AbortIn(Strict):
-    rid: str = ""
+    rid: str | None = ""
     abort_all: bool = False
+    abort_message: str | None = None
 
 
 class PauseIn(Strict):
