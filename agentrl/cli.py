@@ -329,6 +329,54 @@ def sandbox_server(
     serve(cfg, key, host, port, max_sandboxes=max_sandboxes, idle_timeout_s=idle_timeout)
 
 
+@app.command()
+def retriever(
+    corpus: Annotated[
+        Path | None, typer.Option(help="JSONL corpus: one {id, contents} per line (Search-R1 layout).")
+    ] = None,
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    topk: Annotated[int, typer.Option(help="Documents per query when a request gives no topk.")] = 3,
+    index_dir: Annotated[
+        Path | None, typer.Option(help="Where the index is cached (default: beside the corpus).")
+    ] = None,
+    method: Annotated[
+        str, typer.Option(help="bm25 (default) or dense (needs faiss + sentence-transformers).")
+    ] = ("bm25"),
+    dense_model: Annotated[str, typer.Option(help="sentence-transformers model of --method dense.")] = (
+        "intfloat/e5-base-v2"
+    ),
+    make_synthetic: Annotated[
+        Path | None,
+        typer.Option(help="Write the offline synthetic corpus and QA splits to this folder (then serve it)."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic world.")] = 0,
+    num_people: Annotated[int, typer.Option(help="People (and organisations) in the synthetic world.")] = 200,
+) -> None:
+    """Serve Search-R1's `POST /retrieve` over a corpus (BM25 by default, index cached on disk).
+
+    `--make-synthetic DIR` writes DIR/corpus.jsonl, train.jsonl and test.jsonl and exits,
+    unless --corpus is also given (then it serves --corpus)."""
+    if make_synthetic is not None:
+        from agentrl.envs.search.synthetic import make_synthetic as make
+
+        paths = make(make_synthetic, seed=seed, num_people=num_people)
+        typer.echo("wrote " + ", ".join(str(p) for p in paths.values()), err=True)
+        if corpus is None:
+            return
+    if corpus is None:
+        raise _fail("--corpus: give the JSONL corpus to serve (or --make-synthetic DIR to write one)")
+    from agentrl.envs.search.retriever import create_retriever
+    from agentrl.envs.search.server import serve as serve_retriever
+
+    try:
+        kwargs = {"model_name": dense_model} if method == "dense" else {}
+        index = create_retriever(corpus, method, index_dir, **kwargs)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    serve_retriever(index, host, port, topk=topk)
+
+
 def main() -> None:
     app(prog_name="agentrl")
 
