@@ -27,7 +27,8 @@ from pathlib import Path
 TOOLS = [
     "sh", "bash", "env", "cat", "echo", "ls", "mkdir", "rm", "cp", "mv", "ln", "head", "tail", "wc", "sleep",
     "true", "false", "test", "grep", "sed", "sort", "uniq", "tr", "cut", "find", "xargs", "kill", "id",
-    "stat", "touch", "chmod", "dirname", "basename", "printf", "timeout", "diff", "patch", "nproc", "yes",
+    "stat", "touch", "chmod", "dirname", "basename", "printf", "timeout", "diff", "patch", "nproc", "yes", "git",
+    "ps", "awk", "tee", "which",
 ]  # fmt: skip
 SKIP_STDLIB = {
     "test",
@@ -60,9 +61,9 @@ def add_file(tar: tarfile.TarFile, path: str, seen: set[str]) -> None:
     for parent in reversed(Path(path).parents[:-1]):
         add_dir(tar, str(parent), seen)
     info = tar.gettarinfo(path, arcname=path.lstrip("/"))
-    if info.issym():
+    if info.issym():  # keep every hop (e.g. /usr/bin/awk -> /etc/alternatives/awk -> mawk)
         tar.addfile(info)
-        add_file(tar, os.path.realpath(path), seen)
+        add_file(tar, os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path))), seen)
     elif info.isreg():
         with open(path, "rb") as f:
             tar.addfile(info, f)

@@ -160,3 +160,38 @@ def test_cli_exec_with_docker_backend(docker_host: str) -> None:
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out == {"exit_code": 0, "stdout": "4\n", "stderr": "", "timed_out": False, "isolation": "docker"}
+
+
+async def test_dockerfiles_build_without_a_registry(docker_host: str, tmp_path: Path) -> None:
+    """Dockerfile.python and Dockerfile.swe build FROM the imported host image, offline, and the
+    SWE base runs a task's tests with pytest."""
+    import docker
+
+    context = tmp_path / "context"
+    shutil.copytree(REPO / "sandboxes", context)
+    subprocess.run([sys.executable, str(context / "vendor.py"), "collect", str(context / "vendor"), "pytest"],
+                   check=True, capture_output=True)  # fmt: skip
+    client = docker.DockerClient(base_url=docker_host)
+    try:
+        client.images.build(path=str(context), dockerfile="Dockerfile.python", buildargs={"BASE": IMAGE},
+                            tag="agentrl/python-sandbox:test", rm=True)  # fmt: skip
+        client.images.build(path=str(context), dockerfile="Dockerfile.swe", tag="agentrl/swe-base:test",
+                            buildargs={"BASE": "agentrl/python-sandbox:test"}, rm=True)  # fmt: skip
+    except docker.errors.BuildError as exc:
+        log = "".join(str(chunk.get("stream", chunk)) for chunk in exc.build_log)
+        raise AssertionError(f"image build failed: {exc}\n{log[-3000:]}") from None
+    finally:
+        client.close()
+    async with create(config(docker_host, image="agentrl/swe-base:test", memory_mb=256)) as box:
+        await box.write_file("calc.py", "def add(a, b):\n    return a - b\n")
+        await box.write_file(
+            "test_calc.py", "from calc import add\n\ndef test_add():\n    assert add(2, 2) == 4\n"
+        )
+        failing = await box.exec("git init -q . && git add -A && python3 -m pytest -q test_calc.py")
+        assert failing.exit_code == 1, failing.stdout + failing.stderr
+        await box.exec("sed -i 's/a - b/a + b/' calc.py")
+        diff = await box.exec("git diff")
+        assert "+    return a + b" in diff.stdout
+        passing = await box.exec("python3 -m pytest -q test_calc.py")
+        assert passing.exit_code == 0, passing.stdout + passing.stderr
+        assert "1 passed" in passing.stdout
