@@ -265,6 +265,8 @@ class BroadcastSyncConfig(Section):
     """Port of the weight-sync rendezvous; 0 picks a free one."""
     timeout_s: float = Field(120.0, gt=0)
     """Timeout of group set-up and of every collective."""
+    workers_per_server: int = Field(1, ge=1)
+    """Ranks each inference server contributes to the group (its tensor-parallel size; 1 for embedded)."""
 
 
 class DiskSyncConfig(Section):

@@ -1,0 +1,150 @@
+"""Checkpoint engines: push the learner's weights into every inference server.
+
+    engine = create(config.weight_sync, config.inference, rank=rank, run_dir=run_dir)
+    engine.init()                      # rendezvous (broadcast) or directory set-up (disk)
+    engine.push(model, version)        # on every learner rank, after each optimizer step
+    engine.close()
+
+`push` is called on every learner rank because gathering full tensors from an FSDP2
+model is a collective; only rank 0 talks to the servers. Servers are driven through the
+inference clients (`agentrl.inference`), so the embedded server, SGLang and vLLM are
+updated through the same engine. The learner loop is synchronous; the engine runs the
+clients' HTTP calls on its own event-loop thread (`AsyncBridge`).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentrl.log import get_logger
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
+    from agentrl.inference.base import InferenceClient
+
+logger = get_logger(__name__)
+
+
+class AsyncBridge:
+    """An event loop on a daemon thread, for calling async clients from synchronous code."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="weight-sync-io", daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine) -> Any:
+        """Schedule `coro`; returns a concurrent.futures.Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine, timeout_s: float | None = None) -> Any:
+        return self.submit(coro).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+@dataclass
+class PushStats:
+    version: int
+    seconds: float = 0.0
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    servers_updated: int = 0
+    servers_dropped: list[str] = field(default_factory=list)
+    peak_bucket_bytes: int = 0
+    attempts: int = 1
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            "sync/push_s": self.seconds,
+            "sync/bytes": self.bytes,
+            "sync/gb_per_s": self.bytes / self.seconds / 1e9 if self.seconds else 0.0,
+            "sync/servers_updated": self.servers_updated,
+            "sync/servers_dropped": len(self.servers_dropped),
+            "sync/attempts": self.attempts,
+        }
+
+
+class WeightSyncEngine(abc.ABC):
+    """Base of the engines; subclasses implement `_init_servers` and `_push`."""
+
+    def __init__(self, urls: list[str], inference: InferenceConfig, rank: int = 0) -> None:
+        self.urls = list(urls)
+        self.inference = inference
+        self.rank = rank
+        self.last: PushStats | None = None
+        self._bridge: AsyncBridge | None = None
+        self.clients: dict[str, InferenceClient] = {}
+
+    def init(self) -> None:
+        if self.rank == 0:
+            from agentrl.inference.base import create as create_client
+
+            self._bridge = AsyncBridge()
+            self.clients = {url: create_client(self.inference, [url]) for url in self.urls}
+            self._init_servers()
+
+    @abc.abstractmethod
+    def _init_servers(self) -> None: ...
+
+    @abc.abstractmethod
+    def push(self, model: nn.Module, version: int) -> PushStats | None:
+        """Make every server generate with `model`'s weights, tagged `version`."""
+
+    def _all(self, method: str, urls: list[str], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> dict:
+        """Call `method` on the clients of `urls` concurrently; {url: exception or None}."""
+
+        async def one(url: str) -> BaseException | None:
+            try:
+                await asyncio.wait_for(getattr(self.clients[url], method)(*args, **kwargs), timeout_s)
+            except Exception as exc:
+                return exc
+            return None
+
+        async def every() -> list:
+            return await asyncio.gather(*(one(u) for u in urls))
+
+        assert self._bridge is not None
+        return dict(zip(urls, self._bridge.run(every()), strict=True))
+
+    def close(self) -> None:
+        if self._bridge is not None:
+            for client in self.clients.values():
+                try:
+                    self._bridge.run(client.close(), timeout_s=10)
+                except Exception as exc:  # closing is best effort
+                    logger.debug("closing client failed: %s", exc)
+            self._bridge.close()
+            self._bridge = None
+
+
+def create(
+    config: BroadcastSyncConfig | DiskSyncConfig,
+    inference: InferenceConfig,
+    urls: list[str] | None = None,
+    rank: int = 0,
+    run_dir: str | Path = "runs/default",
+) -> WeightSyncEngine:
+    """The engine named by `config.type`, pushing to `urls` (default: `inference.servers`)."""
+    urls = list(urls if urls is not None else inference.servers)
+    if config.type == "broadcast":
+        from agentrl.weight_sync.broadcast import BroadcastEngine
+
+        return BroadcastEngine(config, urls, inference, rank)
+    if config.type == "disk":
+        from agentrl.weight_sync.disk import DiskEngine
+
+        directory = Path(config.directory) if config.directory else Path(run_dir) / "weights"
+        return DiskEngine(config, urls, inference, rank, directory)
+    raise ValueError(f"weight_sync.type: unknown engine {config.type!r}")

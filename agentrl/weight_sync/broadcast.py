@@ -1,0 +1,297 @@
+"""The default checkpoint engine: bucketed broadcast over a dedicated process group.
+
+Group: learner rank 0 (rank 0, hosts the rendezvous) plus every worker of every inference
+server (engine i at `rank_offset = 1 + i × workers_per_server`, as SGLang numbers them),
+separate from the training group; NCCL on GPUs, gloo on CPU.
+
+A push, on rank 0 (other learner ranks only join the FSDP gathers):
+1. pause generation on every server (in-flight requests come back aborted; rollers resume);
+2. a gather thread pulls full tensors layer by layer from FSDP2 and packs them into
+   buckets of about `bucket_mb`, at most one bucket ahead — so bucket i+1 is gathered
+   while bucket i is broadcast, and peak extra memory is about two buckets;
+3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`),
+   broadcast each tensor in that order, await the servers' replies (one bucket in flight:
+   out-of-order broadcasts deadlock);
+4. continue generation.
+A server that fails during a push is dropped: the group is rebuilt without it and the
+push is redone for the others (every learner rank repeats the gathers in step). A dropped
+server rejoins at a later push once it answers its health check again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from agentrl.inference.weight_group import WeightGroup, dtype_name, join_group
+from agentrl.log import get_logger
+from agentrl.weight_sync.base import PushStats, WeightSyncEngine
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from agentrl.config import BroadcastSyncConfig, InferenceConfig
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Bucket:
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def iter_buckets(named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group tensors into buckets of about `bucket_bytes`; a larger tensor travels alone."""
+    bucket = Bucket()
+    for name, tensor in named_tensors:
+        size = tensor.numel() * tensor.element_size()
+        if bucket.tensors and bucket.nbytes + size > bucket_bytes:
+            yield bucket
+            bucket = Bucket()
+        bucket.names.append(name)
+        bucket.tensors.append(tensor.contiguous())
+        bucket.nbytes += size
+    if bucket.tensors:
+        yield bucket
+
+
+def _prefetch(buckets: Iterator[Bucket], depth: int = 1) -> Iterator[Bucket]:
+    """Run `buckets` on a thread, at most `depth` buckets ahead of the consumer."""
+    box: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def produce() -> None:
+        try:
+            for bucket in buckets:
+                box.put(bucket)
+        except BaseException as exc:  # surface gather errors in the consumer
+            box.put(exc)
+        box.put(done)
+
+    thread = threading.Thread(target=produce, name="weight-sync-gather", daemon=True)
+    thread.start()
+    while (item := box.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+    thread.join()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _agree(value: bool) -> bool:
+    """Rank 0's decision, shared with every learner rank (no-op without a training group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    flag = torch.tensor([int(value)])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
+class BroadcastEngine(WeightSyncEngine):
+    def __init__(
+        self, config: BroadcastSyncConfig, urls: list[str], inference: InferenceConfig, rank: int
+    ) -> None:
+        super().__init__(urls, inference, rank)
+        self.config = config
+        self.backend = (
+            config.backend if config.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+        )
+        self.members: list[str] = []  # servers in the current group
+        self.dropped: list[str] = []
+        self.group: WeightGroup | None = None
+        self._generation = 0
+
+    # ------------------------------------------------------------------ group set-up
+
+    def _init_servers(self) -> None:
+        self._build_group(list(self.urls))
+
+    def _build_group(self, urls: list[str]) -> None:
+        """(Re)create the group with `urls`; servers that fail to join are dropped."""
+        self._leave_group()
+        self._generation += 1
+        name = f"agentrl_weights_{self._generation}"
+        port = self.config.master_port or _free_port(self.config.master_address)
+        if self.config.master_port and self._generation > 1:
+            port = _free_port(self.config.master_address)  # the fixed port may still be held
+        world = 1 + len(urls) * self.config.workers_per_server
+        futures = {
+            url: self._bridge.submit(
+                self.clients[url].init_weights_update_group(
+                    self.config.master_address,
+                    port,
+                    1 + i * self.config.workers_per_server,
+                    world,
+                    name,
+                    self.backend,
+                )
+            )
+            for i, url in enumerate(urls)
+        }
+        try:
+            self.group = join_group(
+                self.config.master_address, port, 0, world, name, self.backend, self.config.timeout_s
+            )
+        except Exception as exc:
+            failed = self._failed(futures)
+            if not failed:
+                raise
+            logger.error("weight group %s: %s did not join (%s); rebuilding without them", name, failed, exc)
+            self._drop(failed)
+            self._build_group([u for u in urls if u not in failed])
+            return
+        failed = self._failed(futures)
+        if failed:  # joined the collective but reported an error: do not trust it
+            self._drop(failed)
+            self._build_group([u for u in urls if u not in failed])
+            return
+        self.members = urls
+        logger.info(
+            "weight group %s: learner + %d server(s) on port %d (%s)", name, len(urls), port, self.backend
+        )
+
+    def _failed(self, futures: dict[str, Any]) -> list[str]:
+        failed = []
+        for url, future in futures.items():
+            try:
+                future.result(timeout=self.config.timeout_s)
+            except Exception as exc:
+                logger.error("server %s failed to join the weight group: %s", url, exc)
+                failed.append(url)
+        return failed
+
+    def _drop(self, urls: list[str]) -> None:
+        for url in urls:
+            if url not in self.dropped:
+                self.dropped.append(url)
+                logger.error("server %s dropped from weight sync; it rejoins once healthy", url)
+
+    def _leave_group(self) -> None:
+        if self.group is None:
+            return
+        self._all("destroy_weights_update_group", self.members, self.group.group_name, timeout_s=10)
+        self.group.close()
+        self.group = None
+
+    def _rejoin_healthy(self) -> None:
+        if not self.dropped:
+            return
+        healthy = self._bridge.run(self._healthy(self.dropped), timeout_s=30)
+        if healthy:
+            logger.info("servers %s are healthy again: rebuilding the weight group with them", healthy)
+            self.dropped = [u for u in self.dropped if u not in healthy]
+            self._build_group([u for u in self.urls if u not in self.dropped])
+
+    def _pause_members(self) -> None:
+        """Pause every member; one that cannot be paused is dead: rebuild the group without it
+        before anything is broadcast (a dead peer would stall the others mid-bucket)."""
+        errors = self._all("pause_generation", self.members, timeout_s=self.config.timeout_s)
+        dead = [url for url, exc in errors.items() if exc is not None]
+        if dead:
+            for url in dead:
+                logger.error("server %s did not pause: %s", url, errors[url])
+            self._drop(dead)
+            self._build_group([u for u in self.members if u not in dead])
+
+    async def _healthy(self, urls: list[str]) -> list[str]:
+        return [url for url in urls if await self.clients[url].health()]
+
+    # ------------------------------------------------------------------ push
+
+    def push(self, model: nn.Module, version: int) -> PushStats | None:
+        from agentrl.learner.fsdp import iter_full_tensors
+
+        stats = PushStats(version) if self.rank == 0 else None
+        start = time.perf_counter()
+        if self.rank == 0:
+            self._rejoin_healthy()
+            self._pause_members()
+        attempt = 0
+        while True:
+            attempt += 1
+            failed: list[str] = []
+            buckets = iter_buckets(iter_full_tensors(model), self.config.bucket_mb << 20)
+            for bucket in _prefetch(buckets):
+                if self.rank == 0 and not failed and self.members:
+                    failed = self._send_bucket(bucket, version, stats)
+            retry = _agree(bool(failed))
+            if not retry:
+                break
+            if self.rank == 0:
+                self._drop(failed)
+                self._build_group([u for u in self.members if u not in failed])
+                stats.bytes = stats.tensors = stats.buckets = 0
+        if self.rank == 0:
+            self._all("continue_generation", self.members, timeout_s=self.config.timeout_s)
+            stats.seconds = time.perf_counter() - start
+            stats.servers_updated = len(self.members)
+            stats.servers_dropped = list(self.dropped)
+            stats.attempts = attempt
+            self.last = stats
+            logger.info(
+                "pushed version %d: %.1f MB in %.2fs to %d server(s)",
+                version,
+                stats.bytes / 1e6,
+                stats.seconds,
+                stats.servers_updated,
+            )
+        return stats
+
+    def _send_bucket(self, bucket: Bucket, version: int, stats: PushStats) -> list[str]:
+        """Announce one bucket to every member, broadcast it, await the replies; returns failed servers."""
+        names = bucket.names
+        dtypes = [dtype_name(t.dtype) for t in bucket.tensors]
+        shapes = [list(t.shape) for t in bucket.tensors]
+        name = self.group.group_name
+        futures = {
+            url: self._bridge.submit(
+                self.clients[url].update_weights_from_distributed(names, dtypes, shapes, name, version)
+            )
+            for url in self.members
+        }
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        try:
+            for tensor in bucket.tensors:
+                self.group.broadcast(tensor.to(device), 0)
+        except Exception as exc:
+            logger.error("broadcast of a bucket failed (%s); finding the server that failed", exc)
+            # Close our end first: the servers still waiting for this bucket then fail fast instead of
+            # waiting out their timeout, and answer the health check below.
+            self.group.close()
+            self.group = None
+            for future in futures.values():
+                # every member fails this bucket (live ones once their own receive times out);
+                # the health check below tells the dead from the living
+                with contextlib.suppress(Exception):
+                    future.result(timeout=2 * self.config.timeout_s)
+            healthy = self._bridge.run(self._healthy(self.members), timeout_s=self.config.timeout_s)
+            return [u for u in self.members if u not in healthy]
+        failed = self._failed(futures)
+        stats.bytes += bucket.nbytes
+        stats.tensors += len(bucket.tensors)
+        stats.buckets += 1
+        stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, bucket.nbytes)
+        return failed
+
+    def close(self) -> None:
+        if self.rank == 0 and self._bridge is not None:
+            self._leave_group()
+        super().close()
