@@ -63,6 +63,7 @@ class Authenticator:
     def __init__(self, secret: bytes | None, scheme: str | None = None) -> None:
         self.secret = secret
         self.scheme = scheme or ("P" if Poly1305 is not None else "H")
+        self._prefix, self._counter = os.urandom(8), 0
         if self.scheme == "P" and Poly1305 is None:
             raise AuthError("the Poly1305 MAC needs the `cryptography` package")
 
@@ -89,7 +90,8 @@ class Authenticator:
         """The MAC frame for a message: scheme byte, nonce, tag (one empty byte without auth)."""
         if self.secret is None:
             return b"-"
-        nonce = os.urandom(NONCE_BYTES)
+        self._counter += 1  # unique per message: a random per-sender prefix and a counter
+        nonce = self._prefix + self._counter.to_bytes(NONCE_BYTES - len(self._prefix), "little")
         scheme = self.scheme.encode()
         return scheme + nonce + self._tag(scheme[0], nonce, control, payload)
 

@@ -29,6 +29,7 @@ import zmq.asyncio
 from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
 from agentrl.queue.base import Backend, Batch, Consumer, Producer, QueueError
+from agentrl.queue.frames import pack, unpack
 from agentrl.types import Group, decode_group, encode_group
 
 log = get_logger("queue.client")
@@ -66,7 +67,7 @@ class ZmqProducer(Producer):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)
         self._wake = asyncio.Event()
-        self._room = asyncio.Condition()
+        self._room = asyncio.Event()
         self._tasks = [
             asyncio.create_task(self._send_loop(), name="queue-producer-send"),
             asyncio.create_task(self._recv_loop(), name="queue-producer-recv"),
@@ -90,17 +91,15 @@ class ZmqProducer(Producer):
         frames = encode_group(group)
         nbytes = sum(len(f) for f in frames)
         self._ensure_started()
-        async with self._room:
-            await self._room.wait_for(
-                lambda: self._inflight_bytes == 0 or self._inflight_bytes + nbytes <= self.window_bytes
-            )
-            self._inflight_bytes += nbytes
+        while self._inflight_bytes and self._inflight_bytes + nbytes > self.window_bytes:
+            self._room.clear()
+            await self._room.wait()
+        self._inflight_bytes += nbytes
         try:
             await self._call({"k": "put", "gid": group.group_id}, frames)
         finally:
-            async with self._room:
-                self._inflight_bytes -= nbytes
-                self._room.notify_all()
+            self._inflight_bytes -= nbytes
+            self._room.set()
 
     async def acquire_start(self, n: int = 1) -> int:
         ctl = {"k": "acq", "n": n}
@@ -138,7 +137,9 @@ class ZmqProducer(Producer):
                     items.append([nxt[0]["rid"], nxt[0]["gid"], len(nxt[1])])
                     payload.extend(nxt[1])
                     size += sum(len(f) for f in nxt[1])
-                await self._send(msgpack.packb({"k": "put", "items": items}), payload)
+                lens, counts, segments = pack(payload)
+                control = {"k": "put", "items": items, "lens": lens, "segs": counts}
+                await self._send(msgpack.packb(control), segments)
 
     async def _send(self, control: bytes, payload: list) -> None:
         await self._sock.send_multipart([self.auth.sign(control, payload), control, *payload], copy=False)
@@ -190,10 +191,12 @@ class ZmqProducer(Producer):
 class ZmqConsumer(Consumer):
     """A learner rank's handle on the queue; blocking calls, one rank per `name`."""
 
-    def __init__(
-        self, address: str, name: str, auth: Authenticator, context: zmq.Context | None = None
-    ) -> None:
+    def __init__(self, address: str, name: str, auth: Authenticator, server: Any = None) -> None:
+        """With `server` (a `QueueServer` in this process) batches come as the server's already
+        validated `Group` objects over its inproc socket: no frames copied, nothing decoded twice."""
         self.name = name
+        self._server = server
+        context = server.context if server is not None else None
         self.auth = auth
         self._own_context = context is None
         self._ctx = context or zmq.Context()
@@ -244,15 +247,20 @@ class ZmqConsumer(Consumer):
                     raise QueueError(f"queue server refused {ctl['k']!r}: {reply['msg']}")
                 return reply, msg[2:]
 
-    def _take(self, reply: dict, frames: list) -> None:
+    def _take(self, reply: dict, segments: list) -> None:
+        if self._server is not None:
+            local = self._server.local_groups([meta[0] for meta in reply["groups"]])
+        else:
+            frames = unpack(reply["lens"], reply["segs"], segments)
         pos = 0
         for gid, nframes, age, staleness in reply["groups"]:
-            group_frames = frames[pos : pos + nframes]
+            group_frames = None if self._server is not None else frames[pos : pos + nframes]
             pos += nframes
             if gid in self._held:
                 continue  # redelivered after a server restart; we already have it
             self._held.add(gid)
-            self._buffer.append((decode_group(group_frames, max_bytes=1 << 62), age, staleness))
+            group = local[gid] if group_frames is None else decode_group(group_frames, max_bytes=1 << 62)
+            self._buffer.append((group, age, staleness))
 
     def get_batch(
         self, num_groups: int, learner_version: int, max_staleness: int, timeout_s: float | None = None
@@ -325,7 +333,7 @@ class ZmqBackend(Backend):
     def consumer(self, name: str = "rank0", server: Any = None, address: str | None = None) -> ZmqConsumer:
         """With `server` (hosted in this process) the consumer uses its inproc socket: no MAC, no copy."""
         if server is not None:
-            return ZmqConsumer(server.inproc_address, name, Authenticator(None), context=server.context)
+            return ZmqConsumer(server.inproc_address, name, Authenticator(None), server=server)
         return ZmqConsumer(address or self.config.address, name, _auth_for(self.config))
 
 

@@ -36,12 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import zmq
 
 from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
+from agentrl.queue.frames import pack, unpack
 from agentrl.queue.wal import MAX_REMEMBERED_ACKS, WriteAheadLog
-from agentrl.types import WireError, decode_group
+from agentrl.types import Group, WireError, decode_group
 
 log = get_logger("queue.server")
 
@@ -56,6 +58,7 @@ class _Entry:
     min_version: int
     seq: int
     t_in: float
+    group: Group | None = None  # decoded (validated) views of `frames`
     holder: str | None = None
     lease_until: float = 0.0
 
@@ -71,6 +74,19 @@ class _Get:
     deadline: float | None
     name: str
     dropped: int = 0
+
+
+_NO_VERSION = np.iinfo(np.int32).max
+
+
+def _min_version(group: Group) -> int:
+    """`Group.min_version` without copying the masked versions (one pass per episode)."""
+    lowest = _NO_VERSION
+    for ep in group.episodes:
+        lowest = min(
+            lowest, int(np.minimum.reduce(ep.versions, where=ep.loss_mask.view(bool), initial=_NO_VERSION))
+        )
+    return -1 if lowest == _NO_VERSION else lowest
 
 
 class QueueServer:
@@ -169,9 +185,8 @@ class QueueServer:
         for gid, frames in found.groups.items():
             group = decode_group(frames, max_bytes=self.config.max_message_bytes)
             self._seq += 1
-            self._store(
-                _Entry(gid, frames, sum(map(len, frames[1:])), group.min_version, self._seq, time.time())
-            )
+            nbytes = sum(map(len, frames[1:]))
+            self._store(_Entry(gid, frames, nbytes, _min_version(group), self._seq, time.time(), group))
         log.info("WAL: recovered %d unacked groups, version %d", len(self._queued), self.version)
 
     def _run(self) -> None:
@@ -286,6 +301,7 @@ class QueueServer:
 
     def _on_put(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
         items = ctl["items"]
+        payload = unpack(ctl["lens"], ctl["segs"], payload)
         if sum(int(item[2]) for item in items) != len(payload):
             raise WireError("put: frame counts do not add up to the payload")
         pos = 0
@@ -313,7 +329,7 @@ class QueueServer:
                 self._reply(sock, ident, {"k": "err", "rid": rid, "msg": str(exc)})
                 continue
             self._seq += 1
-            entry = _Entry(gid, frames, nbytes, group.min_version, self._seq, time.time())
+            entry = _Entry(gid, frames, nbytes, _min_version(group), self._seq, time.time(), group)
             if self._has_room(nbytes) and not self._parked:
                 self._accept(sock, ident, rid, entry)
             else:
@@ -426,13 +442,18 @@ class QueueServer:
             [e.gid, len(e.frames), now - e.t_in, get.version - e.min_version if e.min_version >= 0 else 0]
             for e in entries
         ]
-        frames = [f for e in entries for f in e.frames]
-        self._reply(
-            get.sock,
-            get.ident,
-            {"k": "batch", "rid": get.rid, "groups": meta, "dropped": get.dropped},
-            frames,
-        )
+        ctl = {"k": "batch", "rid": get.rid, "groups": meta, "dropped": get.dropped}
+        if self._names[get.sock] == "local":  # the consumer takes the Group objects (local_groups)
+            self._reply(get.sock, get.ident, ctl)
+            return
+        ctl["lens"], ctl["segs"], segments = pack([f for e in entries for f in e.frames])
+        self._reply(get.sock, get.ident, ctl, segments)
+
+    def local_groups(self, gids: list[str]) -> dict[str, Group]:
+        """The decoded groups handed to an in-process consumer (they stay until acked)."""
+        with self._lock:
+            entries = (self._inflight.get(g) or self._queued.get(g) for g in gids)
+            return {e.gid: e.group for e in entries if e is not None}
 
     def _on_ack(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
         done = []

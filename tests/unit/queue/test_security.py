@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
+from agentrl.queue.frames import pack
 from agentrl.types import encode_group
 from tests.unit.queue.conftest import SECRET, Harness, make_group
 
@@ -46,6 +47,17 @@ def _raw_dealer(address: str) -> tuple[zmq.Context, zmq.Socket]:
     return ctx, sock
 
 
+def _put(auth: Authenticator, rid: int, gid: str, frames: list[bytes], tamper: bool = False) -> list[bytes]:
+    """A put message as a producer builds it (see zmq_client / frames.pack)."""
+    lens, counts, segments = pack(frames)
+    control = msgpack.packb({"k": "put", "items": [[rid, gid, len(frames)]], "lens": lens, "segs": counts})
+    segments = [bytes(s) for s in segments]
+    mac = auth.sign(control, segments)
+    if tamper:  # the payload changes after signing
+        segments[-1] = segments[-1][:-1] + b"\xff"
+    return [mac, control, *segments]
+
+
 def _wait_for(predicate, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -61,14 +73,12 @@ def test_unauthenticated_and_corrupt_messages_are_refused(zmq_queue: Harness) ->
     ctx, sock = _raw_dealer(zmq_queue.address)
     group = make_group(seed=1)
     frames = [bytes(f) for f in encode_group(group)]
-    put = msgpack.packb({"k": "put", "items": [[1, group.group_id, len(frames)]]})
     wrong = Authenticator(b"not-the-secret-but-long-enough")
     right = Authenticator(SECRET.encode())
-    sock.send_multipart([b"-", put, *frames])  # unsigned
-    sock.send_multipart([wrong.sign(put, frames), put, *frames])  # wrong secret
-    sock.send_multipart(
-        [right.sign(put, frames), put, *frames[:-1], b"\x00" * 7]
-    )  # payload changed after signing
+    signed = _put(right, 1, group.group_id, frames)
+    sock.send_multipart([b"-", *signed[1:]])  # unsigned
+    sock.send_multipart(_put(wrong, 1, group.group_id, frames))  # wrong secret
+    sock.send_multipart(_put(right, 1, group.group_id, frames, tamper=True))
     sock.send_multipart([b"x"])  # too few frames
     assert _wait_for(
         lambda: server.metrics()["refused_auth"] == 3 and server.metrics()["refused_corrupt"] == 1
@@ -78,11 +88,9 @@ def test_unauthenticated_and_corrupt_messages_are_refused(zmq_queue: Harness) ->
     garbage = b"\xc1 not msgpack"
     sock.send_multipart([right.sign(garbage), garbage])
     bad_group = [frames[0], frames[1][:-4], *frames[2:]]  # signed, but the tokens frame is cut short
-    sock.send_multipart([right.sign(put, bad_group), put, *bad_group])
+    sock.send_multipart(_put(right, 2, group.group_id, bad_group))
     big = make_group(seed=2, tokens=8192)
-    big_frames = [bytes(f) for f in encode_group(big)]
-    big_put = msgpack.packb({"k": "put", "items": [[2, big.group_id, len(big_frames)]]})
-    sock.send_multipart([right.sign(big_put, big_frames), big_put, *big_frames])
+    sock.send_multipart(_put(right, 3, big.group_id, [bytes(f) for f in encode_group(big)]))
     assert _wait_for(
         lambda: server.metrics()["refused_corrupt"] == 3 and server.metrics()["refused_oversize"] == 1
     )

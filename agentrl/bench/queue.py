@@ -1,0 +1,329 @@
+"""`agentrl bench queue`: the TransferQueue against raw ZeroMQ, Redis Streams and Ray, same bytes.
+
+    agentrl bench queue [--total-mib 512] [--small-groups 20000] [--no-redis] [--no-ray] [--no-nixl]
+
+For each payload size (4 KiB .. 16 MiB per group) a producer *process* sends groups and
+this process receives them:
+- ours: `ZmqProducer.put` (MAC on) -> `QueueServer` hosted here -> in-process consumer
+  `get_batch` + `ack` (the learner's deployment);
+- raw ZeroMQ: PUSH -> PULL of exactly the frames `encode_group` makes, `copy=False`;
+- Redis: the Redis Streams backend against a local redis-server;
+- Ray: `ray.put` of the group's arrays in a task, `ray.get` here;
+- NIXL: the array payloads over NIXL (UCX), ZeroMQ as control plane.
+Throughput is counted from the first group received to the last, in MB/s. Ratios are
+ours / baseline (higher is better); `vs_raw_zmq`, `vs_redis`, `vs_ray` and `nixl_vs_zmq`
+are the lowest over payloads >= 1 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from agentrl.bench.common import emit, print_table
+from agentrl.types import Episode, Group, encode_group
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
+BYTES_PER_TOKEN = 13  # int32 token + uint8 mask + float32 logprob + int32 version
+
+
+def _label(size: int) -> str:
+    return f"{size >> 20}MiB" if size >= 1 << 20 else f"{size >> 10}KiB"
+
+
+def make_groups(size: int, count: int) -> list[Group]:
+    """`count` groups of ~`size` payload bytes sharing one set of arrays (distinct ids)."""
+    n_eps = 1 if size < 64 << 10 else 8
+    tokens = max(1, size // (BYTES_PER_TOKEN * n_eps))
+    episodes = [
+        Episode(
+            tokens=np.arange(tokens, dtype=np.int32) % 1000,
+            loss_mask=np.ones(tokens, np.uint8),
+            logprobs=np.zeros(tokens, np.float32),
+            versions=np.zeros(tokens, np.int32),
+        )
+        for _ in range(n_eps)
+    ]
+    return [Group(episodes, group_id=f"{size}-{i}") for i in range(count)]
+
+
+def _count(size: int, total_mib: int, small_groups: int) -> int:
+    return small_groups if size <= 4 << 10 else max(8, (total_mib << 20) // size)
+
+
+# ------------------------------------------------------------------ producer processes
+
+
+def _worker(kind: str, address: str, size: int, count: int) -> None:
+    groups = make_groups(size, count)
+    if kind == "raw":
+        import zmq
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(address)
+        for group in groups:
+            sock.send_multipart(encode_group(group), copy=False)
+        sock.close(linger=-1)
+        ctx.term()
+        return
+
+    async def run() -> None:
+        if kind == "ours":
+            from agentrl.config import ZmqQueueConfig
+            from agentrl.queue import create
+
+            producer = create(ZmqQueueConfig(address=address)).producer()
+        else:
+            from agentrl.queue.redis_backend import RedisProducer
+
+            producer = RedisProducer(address, "bench", capacity_groups=4096)
+        window = asyncio.Semaphore(256)
+
+        async def one(group: Group) -> None:
+            async with window:
+                await producer.put(group)
+
+        await asyncio.gather(*(one(g) for g in groups))
+        producer.close()
+
+    asyncio.run(run())
+
+
+def _spawn(kind: str, address: str, size: int, count: int) -> subprocess.Popen:
+    args = [sys.executable, "-m", "agentrl.bench.queue", "--worker", kind, address, str(size), str(count)]
+    return subprocess.Popen(args, env=os.environ.copy())
+
+
+def _rate(first: float, last: float, bytes_after_first: int) -> float:
+    return bytes_after_first / max(last - first, 1e-9) / 1e6
+
+
+# ------------------------------------------------------------------ receivers
+
+
+def bench_raw(size: int, count: int) -> tuple[float, float]:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.bind("tcp://127.0.0.1:*")
+    proc = _spawn("raw", sock.getsockopt_string(zmq.LAST_ENDPOINT), size, count)
+    nbytes, first = 0, 0.0
+    for i in range(count):
+        frames = sock.recv_multipart(copy=False)
+        if i == 0:
+            first = time.perf_counter()
+        else:
+            nbytes += sum(len(f) for f in frames)
+    last = time.perf_counter()
+    proc.wait()
+    sock.close()
+    ctx.term()
+    return _rate(first, last, nbytes), (count - 1) / max(last - first, 1e-9)
+
+
+def _drain(consumer: Any, count: int, batch: int) -> tuple[float, float]:
+    got, nbytes, first = 0, 0, 0.0
+    while got < count:
+        b = consumer.get_batch(
+            min(batch, count - got), learner_version=0, max_staleness=1 << 30, timeout_s=120
+        )
+        if got == 0:
+            first, first_n = time.perf_counter(), len(b)
+        else:
+            nbytes += sum(g.nbytes for g in b.groups)
+        got += len(b)
+        consumer.ack(b.group_ids)
+    last = time.perf_counter()
+    return _rate(first, last, nbytes), (count - first_n) / max(last - first, 1e-9)
+
+
+def bench_ours(size: int, count: int) -> tuple[float, float]:
+    from agentrl.config import ZmqQueueConfig
+    from agentrl.queue import create
+
+    backend = create(ZmqQueueConfig(address="tcp://127.0.0.1:*", capacity_groups=8192))
+    server = backend.server(groups_per_step=1, max_staleness=0).start()
+    consumer = backend.consumer("bench", server=server)
+    proc = _spawn("ours", server.endpoint, size, count)
+    try:
+        return _drain(consumer, count, batch=max(1, min(512, (8 << 20) // size)))
+    finally:
+        proc.wait()
+        consumer.close()
+        server.stop()
+
+
+def bench_redis(size: int, count: int, url: str) -> tuple[float, float]:
+    from agentrl.config import RedisQueueConfig
+    from agentrl.queue import create
+
+    backend = create(RedisQueueConfig(url=url, stream="bench", capacity_groups=4096))
+    backend.server(groups_per_step=1, max_staleness=0).start()
+    consumer = backend.consumer("bench")
+    proc = _spawn("redis", url, size, count)
+    try:
+        return _drain(consumer, count, batch=max(1, min(512, (8 << 20) // size)))
+    finally:
+        proc.wait()
+        consumer.close()
+
+
+def bench_ray(size: int, count: int) -> tuple[float, float]:
+    import ray
+
+    @ray.remote
+    def produce(size: int, count: int) -> list:
+        arrays = [[e.tokens, e.loss_mask, e.logprobs, e.versions] for e in make_groups(size, 1)[0].episodes]
+        return [ray.put(arrays) for _ in range(count)]
+
+    ray.get(produce.remote(4096, 1))  # a warm worker, as the other baselines have
+    start = time.perf_counter()
+    refs = ray.get(produce.remote(size, count))
+    nbytes = 0
+    for ref in refs:
+        nbytes += sum(a.nbytes for ep in ray.get(ref) for a in ep)
+    elapsed = time.perf_counter() - start
+    return nbytes / elapsed / 1e6, count / elapsed
+
+
+def _start_redis() -> tuple[subprocess.Popen | None, str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None, "redis-server not installed"
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return None, "the redis package is not installed (pip install 'agentrl[redis]')"
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    time.sleep(0.5)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def _min_ratio(ours: dict[int, float], base: dict[int, float]) -> float | None:
+    ratios = [ours[s] / base[s] for s in base if s >= 1 << 20 and base[s] > 0]
+    return round(min(ratios), 3) if ratios else None
+
+
+def main(args: list[str]) -> int:
+    if args[:1] == ["--worker"]:
+        _worker(args[1], args[2], int(args[3]), int(args[4]))
+        return 0
+    parser = argparse.ArgumentParser(prog="agentrl bench queue", description=__doc__.splitlines()[0])
+    parser.add_argument("--total-mib", type=int, default=512, help="Bytes sent per payload size (MiB).")
+    parser.add_argument("--small-groups", type=int, default=20000, help="Groups sent at 4 KiB.")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="Payload bytes per group.")
+    parser.add_argument("--no-redis", action="store_true")
+    parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument("--no-nixl", action="store_true")
+    opts = parser.parse_args(args)
+    os.environ.setdefault("AGENTRL_QUEUE_SECRET", os.urandom(16).hex())  # MAC on, as in production
+    sizes = [int(s) for s in opts.sizes.split(",")]
+    results: dict[str, dict[int, tuple[float, float]]] = {"raw": {}, "ours": {}}
+    skipped: dict[str, str] = {}
+    for size in sizes:
+        count = _count(size, opts.total_mib, opts.small_groups)
+        results["raw"][size] = bench_raw(size, count)
+        results["ours"][size] = bench_ours(size, count)
+
+    baselines = _run_baselines(opts, sizes, results, skipped)
+    rows = []
+    for size in sizes:
+        row = [_label(size), _count(size, opts.total_mib, opts.small_groups)]
+        for name in ("raw", "ours", *baselines):
+            value = results.get(name, {}).get(size)
+            row.append(round(value[0], 1) if value else "-")
+        row.append(round(results["ours"][size][0] / results["raw"][size][0], 3))
+        rows.append(row)
+    print_table(
+        "TransferQueue throughput (MB/s of payload)",
+        ["payload", "groups", "raw zmq", "ours", *baselines, "ours/raw"],
+        rows,
+    )  # noqa: E501
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason}")
+
+    mbps = {name: {s: v[0] for s, v in per.items()} for name, per in results.items()}
+    small = min(sizes)
+    metrics: dict[str, Any] = {
+        "small_groups_per_s": round(results["ours"][small][1]),
+        "raw_zmq_small_groups_per_s": round(results["raw"][small][1]),
+        "small_group_bytes": small,
+        **{f"{name}_MBps_{_label(s)}": round(v, 1) for name, per in mbps.items() for s, v in per.items()},
+        "skipped": skipped,
+    }
+    ratios = {"vs_raw_zmq": _min_ratio(mbps["ours"], mbps["raw"])}
+    for name, key in (("redis", "vs_redis"), ("ray", "vs_ray")):
+        if name in mbps:
+            ratios[key] = _min_ratio(mbps["ours"], mbps[name])
+    if "nixl" in mbps:
+        ratios["nixl_vs_zmq"] = _min_ratio(mbps["nixl"], mbps["ours"])
+    emit("queue", metrics, {k: v for k, v in ratios.items() if v is not None})
+    return 0
+
+
+def _run_baselines(opts: Any, sizes: list[int], results: dict, skipped: dict[str, str]) -> list[str]:
+    big = [s for s in sizes if s >= 1 << 20] or sizes[-1:]
+    names = []
+    if opts.no_redis:
+        skipped["redis"] = "--no-redis"
+    else:
+        proc, url = _start_redis()
+        if proc is None:
+            skipped["redis"] = url
+        else:
+            try:
+                results["redis"] = {
+                    s: bench_redis(s, max(8, (128 << 20) // s), url) for s in [min(sizes), *big]
+                }
+                names.append("redis")
+            finally:
+                proc.terminate()
+                proc.wait()
+    if opts.no_ray:
+        skipped["ray"] = "--no-ray"
+    else:
+        try:
+            import ray
+
+            ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+            try:
+                results["ray"] = {s: bench_ray(s, _count(s, opts.total_mib, opts.small_groups)) for s in big}
+                names.append("ray")
+            finally:
+                ray.shutdown()
+        except Exception as exc:  # ray missing or unable to start here: say so, don't fail the bench
+            skipped["ray"] = f"{type(exc).__name__}: {exc}"
+    if opts.no_nixl:
+        skipped["nixl"] = "--no-nixl"
+    else:
+        try:
+            from agentrl.queue.nixl_transport import bench_nixl
+
+            results["nixl"] = {s: bench_nixl(s, _count(s, opts.total_mib, opts.small_groups)) for s in big}
+            names.append("nixl")
+        except Exception as exc:
+            skipped["nixl"] = f"{type(exc).__name__}: {exc}"
+    return names
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
