@@ -140,7 +140,10 @@ def build_app(service: RetrievalService) -> web.Application:
             queries, topk, return_scores = service.parse(body)
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        hits = await service.search(queries, topk)
+        try:
+            hits = await service.search(queries, topk)
+        except Exception as exc:  # logged by the batch loop; the server goes on serving
+            return web.json_response({"error": f"retrieval failed: {type(exc).__name__}: {exc}"}, status=500)
         if return_scores:
             result = [[{"document": doc, "score": score} for doc, score in row] for row in hits]
         else:

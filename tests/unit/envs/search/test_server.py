@@ -90,15 +90,22 @@ async def test_bad_requests_get_400_and_the_server_keeps_serving(url: str, body,
     assert status == 200 and answer["result"][0][0]["id"] == "1"
 
 
-async def test_concurrent_requests_are_batched(retriever: BM25Retriever) -> None:
-    calls: list[list[str]] = []
-    search = retriever.search
+class Recording(BM25Retriever):
+    """A retriever that records each batch it is asked, and fails on the query "boom"."""
 
-    def recording(queries, topk):
-        calls.append(list(queries))
-        return search(queries, topk)
+    calls: list[list[str]]
 
-    retriever.search = recording  # type: ignore[method-assign]
+    def search(self, queries, topk):
+        self.calls = [*getattr(self, "calls", []), list(queries)]
+        if "boom" in queries:
+            raise RuntimeError("index on fire")
+        return super().search(queries, topk)
+
+
+async def test_concurrent_requests_are_batched(tmp_path: Path) -> None:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    retriever = Recording(path)
     service = RetrievalService(retriever)
     service.start()
     try:
@@ -109,6 +116,7 @@ async def test_concurrent_requests_are_batched(retriever: BM25Retriever) -> None
         )
     finally:
         await service.stop()
+    calls = retriever.calls
     assert len(calls) == 1 and len(calls[0]) == 4  # one search for all three requests
     assert [len(r) for r in results] == [1, 2, 1]
     assert results[0][0][0][0]["id"] == "0" and len(results[0][0]) == 1
@@ -141,3 +149,17 @@ async def test_client_errors_are_loud(url: str) -> None:
     with pytest.raises(RetrieverError, match="unreachable"):
         await dead.search(["q"])
     await dead.close()
+
+
+async def test_a_failing_search_is_a_500_and_the_server_keeps_serving(tmp_path: Path) -> None:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    server = RetrieverServer(Recording(path))
+    url = await server.start()
+    try:
+        status, body = await _post(url, {"queries": ["boom"]})
+        assert status == 500 and "index on fire" in body["error"]
+        status, body = await _post(url, {"queries": ["pears"], "topk": 1})
+        assert status == 200 and body["result"][0][0]["id"] == "3"
+    finally:
+        await server.stop()
