@@ -175,11 +175,35 @@ def queue(
 def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Run learner, queue, inference servers and rollers on this machine as one job."""
     cfg = load(config, ctx)
-    from agentrl.config import save_resolved
+    if cfg.inference.type != "embedded":
+        raise _fail(
+            "agentrl run starts embedded servers: set inference.type: embedded, or start the "
+            "learner and rollers yourself against your SGLang / vLLM servers"
+        )
+    if not Path(cfg.learner.model_path).is_dir():
+        raise _fail(
+            f"learner.model_path: {cfg.learner.model_path} is not a checkpoint directory "
+            f"(make one: agentrl init-model tiny {cfg.learner.model_path})"
+        )
+    from agentrl.launcher import run as launch
 
-    path = save_resolved(cfg)
-    typer.echo(f"resolved config written to {path}")
-    raise not_built("run", 7, "the closed loop (learner + rollers + weight sync)")
+    raise typer.Exit(launch(cfg))
+
+
+@app.command(context_settings=OVERRIDES)
+def warmstart(ctx: typer.Context, config: ConfigOpt = None) -> None:
+    """Supervised warm start on the env's demonstrations; writes <run_dir>/warmstart."""
+    cfg = load(config, ctx)
+    if cfg.learner.warmstart_steps == 0:
+        raise _fail(
+            "learner.warmstart_steps is 0: nothing to do (set it, e.g. --learner.warmstart_steps 200)"
+        )
+    from agentrl.learner.warmstart import warmstart as train
+
+    try:
+        train(cfg)
+    except NotImplementedError as exc:
+        raise _fail(f"env.name: {exc}") from None
 
 
 @app.command("init-model")

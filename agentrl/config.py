@@ -111,6 +111,14 @@ class LearnerConfig(Section):
     """Also log metrics to this Weights & Biases project."""
     seed: int = 0
     """Random seed of the learner."""
+    num_processes: int = Field(1, ge=1)
+    """Learner ranks `agentrl run` starts (torchrun with this many processes when above 1)."""
+    warmstart_steps: int = Field(0, ge=0)
+    """Supervised steps on the env's demonstrations before RL (`agentrl warmstart`); 0 skips it."""
+    warmstart_lr: float = Field(1e-3, gt=0)
+    """Learning rate of the supervised warm start."""
+    warmstart_batch_size: int = Field(16, ge=1)
+    """Demonstrations per warm-start step."""
 
 
 # --------------------------------------------------------------------------- roller
@@ -151,6 +159,8 @@ class RollerConfig(Section):
     """Overlong filtering: mask out episodes that ended by running out of context."""
     log_every_s: float = Field(10.0, gt=0)
     """Seconds between progress lines and metrics records."""
+    num_processes: int = Field(1, ge=1)
+    """Roller processes `agentrl run` starts."""
     seed: int = 0
     """Random seed of task order and sampling seeds."""
 

@@ -78,6 +78,13 @@ class Env:
     def close(self) -> None:
         """Release what the episode held (sandboxes, connections)."""
 
+    def demonstrate(self, task: dict[str, Any]) -> Messages:
+        """An ideal conversation for `task` (prompt, assistant turns, env turns), for the
+        supervised warm start. Envs that can solve their own tasks implement it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no demonstrations: set learner.warmstart_steps: 0"
+        )
+
     @classmethod
     def generate_tasks(cls, num: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
         """Synthetic tasks for envs that can make their own (used when no task file is given)."""

@@ -12,6 +12,7 @@ tool call, to help a cold-start model). Tasks are generated, so the env needs no
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 import re
@@ -82,6 +83,16 @@ class CalculatorEnv(ToolEnv):
         correct = bool(numbers) and numbers[-1] == str(self.task["answer"])
         used_tool = self.metrics["tool_calls"] > self.metrics["tool_errors"]
         return float(correct) + (self.format_bonus if used_tool else 0.0)
+
+    def demonstrate(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        """Call the calculator on the question's expression, then answer with its result."""
+        call = json.dumps({"name": "calculator", "arguments": {"expression": task["expression"]}})
+        return [
+            *self.prompt(task),
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "name": "calculator", "content": str(safe_eval(task["expression"]))},
+            {"role": "assistant", "content": str(task["answer"])},
+        ]
 
     @classmethod
     def generate_tasks(cls, num: int, seed: int = 0, digits: int = 3, terms: int = 2) -> list[dict[str, Any]]:

@@ -93,3 +93,28 @@ class ChatRenderer:
             return True
         # an episode that ends on an assistant turn stops right after the model's end-of-turn token
         return last_is_assistant and full.startswith(text) and self.turn_close.endswith(full[len(text) :])
+
+
+def render_conversation(renderer: ChatRenderer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(ids, loss_mask) of a whole conversation laid out exactly as the agent loop builds an
+    episode: prompt once, each assistant turn as its content's tokens plus the end-of-turn
+    token (mask 1), env turns as the template's delta (mask 0). Used for demonstrations."""
+    split = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    ids = renderer.prompt_ids(messages[:split])
+    mask = [0] * len(ids)
+    eos = renderer.tokenizer.eos_token_id
+    pending: list[dict] = []
+    last_turn: list[int] = []
+    for message in messages[split:]:
+        if message["role"] != "assistant":
+            pending.append(message)
+            continue
+        if pending:
+            context = renderer.close_turn_ids(last_turn) + renderer.observation_ids(pending)
+            ids += context
+            mask += [0] * len(context)
+            pending = []
+        last_turn = [*renderer.encode(message["content"]), eos]
+        ids += last_turn
+        mask += [1] * len(last_turn)
+    return ids, mask

@@ -194,3 +194,13 @@ async def test_env_close_runs_even_when_the_server_fails(tokenizer) -> None:
         await run_episode(env, TASK, client, ChatRenderer(tokenizer, env.tool_schemas), RollerConfig())
     await client.close()
     assert closed.is_set()
+
+
+async def test_demonstrations_render_exactly_like_sampled_episodes(tokenizer) -> None:
+    from agentrl.rollers.chat import render_conversation
+
+    script = Turns(tokenizer, [CALL, "10063"])
+    episode, _, renderer = await _run(tokenizer, script)
+    ids, mask = render_conversation(renderer, CalculatorEnv().demonstrate(TASK))
+    assert ids == episode.tokens.tolist()
+    assert mask == episode.loss_mask.tolist()

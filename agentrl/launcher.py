@@ -1,0 +1,261 @@
+"""`agentrl run`: the whole system on one machine, as separate processes.
+
+    agentrl run --config recipes/quickstart.yaml
+
+Start-up order (each step waits for the previous one to be ready):
+1. the resolved config is written to the run directory;
+2. optionally a supervised warm start (`learner.warmstart_steps > 0`): `agentrl warmstart`
+   writes `<run_dir>/warmstart`, which the servers and the learner then load;
+3. `inference.num_servers` embedded servers (`agentrl serve`) on free loopback ports,
+   until each answers `/health`;
+4. the learner (`agentrl learner`, under torchrun when `learner.num_processes > 1`), which
+   hosts the TransferQueue and pushes weights to the servers;
+5. `roller.num_processes` rollers (`agentrl roller`).
+Every child is told the others' addresses on its command line (the same flags a user
+passes when starting them by hand on separate nodes). Children run in their own process
+groups; shutdown stops them by PID in reverse order — on completion (the learner exits
+0), on Ctrl-C, and as soon as any child dies (exit non-zero, naming it). A live view shows
+step, version, reward, staleness, episodes/s, queue depth and weight-push time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentrl.config import AgentRLConfig, save_resolved
+from agentrl.log import get_logger, read_metrics
+
+logger = get_logger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+
+class Supervisor:
+    """Starts children in their own process groups and stops exactly those (by PID)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.children: list[Child] = []
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log_file = log_path.open("ab")
+        proc = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+        log_file.close()
+        child = Child(name, proc, log_path)
+        self.children.append(child)
+        logger.info("started %s (pid %d), log: %s", name, proc.pid, log_path)
+        return child
+
+    def failed(self) -> Child | None:
+        """The first child that exited with an error, if any."""
+        for child in self.children:
+            code = child.proc.poll()
+            if code not in (None, 0):
+                return child
+        return None
+
+    def stop(self, child: Child, timeout_s: float = 30) -> None:
+        if child.proc.poll() is not None:
+            return
+        try:
+            os.killpg(child.proc.pid, signal.SIGTERM)
+            child.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in %ss; killing it", child.name, timeout_s)
+            os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+        except ProcessLookupError:
+            pass
+
+    def stop_all(self) -> None:
+        for child in reversed(self.children):
+            self.stop(child)
+
+    def tail(self, child: Child, lines: int = 15) -> str:
+        try:
+            return "\n".join(child.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _agentrl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agentrl", *args]
+
+
+def _wait_healthy(urls: list[str], supervisor: Supervisor, timeout_s: float = 300) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        failed = supervisor.failed()
+        if failed is not None:
+            raise RuntimeError(f"{failed.name} exited with code {failed.proc.returncode}:\n{supervisor.tail(failed)}")
+        for url in list(pending):
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        pending.remove(url)
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"inference servers {pending} not healthy after {timeout_s}s")
+        time.sleep(0.5)
+
+
+def launch(config: AgentRLConfig, config_path: Path) -> int:
+    """Run the job described by `config` (already validated, saved at `config_path`)."""
+    run_dir = Path(config.run_dir)
+    supervisor = Supervisor(run_dir)
+    model = config.learner.model_path
+    try:
+        if config.learner.warmstart_steps > 0:
+            warm = supervisor.start("warmstart", _agentrl("warmstart", "--config", str(config_path)))
+            if warm.proc.wait() != 0:
+                raise RuntimeError(f"warmstart exited with code {warm.proc.returncode}:\n{supervisor.tail(warm)}")
+            model = str(run_dir / "warmstart")
+
+        ports = [_free_port() for _ in range(config.inference.num_servers)]
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        common = ["--config", str(config_path), f"--learner.model_path={model}", f"--inference.model_path={model}",
+                  "--inference.servers", "[" + ", ".join(urls) + "]"]
+        for i, port in enumerate(ports):
+            supervisor.start(f"server{i}", _agentrl("serve", "--port", str(port), *common))
+        _wait_healthy(urls, supervisor)
+
+        n = config.learner.num_processes
+        learner_cmd = (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+             "-m", "agentrl", "learner", *common]
+            if n > 1 else _agentrl("learner", *common)
+        )
+        learner = supervisor.start("learner", learner_cmd)
+        for i in range(config.roller.num_processes):
+            supervisor.start(f"roller{i}", _agentrl("roller", *common), env={"AGENTRL_ROLLER_INDEX": str(i)})
+        return _watch(config, supervisor, learner)
+    except KeyboardInterrupt:
+        logger.warning("interrupted: stopping every process")
+        return 130
+    except (RuntimeError, TimeoutError) as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        supervisor.stop_all()
+
+
+def _watch(config: AgentRLConfig, supervisor: Supervisor, learner: Child) -> int:
+    """Show live progress until the learner finishes or any child fails."""
+    from rich.live import Live
+
+    run_dir = Path(config.run_dir)
+    with Live(progress_table(run_dir, config), refresh_per_second=1, transient=False) as live:
+        while True:
+            failed = supervisor.failed()
+            if failed is not None:
+                live.stop()
+                logger.error("%s exited with code %d; stopping the run. Last lines of %s:\n%s", failed.name,
+                             failed.proc.returncode, failed.log_path, supervisor.tail(failed))
+                return 1
+            if learner.proc.poll() == 0:
+                live.update(progress_table(run_dir, config))
+                break
+            live.update(progress_table(run_dir, config))
+            time.sleep(1)
+    finish(run_dir)
+    return 0
+
+
+def progress_table(run_dir: Path, config: AgentRLConfig):
+    """One table from the learner's and rollers' metrics records."""
+    from rich.table import Table
+
+    learner = _last(run_dir / "learner.jsonl")
+    rollers = [_last(p) for p in sorted(run_dir.glob("roller*.jsonl"))]
+    table = Table(title=f"agentrl run — {run_dir}", show_header=False)
+    step = learner.get("step", 0)
+    table.add_row("step / version", f"{step} / {config.learner.max_steps}")
+    table.add_row("reward (last batch)", _fmt(learner.get("reward/mean")))
+    table.add_row("staleness (max in batch)", _fmt(learner.get("staleness/max")))
+    table.add_row("episodes/s (all rollers)", _fmt(sum(r.get("roller/episodes_per_s", 0.0) for r in rollers)))
+    table.add_row("queue depth", _fmt(learner.get("queue/depth")))
+    table.add_row("weight push (s)", _fmt(learner.get("sync/push_s")))
+    return table
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else ("-" if value is None else str(value))
+
+
+def _last(path: Path) -> dict:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.startswith("{")]
+        import json
+
+        return json.loads(lines[-1]) if lines else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def finish(run_dir: Path) -> Path | None:
+    """Plot reward and staleness per step; print where the records are."""
+    path = run_dir / "learner.jsonl"
+    if not path.exists():
+        return None
+    records = read_metrics(path)
+    plot = run_dir / "reward_staleness.png"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot written")
+        plot = None
+    if plot is not None and records:
+        steps = [r["step"] for r in records]
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+        ax1.plot(steps, [r.get("reward/mean", float("nan")) for r in records])
+        ax1.set_ylabel("mean reward")
+        ax2.plot(steps, [r.get("staleness/mean", float("nan")) for r in records], label="mean")
+        ax2.plot(steps, [r.get("staleness/max", float("nan")) for r in records], label="max")
+        ax2.set_ylabel("staleness (versions)")
+        ax2.set_xlabel("learner version")
+        ax2.legend()
+        fig.tight_layout()
+        fig.savefig(plot)
+        plt.close(fig)
+    print(f"metrics: {path}")
+    if plot is not None:
+        print(f"plot:    {plot}")
+    return plot
+
+
+def run(config: AgentRLConfig) -> int:
+    config_path = save_resolved(config)
+    return launch(config, config_path)
