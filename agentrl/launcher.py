@@ -60,7 +60,10 @@ class Supervisor:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_file = log_path.open("ab")
         proc = subprocess.Popen(
-            args, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            args,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env={**os.environ, **(env or {})},
         )
         log_file.close()
@@ -105,15 +108,18 @@ def _agentrl(*args: str) -> list[str]:
     return [sys.executable, "-m", "agentrl", *args]
 
 
-def _wait_healthy(urls: list[str], supervisor: Supervisor, timeout_s: float = 300) -> None:
+def wait_healthy(
+    urls: list[str], children: list[subprocess.Popen] | None = None, timeout_s: float = 300
+) -> None:
+    """Wait until every server answers `/health`; fail early if one of `children` exits."""
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
     while pending:
-        failed = supervisor.failed()
-        if failed is not None:
-            raise RuntimeError(f"{failed.name} exited with code {failed.proc.returncode}:\n{supervisor.tail(failed)}")
+        for proc in children or []:
+            if proc.poll() is not None:
+                raise RuntimeError(f"process {proc.args!r} exited with code {proc.returncode} while starting")
         for url in list(pending):
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
@@ -123,7 +129,7 @@ def _wait_healthy(urls: list[str], supervisor: Supervisor, timeout_s: float = 30
                 pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"inference servers {pending} not healthy after {timeout_s}s")
-        time.sleep(0.5)
+        time.sleep(0.3)
 
 
 def launch(config: AgentRLConfig, config_path: Path) -> int:
@@ -135,22 +141,46 @@ def launch(config: AgentRLConfig, config_path: Path) -> int:
         if config.learner.warmstart_steps > 0:
             warm = supervisor.start("warmstart", _agentrl("warmstart", "--config", str(config_path)))
             if warm.proc.wait() != 0:
-                raise RuntimeError(f"warmstart exited with code {warm.proc.returncode}:\n{supervisor.tail(warm)}")
+                raise RuntimeError(
+                    f"warmstart exited with code {warm.proc.returncode}:\n{supervisor.tail(warm)}"
+                )
             model = str(run_dir / "warmstart")
 
         ports = [_free_port() for _ in range(config.inference.num_servers)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        common = ["--config", str(config_path), f"--learner.model_path={model}", f"--inference.model_path={model}",
-                  "--inference.servers", "[" + ", ".join(urls) + "]"]
-        for i, port in enumerate(ports):
+        common = [
+            "--config",
+            str(config_path),
+            f"--learner.model_path={model}",
+            f"--inference.model_path={model}",
+            "--inference.servers",
+            "[" + ", ".join(urls) + "]",
+        ]
+        servers = [
             supervisor.start(f"server{i}", _agentrl("serve", "--port", str(port), *common))
-        _wait_healthy(urls, supervisor)
+            for i, port in enumerate(ports)
+        ]
+        try:
+            wait_healthy(urls, [c.proc for c in servers])
+        except RuntimeError:
+            failed = supervisor.failed()
+            raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None
 
         n = config.learner.num_processes
         learner_cmd = (
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-             "-m", "agentrl", "learner", *common]
-            if n > 1 else _agentrl("learner", *common)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={n}",
+                "-m",
+                "agentrl",
+                "learner",
+                *common,
+            ]
+            if n > 1
+            else _agentrl("learner", *common)
         )
         learner = supervisor.start("learner", learner_cmd)
         for i in range(config.roller.num_processes):
@@ -176,8 +206,13 @@ def _watch(config: AgentRLConfig, supervisor: Supervisor, learner: Child) -> int
             failed = supervisor.failed()
             if failed is not None:
                 live.stop()
-                logger.error("%s exited with code %d; stopping the run. Last lines of %s:\n%s", failed.name,
-                             failed.proc.returncode, failed.log_path, supervisor.tail(failed))
+                logger.error(
+                    "%s exited with code %d; stopping the run. Last lines of %s:\n%s",
+                    failed.name,
+                    failed.proc.returncode,
+                    failed.log_path,
+                    supervisor.tail(failed),
+                )
                 return 1
             if learner.proc.poll() == 0:
                 live.update(progress_table(run_dir, config))

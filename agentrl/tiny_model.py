@@ -106,6 +106,8 @@ PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(64, 2, 4, 2, 192, 1024),
     # ~13M parameters: big enough to learn the quickstart task on CPU.
     "small": ModelPreset(384, 8, 6, 2, 1024, 2048),
+    # ~100M parameters: the size `agentrl bench sync` pushes.
+    "base100m": ModelPreset(768, 12, 12, 4, 2048, 32768),
 }
 
 

@@ -1,0 +1,183 @@
+"""`agentrl bench sync`: weight push time of our broadcast engine, side by side with
+a raw gloo broadcast of the same tensors and with the disk engine, in one run.
+
+    agentrl bench sync [--preset base100m] [--repeats 3] [--bucket-mb 64]
+
+One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter model.
+- ours: `BroadcastEngine.push` — pause, bucketed broadcast with the server loading each
+  bucket into its model, continue (what the learner does after every step);
+- raw: a bare `ProcessGroupGloo` broadcast of the same tensors from this process to one
+  receiver process that only receives (no HTTP, no load): the transport's limit here;
+- disk: `DiskEngine.push` — safetensors written, then `/update_weights_from_disk`.
+Ratios (higher is better): `vs_raw_broadcast` = raw / ours (target ≥ 0.8), `vs_disk` =
+disk / ours (target ≥ 3). The peak extra memory of a push is shown as the learner's
+resident-set growth while pushing, next to the bucket size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from agentrl.bench.common import emit, print_table
+
+RECEIVER = """
+import sys, time, torch
+from agentrl.inference.weight_group import join_group
+port, shapes_file = int(sys.argv[1]), sys.argv[2]
+shapes = [tuple(map(int, line.split())) for line in open(shapes_file).read().splitlines()]
+group = join_group("127.0.0.1", port, 1, 2, "raw", "gloo", 300)
+for _ in range(int(sys.argv[3])):
+    for shape in shapes:
+        group.broadcast(torch.empty(shape), 0)
+    group.barrier()
+import os; os._exit(0)
+"""
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Samples this process's resident set while a block runs."""
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def _raw_broadcast(model: torch.nn.Module, repeats: int, workdir: Path) -> list[float]:
+    from agentrl.inference.weight_group import join_group
+    from agentrl.weight_sync.broadcast import _free_port
+
+    tensors = [p.detach().contiguous() for p in model.parameters()]
+    shapes = workdir / "shapes.txt"
+    shapes.write_text("\n".join(" ".join(map(str, t.shape)) for t in tensors))
+    port = _free_port("127.0.0.1")
+    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), str(shapes), str(repeats)])
+    try:
+        group = join_group("127.0.0.1", port, 0, 2, "raw", "gloo", 300)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for t in tensors:
+                group.broadcast(t, 0)
+            group.barrier()
+            times.append(time.perf_counter() - start)
+        receiver.wait(60)
+        return times
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+
+
+def main(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl bench sync")
+    parser.add_argument("--preset", default="base100m", help="model size to push (tiny, small, base100m)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    opts = parser.parse_args(args)
+
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
+    from agentrl.launcher import wait_healthy
+    from agentrl.tiny_model import init_model
+    from agentrl.weight_sync.base import create
+    from agentrl.weight_sync.broadcast import _free_port
+
+    with tempfile.TemporaryDirectory(prefix="agentrl-bench-sync-") as tmp:
+        workdir = Path(tmp)
+        model_dir = init_model(opts.preset, workdir / "model")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        port = _free_port("127.0.0.1")
+        url = f"http://127.0.0.1:{port}"
+        server = subprocess.Popen(
+            [sys.executable, "-m", "agentrl", "serve", "--model", str(model_dir), "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            wait_healthy([url], [server])
+            inference = InferenceConfig(servers=[url])
+            ours, peaks = [], []
+            engine = create(BroadcastSyncConfig(bucket_mb=opts.bucket_mb, timeout_s=300), inference)
+            engine.init()
+            try:
+                for version in range(1, opts.repeats + 2):
+                    with PeakRSS() as rss:
+                        stats = engine.push(model, version)
+                    if version > 1:  # the first push warms up connections and allocations
+                        ours.append(stats.seconds)
+                        peaks.append(rss.extra)
+                bucket = stats.peak_bucket_bytes
+            finally:
+                engine.close()
+            disk_engine = create(DiskSyncConfig(keep_last=1), inference, run_dir=workdir)
+            disk_engine.init()
+            try:
+                disk = [disk_engine.push(model, 100 + i).seconds for i in range(opts.repeats)]
+            finally:
+                disk_engine.close()
+        finally:
+            os.killpg(server.pid, 9)
+            server.wait()
+        raw = _raw_broadcast(model, opts.repeats + 1, workdir)[1:]
+
+    ours_s, raw_s, disk_s = statistics.median(ours), statistics.median(raw), statistics.median(disk)
+    rows = [
+        ["ours: broadcast engine (pause, buckets, load, continue)", ours_s, nbytes / ours_s / 1e9],
+        ["raw gloo broadcast, same tensors, no load", raw_s, nbytes / raw_s / 1e9],
+        ["disk engine (safetensors + /update_weights_from_disk)", disk_s, nbytes / disk_s / 1e9],
+    ]
+    print_table(
+        f"weight push of {nbytes / 1e6:.0f} MB ({opts.preset}), median of {opts.repeats}",
+        ["path", "seconds", "GB/s"],
+        rows,
+    )
+    print(
+        f"peak extra resident memory during our push: {max(peaks) / 1e6:.1f} MB "
+        f"(bucket {bucket / 1e6:.1f} MB; bound ~2 buckets; model {nbytes / 1e6:.0f} MB)"
+    )
+    emit(
+        "sync",
+        {
+            "model_bytes": nbytes,
+            "push_s": ours_s,
+            "raw_broadcast_s": raw_s,
+            "disk_s": disk_s,
+            "gb_per_s": nbytes / ours_s / 1e9,
+            "peak_extra_rss_bytes": max(peaks),
+            "bucket_bytes": bucket,
+        },
+        {"vs_raw_broadcast": raw_s / ours_s, "vs_disk": disk_s / ours_s},
+    )
+    return 0
