@@ -328,6 +328,8 @@ class LocalSandboxConfig(_SandboxLimits):
     """Largest file a sandboxed process may write (RLIMIT_FSIZE)."""
     ro_paths: list[str] = []
     """Extra host paths bound read-only at the same place (e.g. a Python prefix outside /usr)."""
+    python_packages: list[str] = []
+    """Pure-Python packages of agentrl's own interpreter made importable inside (e.g. [pytest])."""
     root_dir: str | None = None
     """Host directory the sandboxes' working directories are created in (default: the system temp dir)."""
     uid: int | None = Field(None, ge=1)

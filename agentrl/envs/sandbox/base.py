@@ -94,6 +94,8 @@ class Sandbox(abc.ABC):
     """The isolation level actually obtained (one of ISOLATION_ORDER), known after start()."""
     workdir: str = "/work"
     """The working directory inside the sandbox (where relative paths point)."""
+    tmpdir: str = "/tmp"
+    """A scratch directory inside the sandbox that write_file/read_file may use."""
 
     @abc.abstractmethod
     async def start(self, image_or_spec: str | None = None) -> None:

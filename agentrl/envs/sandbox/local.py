@@ -82,7 +82,12 @@ def available_isolation(uid: int | None) -> list[str]:
     return [*levels, "rlimits", "none"]
 
 
-def _bwrap_prefix(work: str, tmp: str, workdir: str, ro_paths: list[str]) -> list[str]:
+SITE_INSIDE = "/opt/agentrl-site"
+
+
+def _bwrap_prefix(
+    work: str, tmp: str, workdir: str, ro_paths: list[str], site: str | None = None
+) -> list[str]:
     args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
     args += ["--ro-bind", "/usr", "/usr"]
     for name in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -92,6 +97,8 @@ def _bwrap_prefix(work: str, tmp: str, workdir: str, ro_paths: list[str]) -> lis
             args += ["--ro-bind", name, name]
     for path in ETC_FILES + ro_paths:
         args += ["--ro-bind-try", path, path]
+    if site:
+        args += ["--ro-bind", site, SITE_INSIDE]
     args += ["--proc", "/proc", "--dev", "/dev", "--bind", tmp, "/tmp", "--bind", work, workdir]
     return [*args, "--remount-ro", "/", "--chdir", workdir, "--"]
 
@@ -117,6 +124,7 @@ class LocalSandbox(Sandbox):
         self.uid: int | None = None
         self.isolation = "none"
         self.details: dict[str, object] = {}
+        self.site: Path | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -141,6 +149,13 @@ class LocalSandbox(Sandbox):
                 f"to run untrusted code (available here: {', '.join(available)})"
             )
         self.isolation = level
+        if cfg.python_packages:
+            from agentrl.envs.sandbox.pypkgs import site_dir
+
+            try:
+                self.site = await asyncio.to_thread(site_dir, cfg.python_packages)
+            except ValueError as exc:
+                raise SandboxError(str(exc)) from None
         if cfg.root_dir:
             Path(cfg.root_dir).mkdir(parents=True, exist_ok=True)
         self.root = Path(tempfile.mkdtemp(prefix="agentrl-sandbox-", dir=cfg.root_dir))
@@ -156,6 +171,7 @@ class LocalSandbox(Sandbox):
         if self.uid is not None:
             await asyncio.to_thread(self._chown_tree, self.root)
         self.workdir = cfg.workdir if level == "bwrap" else str(work)
+        self.tmpdir = "/tmp" if level == "bwrap" else str(tmp)
         if level != "none":
             self.cgroup = Cgroup.create(self.limits)
         self.details = {
@@ -198,7 +214,8 @@ class LocalSandbox(Sandbox):
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         work, tmp = str(self.root / "work"), str(self.root / "tmp")
         if self.isolation == "bwrap":
-            return _bwrap_prefix(work, tmp, self.config.workdir, self.config.ro_paths) + argv
+            site = str(self.site) if self.site else None
+            return _bwrap_prefix(work, tmp, self.config.workdir, self.config.ro_paths, site) + argv
         if self.isolation == "namespaces":
             hide = [p for p in HIDDEN_FOR_NAMESPACES if os.path.isdir(p) and not work.startswith(p + "/")]
             return _unshare_prefix(hide, work) + argv
@@ -218,14 +235,16 @@ class LocalSandbox(Sandbox):
         if self.root is None:
             raise SandboxError("sandbox not started")
         timeout = timeout or self.config.timeout_s
-        tmp = "/tmp" if self.isolation == "bwrap" else str(self.root / "tmp")
         full_env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "HOME": self.workdir,
-            "TMPDIR": tmp,
+            "TMPDIR": self.tmpdir,
             "LANG": "C.UTF-8",
             **(env or {}),
         }
+        if self.site is not None:
+            site = SITE_INSIDE if self.isolation == "bwrap" else str(self.site)
+            full_env["PYTHONPATH"] = ":".join(p for p in (full_env.get("PYTHONPATH"), site) if p)
         limits = self.limits if self.isolation != "none" else None
         oom_before = self.cgroup.oom_kills() if self.cgroup else 0
         proc = await asyncio.create_subprocess_exec(
@@ -266,7 +285,7 @@ class LocalSandbox(Sandbox):
         (symlinks the sandboxed code planted included: nothing runs while we resolve)."""
         if self.root is None:
             raise SandboxError("sandbox not started")
-        inside_tmp = "/tmp" if self.isolation == "bwrap" else str(self.root / "tmp")
+        inside_tmp = self.tmpdir
         p = Path(path)
         if not p.is_absolute():
             p = Path(self.workdir) / p

@@ -72,6 +72,7 @@ class RemoteSandbox(Sandbox):
             raise
         body = await response.json()
         self.id, self.isolation, self.workdir = body["id"], body["isolation"], body["workdir"]
+        self.tmpdir = body.get("tmpdir", "/tmp")
 
     async def exec(
         self, cmd: str | list[str], timeout: float | None = None, env: dict[str, str] | None = None

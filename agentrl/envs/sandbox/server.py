@@ -7,7 +7,7 @@ machine that has them. Every request but `/health` carries `Authorization: Beare
 
 Routes (JSON unless noted):
     GET    /health                          {"ok", "backend", "sandboxes"}
-    POST   /sandboxes        {"image"}      {"id", "isolation", "workdir"}
+    POST   /sandboxes        {"image"}      {"id", "isolation", "workdir", "tmpdir"}
     POST   /sandboxes/{id}/exec {"cmd", "timeout", "env"}   ExecResult fields
     PUT    /sandboxes/{id}/files?path=P     raw bytes in
     GET    /sandboxes/{id}/files?path=P     raw bytes out
@@ -100,7 +100,9 @@ class SandboxServer:
         sid = uuid.uuid4().hex
         self.sandboxes[sid] = sandbox
         self.last_used[sid] = time.monotonic()
-        return web.json_response({"id": sid, "isolation": sandbox.isolation, "workdir": sandbox.workdir})
+        return web.json_response(
+            {"id": sid, "isolation": sandbox.isolation, "workdir": sandbox.workdir, "tmpdir": sandbox.tmpdir}
+        )
 
     async def exec(self, request: web.Request) -> web.Response:
         sid, sandbox = self._get(request)
