@@ -161,6 +161,8 @@ class RollerConfig(Section):
     """Seconds between progress lines and metrics records."""
     num_processes: int = Field(1, ge=1)
     """Roller processes `agentrl run` starts."""
+    shutdown_grace_s: float = Field(10.0, ge=0)
+    """On stop, how long in-flight groups may take to finish and be put before they are abandoned."""
     seed: int = 0
     """Random seed of task order and sampling seeds."""
 
@@ -256,6 +258,9 @@ class InferenceConfig(Section):
     """Longest prompt + output an embedded server accepts; defaults to the model's max positions."""
     served_model_name: str | None = None
     """`model` field sent to vLLM's OpenAI API; null sends none (vLLM then uses its only model)."""
+    cpu_threads: int | None = Field(1, ge=1)
+    """torch threads of an embedded server on CPU (process-wide). 1 suits the small models served on
+    CPU next to other processes (more threads thrash on a busy machine); null keeps torch's default."""
 
 
 # --------------------------------------------------------------------------- weight sync

@@ -21,6 +21,7 @@ step, version, reward, staleness, episodes/s, queue depth and weight-push time.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -137,6 +138,10 @@ def launch(config: AgentRLConfig, config_path: Path) -> int:
     run_dir = Path(config.run_dir)
     supervisor = Supervisor(run_dir)
     model = config.learner.model_path
+    secret_env = getattr(config.queue, "secret_env", None)
+    if secret_env and not os.environ.get(secret_env):
+        # one machine, one job: a fresh shared secret authenticates the queue's messages
+        os.environ[secret_env] = secrets.token_hex(32)
     try:
         if config.learner.warmstart_steps > 0:
             warm = supervisor.start("warmstart", _agentrl("warmstart", "--config", str(config_path)))
@@ -233,11 +238,22 @@ def progress_table(run_dir: Path, config: AgentRLConfig):
     step = learner.get("step", 0)
     table.add_row("step / version", f"{step} / {config.learner.max_steps}")
     table.add_row("reward (last batch)", _fmt(learner.get("reward/mean")))
-    table.add_row("staleness (max in batch)", _fmt(learner.get("staleness/max")))
+    table.add_row("staleness (mean / max in batch)", "{} / {}".format(*map(_fmt, staleness(learner))))
     table.add_row("episodes/s (all rollers)", _fmt(sum(r.get("roller/episodes_per_s", 0.0) for r in rollers)))
     table.add_row("queue depth", _fmt(learner.get("queue/depth")))
     table.add_row("weight push (s)", _fmt(learner.get("sync/push_s")))
     return table
+
+
+def staleness(record: dict) -> tuple[float | None, int | None]:
+    """(mean, max) staleness of a learner record's batch, from its `staleness/<k>` histogram."""
+    hist = {
+        int(k.split("/")[1]): v for k, v in record.items() if k.startswith("staleness/") and k[10:].isdigit()
+    }
+    total = sum(hist.values())
+    if not total:
+        return None, None
+    return sum(k * n for k, n in hist.items()) / total, max(k for k, n in hist.items() if n)
 
 
 def _fmt(value: object) -> str:
@@ -277,8 +293,9 @@ def finish(run_dir: Path) -> Path | None:
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
         ax1.plot(steps, [r.get("reward/mean", float("nan")) for r in records])
         ax1.set_ylabel("mean reward")
-        ax2.plot(steps, [r.get("staleness/mean", float("nan")) for r in records], label="mean")
-        ax2.plot(steps, [r.get("staleness/max", float("nan")) for r in records], label="max")
+        mean_max = [staleness(r) for r in records]
+        ax2.plot(steps, [m if m is not None else float("nan") for m, _ in mean_max], label="mean")
+        ax2.plot(steps, [x if x is not None else float("nan") for _, x in mean_max], label="max")
         ax2.set_ylabel("staleness (versions)")
         ax2.set_xlabel("learner version")
         ax2.legend()

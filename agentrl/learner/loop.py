@@ -234,11 +234,12 @@ def run(
             log.error("step at version %d skipped: non-finite loss or gradient norm", learner.version)
 
         # 5. version += 1; publish; hand weights to weight sync
+        pushed = None
         if applied:
             learner.version += 1
             skips_in_a_row = 0
             if weight_sync is not None:
-                weight_sync.push(learner.model, learner.version)
+                pushed = weight_sync.push(learner.model, learner.version)
             if learner.rank == 0 and consumer is not None:
                 consumer.publish_version(learner.version)
         else:
@@ -253,6 +254,8 @@ def run(
                 consumer.ack([g.group_id for g in groups])
             if metrics is not None:
                 m = _step_metrics(learner, steps, batch, plans, queue_stats, total_skipped, t_wait, t_train)
+                if pushed is not None:
+                    m.update(pushed.as_metrics())
                 if consumer is not None:
                     m.update(
                         {

@@ -39,6 +39,15 @@ def open_queue(cfg: AgentRLConfig) -> tuple[Any, Any]:
     return backend.consumer("rank0", server=server), server
 
 
+def open_weight_sync(cfg: AgentRLConfig, rank: int) -> Any:
+    """The checkpoint engine pushing to `inference.servers` (every rank joins the FSDP gathers)."""
+    from agentrl.weight_sync.base import create
+
+    engine = create(cfg.weight_sync, cfg.inference, rank=rank, run_dir=cfg.run_dir)
+    engine.init()
+    return engine
+
+
 def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> int:
     """Train until `learner.max_steps`; returns a process exit code."""
     import torch.distributed as dist
@@ -49,6 +58,8 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
     learner = build_learner(cfg.learner, cfg.run_dir)
     consumer = server = metrics = None
     code = 0
+    if weight_sync is None and cfg.inference.servers:
+        weight_sync = open_weight_sync(cfg, learner.rank)
     try:
         if learner.rank == 0:
             save_resolved(cfg)
@@ -66,7 +77,7 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
         log.warning("interrupted; the latest checkpoint is resumable with --resume")
         code = 130
     finally:
-        for closeable in (consumer, metrics):
+        for closeable in (consumer, metrics, weight_sync):
             if closeable is not None:
                 closeable.close()
         if server is not None:

@@ -50,6 +50,7 @@ class RollerStats:
     groups_put: int = 0
     groups_dropped_uniform: int = 0
     groups_failed: int = 0
+    groups_abandoned: int = 0
     episodes_overlong_masked: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -69,6 +70,7 @@ class RollerStats:
             "roller/groups_put": self.groups_put,
             "roller/groups_dropped_uniform": self.groups_dropped_uniform,
             "roller/groups_failed": self.groups_failed,
+            "roller/groups_abandoned": self.groups_abandoned,
             "roller/episodes_overlong_masked": self.episodes_overlong_masked,
             "roller/reward_mean": float(np.mean(recent)) if recent else 0.0,
             "roller/tool_calls": self.tool_calls,
@@ -115,7 +117,12 @@ class Roller:
         try:
             await self._admit_loop()
             if self._groups:
-                await asyncio.gather(*self._groups)
+                # after stop(), in-flight groups get a grace period (the learner may be gone)
+                timeout = self.config.shutdown_grace_s if self._stopping.is_set() else None
+                _, late = await asyncio.wait(set(self._groups), timeout=timeout)
+                if late:
+                    self.stats.groups_abandoned += len(late)
+                    logger.warning("%d in-flight group(s) abandoned at shutdown", len(late))
         finally:
             reporter.cancel()
             for task in self._groups:
