@@ -127,9 +127,12 @@ class Engine:
         dtype: str = "float32",
         max_batch_size: int = 32,
         context_length: int | None = None,
+        cpu_threads: int | None = 1,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if cpu_threads is not None and not device.startswith("cuda"):
+            torch.set_num_threads(cpu_threads)  # process-wide; see InferenceConfig.cpu_threads
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)

@@ -1,0 +1,117 @@
+"""`agentrl bench serve`: the embedded server's generation throughput at concurrency 1, 8 and 32.
+
+Starts a real `agentrl serve` process on a free port with a freshly made local model, sends
+the same number of requests at each concurrency through the SGLang client (fixed
+`max_new_tokens`, `ignore_eos`, so every request generates the same number of tokens), and
+reports generated tokens per second. The baseline is concurrency 1 on the same server in the
+same run, so the ratios say how much continuous batching buys on this machine.
+
+    agentrl bench serve                       # tiny model
+    agentrl bench serve --preset small --requests 32 --max-new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from agentrl.bench.common import emit, print_table
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _wait_healthy(client, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"agentrl serve exited with {proc.returncode}")
+        if await client.health():
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError("agentrl serve did not become healthy")
+
+
+async def _run_level(client, concurrency: int, requests: int, prompt_len: int, max_new_tokens: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    params = {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 1.0}
+
+    async def one(i: int) -> int:
+        prompt = [(7 * i + 13 * k) % 500 + 10 for k in range(prompt_len)]
+        async with sem:
+            res = await client.generate(prompt, params)
+        return len(res.output_ids)
+
+    start = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i) for i in range(requests))))
+    elapsed = time.perf_counter() - start
+    return {"concurrency": concurrency, "requests": requests, "tokens": tokens, "seconds": elapsed}
+
+
+async def _bench(url: str, proc: subprocess.Popen, args: argparse.Namespace) -> list[dict]:
+    from agentrl.inference.sglang import SGLangClient
+
+    async with SGLangClient(url, timeout_s=600) as client:
+        await _wait_healthy(client, proc)
+        await _run_level(client, 4, 4, args.prompt_len, 4)  # warm-up
+        return [
+            await _run_level(client, c, max(c, args.requests), args.prompt_len, args.max_new_tokens)
+            for c in (1, 8, 32)
+        ]
+
+
+def main(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl bench serve", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--preset", default="tiny", help="model preset made by agentrl.tiny_model (tiny|small)"
+    )
+    parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level (≥ level)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--model", default=None, help="serve this checkpoint instead of a fresh preset")
+    ns = parser.parse_args(args)
+
+    from agentrl.tiny_model import init_model
+
+    with tempfile.TemporaryDirectory(prefix="agentrl-bench-serve-") as tmp:
+        model = ns.model or str(init_model(ns.preset, Path(tmp) / ns.preset))
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentrl", "serve", "--model", model, "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env={**os.environ},
+        )
+        try:
+            results = asyncio.run(_bench(f"http://127.0.0.1:{port}", proc, ns))
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    tps = {r["concurrency"]: r["tokens"] / r["seconds"] for r in results}
+    rows = [
+        [r["concurrency"], r["requests"], r["tokens"], r["seconds"], tps[r["concurrency"]]] for r in results
+    ]
+    print_table(
+        f"agentrl serve throughput ({ns.model or ns.preset}, {ns.max_new_tokens} new tokens/request)",
+        ["concurrency", "requests", "tokens", "seconds", "tokens/s"],
+        rows,
+    )
+    metrics = {f"tokens_per_s_c{c}": v for c, v in tps.items()}
+    metrics.update(model=ns.model or ns.preset, max_new_tokens=ns.max_new_tokens, requests=ns.requests)
+    emit("serve", metrics, {"c8_vs_c1": tps[8] / tps[1], "c32_vs_c1": tps[32] / tps[1]})
+    return 0
