@@ -162,12 +162,12 @@ def test_cli_exec_with_docker_backend(docker_host: str) -> None:
     assert out == {"exit_code": 0, "stdout": "4\n", "stderr": "", "timed_out": False, "isolation": "docker"}
 
 
-async def test_dockerfiles_build_without_a_registry(docker_host: str, tmp_path: Path) -> None:
-    """Dockerfile.python and Dockerfile.swe build FROM the imported host image, offline, and the
-    SWE base runs a task's tests with pytest."""
+@pytest.fixture(scope="module")
+def swe_base(docker_host: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Dockerfile.python and Dockerfile.swe built FROM the imported host image, offline."""
     import docker
 
-    context = tmp_path / "context"
+    context = tmp_path_factory.mktemp("context") / "sandboxes"
     shutil.copytree(REPO / "sandboxes", context)
     subprocess.run([sys.executable, str(context / "vendor.py"), "collect", str(context / "vendor"), "pytest"],
                    check=True, capture_output=True)  # fmt: skip
@@ -182,7 +182,12 @@ async def test_dockerfiles_build_without_a_registry(docker_host: str, tmp_path: 
         raise AssertionError(f"image build failed: {exc}\n{log[-3000:]}") from None
     finally:
         client.close()
-    async with create(config(docker_host, image="agentrl/swe-base:test", memory_mb=256)) as box:
+    return "agentrl/swe-base:test"
+
+
+async def test_dockerfiles_build_without_a_registry(docker_host: str, swe_base: str) -> None:
+    """The SWE base built from sandboxes/ runs a repository's tests with pytest and diffs with git."""
+    async with create(config(docker_host, image=swe_base, memory_mb=256)) as box:
         await box.write_file("calc.py", "def add(a, b):\n    return a - b\n")
         await box.write_file(
             "test_calc.py", "from calc import add\n\ndef test_add():\n    assert add(2, 2) == 4\n"
@@ -195,3 +200,28 @@ async def test_dockerfiles_build_without_a_registry(docker_host: str, tmp_path: 
         passing = await box.exec("python3 -m pytest -q test_calc.py")
         assert passing.exit_code == 0, passing.stdout + passing.stderr
         assert "1 passed" in passing.stdout
+
+
+async def test_swe_task_graded_in_its_own_image(docker_host: str, swe_base: str, tmp_path: Path) -> None:
+    """A synthetic task baked into an image FROM the SWE base: the right patch scores 1, none 0."""
+    import dataclasses
+
+    import docker
+
+    from agentrl.envs.swe.grading import grade_patch
+    from agentrl.envs.swe.synthetic import generate
+
+    [task] = generate(tmp_path / "tasks", 1, seed=5)
+    context = tmp_path / "task-image"
+    shutil.copytree(task.repo_dir, context / "repo")
+    (context / "Dockerfile").write_text(f"FROM {swe_base}\nCOPY repo/ /testbed/\nWORKDIR /testbed\n")
+    client = docker.DockerClient(base_url=docker_host)
+    try:
+        client.images.build(path=str(context), tag="agentrl/task-test:1", rm=True)
+    finally:
+        client.close()
+    task = dataclasses.replace(task, image="agentrl/task-test:1", repo_dir=None, workdir="/testbed")
+    sandbox = config(docker_host, memory_mb=256)
+    assert (await grade_patch(sandbox, task, task.patch, timeout=60)).reward == 1.0
+    unfixed = await grade_patch(sandbox, task, "", timeout=60)
+    assert unfixed.reward == 0.0 and all(unfixed.pass_to_pass.values())

@@ -120,8 +120,10 @@ async def grade(sandbox: Sandbox, task: SweTask, timeout: float = 300.0) -> Grad
 
 async def grade_patch(sandbox_config: Any, task: SweTask, patch: str, timeout: float = 300.0) -> Grade:
     """Grade `patch` the SWE-bench way: a fresh sandbox of the task, the patch, the hidden tests."""
+    if sandbox_config.type == "docker":  # the repository is where the task's image put it
+        sandbox_config = sandbox_config.model_copy(update={"workdir": task.workdir})
     sandbox = create(sandbox_config)
-    await sandbox.start(task.image if sandbox_config.type != "local" else task.repo_dir)
+    await sandbox.start(task.repo_dir if sandbox_config.type == "local" else task.image)
     try:
         ok, log = await apply_patch(sandbox, patch)
         if not ok:
