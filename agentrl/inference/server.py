@@ -237,7 +237,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         dtypes = [parse_dtype(d) for d in body.dtypes]
     except ValueError as exc:
         return _fail(str(exc))
-    device = "cuda" if group.backend == "nccl" else "cpu"
+    device = engine.device if group.backend == "nccl" else torch.device("cpu")
 
     def receive_and_load() -> str:
         if body.abort_all_requests:

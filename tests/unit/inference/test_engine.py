@@ -120,3 +120,21 @@ def test_mismatched_weights_are_rejected_and_change_nothing(engine: Engine):
     with pytest.raises(ValueError, match="unknown parameter names"):
         engine.call(lambda: engine.load_weights({"nope": torch.zeros(3)}, "9")).result(10)
     assert torch.equal(engine.model.state_dict()[name], before) and engine.weight_version == "0"
+
+
+def test_stop_string_ends_generation_where_it_first_appears(engine: Engine):
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    col = Collector(1)
+    engine.submit(Request("free", _prompt(5), params, col))
+    out = col.wait()["free"].output_ids
+    tok = engine.tokenizer
+    text = tok.decode(out[:6], skip_special_tokens=False)
+    stop = text[-2:] if len(text) >= 2 else text
+    col = Collector(1)
+    p = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, stop=[stop])
+    engine.submit(Request("stopstr", _prompt(5), p, col))
+    req = col.wait()["stopstr"]
+    assert req.finish_reason == {"type": "stop", "matched": stop}
+    assert stop in tok.decode(req.output_ids, skip_special_tokens=False)
+    assert stop not in tok.decode(req.output_ids[:-1], skip_special_tokens=False)
+    assert req.output_ids == out[: len(req.output_ids)] and len(req.output_ids) <= 6

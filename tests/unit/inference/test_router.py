@@ -102,3 +102,26 @@ async def test_admin_calls_fan_out(server: ServerThread, second: ServerThread):
         await router.continue_generation()
         assert not server.engine.paused and not second.engine.paused
         assert await router.get_weight_version() == 0
+
+
+async def test_health_checks_mark_servers_down_and_up_again(server: ServerThread):
+    async with Router([SGLangClient(server.url), SGLangClient(_dead_url(), connect_timeout_s=1)]) as router:
+        router.healthy[0] = False
+        assert await router.check_health() == [True, False]
+        assert router.healthy == [True, False]
+
+
+def test_factory_picks_client_by_type():
+    from agentrl.config import InferenceConfig
+    from agentrl.inference.base import create
+    from agentrl.inference.vllm import VLLMClient
+
+    one = create(InferenceConfig(type="sglang", servers=["http://127.0.0.1:1"]))
+    assert isinstance(one, SGLangClient)
+    many = create(
+        InferenceConfig(type="vllm", servers=["http://127.0.0.1:1", "http://127.0.0.1:2"], max_retries=5)
+    )
+    assert isinstance(many, Router) and many.max_retries == 5
+    assert all(isinstance(c, VLLMClient) for c in many.clients)
+    embedded = create(InferenceConfig(), ["http://127.0.0.1:3"])
+    assert isinstance(embedded, SGLangClient)
