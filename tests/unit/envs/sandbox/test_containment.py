@@ -164,3 +164,26 @@ async def test_concurrent_sandboxes_do_not_see_each_other() -> None:
         assert [r.stdout.split() for r in results] == [["0", "0"], ["1", "1"], ["2", "2"]]
     finally:
         await asyncio.gather(*(b.close() for b in boxes))
+
+
+async def test_close_leaves_no_process_cgroup_or_directory() -> None:
+    box = LocalSandbox(local_config())
+    await box.start()
+    root, cgroup, uid = box.root, box.cgroup, box.uid
+    marker = "6161.5"
+    # run an exec that is still going when close() is called from elsewhere
+    running = asyncio.create_task(box.exec(f"sleep {marker} & sleep {marker}", timeout=60))
+    for _ in range(100):
+        if processes_with(f"sleep {marker}"):
+            break
+        await asyncio.sleep(0.05)
+    assert processes_with(f"sleep {marker}")
+    await box.close()
+    result = await running
+    assert result.exit_code != 0
+    assert processes_with(f"sleep {marker}") == []
+    assert not root.exists()
+    if uid is not None:
+        assert pids_of_uid(uid) == []
+    if cgroup is not None:
+        assert not any(d.exists() for d in cgroup.dirs)
