@@ -59,6 +59,8 @@ class RollerStats:
     newest_version: int = -1
     version_regressions: int = 0
     in_flight_episodes: int = 0
+    peak_in_flight_episodes: int = 0
+    turns: int = 0
     started: float = field(default_factory=time.perf_counter)
 
     def snapshot(self) -> dict[str, Any]:
@@ -189,6 +191,9 @@ class Roller:
     async def _run_one(self, task: dict[str, Any]) -> Episode:
         async with self._episode_slots:
             self.stats.in_flight_episodes += 1
+            self.stats.peak_in_flight_episodes = max(
+                self.stats.peak_in_flight_episodes, self.stats.in_flight_episodes
+            )
             try:
                 episode = await run_episode(self.make_env(), task, self.client, self.renderer, self.config)
             finally:
@@ -199,6 +204,7 @@ class Roller:
     def _account(self, episode: Episode) -> None:
         stats = self.stats
         stats.episodes += 1
+        stats.turns += episode.num_turns
         stats.rewards.append(episode.reward)
         stats.tool_calls += int(episode.metrics.get("tool_calls", 0))
         stats.tool_errors += int(episode.metrics.get("tool_errors", 0))
