@@ -47,7 +47,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
-    weight_version: str = "0"
+    weight_version: str | None = None
+    """Version of the weights that generated the first token: if an update lands while the request
+    runs, the older version is reported, so staleness is over- rather than under-stated."""
     created: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
     abort_message: str | None = None
@@ -343,6 +345,8 @@ class Engine:
         for i, r in enumerate(reqs):
             ids[i, length - len(r.input_ids) :] = torch.tensor(r.input_ids)
             mask[i, length - len(r.input_ids) :] = 1
+        for r in reqs:
+            r.weight_version = self.weight_version
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         logits, keys, values = self._forward(ids, mask, positions)
@@ -398,7 +402,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
         req.finish_reason = reason
-        req.weight_version = self.weight_version
+        if req.weight_version is None:  # finished before it was prefilled (aborted, max_new_tokens=0)
+            req.weight_version = self.weight_version
         try:
             req.on_done(req)
         except Exception:

@@ -138,3 +138,16 @@ def test_stop_string_ends_generation_where_it_first_appears(engine: Engine):
     assert stop in tok.decode(req.output_ids, skip_special_tokens=False)
     assert stop not in tok.decode(req.output_ids[:-1], skip_special_tokens=False)
     assert req.output_ids == out[: len(req.output_ids)] and len(req.output_ids) <= 6
+
+
+def test_update_mid_request_reports_the_older_version(engine: Engine):
+    col = Collector(2)
+    engine.submit(Request("span", _prompt(6), SamplingParams(max_new_tokens=400, ignore_eos=True), col))
+    while engine.num_running == 0:
+        time.sleep(0.01)
+    same = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.call(lambda: engine.load_weights(same, "5")).result(10)
+    engine.submit(Request("after", _prompt(6), SamplingParams(max_new_tokens=2), col))
+    done = col.wait()
+    assert done["span"].weight_version == "0" and done["after"].weight_version == "5"
+    engine.call(lambda: setattr(engine, "weight_version", "0")).result(10)
