@@ -77,11 +77,11 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
         return
 
     async def run() -> None:
-        if kind == "ours":
+        if kind in ("ours", "nixl"):
             from agentrl.config import ZmqQueueConfig
             from agentrl.queue import create
 
-            producer = create(ZmqQueueConfig(address=address)).producer()
+            producer = create(ZmqQueueConfig(address=address, nixl=kind == "nixl")).producer()
         else:
             from agentrl.queue.redis_backend import RedisProducer
 
@@ -257,7 +257,7 @@ def main(args: list[str]) -> int:
         "TransferQueue throughput (MB/s of payload)",
         ["payload", "groups", "raw zmq", "ours", *baselines, "ours/raw"],
         rows,
-    )  # noqa: E501
+    )
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")
 

@@ -96,10 +96,13 @@ class ZmqProducer(Producer):
             await self._room.wait()
         self._inflight_bytes += nbytes
         try:
-            await self._call({"k": "put", "gid": group.group_id}, frames)
+            await self._send_group(group, frames)
         finally:
             self._inflight_bytes -= nbytes
             self._room.set()
+
+    async def _send_group(self, group: Group, frames: list) -> None:
+        await self._call({"k": "put", "gid": group.group_id}, frames)
 
     async def acquire_start(self, n: int = 1) -> int:
         ctl = {"k": "acq", "n": n}
@@ -126,7 +129,7 @@ class ZmqProducer(Producer):
                     continue
                 ctl, frames, _ = self._pending[rid]
                 if ctl["k"] != "put":
-                    await self._send(msgpack.packb(ctl), [])
+                    await self._send(msgpack.packb(ctl), frames)
                     continue
                 items, payload, size = [[rid, ctl["gid"], len(frames)]], list(frames), sum(map(len, frames))
                 while self._outbox and size < COALESCE_BYTES and len(items) < COALESCE_GROUPS:
@@ -326,9 +329,10 @@ class ZmqBackend(Backend):
         return QueueServer(self.config, groups_per_step, max_staleness, **kwargs)
 
     def producer(self, address: str | None = None, **kwargs: Any) -> ZmqProducer:
-        return ZmqProducer(
-            address or self.config.address, _auth_for(self.config), self.config.producer_window_bytes
-        )
+        cls = ZmqProducer
+        if self.config.nixl:
+            from agentrl.queue.nixl_transport import NixlProducer as cls
+        return cls(address or self.config.address, _auth_for(self.config), self.config.producer_window_bytes)
 
     def consumer(self, name: str = "rank0", server: Any = None, address: str | None = None) -> ZmqConsumer:
         """With `server` (hosted in this process) the consumer uses its inproc socket: no MAC, no copy."""

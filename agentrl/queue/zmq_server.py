@@ -125,6 +125,8 @@ class QueueServer:
         self._put_acks: dict[tuple[zmq.Socket, bytes], list[int]] = {}
         self.version = 0
         self.started = 0
+        self._low_version = _NO_VERSION  # lower bound of min_version over queued groups
+        self._next_lease_check = 0.0
         self._seq = 0
         self._bytes = 0
         self._ages: deque[float] = deque(maxlen=4096)
@@ -139,9 +141,16 @@ class QueueServer:
                 "refused_auth",
                 "refused_corrupt",
                 "refused_oversize",
+                "nixl_reads",
             ),
             0,
         )
+        self._nixl: Any = None
+        self._nixl_busy: set[str] = set()
+        if getattr(config, "nixl", False):
+            from agentrl.queue.nixl_transport import NixlReader
+
+            self._nixl = NixlReader(f"queue-server-{os.getpid()}-{self.epoch}")
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -218,7 +227,7 @@ class QueueServer:
 
     def _loop(self, poller: zmq.Poller, public: zmq.Socket, local: zmq.Socket) -> None:
         while not self._stop.is_set():
-            events = dict(poller.poll(50))
+            events = dict(poller.poll(1 if self._nixl is not None and self._nixl.pending else 50))
             for sock in (public, local):
                 for _ in range(512 if sock in events else 0):
                     try:
@@ -228,6 +237,8 @@ class QueueServer:
                     with self._lock:
                         self._handle(sock, msg)
             with self._lock:
+                if self._nixl is not None and self._nixl.pending:
+                    self._finish_nixl_reads()
                 self._tick()
                 if self.wal is not None:
                     self.wal.commit()
@@ -272,9 +283,9 @@ class QueueServer:
             if handler is None:
                 raise WireError(f"unknown message kind {ctl['k']!r}")
             handler(sock, ident, ctl, payload)
-        except (WireError, ValueError, KeyError, TypeError, IndexError) as exc:
+        except Exception as exc:  # whatever an authenticated peer sent, the server keeps serving
             self.counters["refused_corrupt"] += 1
-            log.warning("refused corrupt message: %s", exc)
+            log.warning("refused corrupt message: %s: %s", type(exc).__name__, exc)
             self._reply(
                 sock,
                 ident,
@@ -306,35 +317,69 @@ class QueueServer:
             raise WireError("put: frame counts do not add up to the payload")
         pos = 0
         for rid, gid, nframes in items:
-            frames = payload[pos : pos + nframes]
+            self._put_one(sock, ident, rid, gid, payload[pos : pos + nframes])
             pos += nframes
-            if gid in self._acked or gid in self._queued or gid in self._inflight or gid in self._parked_ids:
-                self.counters["duplicates"] += 1
-                self._put_acks.setdefault((sock, ident), []).append(rid)
-                continue
-            nbytes = sum(len(f) for f in frames[1:])
-            if nbytes > self.config.max_message_bytes:
-                self.counters["refused_oversize"] += 1
-                msg = (
-                    f"group of {nbytes} bytes exceeds queue.max_message_bytes={self.config.max_message_bytes}"
-                )
-                self._reply(sock, ident, {"k": "err", "rid": rid, "msg": msg})
-                continue
-            try:
-                group = decode_group(frames, max_bytes=self.config.max_message_bytes)
-                if group.group_id != gid:
-                    raise WireError(f"put: header group_id {group.group_id!r} differs from {gid!r}")
-            except WireError as exc:
+        self._serve_gets()
+
+    def _is_known(self, gid: str) -> bool:
+        return gid in self._acked or gid in self._queued or gid in self._inflight or gid in self._parked_ids
+
+    def _put_one(self, sock: zmq.Socket, ident: bytes, rid: int, gid: str, frames: list[Any]) -> None:
+        """Validate one group and store it, hold it back while full, or refuse it with a reason."""
+        if self._is_known(gid):
+            self.counters["duplicates"] += 1
+            self._put_acks.setdefault((sock, ident), []).append(rid)
+            return
+        nbytes = sum(len(f) for f in frames[1:])
+        if nbytes > self.config.max_message_bytes:
+            self.counters["refused_oversize"] += 1
+            msg = f"group of {nbytes} bytes exceeds queue.max_message_bytes={self.config.max_message_bytes}"
+            self._reply(sock, ident, {"k": "err", "rid": rid, "msg": msg})
+            return
+        try:
+            group = decode_group(frames, max_bytes=self.config.max_message_bytes)
+            if group.group_id != gid:
+                raise WireError(f"put: header group_id {group.group_id!r} differs from {gid!r}")
+        except WireError as exc:
+            self.counters["refused_corrupt"] += 1
+            self._reply(sock, ident, {"k": "err", "rid": rid, "msg": str(exc)})
+            return
+        self._seq += 1
+        entry = _Entry(gid, frames, nbytes, _min_version(group), self._seq, time.time(), group)
+        if self._has_room(nbytes) and not self._parked:
+            self._accept(sock, ident, rid, entry)
+        else:
+            self._parked.append((sock, ident, rid, entry))
+            self._parked_ids.add(gid)
+
+    def _on_nput(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        """A put whose arrays wait in the producer's memory: READ them over NIXL (see nixl_transport)."""
+        if self._nixl is None:
+            raise ValueError("this queue server was started without queue.nixl")
+        if self._is_known(ctl["gid"]) or ctl["gid"] in self._nixl_busy:
+            if not self._is_known(ctl["gid"]):
+                return  # a re-send while its read is under way: the read's ack answers it
+            self.counters["duplicates"] += 1
+            self._put_acks.setdefault((sock, ident), []).append(ctl["rid"])
+            return
+        if sum(int(n) for _, n in ctl["descs"]) > self.config.max_message_bytes:
+            self.counters["refused_oversize"] += 1
+            self._reply(
+                sock, ident, {"k": "err", "rid": ctl["rid"], "msg": "group exceeds queue.max_message_bytes"}
+            )
+            return
+        self._nixl_busy.add(ctl["gid"])
+        self._nixl.start(ctl, payload[0], (sock, ident))
+
+    def _finish_nixl_reads(self) -> None:
+        for ctl, frames, (sock, ident), error in self._nixl.poll():
+            self._nixl_busy.discard(ctl["gid"])
+            if error is not None:
                 self.counters["refused_corrupt"] += 1
-                self._reply(sock, ident, {"k": "err", "rid": rid, "msg": str(exc)})
-                continue
-            self._seq += 1
-            entry = _Entry(gid, frames, nbytes, _min_version(group), self._seq, time.time(), group)
-            if self._has_room(nbytes) and not self._parked:
-                self._accept(sock, ident, rid, entry)
+                self._reply(sock, ident, {"k": "err", "rid": ctl["rid"], "msg": f"NIXL read failed: {error}"})
             else:
-                self._parked.append((sock, ident, rid, entry))
-                self._parked_ids.add(gid)
+                self.counters["nixl_reads"] += 1
+                self._put_one(sock, ident, ctl["rid"], ctl["gid"], frames)
         self._serve_gets()
 
     def _has_room(self, nbytes: int) -> bool:
@@ -353,6 +398,8 @@ class QueueServer:
 
     def _store(self, entry: _Entry) -> None:
         self._queued[entry.gid] = entry
+        if entry.min_version >= 0:
+            self._low_version = min(self._low_version, entry.min_version)
         self._bytes += entry.nbytes
 
     def _admit_parked(self) -> None:
@@ -368,6 +415,12 @@ class QueueServer:
             self._acked.popitem(last=False)
 
     def _drop_stale(self, version: int, max_staleness: int) -> int:
+        if self._low_version >= version - max_staleness:  # nothing queued can be stale: skip the scan
+            return 0
+        self._low_version = min(
+            (e.min_version for e in self._queued.values() if e.min_version >= version - max_staleness),
+            default=_NO_VERSION,
+        )
         stale = [
             e for e in self._queued.values() if e.min_version >= 0 and version - e.min_version > max_staleness
         ]
@@ -398,6 +451,8 @@ class QueueServer:
             del self._inflight[entry.gid]
             entry.holder = None
             self._queued[entry.gid] = entry
+            if entry.min_version >= 0:
+                self._low_version = min(self._low_version, entry.min_version)
         self.counters["redelivered"] += len(entries)
         self._queued = dict(sorted(self._queued.items(), key=lambda kv: kv[1].seq))
 
@@ -524,7 +579,10 @@ class QueueServer:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        expired = [e for e in self._inflight.values() if e.lease_until < now]
+        expired = []
+        if now >= self._next_lease_check:
+            self._next_lease_check = now + 0.5
+            expired = [e for e in self._inflight.values() if e.lease_until < now]
         if expired:
             log.warning(
                 "%d groups not acked within lease_s=%s: handing them out again",
