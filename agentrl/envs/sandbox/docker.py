@@ -52,8 +52,13 @@ class DockerSandbox(Sandbox):
         await asyncio.to_thread(self._start, image_or_spec or self.config.image)
 
     def _start(self, image: str) -> None:
-        import docker
-        from docker.types import Ulimit
+        try:
+            import docker
+            from docker.types import Ulimit
+        except ImportError as exc:
+            raise SandboxError(
+                "the docker backend needs the docker SDK: pip install 'agentrl[docker]'"
+            ) from exc
 
         cfg = self.config
         try:
