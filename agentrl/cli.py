@@ -273,7 +273,9 @@ def _sandbox_config(backend: str, **fields: object):  # -> LocalSandboxConfig | 
     kinds = {"local": LocalSandboxConfig, "docker": DockerSandboxConfig}
     if backend not in kinds:
         raise _fail(f"--backend: unknown sandbox backend {backend!r}; choose local or docker")
-    given = {k: v for k, v in fields.items() if v is not None and k in kinds[backend].model_fields}
+    given = {k: v for k, v in fields.items() if v is not None}
+    for key in given.keys() - kinds[backend].model_fields.keys():
+        raise _fail(f"--{key.replace('_', '-')} does not apply to the {backend} backend")
     try:
         return kinds[backend](**given)
     except ValidationError as exc:

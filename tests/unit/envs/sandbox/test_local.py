@@ -127,3 +127,9 @@ def test_cli_exec_refuses_below_min_isolation() -> None:
     assert result.returncode == 3
     assert "min_isolation" in result.stderr
     assert result.stdout == ""
+
+
+def test_cli_rejects_options_the_backend_does_not_have() -> None:
+    result = run_agentrl("sandbox", "exec", "--backend", "docker", "--isolation", "bwrap", "--", "true")
+    assert result.returncode == 2
+    assert "--isolation does not apply to the docker backend" in result.stderr
