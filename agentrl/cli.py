@@ -296,6 +296,9 @@ def sandbox_exec(
     image: Annotated[str | None, typer.Option(help="Docker image, or a directory copied in (local).")] = None,
     isolation: Annotated[str | None, typer.Option(help="Local: auto, bwrap, namespaces, rlimits.")] = None,
     min_isolation: Annotated[str | None, typer.Option(help="Local: weakest isolation accepted.")] = None,
+    python_packages: Annotated[
+        str | None, typer.Option(help="Local: comma-separated pure-Python packages to make importable.")
+    ] = None,
 ) -> None:
     """Run one command in a fresh sandbox; print {"exit_code", "stdout", "stderr", "timed_out", "isolation"}."""
     import asyncio
@@ -304,7 +307,12 @@ def sandbox_exec(
     from agentrl.envs.sandbox import SandboxError, create
 
     cfg = _sandbox_config(
-        backend, timeout_s=timeout, memory_mb=memory_mb, isolation=isolation, min_isolation=min_isolation
+        backend,
+        timeout_s=timeout,
+        memory_mb=memory_mb,
+        isolation=isolation,
+        min_isolation=min_isolation,
+        python_packages=python_packages.split(",") if python_packages else None,
     )
 
     async def run_one() -> dict:
@@ -334,6 +342,9 @@ def sandbox_server(
     memory_mb: Annotated[int | None, typer.Option(help="Memory limit of each sandbox in MiB.")] = None,
     max_processes: Annotated[int | None, typer.Option(help="Process limit of each sandbox.")] = None,
     min_isolation: Annotated[str | None, typer.Option(help="Local: weakest isolation accepted.")] = None,
+    python_packages: Annotated[
+        str | None, typer.Option(help="Local: comma-separated pure-Python packages to make importable.")
+    ] = None,
     max_sandboxes: Annotated[int, typer.Option(help="Live sandboxes at most (429 beyond).")] = 64,
     idle_timeout: Annotated[float, typer.Option(help="Close sandboxes idle this long (s).")] = 1800.0,
 ) -> None:
@@ -349,6 +360,7 @@ def sandbox_server(
         memory_mb=memory_mb,
         max_processes=max_processes,
         min_isolation=min_isolation,
+        python_packages=python_packages.split(",") if python_packages else None,
     )
     from agentrl.envs.sandbox.server import serve
 

@@ -220,8 +220,11 @@ async def test_swe_task_graded_in_its_own_image(docker_host: str, swe_base: str,
         client.images.build(path=str(context), tag="agentrl/task-test:1", rm=True)
     finally:
         client.close()
-    task = dataclasses.replace(task, image="agentrl/task-test:1", repo_dir=None, workdir="/testbed")
+    in_image = dataclasses.replace(task, image="agentrl/task-test:1", repo_dir=None, workdir="/testbed")
     sandbox = config(docker_host, memory_mb=256)
-    assert (await grade_patch(sandbox, task, task.patch, timeout=60)).reward == 1.0
-    unfixed = await grade_patch(sandbox, task, "", timeout=60)
+    assert (await grade_patch(sandbox, in_image, task.patch, timeout=60)).reward == 1.0
+    unfixed = await grade_patch(sandbox, in_image, "", timeout=60)
     assert unfixed.reward == 0.0 and all(unfixed.pass_to_pass.values())
+    # no task image: the snapshot is copied into a container of the default image
+    uploaded = config(docker_host, memory_mb=256, image=swe_base)
+    assert (await grade_patch(uploaded, task, task.patch, timeout=60)).reward == 1.0

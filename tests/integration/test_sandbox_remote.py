@@ -52,8 +52,8 @@ async def test_remote_sandbox_round_trip(processes: Processes, free_port: int, m
             await box.read_file("nope.txt")
         with pytest.raises(PermissionError):
             await box.write_file("/etc/evil", "x")
-        # the client asks for 30 s; the server caps it at its own 2 s
-        slow = await box.exec("sleep 1000", timeout=30)
+        # the client asks for 60 s; the server caps it at its own 2 s
+        slow = await box.exec("sleep 1000", timeout=60)
         assert slow.timed_out
         assert "timed out after 2s" in slow.stderr
 
@@ -91,3 +91,21 @@ def test_server_refuses_to_start_without_a_key() -> None:
     result = run_agentrl("sandbox-server", "--port", "1", "--api-key-env", "AGENTRL_NO_SUCH_KEY", env=env)
     assert result.returncode == 2
     assert "AGENTRL_NO_SUCH_KEY" in result.stderr
+
+
+async def test_swe_task_graded_on_a_shared_sandbox_host(
+    processes: Processes, free_port: int, tmp_path, monkeypatch
+) -> None:
+    """The repository snapshot is uploaded to the server; the right patch scores 1, none 0."""
+    from agentrl.envs.swe.grading import grade_patch
+    from agentrl.envs.swe.synthetic import generate
+
+    url = start_server(processes, free_port, "--python-packages", "pytest", "--timeout", "60")
+    monkeypatch.setenv("AGENTRL_SANDBOX_KEY", KEY)
+    [task] = generate(tmp_path, 1, seed=11)
+    config = RemoteSandboxConfig(url=url)
+    async with create(config) as box:  # nothing of the snapshot unless it is given
+        assert (await box.exec("ls")).stdout == ""
+    assert (await grade_patch(config, task, task.patch, timeout=30)).reward == 1.0
+    unfixed = await grade_patch(config, task, "", timeout=30)
+    assert unfixed.reward == 0.0 and all(unfixed.pass_to_pass.values())

@@ -13,6 +13,9 @@ working directory and process tree with no network and resource limits. Backends
 from __future__ import annotations
 
 import abc
+import io
+import os
+import tarfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -35,6 +38,21 @@ class ExecResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def local_directory(image_or_spec: str | None) -> str | None:
+    """`image_or_spec` when it names a directory on this machine (a repository snapshot to copy
+    into the sandbox) rather than an image."""
+    return image_or_spec if image_or_spec and os.path.isdir(image_or_spec) else None
+
+
+def tar_directory(path: str) -> bytes:
+    """The contents of a host directory as an uncompressed tar (paths relative to it)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name in sorted(os.listdir(path)):
+            tar.add(os.path.join(path, name), arcname=name)
+    return buffer.getvalue()
 
 
 def isolation_at_least(have: str, want: str) -> bool:
@@ -99,7 +117,8 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     async def start(self, image_or_spec: str | None = None) -> None:
-        """Create the sandbox: an image name (docker), or None for the backend's default."""
+        """Create the sandbox from an image name (docker), a host directory whose contents become
+        the working directory (a repository snapshot; every backend), or None for the default."""
 
     @abc.abstractmethod
     async def exec(

@@ -22,7 +22,14 @@ import tarfile
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from agentrl.envs.sandbox.base import ExecResult, OutputCapture, Sandbox, SandboxError
+from agentrl.envs.sandbox.base import (
+    ExecResult,
+    OutputCapture,
+    Sandbox,
+    SandboxError,
+    local_directory,
+    tar_directory,
+)
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
@@ -49,7 +56,15 @@ class DockerSandbox(Sandbox):
     async def start(self, image_or_spec: str | None = None) -> None:
         if self.container is not None:
             raise SandboxError("sandbox already started")
-        await asyncio.to_thread(self._start, image_or_spec or self.config.image)
+        upload = local_directory(image_or_spec)
+        await asyncio.to_thread(self._start, (None if upload else image_or_spec) or self.config.image)
+        if upload:
+            await asyncio.to_thread(self._upload, upload)
+
+    def _upload(self, directory: str) -> None:
+        ok = self.client.api.put_archive(self.container.id, self.workdir, tar_directory(directory))
+        if not ok:
+            raise SandboxError(f"cannot copy {directory} into the container")
 
     def _start(self, image: str) -> None:
         try:

@@ -9,11 +9,12 @@ records the isolation level the server reports.
 from __future__ import annotations
 
 import os
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from agentrl.envs.sandbox.base import ExecResult, Sandbox, SandboxError
+from agentrl.envs.sandbox.base import ExecResult, Sandbox, SandboxError, local_directory, tar_directory
 
 if TYPE_CHECKING:
     from agentrl.config import RemoteSandboxConfig
@@ -62,9 +63,11 @@ class RemoteSandbox(Sandbox):
     async def start(self, image_or_spec: str | None = None) -> None:
         if self.id is not None:
             raise SandboxError("sandbox already started")
+        upload = local_directory(image_or_spec)
         self._session = aiohttp.ClientSession(headers=self._headers)
         try:
-            response = await self._request("POST", "/sandboxes", 300.0, json={"image": image_or_spec})
+            image = None if upload else image_or_spec
+            response = await self._request("POST", "/sandboxes", 300.0, json={"image": image})
             await self._check(response, "start")
         except BaseException:
             await self._session.close()
@@ -73,6 +76,18 @@ class RemoteSandbox(Sandbox):
         body = await response.json()
         self.id, self.isolation, self.workdir = body["id"], body["isolation"], body["workdir"]
         self.tmpdir = body.get("tmpdir", "/tmp")
+        if upload:
+            await self._upload(upload)
+
+    async def _upload(self, directory: str) -> None:
+        """Copy a local directory into the remote working directory (unpacked inside the sandbox)."""
+        name = f"{self.tmpdir}/agentrl-upload-{uuid.uuid4().hex[:12]}.tar"
+        await self.write_file(name, tar_directory(directory))
+        result = await self.exec(["tar", "-xf", name, "-C", self.workdir, "--no-same-owner"], timeout=300)
+        await self.exec(["rm", "-f", name])
+        if result.exit_code != 0:
+            await self.close()
+            raise SandboxError(f"cannot unpack {directory} in the remote sandbox: {result.stderr.strip()}")
 
     async def exec(
         self, cmd: str | list[str], timeout: float | None = None, env: dict[str, str] | None = None

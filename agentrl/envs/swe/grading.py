@@ -123,7 +123,9 @@ async def grade_patch(sandbox_config: Any, task: SweTask, patch: str, timeout: f
     if sandbox_config.type == "docker":  # the repository is where the task's image put it
         sandbox_config = sandbox_config.model_copy(update={"workdir": task.workdir})
     sandbox = create(sandbox_config)
-    await sandbox.start(task.repo_dir if sandbox_config.type == "local" else task.image)
+    # a local sandbox copies the snapshot; docker and remote ones start the task's image when it
+    # has one, else the default image with the snapshot copied in
+    await sandbox.start(task.repo_dir if sandbox_config.type == "local" else task.image or task.repo_dir)
     try:
         ok, log = await apply_patch(sandbox, patch)
         if not ok:
