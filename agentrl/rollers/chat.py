@@ -18,6 +18,8 @@ text equals a full re-render of the conversation.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +53,8 @@ class ChatRenderer:
         self.turn_close = closed[end:]
         self._base_text = closed
         self._base_messages = base
+        self._prompts: dict[str, list[int]] = {}
+        self._layouts: dict[tuple, list[str] | bool] = {}
         eos_text = tok.decode([tok.eos_token_id]) if tok.eos_token_id is not None else ""
         self._close_after_eos = (
             self.turn_close[len(eos_text) :] if eos_text and self.turn_close.startswith(eos_text) else None
@@ -60,8 +64,16 @@ class ChatRenderer:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The prompt rendered once, with the generation prompt."""
-        return self.encode(_render(self.tokenizer, messages, self.tools, add_generation_prompt=True))
+        """The prompt rendered once, with the generation prompt (cached: a group's n episodes
+        share their prompt)."""
+        key = json.dumps(messages, sort_keys=True, default=str)
+        ids = self._prompts.get(key)
+        if ids is None:
+            ids = self.encode(_render(self.tokenizer, messages, self.tools, add_generation_prompt=True))
+            self._prompts[key] = ids
+            if len(self._prompts) > 1024:
+                self._prompts.pop(next(iter(self._prompts)))
+        return list(ids)
 
     def close_turn_ids(self, output_ids: list[int]) -> list[int]:
         """Tokens that close an assistant turn the model ended (or that was cut off)."""
@@ -72,6 +84,40 @@ class ChatRenderer:
     def observation_ids(self, messages: list[dict]) -> list[int]:
         """Tokens of environment turns (tool results, user messages) plus the next generation
         prompt, as the template renders them after a closed assistant turn."""
+        return self.encode(self.observation_text(messages))
+
+    def observation_text(self, messages: list[dict]) -> str:
+        """The template's text for `messages` after a closed assistant turn. Rendering the
+        template is the roller's main per-turn cost, so the layout of each message shape
+        (roles and keys) is rendered once with placeholder contents and reused — only when
+        the template provably inserts contents verbatim (two different placeholders render
+        to the same layout)."""
+        shape = tuple((m.get("role"), tuple(sorted(k for k in m if k != "content"))) for m in messages)
+        layout = self._layouts.get(shape)
+        if layout is None:
+            layout = self._layouts[shape] = self._layout(messages)
+        if layout is False or not all(isinstance(m.get("content"), str) for m in messages):
+            return self._render_delta(messages)
+        # layout alternates literal text and slot numbers: [text, slot, text, slot, ..., text]
+        return "".join(
+            part if j % 2 == 0 else messages[int(part)]["content"] for j, part in enumerate(layout)
+        )
+
+    def _layout(self, messages: list[dict]) -> list[str] | bool:
+        def filled(tag: str) -> list[dict]:
+            return [{**m, "content": f"\u2063{tag}{i}\u2063"} for i, m in enumerate(messages)]
+
+        try:
+            a = self._render_delta(filled("slot"))
+            b = self._render_delta(filled("alt x\n"))
+        except Exception:
+            return False
+        same = a.replace("\u2063slot", "\u2063alt x\n") == b
+        if not same or not all(a.count(f"\u2063slot{i}\u2063") == 1 for i in range(len(messages))):
+            return False
+        return re.split("\u2063slot(\\d+)\u2063", a)
+
+    def _render_delta(self, messages: list[dict]) -> str:
         full = _render(
             self.tokenizer, [*self._base_messages, *messages], self.tools, add_generation_prompt=True
         )
@@ -80,7 +126,7 @@ class ChatRenderer:
                 "the chat template rewrites earlier turns when tool/user turns are added; "
                 "incremental rendering cannot be used with it"
             )
-        return self.encode(full[len(self._base_text) :])
+        return full[len(self._base_text) :]
 
     def consistent_with_full_render(self, ids: list[int], messages: list[dict]) -> bool:
         """True if the incremental ids decode to exactly the template's full rendering of

@@ -204,3 +204,23 @@ async def test_demonstrations_render_exactly_like_sampled_episodes(tokenizer) ->
     ids, mask = render_conversation(renderer, CalculatorEnv().demonstrate(TASK))
     assert ids == episode.tokens.tolist()
     assert mask == episode.loss_mask.tolist()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "42",
+        "",
+        "line1\nline2\n",
+        "\u2063slot0\u2063 and \u2063slot1\u2063",
+        "{{ messages }} {% if x %}",
+        "  padded  ",
+    ],
+)
+def test_cached_observation_layout_matches_a_full_render(tokenizer, content: str) -> None:
+    renderer = ChatRenderer(tokenizer, CalculatorEnv().tool_schemas)
+    messages = [{"role": "tool", "name": "calculator", "content": content}, {"role": "tool", "content": "x"}]
+    assert renderer.observation_text(messages) == renderer._render_delta(messages)
+    assert isinstance(renderer._layouts[next(iter(renderer._layouts))], list)  # the fast path was taken
+    user = [{"role": "user", "content": content}]
+    assert renderer.observation_text(user) == renderer._render_delta(user)
