@@ -141,7 +141,7 @@ def bench_nixl(size: int, count: int) -> tuple[float, float]:
     consumer = backend.consumer("bench", server=server)
     proc = _spawn("nixl", server.endpoint, size, count)
     try:
-        return _drain(consumer, count, batch=max(1, min(512, (8 << 20) // size)))
+        return _drain(consumer, count, max(1, min(512, (8 << 20) // size)), proc)
     finally:
         proc.wait()
         consumer.close()

@@ -56,7 +56,9 @@ class RedisProducer(Producer):
     def __init__(self, url: str, stream: str, capacity_groups: int) -> None:
         import redis.asyncio
 
-        self._redis = redis.asyncio.Redis.from_url(url)
+        # concurrent puts queue for a bounded set of connections instead of failing
+        pool = redis.asyncio.BlockingConnectionPool.from_url(url, max_connections=32)
+        self._redis = redis.asyncio.Redis(connection_pool=pool)
         self.stream, self.capacity = stream, capacity_groups
         self._put = self._redis.register_script(_PUT)
         self._acquire = self._redis.register_script(_ACQUIRE)
