@@ -9,9 +9,35 @@ the field) rather than ignored, and SGLang features the embedded server does not
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENGINE = web.AppKey("engine", object)
+"""The app's `agentrl.inference.engine.Engine` (typed loosely: this module stays torch-free)."""
+STATE = web.AppKey("state", dict)
+"""Server state shared by handlers: rids in flight, weight groups, group timeout."""
+
+
+class BadInput(Exception):
+    """Turned into HTTP 400 with `{"error": {"message": ...}}` (SGLang's error body)."""
+
+
+async def parse(request: web.Request, model: type[BaseModel]) -> Any:
+    """The request's JSON body validated as `model`; BadInput (→ 400) names what is wrong."""
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError as exc:
+        raise BadInput(f"malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadInput("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise BadInput(describe(exc)) from None
 
 
 class Strict(BaseModel):

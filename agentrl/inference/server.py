@@ -13,42 +13,21 @@ key is set every route requires `Authorization: Bearer <key>`.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from agentrl.inference import admin
 from agentrl.inference import protocol as P
 from agentrl.inference.engine import Engine, Request
+from agentrl.inference.protocol import ENGINE, STATE, BadInput, parse
 from agentrl.inference.sampling import SamplingParams
 from agentrl.log import get_logger
 
 logger = get_logger(__name__)
-
-ENGINE = web.AppKey("engine", Engine)
-STATE = web.AppKey("state", dict)
-
-
-class BadInput(Exception):
-    """Turned into HTTP 400 with `{"error": {"message": ...}}` (SGLang's error body)."""
-
-
-async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
-    raw = await request.read()
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except ValueError as exc:
-        raise BadInput(f"malformed JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadInput("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise BadInput(P.describe(exc)) from None
 
 
 @web.middleware
@@ -139,7 +118,7 @@ def _response(req: Request, sp: P.SamplingParamsIn, want_logprob: bool, with_tex
 
 async def generate(request: web.Request) -> web.Response:
     engine, state = request.app[ENGINE], request.app[STATE]
-    body: P.GenerateIn = await _parse(request, P.GenerateIn)
+    body: P.GenerateIn = await parse(request, P.GenerateIn)
     prompts, single = body.prompts()
     loop = asyncio.get_running_loop()
     items: list[tuple[Request, P.SamplingParamsIn, bool, asyncio.Future]] = []
@@ -182,190 +161,6 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(out[0] if single and len(out) == 1 else out)
 
 
-# ---------------------------------------------------------------------------------- admin
-
-
-async def _in_engine(engine: Engine, fn) -> Any:
-    return await asyncio.wrap_future(engine.call(fn))
-
-
-def _ok(message: str = "", **extra: Any) -> web.Response:
-    return web.json_response({"success": True, "message": message, **extra})
-
-
-def _fail(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=status)
-
-
-async def init_weights_update_group(request: web.Request) -> web.Response:
-    from agentrl.inference.weight_group import join_group
-
-    body: P.InitGroupIn = await _parse(request, P.InitGroupIn)
-    state = request.app[STATE]
-    if body.group_name in state["groups"]:
-        return _fail(f"group {body.group_name!r} already exists; destroy it first")
-    if body.backend not in ("gloo", "nccl"):
-        return _fail(f"backend {body.backend!r}: use gloo or nccl")
-    try:
-        group = await asyncio.to_thread(
-            join_group,
-            body.master_address,
-            body.master_port,
-            body.rank_offset,
-            body.world_size,
-            body.group_name,
-            body.backend,
-            state["group_timeout_s"],
-        )
-    except Exception as exc:
-        return _fail(f"joining weight group {body.group_name!r} failed: {type(exc).__name__}: {exc}")
-    state["groups"][body.group_name] = group
-    return _ok(f"joined {body.group_name} as rank {body.rank_offset}")
-
-
-async def update_weights_from_distributed(request: web.Request) -> web.Response:
-    import torch
-
-    from agentrl.inference.weight_group import parse_dtype
-
-    engine, state = request.app[ENGINE], request.app[STATE]
-    body: P.UpdateDistributedIn = await _parse(request, P.UpdateDistributedIn)
-    group = state["groups"].get(body.group_name)
-    if group is None:
-        return _fail(f"no weight group {body.group_name!r}; call /init_weights_update_group first")
-    try:
-        dtypes = [parse_dtype(d) for d in body.dtypes]
-    except ValueError as exc:
-        return _fail(str(exc))
-    device = engine.device if group.backend == "nccl" else torch.device("cpu")
-
-    def receive_and_load() -> str:
-        if body.abort_all_requests:
-            engine.abort(abort_all=True, message="weights updated")
-        # Receive everything the trainer sends even if it will be rejected: the collective stays aligned.
-        tensors = {}
-        for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):
-            tensors[name] = group.broadcast(torch.empty(shape, dtype=dtype, device=device), 0)
-        engine.load_weights(tensors, None if body.weight_version is None else str(body.weight_version))
-        return engine.weight_version
-
-    try:
-        version = await _in_engine(engine, receive_and_load)
-    except ValueError as exc:
-        return _fail(f"update rejected, weights unchanged: {exc}")
-    except Exception as exc:
-        return _fail(f"update failed: {type(exc).__name__}: {exc}", status=500)
-    return _ok(f"loaded {len(body.names)} tensors", weight_version=version)
-
-
-def _read_checkpoint(path: str) -> dict:
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
-    if not files or not all(f.exists() for f in files):
-        raise FileNotFoundError(f"no safetensors checkpoint at {path}")
-    tensors: dict = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return tensors
-
-
-async def update_weights_from_disk(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    body: P.UpdateDiskIn = await _parse(request, P.UpdateDiskIn)
-    try:
-        tensors = await asyncio.to_thread(_read_checkpoint, body.model_path)
-    except Exception as exc:
-        return _fail(f"cannot read {body.model_path}: {type(exc).__name__}: {exc}")
-    version = None if body.weight_version is None else str(body.weight_version)
-
-    def load() -> int:
-        aborted = engine.abort(abort_all=True, message="weights updated") if body.abort_all_requests else 0
-        engine.load_weights(tensors, version)
-        return aborted
-
-    try:
-        aborted = await _in_engine(engine, load)
-    except ValueError as exc:
-        return _fail(f"checkpoint does not match the model, weights unchanged: {exc}")
-    return _ok(f"loaded {body.model_path}", num_paused_requests=aborted, weight_version=engine.weight_version)
-
-
-async def destroy_weights_update_group(request: web.Request) -> web.Response:
-    body: P.DestroyGroupIn = await _parse(request, P.DestroyGroupIn)
-    group = request.app[STATE]["groups"].pop(body.group_name, None)
-    if group is None:
-        return _fail(f"no weight group {body.group_name!r}")
-    group.close()
-    return _ok(f"destroyed {body.group_name}")
-
-
-async def pause_generation(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    await _parse(request, P.PauseIn)
-    aborted = await _in_engine(engine, engine.pause)
-    return _ok("paused", num_aborted=aborted)
-
-
-async def continue_generation(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    await _in_engine(engine, engine.resume)
-    return _ok("continued")
-
-
-async def abort_request(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    body: P.AbortIn = await _parse(request, P.AbortIn)
-    if not body.abort_all and not body.rid:
-        raise BadInput("give rid or abort_all=true")
-    n = await _in_engine(engine, lambda: engine.abort(rid=body.rid, abort_all=body.abort_all))
-    return _ok(f"aborted {n}", num_aborted=n)
-
-
-async def update_weight_version(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    body: P.UpdateVersionIn = await _parse(request, P.UpdateVersionIn)
-
-    def bump() -> None:
-        if body.abort_all_requests:
-            engine.abort(abort_all=True, message="weight version changed")
-        engine.weight_version = str(body.new_version)
-
-    await _in_engine(engine, bump)
-    return _ok("updated", new_version=engine.weight_version)
-
-
-async def flush_cache(request: web.Request) -> web.Response:
-    return _ok("no prefix cache to flush")  # requests never share KV across calls here
-
-
-async def health(request: web.Request) -> web.Response:
-    if not request.app[ENGINE].alive:
-        return web.json_response({"error": {"message": "engine thread is not running"}}, status=503)
-    return web.Response(text="")
-
-
-async def get_weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": request.app[ENGINE].weight_version})
-
-
-async def get_model_info(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    return web.json_response(
-        {
-            "model_path": engine.model_path,
-            "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
-            "is_generation": True,
-            "weight_version": engine.weight_version,
-            "context_length": engine.context_length,
-            "vocab_size": engine.vocab_size,
-            "max_batch_size": engine.max_batch_size,
-            "paused": engine.paused,
-        }
-    )
-
-
 def make_app(engine: Engine, api_key: str | None = None, group_timeout_s: float = 120.0) -> web.Application:
     """The aiohttp application over a started `engine`; the engine is stopped on app cleanup."""
     middlewares = [_auth(api_key)] if api_key else []
@@ -374,23 +169,23 @@ def make_app(engine: Engine, api_key: str | None = None, group_timeout_s: float 
     app[STATE] = {"rids": set(), "groups": {}, "group_timeout_s": group_timeout_s}
     post = {
         "/generate": generate,
-        "/init_weights_update_group": init_weights_update_group,
-        "/update_weights_from_distributed": update_weights_from_distributed,
-        "/update_weights_from_disk": update_weights_from_disk,
-        "/destroy_weights_update_group": destroy_weights_update_group,
-        "/pause_generation": pause_generation,
-        "/continue_generation": continue_generation,
-        "/abort_request": abort_request,
-        "/update_weight_version": update_weight_version,
-        "/flush_cache": flush_cache,
+        "/init_weights_update_group": admin.init_weights_update_group,
+        "/update_weights_from_distributed": admin.update_weights_from_distributed,
+        "/update_weights_from_disk": admin.update_weights_from_disk,
+        "/destroy_weights_update_group": admin.destroy_weights_update_group,
+        "/pause_generation": admin.pause_generation,
+        "/continue_generation": admin.continue_generation,
+        "/abort_request": admin.abort_request,
+        "/update_weight_version": admin.update_weight_version,
+        "/flush_cache": admin.flush_cache,
     }
     get = {
-        "/health": health,
-        "/health_generate": health,
-        "/get_weight_version": get_weight_version,
-        "/get_model_info": get_model_info,
-        "/model_info": get_model_info,
-        "/flush_cache": flush_cache,
+        "/health": admin.health,
+        "/health_generate": admin.health,
+        "/get_weight_version": admin.get_weight_version,
+        "/get_model_info": admin.get_model_info,
+        "/model_info": admin.get_model_info,
+        "/flush_cache": admin.flush_cache,
     }
     app.add_routes([web.post(p, h) for p, h in post.items()] + [web.get(p, h) for p, h in get.items()])
 
@@ -431,5 +226,6 @@ def run_server(model_path: str, host: str, port: int, config) -> None:
         port=port,
         access_log=None,
         shutdown_timeout=5,
+        handler_cancellation=True,  # a client that goes away aborts its generation
         print=lambda msg: print(msg, flush=True),
     )

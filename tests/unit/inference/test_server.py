@@ -229,3 +229,14 @@ async def test_update_weights_from_distributed_over_gloo(tiny_model: Path, tmp_p
                 await client.update_weights_from_distributed(["x"], ["float32"], [[1]], "wg")
     finally:
         srv.stop()
+
+
+async def test_client_that_gives_up_frees_the_engine(server: ServerThread):
+    async with SGLangClient(server.url, timeout_s=0.5) as client:
+        with pytest.raises(InferenceError):
+            await client.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}, rid="gone")
+    for _ in range(100):
+        if server.engine.num_running == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert server.engine.num_running == 0
