@@ -53,7 +53,10 @@ class GenerateResult:
     """"stop" (EOS, stop token or string), "length" (max_new_tokens / context) or "abort"
     (aborted or paused: resubmit prompt + output_ids to continue)."""
     weight_version: int
-    """Weight version of the server when the request finished."""
+    """Weight version that generated the output. The embedded server reports the version behind
+    the first generated token (older if an update landed mid-request, so staleness is never
+    understated); SGLang reports its version at the end; the vLLM client the version read just
+    before sending. Weight sync wraps updates in pause/continue, so normally all agree."""
     prompt_tokens: int
     completion_tokens: int
     matched: int | str | None = None
