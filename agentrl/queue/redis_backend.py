@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from typing import Any
 
 import msgpack
@@ -127,6 +128,7 @@ class RedisConsumer(Consumer):
                 raise
         self._entry_of: dict[str, bytes] = {}  # gid -> stream entry id, for ack
         self._buffer: list[tuple[Group, float]] = []
+        self._ages: deque[float] = deque(maxlen=4096)  # seconds in the stream, of groups handed out
         self._read("0", count=None, block_ms=None)  # what this name held and had not acked
 
     def _read(self, start: str, count: int | None, block_ms: int | None) -> None:
@@ -180,6 +182,7 @@ class RedisConsumer(Consumer):
         if self.config.selection == "oldest_first":
             self._buffer.sort(key=lambda b: b[0].min_version)
         taken, self._buffer = self._buffer[:num_groups], self._buffer[num_groups:]
+        self._ages.extend(a for _, a in taken)
         self._redis.hincrby(self.state, "groups_out", len(taken))
         return Batch(
             groups=[g for g, _ in taken],
@@ -211,7 +214,15 @@ class RedisConsumer(Consumer):
         state = {k.decode(): int(v) for k, v in self._redis.hgetall(self.state).items()}
         pending = self._redis.xpending(self.stream, self.config.consumer_group)["pending"]
         depth = self._redis.xlen(self.stream) - pending
-        return {**state, "depth": depth, "inflight": pending}
+        ages = sorted(self._ages)
+        return {
+            **state,
+            "depth": depth,
+            "inflight": pending,
+            "age_s_mean": sum(ages) / len(ages) if ages else 0.0,
+            "age_s_p50": ages[len(ages) // 2] if ages else 0.0,
+            "age_s_max": ages[-1] if ages else 0.0,
+        }
 
     def close(self) -> None:
         self._redis.close()

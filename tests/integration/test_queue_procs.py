@@ -11,6 +11,7 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -137,6 +138,20 @@ def test_kill_9_of_a_durable_server_loses_and_duplicates_nothing(
     assert len(_lines([acked])) == 240
     assert set(delivered) == set(_lines([acked]))
     assert max(delivered.values()) == 1, [g for g, n in delivered.items() if n > 1]
+
+
+def test_standalone_server_refuses_to_start_without_a_secret() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_QUEUE_SECRET"}
+    result = subprocess.run(
+        [sys.executable, "-m", "agentrl", "queue", "--bind", "tcp://127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=env,
+    )
+    assert result.returncode == 2
+    assert "AGENTRL_QUEUE_SECRET" in result.stderr and "queue.auth=none" in result.stderr
 
 
 if __name__ == "__main__":

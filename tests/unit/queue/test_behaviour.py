@@ -28,6 +28,7 @@ def test_groups_arrive_whole_and_in_order(queue: Harness) -> None:
     consumer.ack(batch.group_ids)
     m = consumer.metrics()
     assert m["groups_in"] == 6 and m["groups_out"] == 6 and m["depth"] == 0
+    assert m["age_s_max"] >= m["age_s_p50"] >= 0
 
 
 def test_oldest_first_hands_out_the_stalest_admissible_groups(queue: Harness) -> None:

@@ -124,3 +124,13 @@ def test_in_process_consumer_uses_inproc(zmq_queue: Harness) -> None:
         assert consumer.metrics()["bytes"] == 0
     finally:
         consumer.close()
+
+
+def test_groups_held_past_their_lease_go_to_another_rank(zmq_queue: Harness) -> None:
+    zmq_queue.start(lease_s=0.5)
+    groups = [make_group(seed=i) for i in range(2)]
+    zmq_queue.put(groups)
+    stuck = zmq_queue.consumer("rank0").get_batch(2, 0, 1, timeout_s=10)  # never acked, never restarted
+    other = zmq_queue.consumer("rank1").get_batch(2, 0, 1, timeout_s=10)
+    assert sorted(other.group_ids) == sorted(stuck.group_ids)
+    assert zmq_queue.server.metrics()["redelivered"] == 2
