@@ -237,10 +237,11 @@ def bench(
     if name not in BENCHMARKS:
         raise _fail(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
     what, issue = BENCHMARKS[name]
+    module_name = f"agentrl.bench.{name}_" if name == "async" else f"agentrl.bench.{name}"  # a keyword
     try:
-        module = importlib.import_module(f"agentrl.bench.{name}")
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name != f"agentrl.bench.{name}":
+        if exc.name != module_name:
             raise
         raise _fail(
             f"`agentrl bench {name}` ({what}) is not built yet: it lands with issue #{issue}", code=3

@@ -12,6 +12,7 @@ tool call, to help a cold-start model). Tasks are generated, so the env needs no
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import operator
 import random
@@ -113,3 +114,29 @@ class CalculatorEnv(ToolEnv):
                 }
             )
         return tasks
+
+
+class SlowCalculatorEnv(CalculatorEnv):
+    """The calculator with a long-tailed tool latency, like sandboxes and search engines have:
+    each call sleeps `latency_s × Pareto(alpha)` (median ≈ latency_s, a heavy tail of slow calls).
+    Used by `agentrl bench async` to show what bounded staleness buys."""
+
+    def __init__(
+        self, latency_s: float = 0.2, alpha: float = 1.5, max_latency_s: float = 10.0, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.latency_s, self.alpha, self.max_latency_s = latency_s, alpha, max_latency_s
+        self._rng = random.Random()
+
+    @tool
+    async def calculator(self, expression: str) -> str:
+        """Evaluate an integer arithmetic expression.
+
+        Args:
+            expression: The expression, e.g. "347 * 29 + 18".
+        """
+        delay = min(
+            self.max_latency_s, self.latency_s * self._rng.paretovariate(self.alpha) / 2 ** (1 / self.alpha)
+        )
+        await asyncio.sleep(delay)
+        return str(safe_eval(expression))

@@ -15,6 +15,7 @@ work is done).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -82,6 +83,9 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
                 closeable.close()
         if server is not None:
             server.stop()
+            # the queue's final account: every group put is trained on, dropped (counted) or left queued
+            final = Path(cfg.run_dir) / "queue_final.json"
+            final.write_text(json.dumps(server.metrics(), indent=1, default=str))
     if dist.is_initialized():
         dist.destroy_process_group()
     return code

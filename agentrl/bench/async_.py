@@ -1,0 +1,91 @@
+"""`agentrl bench async`: samples/s of the whole system at max_staleness 0, 1, 2, 4.
+
+    agentrl bench async [--steps 8] [--latency-s 0.3] [--model-dir DIR]
+
+Runs `agentrl run` four times on the same machine, one after the other, identical but for
+`max_staleness`, on the toy calculator whose tool calls take a long-tailed time (Pareto,
+as sandboxes and search engines do). Samples/s is the learner's consumption rate between
+its first and last step (episodes trained on per second of wall time). With k = 0 the
+rollers wait for every weight push and the slowest tool call of each batch stalls the
+learner; with k ≥ 1 generation overlaps training. Ratios `k{1,2,4}_vs_sync` are samples/s
+at k over k = 0; the final mean reward at each k is in `metrics` (the price of staleness).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from agentrl.bench.common import emit, print_table
+from agentrl.log import read_metrics
+
+
+def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) -> dict:
+    args = [
+        sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml",
+        f"--run_dir={run_dir}", f"--max_staleness={k}", f"--learner.model_path={model_dir}",
+        f"--learner.max_steps={opts.steps}", f"--learner.groups_per_step={opts.groups_per_step}",
+        "--learner.warmstart_steps=0", "--roller.group_size=4", f"--roller.max_concurrent_episodes={opts.concurrency}",
+        "--env.name=toy_calculator_slow", "--env.kwargs", f"{{latency_s: {opts.latency_s}}}",
+        "--queue.address", f"tcp://127.0.0.1:{_port()}",
+    ]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"agentrl run at max_staleness={k} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+        )
+    records = read_metrics(run_dir / "learner.jsonl")
+    first, last = records[0], records[-1]
+    samples = opts.groups_per_step * 4 * (len(records) - 1)
+    seconds = last["time"] - first["time"]
+    tail = records[-max(1, len(records) // 4) :]
+    return {
+        "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        "seconds": seconds,
+        "final_reward": sum(r.get("reward/mean", 0.0) for r in tail) / len(tail),
+    }
+
+
+def _port() -> int:
+    from agentrl.weight_sync.broadcast import _free_port
+
+    return _free_port("127.0.0.1")
+
+
+def main(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl bench async")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--groups-per-step", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--latency-s", type=float, default=0.3, help="median tool latency (Pareto tail)")
+    parser.add_argument("--model-dir", help="checkpoint to train (default: a fresh tiny model)")
+    parser.add_argument("--ks", default="0,1,2,4")
+    opts = parser.parse_args(args)
+
+    from agentrl.tiny_model import init_model
+
+    ks = [int(k) for k in opts.ks.split(",")]
+    with tempfile.TemporaryDirectory(prefix="agentrl-bench-async-") as tmp:
+        model_dir = opts.model_dir or str(init_model("tiny", Path(tmp) / "tiny"))
+        results = {k: _one_run(k, Path(tmp) / f"k{k}", model_dir, opts) for k in ks}
+
+    base = results[ks[0]]["samples_per_s"]
+    print_table(
+        f"whole system, {opts.steps} steps × {opts.groups_per_step} groups × 4 episodes, "
+        f"tool latency ~{opts.latency_s}s (Pareto)",
+        ["max_staleness", "samples/s", f"vs k={ks[0]}", "final mean reward"],
+        [
+            [k, r["samples_per_s"], r["samples_per_s"] / base if base else 0.0, r["final_reward"]]
+            for k, r in results.items()
+        ],
+    )
+    metrics = {f"k{k}_samples_per_s": r["samples_per_s"] for k, r in results.items()}
+    metrics.update({f"k{k}_final_reward": r["final_reward"] for k, r in results.items()})
+    ratios = {
+        f"k{k}_vs_sync": r["samples_per_s"] / base if base else 0.0 for k, r in results.items() if k != 0
+    }
+    emit("async", metrics, ratios)
+    return 0
