@@ -39,6 +39,18 @@ redis.call('HINCRBY', KEYS[3], 'bytes_in', string.len(ARGV[4]))
 return 1
 """
 
+_GIVE_BACK = """
+for i = 2, #ARGV do
+  local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+  if #e > 0 then
+    redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
+    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+    redis.call('XDEL', KEYS[1], ARGV[i])
+  end
+end
+return 1
+"""
+
 _ACQUIRE = """
 local s = redis.call('HMGET', KEYS[1], 'version', 'started', 'groups_per_step', 'max_staleness')
 if not s[3] then return {0, -1} end
@@ -168,6 +180,7 @@ class RedisConsumer(Consumer):
                 break
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
+                self._give_back()
                 raise TimeoutError(
                     f"no {num_groups} admissible groups within {timeout_s}s ({dropped} dropped)"
                 )
@@ -190,6 +203,17 @@ class RedisConsumer(Consumer):
             dropped_stale=dropped,
             ages_s=[a for _, a in taken],
             staleness=[g.staleness(learner_version) for g, _ in taken],
+        )
+
+    def _give_back(self) -> None:
+        """Return buffered (claimed, not handed out) entries to the stream, so other ranks can take
+        them: a partial batch must not sit in one rank's pending list, as the zmq server holds it."""
+        if not self._buffer:
+            return
+        entries = [self._entry_of.pop(g.group_id) for g, _ in self._buffer]
+        self._buffer = []
+        self._redis.register_script(_GIVE_BACK)(
+            keys=[self.stream], args=[self.config.consumer_group, *entries]
         )
 
     def _remove(self, group_ids: list[str], stale: bool = False) -> None:

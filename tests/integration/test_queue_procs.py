@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,13 +29,20 @@ ENV = {**os.environ, "AGENTRL_QUEUE_SECRET": SECRET, "PYTHONPATH": str(REPO)}
 # ------------------------------------------------------------------ workers (run as scripts)
 
 
+def _config(address: str) -> Any:
+    from agentrl.config import RedisQueueConfig, ZmqQueueConfig
+
+    if address.startswith("redis://"):
+        return RedisQueueConfig(url=address, stream="itest")
+    return ZmqQueueConfig(address=address)
+
+
 def _producer(address: str, prefix: str, count: int, acked_file: str, delay_s: float = 0.0) -> None:
-    from agentrl.config import ZmqQueueConfig
     from agentrl.queue import create
     from tests.unit.queue.conftest import make_group
 
     async def main() -> None:
-        producer = create(ZmqQueueConfig(address=address)).producer()
+        producer = create(_config(address)).producer()
         with open(acked_file, "a") as out:
 
             async def one(i: int) -> None:
@@ -52,10 +61,9 @@ def _producer(address: str, prefix: str, count: int, acked_file: str, delay_s: f
 
 
 def _consumer(address: str, name: str, out_file: str, idle_s: float, hold_s: float = 0.0) -> None:
-    from agentrl.config import ZmqQueueConfig
     from agentrl.queue import create
 
-    consumer = create(ZmqQueueConfig(address=address)).consumer(name)
+    consumer = create(_config(address)).consumer(name)
     with open(out_file, "a") as out:
         while True:
             try:
@@ -92,13 +100,37 @@ def _lines(paths: list[Path]) -> list[str]:
     return [line for p in paths if p.exists() for line in p.read_text().split()]
 
 
+def _start_redis(processes, port: int) -> str:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server; .ci/run does)")
+    processes.start([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    client.close()
+    return f"redis://127.0.0.1:{port}/0"
+
+
 @pytest.mark.slow
 @pytest.mark.integration
+@pytest.mark.parametrize("backend", ["zmq", "redis"])
 def test_many_producers_many_consumers_no_loss_no_duplicate(
-    processes, free_port: int, tmp_path: Path
+    processes, free_port: int, tmp_path: Path, backend: str
 ) -> None:
-    address = f"tcp://127.0.0.1:{free_port}"
-    _start_server(processes, free_port, tmp_path / "server.log")
+    if backend == "zmq":
+        address = f"tcp://127.0.0.1:{free_port}"
+        _start_server(processes, free_port, tmp_path / "server.log")
+    else:
+        address = _start_redis(processes, free_port)
     producers = [
         _worker(processes, "producer", address, f"p{i}", "60", str(tmp_path / f"acked{i}")) for i in range(3)
     ]
