@@ -1,1 +1,10 @@
-"""Environments: the Env / ToolEnv API, @tool, tool-call parsing, rewards, built-in envs."""
+"""Environments: the Env / ToolEnv API, @tool, tool-call parsing, rewards, built-in envs.
+
+    from agentrl.envs import Env, ToolEnv, tool
+"""
+
+from agentrl.envs.base import Env, StepResult, Transcript
+from agentrl.envs.tool_env import ToolEnv
+from agentrl.envs.tools import Tool, tool
+
+__all__ = ["Env", "StepResult", "Tool", "ToolEnv", "Transcript", "tool"]

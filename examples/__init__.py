@@ -1,0 +1,1 @@
+"""Example environments referenced from the README."""
