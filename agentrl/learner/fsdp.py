@@ -86,9 +86,12 @@ def shard_model(
             )
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    # One rank has nothing to free between forward and backward; the root's parameters are
+    # needed again first thing in backward, so it keeps them either way (as torchtitan does).
+    reshard = dist.get_world_size() > 1
     for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
 

@@ -18,35 +18,46 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from agentrl.config import LearnerConfig
 from agentrl.learner import losses
 from agentrl.learner.packing import MicroBatch
 
+ENTROPY_METRIC_STRIDE = 8
+
 
 def forward_logprobs(
     model: nn.Module, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each target token (flat [rows·T]) and the entropy per position when `entropy`
-    is "grad" (part of the loss) or "metric" (computed without gradient)."""
+    """Log-prob of each target token (flat [rows·T], 0 where nothing is trained) and the entropy.
+
+    Only positions that predict a loss token go through the vocabulary softmax (prompt and tool
+    output positions are skipped). `entropy`: "grad" computes it on every loss token as part of
+    the loss; "metric" estimates its mean from every ENTROPY_METRIC_STRIDE-th loss token, without
+    gradient (unsampled positions hold NaN); "none" skips it."""
     out = model(
         input_ids=mb.input_ids,
         position_ids=mb.position_ids,
         attention_mask=mb.attention_mask,
         use_cache=False,
     )
-    logits = out.logits.reshape(-1, out.logits.shape[-1]).float()
+    logits = out.logits.reshape(-1, out.logits.shape[-1])
+    where = mb.mask.nonzero().squeeze(-1)
+    picked = logits[where].float()
     if temperature != 1.0:
-        logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, mb.targets[:, None]).squeeze(-1) - logz
+        picked = picked / temperature
+    logp_picked = -F.cross_entropy(picked, mb.targets[where], reduction="none")
+    logp = logp_picked.new_zeros(logits.shape[0]).index_put((where,), logp_picked)
     ent = None
     if entropy == "grad":
-        ent = losses.entropy_from_logits(logits)
+        ent = logp.new_zeros(logp.shape).index_put((where,), losses.entropy_from_logits(picked))
     elif entropy == "metric":
         with torch.no_grad():
-            ent = losses.entropy_from_logits(logits.detach())
+            rows = torch.arange(0, where.numel(), ENTROPY_METRIC_STRIDE)
+            sampled = losses.entropy_from_logits(picked.detach()[rows])
+            ent = torch.full_like(logp, float("nan"), requires_grad=False).index_put((where[rows],), sampled)
     return logp, ent
 
 
@@ -100,7 +111,8 @@ def microbatch_loss(
             "mismatch_kl_k3": float((torch.exp(-diff) + diff - 1).sum()),
             "on_policy_tokens": float(on_policy.sum()),
             "mismatch_kl_k3_on_policy": float((torch.exp(-diff) + diff - 1)[on_policy].sum()),
-            "entropy": float(ent[m].sum()) if ent is not None else 0.0,
+            "entropy": float(ent[m].nansum()) if ent is not None else 0.0,
+            "entropy_tokens": float((~ent[m].isnan()).sum()) if ent is not None else 0.0,
             "kl_ref": float(kl[m].sum()) if kl is not None else 0.0,
         }
         maxes = {"is_weight_max": float(raw_w.max()) if raw_w.numel() else 0.0}
@@ -172,7 +184,7 @@ def optimizer_step(
         "mismatch_kl/k1": sums["mismatch_kl_k1"] / n,
         "mismatch_kl/k3": sums["mismatch_kl_k3"] / n,
         "mismatch_kl/k3_on_policy": sums["mismatch_kl_k3_on_policy"] / n_on,
-        "entropy": sums["entropy"] / n,
+        "entropy": sums["entropy"] / max(sums["entropy_tokens"], 1.0),
         "kl_ref": sums["kl_ref"] / n,
         "loss_tokens": sums["tokens"],
     }
