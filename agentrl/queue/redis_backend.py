@@ -4,7 +4,8 @@ Same `Producer` / `Consumer` interfaces as the ZeroMQ backend; Redis is the serv
 A group is one stream entry `XADD <stream> * gid <id> minv <v> lens <msgpack> data <bytes>`
 (the group frames of `encode_group`, concatenated). Learner ranks read through one
 consumer group (`XREADGROUP`), so each entry goes to exactly one rank (disjoint shares);
-`ack` is `XACK` + `XDEL`. A rank restarting under the same name first reads its own
+`ack` is `XACK` + `XDEL`. A Lua script claims a batch all-or-nothing (`XREADGROUP` only once
+`need` undelivered entries exist), so two ranks never each sit on half of the last batch. A rank restarting under the same name first reads its own
 pending entries (`XREADGROUP ... 0`), which is the redelivery of what it had not acked.
 
 Dedupe: a Lua script adds the entry only if `SADD <stream>:ids <gid>` is new, atomically,
@@ -49,6 +50,23 @@ for i = 2, #ARGV do
   end
 end
 return 1
+"""
+
+# Claim exactly `need` entries for this consumer, or none: a rank never sits on part of a batch.
+# (ARGV: group, consumer, need, count; count > need lets oldest_first choose among more.)
+_TAKE = """
+local last = nil
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local name, id
+  for i = 1, #g, 2 do
+    if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then id = g[i + 1] end
+  end
+  if name == ARGV[1] then last = id end
+end
+if not last then return {} end
+local ready = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', ARGV[3])
+if #ready < tonumber(ARGV[3]) then return {} end
+return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[4], 'STREAMS', KEYS[1], '>')
 """
 
 _ACQUIRE = """
@@ -141,17 +159,29 @@ class RedisConsumer(Consumer):
         self._entry_of: dict[str, bytes] = {}  # gid -> stream entry id, for ack
         self._buffer: list[tuple[Group, float]] = []
         self._ages: deque[float] = deque(maxlen=4096)  # seconds in the stream, of groups handed out
-        self._read("0", count=None, block_ms=None)  # what this name held and had not acked
+        self._take_script = self._redis.register_script(_TAKE)
+        self._read_pending()  # what this name held and had not acked
 
-    def _read(self, start: str, count: int | None, block_ms: int | None) -> None:
-        reply = self._redis.xreadgroup(
-            self.config.consumer_group, self.name, {self.stream: start}, count=count, block=block_ms
+    def _read_pending(self) -> None:
+        """What this name held and had not acked (a restarted rank gets it back)."""
+        self._ingest(self._redis.xreadgroup(self.config.consumer_group, self.name, {self.stream: "0"}))
+
+    def _take(self, need: int) -> bool:
+        count = max(need, self.config.capacity_groups if self.config.selection == "oldest_first" else need)
+        reply = self._take_script(
+            keys=[self.stream], args=[self.config.consumer_group, self.name, need, count]
         )
+        self._ingest(reply)
+        return bool(reply)
+
+    def _ingest(self, reply: Any) -> None:
         now = time.time()
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 if not fields:
                     continue  # deleted while pending
+                if isinstance(fields, list):  # a script's raw reply: [field, value, ...]
+                    fields = dict(zip(fields[::2], fields[1::2], strict=True))
                 gid = fields[b"gid"].decode()
                 if gid in self._entry_of:
                     continue
@@ -184,14 +214,8 @@ class RedisConsumer(Consumer):
                 raise TimeoutError(
                     f"no {num_groups} admissible groups within {timeout_s}s ({dropped} dropped)"
                 )
-            count = (
-                self.config.capacity_groups
-                if self.config.selection == "oldest_first"
-                else num_groups - len(self._buffer)
-            )
-            self._read(
-                ">", count=count, block_ms=int(min(left if left is not None else 1.0, 1.0) * 1000) or 1
-            )
+            if not self._take(num_groups - len(self._buffer)):
+                time.sleep(POLL_S)
         if self.config.selection == "oldest_first":
             self._buffer.sort(key=lambda b: b[0].min_version)
         taken, self._buffer = self._buffer[:num_groups], self._buffer[num_groups:]
