@@ -88,13 +88,13 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
             from agentrl.queue.redis_backend import RedisProducer
 
             producer = RedisProducer(address, "bench", capacity_groups=4096)
-        window = asyncio.Semaphore(256)
+        todo = iter(groups)
 
-        async def one(group: Group) -> None:
-            async with window:
+        async def roller() -> None:  # like a roller's episode loops: each puts its groups in turn
+            for group in todo:
                 await producer.put(group)
 
-        await asyncio.gather(*(one(g) for g in groups))
+        await asyncio.gather(*(roller() for _ in range(256)))
         producer.close()
 
     asyncio.run(run())
