@@ -1,0 +1,219 @@
+"""Handing groups out: the learner-side half of the queue server's state machine.
+
+`QueueServer` (zmq_server.py) owns the sockets, the loop, puts, capacity and the WAL; this
+mixin holds what the learner ranks and the admission gate ask of it:
+
+- `get`: a rank asks for n whole groups admissible at version v with staleness k; groups
+  that became inadmissible are dropped and counted (and give their admission back); the
+  request waits, up to its deadline, until n are queued; FIFO or oldest-first;
+- `ack`: trained on; forgotten (and an ack record in the WAL); `stale` acks count as drops;
+- `hello`: a rank (re)started under its name gets back what it held and had not acked;
+- `pub`: the learner's version; `acq` / `rel` / `cancel`: admission of new groups, granted
+  while `started + n <= (v + max_staleness + 1) * groups_per_step`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from agentrl.queue.frames import pack
+from agentrl.types import Group
+
+
+@dataclass
+class _Entry:
+    gid: str
+    frames: list[Any]
+    nbytes: int
+    min_version: int
+    seq: int
+    t_in: float
+    group: Group | None = None  # decoded (validated) views of `frames`
+    holder: str | None = None
+    lease_until: float = 0.0
+
+
+@dataclass
+class _Get:
+    sock: zmq.Socket
+    ident: bytes
+    rid: int
+    n: int
+    version: int
+    max_staleness: int
+    deadline: float | None
+    name: str
+    dropped: int = 0
+
+
+_NO_VERSION = np.iinfo(np.int32).max
+
+
+class Delivery:
+    """Mixin of `QueueServer`: get / ack / hello / pub / acq handlers (its state lives there)."""
+
+    def _drop_stale(self, version: int, max_staleness: int) -> int:
+        if self._low_version >= version - max_staleness:  # nothing queued can be stale: skip the scan
+            return 0
+        self._low_version = min(
+            (e.min_version for e in self._queued.values() if e.min_version >= version - max_staleness),
+            default=_NO_VERSION,
+        )
+        stale = [
+            e for e in self._queued.values() if e.min_version >= 0 and version - e.min_version > max_staleness
+        ]
+        for entry in stale:
+            del self._queued[entry.gid]
+            self._forget(entry)
+        if stale:
+            self.counters["dropped_stale"] += len(stale)
+            self.started = max(0, self.started - len(stale))  # admission replaces them
+            if self.wal is not None:
+                self.wal.append_ack([e.gid for e in stale])
+                self.wal.append_meta(self.version, self.started)
+            self._admit_parked()
+            self._grant_acqs()
+        return len(stale)
+
+    # ---------------------------------------------------------------- consumers
+
+    def _on_hello(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        held = [e for e in self._inflight.values() if e.holder == ctl["c"]]
+        self._requeue(held)
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"], "requeued": len(held)})
+
+    def _requeue(self, entries: list[_Entry]) -> None:
+        if not entries:
+            return
+        for entry in entries:
+            del self._inflight[entry.gid]
+            entry.holder = None
+            self._queued[entry.gid] = entry
+            if entry.min_version >= 0:
+                self._low_version = min(self._low_version, entry.min_version)
+        self.counters["redelivered"] += len(entries)
+        self._queued = dict(sorted(self._queued.items(), key=lambda kv: kv[1].seq))
+
+    def _on_get(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        rid, n = ctl["rid"], int(ctl["n"])
+        last = self._last_batch.get(ident)
+        if last is not None and last[0] == rid:  # a resend of a request already answered
+            entries = [self._inflight[g] for g in last[1] if g in self._inflight]
+            self._send_batch(_Get(sock, ident, rid, n, ctl["v"], ctl["s"], None, ctl["c"]), entries)
+            return
+        if not 1 <= n <= self.config.capacity_groups:
+            raise ValueError(f"get: num_groups must be 1..capacity_groups={self.config.capacity_groups}")
+        timeout = ctl.get("t")
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        self.version = max(self.version, int(ctl["v"]))
+        self._gets[ident] = _Get(sock, ident, rid, n, int(ctl["v"]), int(ctl["s"]), deadline, ctl["c"])
+        self._serve_gets()
+
+    def _serve_gets(self) -> None:
+        for ident, get in list(self._gets.items()):
+            get.dropped += self._drop_stale(get.version, get.max_staleness)
+            if len(self._queued) < get.n:
+                continue
+            if self.config.selection == "oldest_first":
+                chosen = sorted(self._queued.values(), key=lambda e: (e.min_version, e.seq))[: get.n]
+            else:
+                chosen = [e for _, e in zip(range(get.n), self._queued.values(), strict=False)]
+            del self._gets[ident]
+            now, lease = time.time(), time.monotonic() + self.config.lease_s
+            for entry in chosen:
+                del self._queued[entry.gid]
+                entry.holder, entry.lease_until = get.name, lease
+                self._inflight[entry.gid] = entry
+                self._ages.append(now - entry.t_in)
+            self.counters["groups_out"] += len(chosen)
+            self._last_batch[ident] = (get.rid, [e.gid for e in chosen])
+            self._send_batch(get, chosen)
+
+    def _send_batch(self, get: _Get, entries: list[_Entry]) -> None:
+        now = time.time()
+        meta = [
+            [e.gid, len(e.frames), now - e.t_in, get.version - e.min_version if e.min_version >= 0 else 0]
+            for e in entries
+        ]
+        ctl = {"k": "batch", "rid": get.rid, "groups": meta, "dropped": get.dropped}
+        if self._names[get.sock] == "local":  # the consumer takes the Group objects (local_groups)
+            self._reply(get.sock, get.ident, ctl)
+            return
+        ctl["lens"], ctl["segs"], segments = pack([f for e in entries for f in e.frames])
+        self._reply(get.sock, get.ident, ctl, segments)
+
+    def local_groups(self, gids: list[str]) -> dict[str, Group]:
+        """The decoded groups handed to an in-process consumer (they stay until acked)."""
+        with self._lock:
+            entries = (self._inflight.get(g) or self._queued.get(g) for g in gids)
+            return {e.gid: e.group for e in entries if e is not None}
+
+    def _on_ack(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        done = []
+        for gid in ctl["ids"]:
+            entry = self._inflight.pop(gid, None) or self._queued.pop(gid, None)
+            if entry is not None:
+                self._forget(entry)
+                done.append(gid)
+        if done and ctl.get("stale"):
+            self.counters["dropped_stale"] += len(done)
+            self.started = max(0, self.started - len(done))
+            self._grant_acqs()
+        if done and self.wal is not None:
+            self.wal.append_ack(done)
+        self._admit_parked()
+        self._serve_gets()
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"], "acked": len(done)})
+
+    def _on_pub(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        self.version = int(ctl["v"])
+        if self.wal is not None:
+            self.wal.append_meta(self.version, self.started)
+        self._drop_stale(self.version, self.max_staleness)
+        self._grant_acqs()
+        self._serve_gets()
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"]})
+
+    def _on_stats(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"], "m": self._metrics()})
+
+    def _on_ping(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"]})
+
+    # ---------------------------------------------------------------- admission
+
+    def _on_acq(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        n = int(ctl["n"])
+        if not 1 <= n <= self.groups_per_step * (self.max_staleness + 1):
+            raise ValueError(f"acq: n must be 1..{self.groups_per_step * (self.max_staleness + 1)}")
+        self._acqs.append((sock, ident, ctl["rid"], n))
+        self._grant_acqs()
+
+    def _on_cancel(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        for i, (_, who, rid, _) in enumerate(self._acqs):
+            if who == ident and rid == ctl["rid"]:
+                del self._acqs[i]
+                return
+        self.started = max(0, self.started - int(ctl["n"]))  # it had been granted already
+        self._grant_acqs()
+
+    def _on_rel(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        self.started = max(0, self.started - int(ctl["n"]))
+        self._grant_acqs()
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"]})
+
+    def _grant_acqs(self) -> None:
+        limit = (self.version + self.max_staleness + 1) * self.groups_per_step
+        granted = False
+        while self._acqs and self.started + self._acqs[0][3] <= limit:
+            sock, ident, rid, n = self._acqs.popleft()
+            self.started += n
+            granted = True
+            self._reply(sock, ident, {"k": "ok", "rid": rid})
+        if granted and self.wal is not None:
+            self.wal.append_meta(self.version, self.started)
