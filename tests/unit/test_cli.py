@@ -47,13 +47,13 @@ def test_bad_override_fails_before_anything_starts() -> None:
     assert "learner.lrr: unknown key (did you mean 'lr'?)" in result.stderr
 
 
-def test_run_writes_the_resolved_config(tmp_path: Path) -> None:
+def test_run_refuses_a_missing_model_before_starting_anything(tmp_path: Path) -> None:
     result = run_agentrl(
-        "run", "--config", "recipes/quickstart.yaml", f"--run_dir={tmp_path}", "--learner.lr", "1e-6"
+        "run", "--config", "recipes/quickstart.yaml", f"--run_dir={tmp_path}", "--learner.model_path=/nope"
     )
-    assert "learner:" in (tmp_path / "config.resolved.yaml").read_text()
-    assert "lr: 1.0e-06" in (tmp_path / "config.resolved.yaml").read_text()
-    assert result.returncode == 3 and "#7" in result.stderr
+    assert result.returncode == 2
+    assert "learner.model_path: /nope is not a checkpoint directory" in result.stderr
+    assert not (tmp_path / "logs").exists()  # no process was started
 
 
 def test_unknown_benchmark_names_the_choices() -> None:
