@@ -60,15 +60,6 @@ def load(config: Path | None, ctx: typer.Context) -> AgentRLConfig:
         raise _fail(str(exc)) from None
 
 
-def not_built(command: str, issue: int, what: str) -> typer.Exit:
-    """Entry points whose component has not landed yet refuse to pretend."""
-    return _fail(
-        f"`agentrl {command}` is not built yet: {what} lands with issue #{issue} "
-        "(the config given was parsed and is valid)",
-        code=3,
-    )
-
-
 @app.command(context_settings=OVERRIDES)
 def learner(
     ctx: typer.Context,

@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import REPO, run_agentrl
 
 COMMANDS = ["learner", "roller", "serve", "queue", "run", "init-model", "bench", "doctor"]
@@ -29,16 +27,6 @@ def test_help_imports_no_heavy_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == ""
-
-
-@pytest.mark.parametrize(
-    ("command", "issue"),
-    [("learner", "#6"), ("serve", "#3"), ("queue", "#4")],
-)
-def test_unbuilt_commands_parse_config_then_refuse(command: str, issue: str) -> None:
-    result = run_agentrl(command, "--config", "recipes/quickstart.yaml")
-    assert result.returncode == 3
-    assert "not built yet" in result.stderr and issue in result.stderr
 
 
 def test_bad_override_fails_before_anything_starts() -> None:
