@@ -75,7 +75,10 @@ def shard_model(
 
     if activation_checkpointing:
         # HF's own per-layer checkpointing (non-reentrant) keeps parameter names unchanged.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # the transformers 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = None
     if bf16:
         if device.type == "cuda" and torch.cuda.is_bf16_supported():

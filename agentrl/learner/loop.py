@@ -136,6 +136,10 @@ def _wait_for_groups(
                     for k, v in vars(batch).items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)
                 }
+                ages = getattr(batch, "ages_s", None)
+                if ages:
+                    stats["queue/age_s_mean"] = sum(ages) / len(ages)
+                    stats["queue/age_s_max"] = max(ages)
         payload = [(groups, stats)]
     if learner.world_size > 1:
         dist.broadcast_object_list(payload, src=0)
