@@ -99,6 +99,9 @@ def _prompt_ids(prompt: Any, engine: Engine, where: str) -> list[int]:
 def _response(req: Request, sp: P.SamplingParamsIn, want_logprob: bool, with_text: bool, engine: Engine):
     tok = engine.tokenizer
     text = tok.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens) if tok is not None else ""
+    matched = (req.finish_reason or {}).get("matched")
+    if isinstance(matched, str) and not sp.no_stop_trim and matched in text:
+        text = text[: text.index(matched)]  # SGLang trims a matched stop string from `text`, not from ids
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": req.finish_reason,

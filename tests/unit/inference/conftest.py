@@ -40,7 +40,10 @@ class ServerThread:
         asyncio.set_event_loop(self._loop)
         self.engine.start()
         runner = web.AppRunner(
-            make_app(self.engine, self.api_key, group_timeout_s=30), access_log=None, shutdown_timeout=2, handler_cancellation=True
+            make_app(self.engine, self.api_key, group_timeout_s=30),
+            access_log=None,
+            shutdown_timeout=2,
+            handler_cancellation=True,
         )
         self._loop.run_until_complete(runner.setup())
         self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())

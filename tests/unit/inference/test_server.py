@@ -240,3 +240,16 @@ async def test_client_that_gives_up_frees_the_engine(server: ServerThread):
             break
         await asyncio.sleep(0.05)
     assert server.engine.num_running == 0
+
+
+async def test_stop_string_is_matched_and_trimmed_from_text(server: ServerThread):
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "skip_special_tokens": False}
+    _, free = await _post(server.url, "/generate", {"input_ids": PROMPT, "sampling_params": params})
+    stop = free["text"][4:6]
+    assert len(stop) == 2
+    _, out = await _post(
+        server.url, "/generate", {"input_ids": PROMPT, "sampling_params": {**params, "stop": stop}}
+    )
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in out["text"] and free["text"].startswith(out["text"])
+    assert out["output_ids"] == free["output_ids"][: len(out["output_ids"])]
