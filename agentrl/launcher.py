@@ -57,8 +57,14 @@ class Supervisor:
         self.children: list[Child] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+    def start(
+        self, name: str, args: list[str], env: dict[str, str] | None = None, threads: int | None = 1
+    ) -> Child:
+        """Start a child; `threads` caps its intra-op threads (servers and learner share the cores,
+        and oversubscribed OpenMP threads slow small models several-fold). None: the default."""
         log_path = self.run_dir / "logs" / f"{name}.log"
+        if threads is not None and "OMP_NUM_THREADS" not in os.environ:
+            env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {})}
         log_file = log_path.open("ab")
         proc = subprocess.Popen(
             args,
@@ -144,7 +150,9 @@ def launch(config: AgentRLConfig, config_path: Path) -> int:
         os.environ[secret_env] = secrets.token_hex(32)
     try:
         if config.learner.warmstart_steps > 0:
-            warm = supervisor.start("warmstart", _agentrl("warmstart", "--config", str(config_path)))
+            warm = supervisor.start(
+                "warmstart", _agentrl("warmstart", "--config", str(config_path)), threads=None
+            )
             if warm.proc.wait() != 0:
                 raise RuntimeError(
                     f"warmstart exited with code {warm.proc.returncode}:\n{supervisor.tail(warm)}"
