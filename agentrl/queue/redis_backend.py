@@ -88,7 +88,7 @@ class RedisProducer(Producer):
         import redis.asyncio
 
         # concurrent puts queue for a bounded set of connections instead of failing
-        pool = redis.asyncio.BlockingConnectionPool.from_url(url, max_connections=32)
+        pool = redis.asyncio.BlockingConnectionPool.from_url(url, max_connections=32, timeout=None)
         self._redis = redis.asyncio.Redis(connection_pool=pool)
         self.stream, self.capacity = stream, capacity_groups
         self._put = self._redis.register_script(_PUT)
