@@ -303,7 +303,7 @@ def _run_baselines(opts: Any, sizes: list[int], results: dict, skipped: dict[str
         else:
             try:
                 results["redis"] = {
-                    s: bench_redis(s, max(8, (128 << 20) // s), url) for s in [min(sizes), *big]
+                    s: bench_redis(s, min(4000, max(8, (64 << 20) // s)), url) for s in [min(sizes), *big]
                 }
                 names.append("redis")
             except Exception as exc:
