@@ -2,8 +2,8 @@
 
 Three layers, each used where the machine allows it:
 
-- rlimits, set in the child between fork and exec (always available): CPU seconds,
-  file size, core dumps, process count, and address space when no memory cgroup exists;
+- rlimits, set by util-linux `prlimit` in front of the command: CPU seconds, file
+  size, core dumps, process count, and address space when no memory cgroup exists;
 - a cgroup per sandbox (v2, or v1 `memory` + `pids`) when this process may create one
   (root, or a delegated subtree): memory and pids for the whole tree, and a reliable
   list of every process to kill;
@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
+import shlex
 import signal
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,7 +137,7 @@ class Cgroup:
         if self.version == 2 and (self.dirs[0] / "cgroup.kill").exists():
             with contextlib.suppress(OSError):
                 (self.dirs[0] / "cgroup.kill").write_text("1")
-        for _ in range(100):
+        for _ in range(500):  # a fork bomb under load can take seconds to die out
             pids = self.pids()
             if not pids:
                 return
@@ -180,7 +179,7 @@ def pids_of_uid(uid: int) -> list[int]:
 
 def kill_uid(uid: int) -> None:
     """SIGKILL every process of a sandbox's private uid (only ever called with such a uid)."""
-    for _ in range(100):
+    for _ in range(500):  # a fork bomb under load can take seconds to die out
         pids = pids_of_uid(uid)
         if not pids:
             return
@@ -201,32 +200,25 @@ def threads_of_uid(uid: int) -> int:
     return total
 
 
-def make_preexec(
-    limits: Limits | None, cgroup: Cgroup | None, uid: int | None, nproc: int | None
-) -> Callable[[], None]:
-    """The function the child runs between fork and exec: join the cgroup, set rlimits, drop uid.
+def launcher(limits: Limits | None, cgroup: Cgroup | None, uid: int | None, nproc: int | None) -> list[str]:
+    """The argv prefix that puts a command in the cgroup, under the rlimits, as `uid`.
 
-    Runs in the forked child, so it only makes system calls (no logging, no locks)."""
-    procs_files = cgroup.procs_files() if cgroup else []
-
-    def preexec() -> None:
-        for path in procs_files:
-            with open(path, "w") as f:
-                f.write(str(os.getpid()))
-        if limits is not None:
-            cpu = limits.cpu_time_s
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-            size = limits.max_file_size_mb << 20
-            resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            if nproc is not None:
-                resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-            if cgroup is None:
-                mem = limits.memory_mb << 20
-                resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-
-    return preexec
+    A chain of small exec()s — `sh` joins the cgroup (as the caller, before anything can
+    fork), util-linux `prlimit` sets the limits, `setpriv` drops to the uid — rather than a
+    Python `preexec_fn`, which can deadlock in the forked child of a process with threads
+    (and a roller has many)."""
+    argv: list[str] = []
+    if cgroup is not None:
+        joins = " && ".join(f"echo $$ > {shlex.quote(path)}" for path in cgroup.procs_files())
+        argv += ["/bin/sh", "-c", f'{joins} && exec "$@"', "sh"]
+    if limits is not None:
+        cpu, size = limits.cpu_time_s, limits.max_file_size_mb << 20
+        argv += ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--fsize={size}", "--core=0"]
+        if nproc is not None:
+            argv.append(f"--nproc={nproc}")
+        if cgroup is None:
+            argv.append(f"--as={limits.memory_mb << 20}")
+        argv.append("--")
+    if uid is not None:
+        argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    return argv

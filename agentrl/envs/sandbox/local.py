@@ -29,11 +29,12 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentrl.envs.sandbox.base import ExecResult, OutputCapture, Sandbox, SandboxError, isolation_at_least
-from agentrl.envs.sandbox.limits import Cgroup, Limits, kill_uid, make_preexec, threads_of_uid
+from agentrl.envs.sandbox.limits import Cgroup, Limits, kill_uid, launcher, pids_of_uid, threads_of_uid
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
@@ -47,17 +48,31 @@ ETC_FILES = [
     "/etc/nsswitch.conf", "/etc/hosts", "/etc/mime.types", "/etc/ssl/openssl.cnf",
 ]  # fmt: skip
 HIDDEN_FOR_NAMESPACES = ["/root", "/home", str(PROJECT_ROOT)]
-_probe_cache: dict[tuple[str, int | None], bool] = {}
+_probe_cache: dict[tuple[str, bool], bool] = {}
+_uids_in_use: set[int] = set()
+_uid_lock = threading.Lock()
+
+
+def _allocate_uid() -> int:
+    """A private uid for a sandbox started by root: unused by this process's other sandboxes and
+    by any running process. Each process tries its own block first (by pid), so rollers on one
+    host rarely even look at the same uids."""
+    block = 200_000 + (os.getpid() % 7000) * 100
+    candidates = [*range(block, block + 100), *random.sample(range(200_000, 900_000), 200)]
+    with _uid_lock:  # sandboxes start concurrently, each in a worker thread
+        for uid in candidates:
+            if uid not in _uids_in_use and not pids_of_uid(uid):
+                _uids_in_use.add(uid)
+                return uid
+    raise SandboxError("no free uid for a sandbox (300 tried)")
 
 
 def _probe(level: str, argv: list[str], uid: int | None) -> bool:
     """Whether a trivial command runs under `level` on this machine (cached per process)."""
-    key = (level, uid)
+    key = (level, uid is not None)  # every private uid behaves alike: probe once
     if key not in _probe_cache:
         try:
-            done = subprocess.run(
-                argv, capture_output=True, timeout=20, preexec_fn=make_preexec(None, None, uid, None)
-            )
+            done = subprocess.run([*launcher(None, None, uid, None), *argv], capture_output=True, timeout=20)
             _probe_cache[key] = done.returncode == 0
             if done.returncode:
                 logger.debug("%s unavailable: %s", level, done.stderr.decode(errors="replace").strip())
@@ -68,7 +83,11 @@ def _probe(level: str, argv: list[str], uid: int | None) -> bool:
 
 
 def available_isolation(uid: int | None) -> list[str]:
-    """Isolation levels this machine offers now, strongest first."""
+    """Isolation levels this machine offers now, strongest first. Every level but `none` needs
+    util-linux `prlimit` (and `setpriv` when started as root) to apply the limits."""
+    if not shutil.which("prlimit") or (uid is not None and not shutil.which("setpriv")):
+        logger.warning("util-linux prlimit/setpriv not found: no sandbox limits can be applied")
+        return ["none"]
     levels = []
     with tempfile.TemporaryDirectory(prefix="agentrl-probe-") as scratch:
         os.chmod(scratch, 0o755)  # reachable by the sandbox uid
@@ -135,7 +154,15 @@ class LocalSandbox(Sandbox):
             raise SandboxError("sandbox already started")
         cfg = self.config
         if os.geteuid() == 0:
-            self.uid = cfg.uid or random.randint(200_000, 900_000)
+            self.uid = cfg.uid or await asyncio.to_thread(_allocate_uid)
+        try:
+            await self._start(image_or_spec)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self, image_or_spec: str | None) -> None:
+        cfg = self.config
         available = await asyncio.to_thread(available_isolation, self.uid)
         level = available[0] if cfg.isolation == "auto" else cfg.isolation
         if level not in available:
@@ -184,14 +211,17 @@ class LocalSandbox(Sandbox):
         logger.info("local sandbox %s: %s", self.root.name, self.details)
 
     async def close(self) -> None:
-        if self.root is None:
-            return
         await asyncio.to_thread(self._kill_all)
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.remove)
             self.cgroup = None
-        await asyncio.to_thread(shutil.rmtree, self.root, True)
-        self.root = None
+        if self.root is not None:
+            await asyncio.to_thread(shutil.rmtree, self.root, True)
+            self.root = None
+        if self.uid is not None:  # forget it: another sandbox may be given this uid next
+            with _uid_lock:
+                _uids_in_use.discard(self.uid)
+            self.uid = None
 
     def _chown_tree(self, top: Path) -> None:
         for dirpath, dirnames, filenames in os.walk(top):
@@ -247,7 +277,9 @@ class LocalSandbox(Sandbox):
             full_env["PYTHONPATH"] = ":".join(p for p in (full_env.get("PYTHONPATH"), site) if p)
         limits = self.limits if self.isolation != "none" else None
         oom_before = self.cgroup.oom_kills() if self.cgroup else 0
+        limiter = launcher(limits, self.cgroup, self.uid, self._nproc())
         proc = await asyncio.create_subprocess_exec(
+            *limiter,
             *self._argv(cmd),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -255,7 +287,6 @@ class LocalSandbox(Sandbox):
             cwd=str(self.root / "work"),
             env=full_env,
             start_new_session=True,
-            preexec_fn=make_preexec(limits, self.cgroup, self.uid, self._nproc()),
         )
         out, err = OutputCapture(self.config.max_output_bytes), OutputCapture(self.config.max_output_bytes)
         pumps = [asyncio.create_task(_pump(proc.stdout, out)), asyncio.create_task(_pump(proc.stderr, err))]
