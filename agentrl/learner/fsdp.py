@@ -109,7 +109,7 @@ def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded model state on CPU (a collective; complete on every rank)."""
+    """The unsharded model state on CPU (a collective; the dict is complete on rank 0 only)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
