@@ -7,8 +7,10 @@ Generation sends the prompt as token ids and asks for `return_token_ids` (per-ch
 use the routes of `vllm/entrypoints/serve/dev/rlhf/api_router.py` (`/init_weight_transfer_engine`,
 `/start_weight_update`, `/update_weights`, `/finish_weight_update`, `/weight_info`, `/pause`,
 `/resume`, `/abort_requests`; the server must be started with `VLLM_SERVER_DEV_MODE=1` and
-`--weight-transfer-config`). Both checked at vLLM commit 002032e / 0100a21; see
-tests/unit/inference/test_contracts.py.
+`--weight-transfer-config`). Both checked at vLLM commit 002032e / 0100a21; `update_info` follows
+`NCCLWeightTransferUpdateInfo` in `vllm/distributed/weight_transfer/nccl_engine.py`. See
+tests/unit/inference/test_vllm_client.py. The trainer's side of vLLM's NCCL group is vLLM's own
+(`NCCLTrainerWeightTransferEngine`, a stateless PyNccl group), not `weight_group.join_group`.
 
 vLLM does not put a weight version in completion responses, so `generate` reads
 `/weight_info` before sending and reports that version: if weights change mid-request the
@@ -162,7 +164,8 @@ class VLLMClient(InferenceClient):
         weight_version: int | None = None,
     ) -> None:
         await self.http.request("POST", "/start_weight_update", {})
-        update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes, "packed": False}
+        # `packed` is left out: older releases default it to False, newer ones moved it to the init info.
+        update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
         await self.http.request("POST", "/update_weights", {"update_info": update_info})
         body = {} if weight_version is None else {"weight_version": str(weight_version)}
         await self.http.request("POST", "/finish_weight_update", body)

@@ -3,10 +3,13 @@
 Both ends of a broadcast weight update use this module: the learner (rank 0, which hosts
 the rendezvous store) and every inference worker (ranks `rank_offset …`, as SGLang numbers
 them: engine i of a fleet with g GPUs per engine gets `rank_offset = 1 + i × g`). The group
-is built directly from a `TCPStore` wrapped in a `PrefixStore(group_name)`, so independently
-started processes can broadcast to each other without touching (or needing) the default
-`torch.distributed` process group. Every step has a timeout that fails loudly instead of
-hanging: set-up (all ranks must join) and each collective.
+is built directly on a `TCPStore` (hosted by rank 0), so independently started processes
+can broadcast to each other without touching (or needing) the default `torch.distributed`
+process group. The store keys are laid out as SGLang's `init_custom_process_group` lays them
+out (`PrefixStore(group_name)`, then torch's `_new_process_group_helper` prefixes
+`"{group_name}/"` and `"{device}/"`), so a trainer using this module can also be rank 0 for
+real SGLang engines; no collective is issued at set-up, as SGLang issues none. Every step has
+a timeout that fails loudly instead of hanging: set-up and each collective.
 """
 
 from __future__ import annotations
@@ -112,19 +115,20 @@ def join_group(
         timeout=timeout,
         wait_for_workers=False,
     )
-    prefixed = PrefixStore(group_name, store)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
+    device = "cpu" if backend == "gloo" else "cuda"
+    prefixed = PrefixStore(f"{device}/", PrefixStore(f"{group_name}/", PrefixStore(group_name, store)))
     if backend == "gloo":
+        # Connects the full mesh in the constructor: returns once every rank joined, or times out.
         pg = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    elif backend == "nccl":
+    else:
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
         opts = torch.distributed.ProcessGroupNCCL.Options()
         opts._timeout = timeout
+        # NCCL connects on the first collective; a missing rank fails there, within the timeout.
         pg = torch.distributed.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    else:
-        raise ValueError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
     group = WeightGroup(group_name, rank, world_size, backend, timeout_s, pg, store)
-    # Gloo connects lazily on the first collective: meet once so a missing rank fails here, not later.
-    group.barrier()
     logger.info("joined weight group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
     return group

@@ -244,12 +244,13 @@ class VLLMUpdateWeights(Closed):
 
 
 class VLLMNCCLUpdateInfo(Closed):
-    """`update_info` of the NCCL weight-transfer engine (names, dtype_names, shapes, packed)."""
+    """`NCCLWeightTransferUpdateInfo` (`vllm/distributed/weight_transfer/nccl_engine.py`): the fields
+    every release accepts. Older releases also take `packed` (+ buffer sizes); newer ones moved those
+    to the init info and would reject them here, so a client must not send them."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    packed: bool = False
 
 
 class VLLMFinishUpdate(Closed):
