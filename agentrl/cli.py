@@ -322,6 +322,38 @@ def sandbox_exec(
         raise _fail(str(exc), code=3) from None
 
 
+@sandbox_app.command("info")
+def sandbox_info() -> None:
+    """Print, as one JSON line, the isolation this machine offers local sandboxes and whether a
+    Docker engine answers (DOCKER_HOST or the local socket)."""
+    import json
+    import os
+
+    from agentrl.envs.sandbox.limits import Cgroup, Limits
+    from agentrl.envs.sandbox.local import available_isolation
+
+    root = os.geteuid() == 0
+    cgroup = Cgroup.create(Limits(64, 8, 1, 1))
+    if cgroup is not None:
+        cgroup.remove()
+    info: dict = {
+        "local": {
+            "available": available_isolation(424242 if root else None),
+            "private_uid": root,
+            "cgroup": f"v{cgroup.version}" if cgroup else None,
+        }
+    }
+    try:
+        import docker
+
+        client = docker.from_env()
+        info["docker"] = {"reachable": bool(client.ping()), "version": client.version().get("Version")}
+        client.close()
+    except Exception as exc:  # no SDK, no engine, no permission: all mean "not usable here"
+        info["docker"] = {"reachable": False, "why": f"{type(exc).__name__}: {exc}"[:200]}
+    typer.echo(json.dumps(info))
+
+
 @app.command("sandbox-server")
 def sandbox_server(
     port: Annotated[int, typer.Option(help="Port to bind.")] = 8765,

@@ -160,6 +160,8 @@ def test_cli_exec_with_docker_backend(docker_host: str) -> None:
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out == {"exit_code": 0, "stdout": "4\n", "stderr": "", "timed_out": False, "isolation": "docker"}
+    info = json.loads(run_agentrl("sandbox", "info", env={"DOCKER_HOST": docker_host}).stdout)
+    assert info["docker"]["reachable"] is True
 
 
 @pytest.fixture(scope="module")

@@ -133,3 +133,11 @@ def test_cli_rejects_options_the_backend_does_not_have() -> None:
     result = run_agentrl("sandbox", "exec", "--backend", "docker", "--isolation", "bwrap", "--", "true")
     assert result.returncode == 2
     assert "--isolation does not apply to the docker backend" in result.stderr
+
+
+def test_cli_info_reports_what_this_machine_offers() -> None:
+    result = run_agentrl("sandbox", "info", env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["local"]["available"] == AVAILABLE
+    assert info["docker"]["reachable"] is False and info["docker"]["why"]
