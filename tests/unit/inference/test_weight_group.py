@@ -39,7 +39,7 @@ def test_three_members_broadcast_in_order():
 
 def test_a_missing_member_fails_within_the_timeout():
     start = time.monotonic()
-    with pytest.raises(Exception, match="(?i)timeout|timed out"):
+    with pytest.raises(Exception, match=r"(?i)timeout|timed out"):
         join_group("127.0.0.1", find_free_port(), 0, 2, "wg-alone", "gloo", 1.5)
     assert time.monotonic() - start < 30
 
