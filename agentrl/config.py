@@ -315,6 +315,8 @@ class _SandboxLimits(Section):
     """Processes/threads the sandbox may run at once (contains fork bombs)."""
     max_output_bytes: int = Field(65536, ge=256)
     """stdout and stderr of one `exec` are each cut to this size (head and tail kept, marker between)."""
+    max_file_size_mb: int = Field(256, ge=1)
+    """Largest file a sandboxed process may write (RLIMIT_FSIZE)."""
     workdir: str = "/work"
     """Working directory inside the sandbox; relative paths of read_file/write_file start here."""
 
@@ -329,8 +331,6 @@ class LocalSandboxConfig(_SandboxLimits):
     """Weakest isolation accepted: starting a sandbox with less fails (untrusted code never runs)."""
     cpu_time_s: int = Field(120, ge=1)
     """CPU seconds each process may use (RLIMIT_CPU)."""
-    max_file_size_mb: int = Field(256, ge=1)
-    """Largest file a sandboxed process may write (RLIMIT_FSIZE)."""
     ro_paths: list[str] = []
     """Extra host paths bound read-only at the same place (e.g. a Python prefix outside /usr)."""
     python_packages: list[str] = []

@@ -121,7 +121,7 @@ async def test_unknown_image_is_a_clear_error(docker_host: str) -> None:
 
 
 async def test_containment(docker_host: str) -> None:
-    box = DockerSandbox(config(docker_host, max_processes=24))
+    box = DockerSandbox(config(docker_host, max_processes=24, max_file_size_mb=1))
     await box.start()
     try:
         code = "import socket; socket.create_connection(('1.1.1.1', 80), timeout=2); print('CONNECTED')"
@@ -145,6 +145,9 @@ async def test_containment(docker_host: str) -> None:
         flood = await box.exec(["python3", "-c", "print('a' * (10 << 20) + 'END')"])
         assert flood.exit_code == 0 and "truncated" in flood.stdout and flood.stdout.endswith("END\n")
         assert len(flood.stdout) < 4096 + 100
+
+        big = await box.exec("head -c 5000000 /dev/zero > big.bin; stat -c %s big.bin")
+        assert big.stdout.strip() == str(1 << 20)
 
         alive = await box.exec("echo alive")
         assert (alive.exit_code, alive.stdout) == (0, "alive\n")

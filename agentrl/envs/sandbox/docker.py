@@ -83,7 +83,7 @@ class DockerSandbox(Sandbox):
             self.client.ping()
         except docker.errors.DockerException as exc:
             raise SandboxError(f"sandbox.docker_host: no Docker engine reachable: {exc}") from exc
-        memory = f"{cfg.memory_mb}m"
+        memory, fsize = f"{cfg.memory_mb}m", cfg.max_file_size_mb << 20
         try:  # never pull implicitly: tasks name images that must already be in the engine
             self.client.images.get(image)
             self.container = self.client.containers.run(
@@ -99,7 +99,7 @@ class DockerSandbox(Sandbox):
                 cap_drop=["ALL"],
                 cap_add=CAPS,
                 security_opt=["no-new-privileges"],
-                ulimits=[Ulimit(name="core", soft=0, hard=0)],
+                ulimits=[Ulimit(name="core", soft=0, hard=0), Ulimit(name="fsize", soft=fsize, hard=fsize)],
                 working_dir=cfg.workdir,
                 labels={"agentrl.sandbox": "1"},
             )
