@@ -13,7 +13,10 @@ its client (`search_r1/llm_agent/generation.py`) and ours are interchangeable:
 `queries` not a list of strings, a bad `topk` or too many queries — get a 400 with a
 message and the server keeps serving. Queries of concurrent requests are gathered into
 one batch (up to `max_batch` queries) and searched in a worker thread, so the event loop
-stays free while BM25 runs. `GET /health` answers "ok".
+stays free while BM25 runs. Coalescing pays off for dense retrieval (one encoder batch);
+for BM25 it neither helps nor hurts (measured: 512 single-query requests at concurrency 32
+over a 22.5k-document corpus, about 200-250 requests/s either way on a loaded 2-core
+machine, where 16 searches served what otherwise took 512). `GET /health` answers "ok".
 """
 
 from __future__ import annotations

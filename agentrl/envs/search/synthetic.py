@@ -26,6 +26,7 @@ _SYLLABLES = (
     "bel ok jas tev orn plix ud cra hem wul yat ib esk lo fri gan zo puth an"
 ).split()
 _PROFESSIONS = "cartographer glassblower astronomer luthier botanist archivist engraver surveyor".split()
+MAX_PEOPLE = 10_000  # names are drawn from ~65k syllable words; all names in a world are distinct
 _ORG_KINDS = ("guild", "observatory", "trading house", "press", "conservatory", "foundry")
 
 
@@ -39,22 +40,28 @@ def _a(noun: str) -> str:
 
 def _unique(rng: random.Random, count: int, make: Any, taken: set[str]) -> list[str]:
     names: list[str] = []
-    while len(names) < count:
+    for _ in range(100 * count + 1000):
+        if len(names) == count:
+            return names
         name = make()
         if name.lower() not in taken:
             taken.add(name.lower())
             names.append(name)
-    return names
+    if len(names) == count:
+        return names
+    raise ValueError(f"cannot invent {count} more distinct names; use a smaller synthetic world")
 
 
 @functools.lru_cache(maxsize=4)
 def build_world(seed: int = 0, num_people: int = 200) -> dict[str, Any]:
     """People, organisations, towns, the corpus and the QA pairs of one synthetic world."""
+    if not 1 <= num_people <= MAX_PEOPLE:
+        raise ValueError(f"num_people must be from 1 to {MAX_PEOPLE}, got {num_people}")
     rng = random.Random(seed)
     taken: set[str] = set()
     towns = _unique(rng, max(8, num_people // 4), lambda: _word(rng, 2, 3), taken)
     regions = _unique(rng, 6, lambda: _word(rng, 2, 2), taken)
-    firsts = _unique(rng, num_people, lambda: _word(rng, 1, 2), taken)
+    firsts = _unique(rng, num_people, lambda: _word(rng, 1, 3), taken)
     people = [
         f"{first} {last}"
         for first, last in zip(firsts, _unique(rng, num_people, lambda: _word(rng, 2, 3), taken), strict=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from agentrl.envs.search.data import load_qa
 from agentrl.envs.search.env import SearchR1Env
 from agentrl.envs.search.synthetic import build_world, make_synthetic, synthetic_tasks
@@ -42,3 +44,13 @@ def test_files_and_generator_agree(tmp_path: Path) -> None:
     assert {t["id"] for t in generated} == {t["id"] for t in train}  # cycles through the pool
     assert synthetic_tasks(10, seed=1, num_people=50) == synthetic_tasks(10, seed=1, num_people=50)
     assert all(t["split"] == "test" for t in synthetic_tasks(20, split="test", num_people=50))
+
+
+def test_world_size_is_bounded() -> None:
+    with pytest.raises(ValueError, match="num_people"):
+        build_world(0, 0)
+    with pytest.raises(ValueError, match="num_people"):
+        build_world(0, 10**6)
+    world = build_world(1, 3000)  # larger worlds still get distinct, single-token names
+    names = [*world["people"], *world["orgs"], *world["towns"]]
+    assert len({n.lower() for n in names}) == len(names)
