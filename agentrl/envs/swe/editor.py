@@ -15,6 +15,7 @@ from agentrl.envs.sandbox import Sandbox
 from agentrl.envs.sandbox.base import truncate_output
 
 SNIPPET_LINES = 4
+MAX_EDIT_BYTES = 4 << 20
 
 
 class EditorError(ValueError):
@@ -49,7 +50,12 @@ class SweTools:
 
     async def _read(self, path: str) -> str:
         try:
-            return (await self.sandbox.read_file(path)).decode("utf-8", errors="replace")
+            data = await self.sandbox.read_file(path)
+            if len(data) > MAX_EDIT_BYTES:
+                raise EditorError(
+                    f"{path} is {len(data)} bytes, too large to edit here; use bash (head, sed)."
+                )
+            return data.decode("utf-8", errors="replace")
         except FileNotFoundError:
             raise EditorError(f"The path {path} does not exist.") from None
         except IsADirectoryError:
