@@ -79,3 +79,29 @@ def test_summarize() -> None:
     report = summarize(rows)
     assert report["nq"] == {"n": 2, "em": 0.5, "subem": 1.0, "answered": 1.0, "search_calls": 1.0}
     assert report["overall"]["n"] == 3 and report["overall"]["em"] == pytest.approx(1 / 3)
+
+
+async def test_evaluate_config_uses_the_run_config(tmp_path: Path, tiny_model: Path) -> None:
+    from agentrl.config import AgentRLConfig
+    from agentrl.envs.search.evaluate import evaluate_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    paths = make_synthetic(tmp_path, seed=2, num_people=30)
+    golds = {q["question"]: q["golden_answers"][0] for q in build_world(2, 30)["qa"]}
+    retriever = RetrieverServer(BM25Retriever(paths["corpus"]))
+    retriever_url = await retriever.start()
+    llm = ScriptedServer(ReaderPolicy(tokenizer, golds, search=True))
+    config = AgentRLConfig(
+        inference={"servers": [await llm.start()]},
+        roller={"tokenizer_path": str(tiny_model), "task_kwargs": {"world_seed": 2, "num_people": 30}},
+        env={"name": "search_r1", "kwargs": {"retriever_url": retriever_url}},
+    )
+    try:
+        synthetic = await evaluate_config(config, limit=6)  # the held-out split of the configured world
+        from_file = await evaluate_config(config, str(paths["test"]), limit=4)
+    finally:
+        await llm.stop()
+        await retriever.stop()
+    assert synthetic["overall"]["n"] == 6 and synthetic["overall"]["em"] >= 5 / 6
+    assert from_file["overall"]["n"] == 4
+    assert all(r["sampling_params"]["top_k"] == 1 for r in llm.requests)  # greedy
