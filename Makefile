@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU wheel that lies on this disk; GPU users install their own torch into .venv first.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,mcp,redis,nixl
+EXTRAS ?= dev,mcp,redis,nixl,docker,search
 MODEL_DIR ?= runs/models/tiny
 
 .PHONY: setup demo test test-fast lint format clean

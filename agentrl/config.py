@@ -219,6 +219,8 @@ class RedisQueueConfig(Section):
     """Pending groups before producers are made to wait."""
     selection: Literal["fifo", "oldest_first"] = "fifo"
     """Order in which admissible groups are handed to the learner."""
+    lease_s: float = Field(600.0, gt=0)
+    """Seconds a learner rank may hold groups without acking before another rank claims them."""
 
 
 QueueConfig = Annotated[ZmqQueueConfig | RedisQueueConfig, Field(discriminator="type")]
@@ -389,6 +391,16 @@ class EnvConfig(Section):
     """Time one tool call may take before it becomes an error observation."""
     max_tool_output_chars: int = Field(4096, ge=64)
     """Tool output beyond this is truncated with a marker."""
+    sandbox: SandboxConfig = LocalSandboxConfig()
+    """Where model-written code runs (SWE and other code envs): local, docker or remote."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_sandbox_type(cls, data: Any) -> Any:
+        """A sandbox section without `type` keeps the local backend."""
+        if isinstance(data, dict) and isinstance(data.get("sandbox"), dict) and "type" not in data["sandbox"]:
+            data = {**data, "sandbox": {"type": "local", **data["sandbox"]}}
+        return data
 
 
 # --------------------------------------------------------------------------- the run
@@ -417,6 +429,7 @@ class AgentRLConfig(Section):
     def _default_backend_types(cls, data: Any) -> Any:
         """A section that overrides backend fields without naming `type` keeps the default type."""
         if isinstance(data, dict):
+            data = dict(data)
             for section, default in (("queue", "zmq"), ("weight_sync", "broadcast")):
                 value = data.get(section)
                 if isinstance(value, dict) and "type" not in value:
@@ -533,7 +546,7 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return candidates[0] if len(candidates) == 1 else None
 
 
-_UNION_TAGS = {"zmq", "redis", "broadcast", "disk"}
+_UNION_TAGS = {"zmq", "redis", "broadcast", "disk", "local", "docker", "remote"}
 
 
 def format_validation_error(exc: ValidationError) -> str:
