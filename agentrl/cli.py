@@ -197,6 +197,43 @@ def warmstart(ctx: typer.Context, config: ConfigOpt = None) -> None:
         raise _fail(f"env.name: {exc}") from None
 
 
+@app.command("eval", context_settings=OVERRIDES)
+def eval_(
+    ctx: typer.Context,
+    recipe: Annotated[str | None, typer.Option(help="A recipe in recipes/, e.g. search_r1.")] = None,
+    config: ConfigOpt = None,
+    model: Annotated[
+        str | None, typer.Option(help="Checkpoint to evaluate (default: the config's model).")
+    ] = None,
+    tasks: Annotated[
+        str | None, typer.Option(help="Held-out QA file (default: the synthetic test split).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(help="Evaluate at most this many tasks.")] = None,
+) -> None:
+    """Evaluate a policy on a held-out split: exact match per data source (Search-R1 envs).
+
+    Uses `inference.servers` when given, else starts one embedded server on the model."""
+    import asyncio
+
+    if recipe and config:
+        raise _fail("give either --recipe or --config, not both")
+    if recipe:
+        config = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml"
+        if not config.exists():
+            raise _fail(f"--recipe: no recipe {recipe!r} in recipes/")
+    cfg = load(config, ctx)
+    if not cfg.env.name.startswith("search_r1"):
+        raise _fail(
+            f"env.name: agentrl eval reports exact match for the Search-R1 envs, not {cfg.env.name!r}"
+        )
+    from agentrl.envs.search.evaluate import evaluate_config, format_report
+    from agentrl.launcher import serve_for
+
+    with serve_for(cfg, model) as served:
+        report = asyncio.run(evaluate_config(served, tasks, limit))
+    typer.echo(format_report(report))
+
+
 @app.command("init-model")
 def init_model(
     preset: Annotated[str, typer.Argument(help="Model size: tiny (~0.2M params) or small (~13M).")],

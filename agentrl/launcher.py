@@ -20,6 +20,7 @@ step, version, reward, staleness, episodes/s, queue depth and weight-push time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,9 +118,12 @@ def _agentrl(*args: str) -> list[str]:
 
 
 def wait_healthy(
-    urls: list[str], children: list[subprocess.Popen] | None = None, timeout_s: float = 300
+    urls: list[str],
+    children: list[subprocess.Popen] | None = None,
+    timeout_s: float = 300,
+    path: str = "/health",
 ) -> None:
-    """Wait until every server answers `/health`; fail early if one of `children` exits."""
+    """Wait until every server answers `path`; fail early if one of `children` exits."""
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
@@ -129,7 +134,7 @@ def wait_healthy(
                 raise RuntimeError(f"process {proc.args!r} exited with code {proc.returncode} while starting")
         for url in list(pending):
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                with urllib.request.urlopen(f"{url}{path}", timeout=2) as resp:
                     if resp.status == 200:
                         pending.remove(url)
             except OSError:
@@ -137,6 +142,47 @@ def wait_healthy(
         if time.monotonic() > deadline:
             raise TimeoutError(f"inference servers {pending} not healthy after {timeout_s}s")
         time.sleep(0.3)
+
+
+def start_services(config: AgentRLConfig, supervisor: Supervisor) -> dict[str, str]:
+    """Start the helper processes the env asks for (`Env.services`); returns the env kwargs
+    that point every other process at them."""
+    from agentrl.envs.registry import load_env_class
+
+    env_cls = load_env_class(config.env.name)
+    kwargs = {}
+    for service in env_cls.services(dict(config.env.kwargs), dict(config.roller.task_kwargs), config.run_dir):
+        port = _free_port()
+        args = [a.replace("{port}", str(port)) for a in service.args]
+        child = supervisor.start(service.name, _agentrl(*args))
+        try:
+            wait_healthy([f"http://127.0.0.1:{port}"], [child.proc], path=service.health_path)
+        except RuntimeError:
+            raise RuntimeError(f"{service.name} failed to start:\n{supervisor.tail(child)}") from None
+        kwargs[service.kwarg] = f"http://127.0.0.1:{port}{service.url_path}"
+    return kwargs
+
+
+@contextlib.contextmanager
+def serve_for(config: AgentRLConfig, model: str | None = None) -> Iterator[AgentRLConfig]:
+    """The config with live servers: `inference.servers` as given, or one embedded server started
+    here on `model` (default: the config's model); the env's helper services started too. All
+    are stopped on exit."""
+    supervisor = Supervisor(Path(config.run_dir) / "eval")
+    try:
+        env_kwargs = {**config.env.kwargs, **start_services(config, supervisor)}
+        update: dict = {"env": config.env.model_copy(update={"kwargs": env_kwargs})}
+        if not config.inference.servers or model is not None:
+            model = model or config.inference.model_path or config.learner.model_path
+            port = _free_port()
+            url = f"http://127.0.0.1:{port}"
+            server = supervisor.start("server", _agentrl("serve", "--model", model, "--port", str(port)))
+            wait_healthy([url], [server.proc])
+            update["inference"] = config.inference.model_copy(update={"servers": [url], "model_path": model})
+            update["roller"] = config.roller.model_copy(update={"tokenizer_path": model})
+        yield config.model_copy(update=update)
+    finally:
+        supervisor.stop_all()
 
 
 def launch(config: AgentRLConfig, config_path: Path) -> int:
@@ -159,6 +205,7 @@ def launch(config: AgentRLConfig, config_path: Path) -> int:
                 )
             model = str(run_dir / "warmstart")
 
+        service_overrides = [f"--env.kwargs.{k}={v}" for k, v in start_services(config, supervisor).items()]
         ports = [_free_port() for _ in range(config.inference.num_servers)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         common = [
@@ -168,6 +215,7 @@ def launch(config: AgentRLConfig, config_path: Path) -> int:
             f"--inference.model_path={model}",
             "--inference.servers",
             "[" + ", ".join(urls) + "]",
+            *service_overrides,
         ]
         servers = [
             supervisor.start(f"server{i}", _agentrl("serve", "--port", str(port), *common))

@@ -86,6 +86,11 @@ class Env:
         )
 
     @classmethod
+    def services(cls, kwargs: dict[str, Any], task_kwargs: dict[str, Any], run_dir: str) -> list[Service]:
+        """Helper processes `agentrl run` should start for these env kwargs (none by default)."""
+        return []
+
+    @classmethod
     def generate_tasks(cls, num: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
         """Synthetic tasks for envs that can make their own (used when no task file is given)."""
         raise NotImplementedError(f"{cls.__name__} has no task generator: give the roller a task file")
@@ -93,6 +98,20 @@ class Env:
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [t.schema for t in self.tools]
+
+
+@dataclass
+class Service:
+    """A helper process `agentrl run` starts for an env (e.g. a retriever) before the rollers.
+
+    `args` are `agentrl` arguments where `{port}` is replaced by a free port; once `health_path`
+    answers, env kwarg `kwarg` is set to `http://127.0.0.1:{port}{url_path}` for every process."""
+
+    name: str
+    args: list[str]
+    kwarg: str
+    url_path: str = ""
+    health_path: str = "/health"
 
 
 def as_step_result(value: Any) -> StepResult:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
-from agentrl.envs.base import Env, Messages, StepResult, Transcript
+from agentrl.envs.base import Env, Messages, Service, StepResult, Transcript
 from agentrl.envs.parsers import TagParser
 from agentrl.envs.search.client import RetrieverClient, format_passages
 from agentrl.envs.search.data import normalize_task
@@ -65,6 +65,23 @@ def information_block(hits: list[Any]) -> str:
     return f"\n\n<information>{format_passages(hits).strip()}</information>\n\n"
 
 
+def synthetic_retriever(kwargs: dict[str, Any], task_kwargs: dict[str, Any], run_dir: str) -> list[Service]:
+    """With `retriever_url: auto`, `agentrl run` serves the synthetic world's corpus itself."""
+    if kwargs.get("retriever_url") != "auto":
+        return []
+    data = f"{run_dir}/retriever_data"
+    return [
+        Service(
+            "retriever",
+            ["retriever", "--make-synthetic", data, "--corpus", f"{data}/corpus.jsonl", "--port", "{port}",
+             "--seed", str(task_kwargs.get("world_seed", 0)),
+             "--num-people", str(task_kwargs.get("num_people", 200))],
+            kwarg="retriever_url",
+            url_path="/retrieve",
+        )
+    ]  # fmt: skip
+
+
 class SearchR1Env(Env):
     """Search-augmented QA with the `<search>` / `<answer>` tag protocol."""
 
@@ -85,6 +102,10 @@ class SearchR1Env(Env):
             raise ValueError(f"metric must be em or subem, got {metric!r}")
         if "{question}" not in prompt_template:
             raise ValueError("prompt_template must contain {question}")
+        if retriever_url == "auto":
+            raise ValueError(
+                "env.kwargs.retriever_url: `auto` is resolved by `agentrl run` only; give the URL"
+            )
         self.retriever_url = retriever_url
         self.topk = topk
         self.max_turns = max_turns
@@ -151,6 +172,8 @@ class SearchR1Env(Env):
         """Synthetic questions (see `synthetic.py`): `split` (train/test), `world_seed`, `num_people`."""
         return synthetic_tasks(num, seed=seed, **kwargs)
 
+    services = staticmethod(synthetic_retriever)
+
 
 class SearchToolEnv(ToolEnv):
     """The tool-calling variant: `search` is a tool; the final message holds `<answer>…</answer>`."""
@@ -172,6 +195,10 @@ class SearchToolEnv(ToolEnv):
         super().__init__(**kwargs)
         if metric not in ("em", "subem"):
             raise ValueError(f"metric must be em or subem, got {metric!r}")
+        if retriever_url == "auto":
+            raise ValueError(
+                "env.kwargs.retriever_url: `auto` is resolved by `agentrl run` only; give the URL"
+            )
         self.retriever_url = retriever_url
         self.topk = topk
         self.metric = metric
@@ -215,3 +242,5 @@ class SearchToolEnv(ToolEnv):
     def generate_tasks(cls, num: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
         """Synthetic questions, as for `SearchR1Env`."""
         return synthetic_tasks(num, seed=seed, **kwargs)
+
+    services = staticmethod(synthetic_retriever)
