@@ -8,7 +8,21 @@ from pathlib import Path
 
 from tests.conftest import REPO, run_agentrl
 
-COMMANDS = ["learner", "roller", "serve", "queue", "run", "init-model", "bench", "doctor"]
+COMMANDS = [
+    "learner",
+    "roller",
+    "serve",
+    "queue",
+    "run",
+    "warmstart",
+    "eval",
+    "init-model",
+    "bench",
+    "doctor",
+    "sandbox",
+    "sandbox-server",
+    "retriever",
+]
 
 
 def test_help_lists_every_command() -> None:
@@ -67,7 +81,7 @@ def test_init_model_then_offline_load_in_a_fresh_process(tmp_path: Path) -> None
 
 def test_init_model_rejects_unknown_preset(tmp_path: Path) -> None:
     result = run_agentrl("init-model", "huge", str(tmp_path))
-    assert result.returncode == 2 and "tiny, small" in result.stderr
+    assert result.returncode == 2 and "tiny, mini, small" in result.stderr
 
 
 def test_doctor_reports_a_usable_model(tiny_model: Path) -> None:

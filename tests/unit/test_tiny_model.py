@@ -152,5 +152,5 @@ def test_init_is_deterministic_per_seed(tmp_path: Path) -> None:
 
 
 def test_unknown_preset_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="tiny, small"):
+    with pytest.raises(ValueError, match="tiny, mini, small"):
         init_model("huge", tmp_path)
