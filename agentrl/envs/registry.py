@@ -9,6 +9,7 @@ env:
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ BUILTIN_ENVS = {
     "toy_calculator_slow": "agentrl.envs.toy:SlowCalculatorEnv",
     "search_r1": "agentrl.envs.search.env:SearchR1Env",
     "search_r1_tools": "agentrl.envs.search.env:SearchToolEnv",
+    "swe": "agentrl.envs.swe.env:SWEEnv",
 }
 
 
@@ -47,9 +49,13 @@ def env_factory(config: EnvConfig) -> Callable[[], Env]:
     """A function making a fresh env per episode, from the env section of the config.
 
     The tool options (`tool_parser`, `tool_timeout_s`, `max_tool_output_chars`) apply to
-    ToolEnvs; setting one for an env that has no tools is an error, not silently ignored."""
+    ToolEnvs; setting one for an env that has no tools is an error, not silently ignored.
+    An env whose constructor takes a `sandbox` parameter gets `config.sandbox` (unless
+    `env.kwargs` names one)."""
     cls = load_env_class(config.name)
     kwargs: dict[str, Any] = dict(config.kwargs)
+    if "sandbox" in inspect.signature(cls).parameters:
+        kwargs.setdefault("sandbox", config.sandbox)
     tool_options = {"tool_parser", "tool_timeout_s", "max_tool_output_chars"}
     if issubclass(cls, ToolEnv):
         kwargs.setdefault("parser", config.tool_parser)
