@@ -160,11 +160,22 @@ class RedisConsumer(Consumer):
         self._buffer: list[tuple[Group, float]] = []
         self._ages: deque[float] = deque(maxlen=4096)  # seconds in the stream, of groups handed out
         self._take_script = self._redis.register_script(_TAKE)
+        self._next_claim = 0.0
         self._read_pending()  # what this name held and had not acked
 
     def _read_pending(self) -> None:
         """What this name held and had not acked (a restarted rank gets it back)."""
         self._ingest(self._redis.xreadgroup(self.config.consumer_group, self.name, {self.stream: "0"}))
+
+    def _claim_expired(self) -> None:
+        """Take over entries another rank has held past `lease_s` without acking (XAUTOCLAIM)."""
+        if time.monotonic() < self._next_claim:
+            return
+        self._next_claim = time.monotonic() + 1.0
+        reply = self._redis.xautoclaim(
+            self.stream, self.config.consumer_group, self.name, int(self.config.lease_s * 1000), count=256
+        )
+        self._ingest([[self.stream, reply[1]]])
 
     def _take(self, need: int) -> bool:
         count = max(need, self.config.capacity_groups if self.config.selection == "oldest_first" else need)
@@ -214,7 +225,8 @@ class RedisConsumer(Consumer):
                 raise TimeoutError(
                     f"no {num_groups} admissible groups within {timeout_s}s ({dropped} dropped)"
                 )
-            if not self._take(num_groups - len(self._buffer)):
+            self._claim_expired()
+            if len(self._buffer) < num_groups and not self._take(num_groups - len(self._buffer)):
                 time.sleep(POLL_S)
         if self.config.selection == "oldest_first":
             self._buffer.sort(key=lambda b: b[0].min_version)

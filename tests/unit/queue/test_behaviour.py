@@ -10,6 +10,8 @@ import pytest
 
 from tests.unit.queue.conftest import Harness, make_group
 
+pytestmark = pytest.mark.timeout(90)  # a hang fails this test, not the whole run
+
 
 def test_groups_arrive_whole_and_in_order(queue: Harness) -> None:
     queue.start()
@@ -117,3 +119,14 @@ def test_a_group_put_twice_is_delivered_once(queue: Harness) -> None:
     assert consumer.get_batch(1, 0, 1, timeout_s=10).group_ids == [group.group_id]
     with pytest.raises(TimeoutError):
         consumer.get_batch(1, 0, 1, timeout_s=0.5)
+
+
+def test_groups_held_past_their_lease_go_to_another_rank(queue: Harness) -> None:
+    queue.start(lease_s=0.5)
+    groups = [make_group(seed=i) for i in range(2)]
+    queue.put(groups)
+    stuck = queue.consumer("rank0").get_batch(2, 0, 1, timeout_s=10)  # never acked, never restarted
+    other = queue.consumer("rank1").get_batch(2, 0, 1, timeout_s=10)
+    assert sorted(other.group_ids) == sorted(stuck.group_ids)
+    if queue.kind == "zmq":
+        assert queue.server.metrics()["redelivered"] == 2

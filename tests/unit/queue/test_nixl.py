@@ -8,6 +8,8 @@ import pytest
 from agentrl.queue.nixl_transport import NIXL_MIN_BYTES
 from tests.unit.queue.conftest import Harness, make_group
 
+pytestmark = pytest.mark.timeout(90)  # a hang fails this test, not the whole run
+
 pytest.importorskip("nixl._api", reason="the nixl extra is not installed (pip install 'agentrl[nixl]')")
 
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from agentrl.config import ZmqQueueConfig
 from agentrl.queue import create
 from agentrl.queue.wal import WriteAheadLog
 from agentrl.types import decode_group, encode_group
 from tests.unit.queue.conftest import make_group, put_all
+
+pytestmark = pytest.mark.timeout(90)  # a hang fails this test, not the whole run
 
 
 def test_replay_restores_unacked_groups_and_remembers_acks(tmp_path: Path) -> None:
