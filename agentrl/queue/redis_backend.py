@@ -81,6 +81,15 @@ return {0, v}
 """
 
 
+async def _poll_pause() -> None:
+    """Sleep between polls, and honour a cancellation that redis-py may have swallowed while it
+    retried a command (seen with `asyncio.wait_for` around a waiting `acquire_start`)."""
+    task = asyncio.current_task()
+    if task is not None and getattr(task, "cancelling", lambda: 0)():
+        raise asyncio.CancelledError
+    await asyncio.sleep(POLL_S)
+
+
 class RedisProducer(Producer):
     """Roller side over `redis.asyncio`."""
 
@@ -97,7 +106,7 @@ class RedisProducer(Producer):
     async def put(self, group: Group) -> None:
         frames = encode_group(group)
         while await self._redis.xlen(self.stream) >= self.capacity:
-            await asyncio.sleep(POLL_S)
+            await _poll_pause()
         lens = msgpack.packb([len(f) for f in frames])
         keys = [self.stream, f"{self.stream}:ids", f"{self.stream}:state"]
         await self._put(keys=keys, args=[group.group_id, group.min_version, lens, b"".join(frames)])
@@ -107,7 +116,7 @@ class RedisProducer(Producer):
             granted, version = await self._acquire(keys=[f"{self.stream}:state"], args=[n])
             if granted:
                 return int(version)
-            await asyncio.sleep(POLL_S)
+            await _poll_pause()
 
     async def release_start(self, n: int = 1) -> None:
         await self._redis.hincrby(f"{self.stream}:state", "started", -n)
