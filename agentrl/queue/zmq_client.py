@@ -37,6 +37,7 @@ log = get_logger("queue.client")
 COALESCE_BYTES = 1 << 20
 COALESCE_GROUPS = 512
 PING_S = 0.5
+SILENT_WARN_S = 30.0
 
 
 def _auth_for(config: Any) -> Authenticator:
@@ -221,13 +222,19 @@ class ZmqConsumer(Consumer):
         ctl["rid"] = next(self._ids)
         self._send(ctl)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        last_heard = time.monotonic()
+        last_heard = warned = time.monotonic()
         while True:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"queue server did not answer {ctl['k']!r} within {timeout_s:.1f}s")
             if not self._sock.poll(int(PING_S * 1000)):
-                if time.monotonic() - last_heard > PING_S:
+                silent = time.monotonic() - last_heard
+                if silent > PING_S:
                     self._send({"k": "ping", "rid": 0})
+                if silent > SILENT_WARN_S and time.monotonic() > warned + SILENT_WARN_S:
+                    warned = time.monotonic()
+                    log.warning(
+                        "queue server has not answered for %.0fs; still waiting for %r", silent, ctl["k"]
+                    )
                 continue
             msg = self._sock.recv_multipart(copy=False)
             try:
