@@ -143,7 +143,11 @@ def _training_corpus() -> list[str]:
         "def main():\n    return 0\n\nif __name__ == '__main__':\n    main()\n",
     ]
     numbers = [f"{a} + {b} = {a + b}. {a} * {b} = {a * b}." for a in range(0, 40, 3) for b in range(1, 30, 7)]
-    return (lines + snippets) * 20 + numbers
+    from agentrl.envs.toy import LOOKUP_KEYS, LOOKUP_VALUES
+
+    # the toy lookup env's words, bare (as they follow a quote or start a line), become single tokens
+    toy_words = ['"' + '" "'.join(LOOKUP_KEYS + LOOKUP_VALUES) + '"', "\n".join(LOOKUP_KEYS + LOOKUP_VALUES)]
+    return (lines + snippets) * 20 + numbers + toy_words * 20
 
 
 def build_tokenizer(vocab_size: int):

@@ -18,6 +18,7 @@ from agentrl.envs.base import Env
 from agentrl.envs.tool_env import ToolEnv
 
 BUILTIN_ENVS = {
+    "toy_lookup": "agentrl.envs.toy:LookupEnv",
     "toy_calculator": "agentrl.envs.toy:CalculatorEnv",
     "toy_calculator_slow": "agentrl.envs.toy:SlowCalculatorEnv",
     "search_r1": "agentrl.envs.search.env:SearchR1Env",

@@ -1,12 +1,20 @@
-"""The quickstart's toy env: multi-turn arithmetic with a calculator tool.
+"""Toy multi-turn tool envs: a key-value lookup (the quickstart's) and a calculator.
 
-A task asks for the value of an expression too big for a tiny model to compute in its
+`LookupEnv` (`toy_lookup`): each task hides a fresh random table of animal → colour; the
+question asks for one animal's colour, which only the `lookup` tool can tell. The model
+must call the tool with the animal named in the question, read the `<tool_response>` and
+answer with the colour alone: two copies of one word each (every word is a single token
+of the tiny model's tokenizer), which a tiny model learns on CPU within minutes.
+
+`CalculatorEnv` (`toy_calculator`): multi-turn arithmetic with a calculator tool.
+
+A calculator task asks for the value of an expression too big for a tiny model to compute in its
 head (`What is 347 * 29 + 18?`). The model is meant to call the `calculator` tool,
 read the `<tool_response>`, and answer with the number alone. Reward 1 if the final
 answer is the right number, else 0 (plus an optional small bonus for a well-formed
 tool call, to help a cold-start model). Tasks are generated, so the env needs no data.
 
-    agentrl run --config recipes/quickstart.yaml   # uses env.name: toy_calculator
+    agentrl run --config recipes/quickstart.yaml   # uses env.name: toy_lookup
 """
 
 from __future__ import annotations
@@ -140,3 +148,79 @@ class SlowCalculatorEnv(CalculatorEnv):
         )
         await asyncio.sleep(delay)
         return str(safe_eval(expression))
+
+
+LOOKUP_KEYS = (
+    "tiger", "horse", "camel", "otter", "eagle", "shark", "zebra", "koala", "llama", "panda", "whale", "moose",
+    "snake", "goose", "raven", "bison", "hyena", "lemur", "sloth", "gecko", "heron", "finch", "trout", "viper",
+)  # fmt: skip
+LOOKUP_VALUES = (
+    "red",
+    "blue",
+    "green",
+    "yellow",
+    "black",
+    "white",
+    "orange",
+    "purple",
+    "pink",
+    "brown",
+    "grey",
+    "gold",
+)
+
+
+class LookupEnv(ToolEnv):
+    """Find an animal's colour in a hidden per-task table with the `lookup` tool."""
+
+    system_prompt = "You are a lookup agent. Use the lookup tool, then answer with the colour only."
+
+    def __init__(self, format_bonus: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.format_bonus = format_bonus
+
+    @tool
+    def lookup(self, animal: str) -> str:
+        """Look up the colour of an animal in today's table.
+
+        Args:
+            animal: The animal's name.
+        """
+        table = self.task["table"]
+        if animal not in table:
+            raise KeyError(f"no animal {animal!r} in the table")
+        return table[animal]
+
+    def reward(self, transcript: Transcript) -> float:
+        correct = transcript.final_text.strip().strip('."') == self.task["answer"]
+        used_tool = self.metrics["tool_calls"] > self.metrics["tool_errors"]
+        return float(correct) + (self.format_bonus if used_tool else 0.0)
+
+    def demonstrate(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        call = json.dumps({"name": "lookup", "arguments": {"animal": task["animal"]}})
+        return [
+            *self.prompt(task),
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "name": "lookup", "content": task["table"][task["animal"]]},
+            {"role": "assistant", "content": task["answer"]},
+        ]
+
+    @classmethod
+    def generate_tasks(cls, num: int, seed: int = 0, table_size: int = 8) -> list[dict[str, Any]]:
+        """`num` questions, each with its own random table of `table_size` animals."""
+        rng = random.Random(seed)
+        tasks = []
+        for i in range(num):
+            animals = rng.sample(LOOKUP_KEYS, table_size)
+            table = {a: rng.choice(LOOKUP_VALUES) for a in animals}
+            animal = rng.choice(animals)
+            tasks.append(
+                {
+                    "id": f"lookup-{seed}-{i}",
+                    "question": f'What colour is the "{animal}" today?',
+                    "animal": animal,
+                    "table": table,
+                    "answer": table[animal],
+                }
+            )
+        return tasks

@@ -154,3 +154,11 @@ def test_init_is_deterministic_per_seed(tmp_path: Path) -> None:
 def test_unknown_preset_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tiny, mini, small"):
         init_model("huge", tmp_path)
+
+
+def test_toy_env_words_are_single_tokens(tiny_model: Path) -> None:
+    from agentrl.envs.toy import LOOKUP_KEYS, LOOKUP_VALUES
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for word in LOOKUP_KEYS + LOOKUP_VALUES:
+        assert len(tok.encode(word, add_special_tokens=False)) == 1, word

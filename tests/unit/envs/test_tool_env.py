@@ -136,3 +136,29 @@ def test_registry_builds_envs_from_config() -> None:
 def test_registry_errors_name_the_field(config: EnvConfig, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         env_factory(config)
+
+
+async def test_lookup_env_needs_the_tool_and_rewards_the_colour() -> None:
+    from agentrl.envs.toy import LookupEnv
+
+    tasks = LookupEnv.generate_tasks(20, seed=1)
+    assert tasks == LookupEnv.generate_tasks(20, seed=1)
+    assert len({json_key(t["table"]) for t in tasks}) > 1  # each task hides its own table
+    task = tasks[0]
+    env = LookupEnv()
+    env.reset(task)
+    call = f'<tool_call>{{"name": "lookup", "arguments": {{"animal": "{task["animal"]}"}}}}</tool_call>'
+    result = await env.step(call)
+    assert result.observation[0]["content"] == task["answer"]
+    missing = await env.step('<tool_call>{"name": "lookup", "arguments": {"animal": "unicorn"}}</tool_call>')
+    assert "no animal 'unicorn'" in missing.observation[0]["content"]
+    assert env.reward(Transcript(task, [], f" {task['answer']}.", 2, "done")) == 1.0
+    assert env.reward(Transcript(task, [], "I think it is blue or red", 2, "done")) == 0.0
+    demo = env.demonstrate(task)
+    assert demo[-1] == {"role": "assistant", "content": task["answer"]}
+
+
+def json_key(table: dict) -> str:
+    import json
+
+    return json.dumps(table, sort_keys=True)
