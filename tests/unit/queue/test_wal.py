@@ -15,8 +15,9 @@ from tests.unit.queue.conftest import make_group, put_all
 pytestmark = pytest.mark.timeout(90)  # a hang fails this test, not the whole run
 
 
-def test_replay_restores_unacked_groups_and_remembers_acks(tmp_path: Path) -> None:
-    wal = WriteAheadLog(tmp_path)
+@pytest.mark.parametrize("fsync", [False, True])
+def test_replay_restores_unacked_groups_and_remembers_acks(tmp_path: Path, fsync: bool) -> None:
+    wal = WriteAheadLog(tmp_path, fsync=fsync)
     assert wal.recover().groups == {}
     groups = [make_group(seed=i) for i in range(3)]
     for g in groups:
