@@ -73,7 +73,8 @@ def microbatch_loss(
 ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
     """The micro-batch's share of the loss, plus metric sums and maxima over its loss tokens."""
     mask = mb.mask
-    old = mb.behav_logp if cfg.off_policy == "none" else mb.extra.get("old_logp", logp.detach())
+    learner_old = mb.extra.get("old_logp", logp.detach())  # the learner's π before this update
+    old = mb.behav_logp if cfg.off_policy == "none" else learner_old
     if cfg.policy_loss == "gspo":
         pg, clipped = losses.gspo(
             logp, old, mb.adv, mask, mb.seq_idx, mb.num_seqs, cfg.clip_low, cfg.clip_high
@@ -96,8 +97,9 @@ def microbatch_loss(
 
     with torch.no_grad():
         m = mask.bool()
-        raw_w = torch.exp((old - mb.behav_logp).clamp(-20, 20))[m]  # π_old / π_behav before capping
-        diff = (mb.behav_logp - old)[m]  # log π_behav − log π_learner on tokens sampled from π_behav
+        # learner vs inference server on the same tokens, whatever the objective uses as π_old
+        raw_w = torch.exp((learner_old - mb.behav_logp).clamp(-20, 20))[m]  # before capping
+        diff = (mb.behav_logp - learner_old)[m]  # log π_behav − log π_learner, tokens sampled from π_behav
         on_policy = (mb.versions == version)[m]
         sums = {
             "tokens": float(m.sum()),
