@@ -27,6 +27,7 @@ import random
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -130,6 +131,18 @@ def _unshare_prefix(hide: list[str], cwd: str) -> list[str]:
     return [*unshare, "--fork", "--kill-child", "--mount-proc", "/bin/sh", "-c", script, "sh"]
 
 
+def _check_traversable(root: Path, uid: int) -> None:
+    """The private uid must be able to reach its work dir through `root` and its parents (bwrap
+    binds it as that uid); say so at start rather than fail later with bwrap's "Permission denied"."""
+    for directory in [root.resolve(), *root.resolve().parents]:
+        st = directory.stat()
+        if st.st_uid != uid and not st.st_mode & stat.S_IXOTH:
+            raise SandboxError(
+                f"sandbox.root_dir: {directory} is not traversable by the sandbox's uid {uid} "
+                "(needs o+x on it and every parent); choose another directory or leave root_dir unset"
+            )
+
+
 class LocalSandbox(Sandbox):
     """A sandbox made of processes on this machine (see the module docstring)."""
 
@@ -185,6 +198,8 @@ class LocalSandbox(Sandbox):
                 raise SandboxError(str(exc)) from None
         if cfg.root_dir:
             Path(cfg.root_dir).mkdir(parents=True, exist_ok=True)
+            if self.uid is not None:
+                _check_traversable(Path(cfg.root_dir), self.uid)
         self.root = Path(tempfile.mkdtemp(prefix="agentrl-sandbox-", dir=cfg.root_dir))
         work, tmp = self.root / "work", self.root / "tmp"
         if image_or_spec:

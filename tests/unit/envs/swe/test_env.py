@@ -4,6 +4,7 @@ wrong fix 0, hostile commands become observations and the episode goes on."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from agentrl.config import EnvConfig, LocalSandboxConfig
 from agentrl.envs.base import Transcript, resolve
 from agentrl.envs.registry import env_factory
+from agentrl.envs.sandbox import SandboxError
 from agentrl.envs.swe.env import SWEEnv, parse_patch
 from tests.unit.envs.sandbox.conftest import needs_bwrap
 
@@ -164,3 +166,15 @@ def test_parse_patch_gives_unique_hunks() -> None:
         ("pkg/m.py", "def f():\n    return 1\n", "def f():\n    return 2\n", False),
         ("new.py", "", "x = 1\ny = 2", True),
     ]
+
+
+@needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="private sandbox uids need root")
+async def test_a_root_dir_the_sandbox_uid_cannot_traverse_is_refused_at_start(tmp_path: Path, tasks) -> None:
+    hidden = tmp_path / "private"
+    hidden.mkdir(mode=0o700)
+    env = SWEEnv(sandbox=SANDBOX.model_copy(update={"root_dir": str(hidden / "boxes")}))
+    with pytest.raises(SandboxError, match=r"root_dir: .* not traversable"):
+        await env.reset(tasks[0])
+    await resolve(env.close())
+    assert not list((hidden / "boxes").iterdir())
