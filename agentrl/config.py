@@ -443,6 +443,11 @@ class AgentRLConfig(Section):
                 f"inference.servers: inference.type={self.inference.type!r} needs the URLs of running "
                 "servers (agentrl only starts embedded ones)"
             )
+        if self.learner.temperature != self.roller.temperature:
+            raise ValueError(
+                f"learner.temperature: must equal roller.temperature ({self.roller.temperature}); the learner "
+                "recomputes log-probs of the distribution the rollers sampled from"
+            )
         if self.learner.clip_high < self.learner.clip_low:
             raise ValueError(
                 "learner.clip_high: must be >= learner.clip_low (clip-higher widens the upper bound only)"

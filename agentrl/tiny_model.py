@@ -145,9 +145,15 @@ def _training_corpus() -> list[str]:
     numbers = [f"{a} + {b} = {a + b}. {a} * {b} = {a * b}." for a in range(0, 40, 3) for b in range(1, 30, 7)]
     from agentrl.envs.toy import LOOKUP_KEYS, LOOKUP_VALUES
 
-    # the toy lookup env's words, bare (as they follow a quote or start a line), become single tokens
-    toy_words = ['"' + '" "'.join(LOOKUP_KEYS + LOOKUP_VALUES) + '"', "\n".join(LOOKUP_KEYS + LOOKUP_VALUES)]
-    return (lines + snippets) * 20 + numbers + toy_words * 20
+    # the toy lookup env's words become single tokens, bare and after a space
+    words = LOOKUP_KEYS + LOOKUP_VALUES
+    toy_words = [
+        '"' + '" "'.join(words) + '"',
+        "\n".join(words),
+        " " + " ".join(words),
+        "<lookup> <result> <answer> </lookup> </result> </answer> What colour is the today?",
+    ]
+    return (lines + snippets) * 20 + numbers + toy_words * 100
 
 
 def build_tokenizer(vocab_size: int):

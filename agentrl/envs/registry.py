@@ -62,11 +62,15 @@ def env_factory(config: EnvConfig) -> Callable[[], Env]:
         kwargs.setdefault("parser", config.tool_parser)
         kwargs.setdefault("tool_timeout_s", config.tool_timeout_s)
         kwargs.setdefault("max_tool_output_chars", config.max_tool_output_chars)
-    elif config.model_fields_set & tool_options:
-        raise ValueError(
-            f"env.{sorted(config.model_fields_set & tool_options)[0]}: {cls.__name__} is not a "
-            "ToolEnv, so tool options do not apply to it"
+    else:
+        # compared with the defaults, not with the keys given: a resolved config names every field
+        changed = sorted(
+            k for k in tool_options if getattr(config, k) != type(config).model_fields[k].default
         )
+        if changed:
+            raise ValueError(
+                f"env.{changed[0]}: {cls.__name__} is not a ToolEnv, so tool options do not apply to it"
+            )
 
     def make() -> Env:
         return cls(**kwargs)

@@ -1,10 +1,10 @@
 """Toy multi-turn tool envs: a key-value lookup (the quickstart's) and a calculator.
 
 `LookupEnv` (`toy_lookup`): each task hides a fresh random table of animal → colour; the
-question asks for one animal's colour, which only the `lookup` tool can tell. The model
-must call the tool with the animal named in the question, read the `<tool_response>` and
-answer with the colour alone: two copies of one word each (every word is a single token
-of the tiny model's tokenizer), which a tiny model learns on CPU within minutes.
+question asks for one animal's colour, which only a `<lookup>` action can tell. The model
+must look up the animal named in the question, read the `<result>` and answer with the
+colour: two copies of one word each (every word is a single token of the tiny model's
+tokenizer, and the prompt is short), which a tiny model learns on CPU within minutes.
 
 `CalculatorEnv` (`toy_calculator`): multi-turn arithmetic with a calculator tool.
 
@@ -27,7 +27,8 @@ import random
 import re
 from typing import Any
 
-from agentrl.envs.base import Transcript
+from agentrl.envs.base import Env, StepResult, Transcript
+from agentrl.envs.parsers import TagParser
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.envs.tools import tool
 
@@ -170,39 +171,55 @@ LOOKUP_VALUES = (
 )
 
 
-class LookupEnv(ToolEnv):
-    """Find an animal's colour in a hidden per-task table with the `lookup` tool."""
+class LookupEnv(Env):
+    """Find an animal's colour in a hidden per-task table with a `<lookup>` action.
 
-    system_prompt = "You are a lookup agent. Use the lookup tool, then answer with the colour only."
+    A tag protocol, like Search-R1's: the model writes `<lookup> tiger </lookup>`, the env
+    appends ` <result> red </result>` to the same turn (loss mask 0), and the model ends
+    with `<answer> red </answer>`. No tool schema is rendered into the prompt, so the
+    context stays short and a tiny model learns the two one-token copies in minutes."""
 
-    def __init__(self, format_bonus: float = 0.0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.format_bonus = format_bonus
+    stop = ("</lookup>", "</answer>")
 
-    @tool
-    def lookup(self, animal: str) -> str:
-        """Look up the colour of an animal in today's table.
+    def __init__(self, max_lookups: int = 2) -> None:
+        super().__init__()
+        self.max_lookups = max_lookups
+        self.parser = TagParser(("lookup", "answer"))
+        self.task: dict[str, Any] = {}
+        self.answer: str | None = None
+        self.metrics = {"tool_calls": 0, "tool_errors": 0}
 
-        Args:
-            animal: The animal's name.
-        """
-        table = self.task["table"]
-        if animal not in table:
-            raise KeyError(f"no animal {animal!r} in the table")
-        return table[animal]
+    def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        self.task = task
+        return [{"role": "user", "content": task["question"]}]
+
+    def step(self, action_text: str) -> StepResult:
+        parsed = self.parser.parse(action_text)
+        call = parsed.calls[0] if parsed.calls else None
+        if call is not None and call.name == "answer":
+            self.answer = call.arguments["text"]
+            return StepResult(None, 0.0, True, {})
+        self.metrics["tool_calls"] += 1
+        if call is None or self.metrics["tool_calls"] > self.max_lookups:
+            self.metrics["tool_errors"] += 1
+            return StepResult(" <result> write <lookup> animal </lookup> or <answer> colour </answer> </result>",
+                              0.0, False, {})  # fmt: skip
+        value = self.task["table"].get(call.arguments["text"])
+        if value is None:
+            self.metrics["tool_errors"] += 1
+            value = "unknown"
+        return StepResult(f" <result> {value} </result>", 0.0, False, {})
 
     def reward(self, transcript: Transcript) -> float:
-        correct = transcript.final_text.strip().strip('."') == self.task["answer"]
-        used_tool = self.metrics["tool_calls"] > self.metrics["tool_errors"]
-        return float(correct) + (self.format_bonus if used_tool else 0.0)
+        return float(self.answer is not None and self.answer.strip() == self.task["answer"])
 
     def demonstrate(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        call = json.dumps({"name": "lookup", "arguments": {"animal": task["animal"]}})
+        """Look the animal up, then answer with the result (tag-protocol segments)."""
         return [
-            *self.prompt(task),
-            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
-            {"role": "tool", "name": "lookup", "content": task["table"][task["animal"]]},
-            {"role": "assistant", "content": task["answer"]},
+            *self.reset(task),
+            {"role": "assistant", "content": f"<lookup> {task['animal']} </lookup>", "end": "stop"},
+            {"role": "observation", "content": f" <result> {task['answer']} </result>"},
+            {"role": "assistant", "content": f" <answer> {task['answer']} </answer>", "end": "stop"},
         ]
 
     @classmethod
@@ -217,7 +234,7 @@ class LookupEnv(ToolEnv):
             tasks.append(
                 {
                     "id": f"lookup-{seed}-{i}",
-                    "question": f'What colour is the "{animal}" today?',
+                    "question": f"What colour is the {animal} today?",
                     "animal": animal,
                     "table": table,
                     "answer": table[animal],

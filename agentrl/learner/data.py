@@ -134,4 +134,21 @@ def _batch_metrics(groups: list[Group], advs: list[np.ndarray], version: int) ->
     }
     for s, n in sorted(Counter(g.staleness(version) for g in groups).items()):
         m[f"staleness/{s}"] = float(n)
+    m.update(_episode_metrics(groups))
+    return m
+
+
+def _episode_metrics(groups: list[Group]) -> dict[str, float]:
+    """Means of the envs' numeric episode metrics (tool calls, errors, searches, EM...) as
+    `episode/<key>`, and the share of each finish reason as `finish/<reason>`."""
+    sums: dict[str, float] = {}
+    reasons: Counter = Counter()
+    episodes = [ep for g in groups for ep in g.episodes]
+    for ep in episodes:
+        reasons[ep.finish_reason or "unknown"] += 1
+        for key, value in ep.metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value):
+                sums[key] = sums.get(key, 0.0) + float(value)
+    m = {f"episode/{k}": v / len(episodes) for k, v in sums.items()}
+    m.update({f"finish/{r}": n / len(episodes) for r, n in reasons.items()})
     return m

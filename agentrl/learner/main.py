@@ -34,7 +34,10 @@ def open_queue(cfg: AgentRLConfig) -> tuple[Any, Any]:
     backend = create(cfg.queue)
     server = None
     if cfg.queue.type == "zmq":
-        server = backend.server(groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.max_staleness)
+        wal_dir = cfg.queue.wal_dir or str(Path(cfg.run_dir) / "queue_wal")
+        server = backend.server(
+            groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.max_staleness, wal_dir=wal_dir
+        )
         server.start()
         log.info("TransferQueue listening on %s", cfg.queue.address)
     return backend.consumer("rank0", server=server), server

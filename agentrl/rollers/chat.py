@@ -143,24 +143,33 @@ class ChatRenderer:
 
 def render_conversation(renderer: ChatRenderer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """(ids, loss_mask) of a whole conversation laid out exactly as the agent loop builds an
-    episode: prompt once, each assistant turn as its content's tokens plus the end-of-turn
-    token (mask 1), env turns as the template's delta (mask 0). Used for demonstrations."""
-    split = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    episode: prompt once, each assistant turn as its content's tokens (mask 1) plus the
+    end-of-turn token (or nothing, for a turn the env's stop string ended: `"end": "stop"`),
+    env turns as the template's delta, and `observation` messages (raw text continuing the
+    turn, as Search-R1-style envs return) verbatim (mask 0). Used for demonstrations."""
+    split = next(
+        (i for i, m in enumerate(messages) if m["role"] in ("assistant", "observation")), len(messages)
+    )
     ids = renderer.prompt_ids(messages[:split])
     mask = [0] * len(ids)
     eos = renderer.tokenizer.eos_token_id
     pending: list[dict] = []
     last_turn: list[int] = []
     for message in messages[split:]:
-        if message["role"] != "assistant":
+        if message["role"] == "observation":
+            context = renderer.encode(message["content"])
+        elif message["role"] != "assistant":
             pending.append(message)
             continue
+        else:
+            context = []
         if pending:
-            context = renderer.close_turn_ids(last_turn) + renderer.observation_ids(pending)
-            ids += context
-            mask += [0] * len(context)
+            context = renderer.close_turn_ids(last_turn) + renderer.observation_ids(pending) + context
             pending = []
-        last_turn = [*renderer.encode(message["content"]), eos]
-        ids += last_turn
-        mask += [1] * len(last_turn)
+        ids += context
+        mask += [0] * len(context)
+        if message["role"] == "assistant":
+            last_turn = renderer.encode(message["content"]) + ([] if message.get("end") == "stop" else [eos])
+            ids += last_turn
+            mask += [1] * len(last_turn)
     return ids, mask

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from agentrl.config import EnvConfig
@@ -138,27 +140,25 @@ def test_registry_errors_name_the_field(config: EnvConfig, message: str) -> None
         env_factory(config)
 
 
-async def test_lookup_env_needs_the_tool_and_rewards_the_colour() -> None:
+def test_lookup_env_needs_the_lookup_and_rewards_the_colour() -> None:
     from agentrl.envs.toy import LookupEnv
 
     tasks = LookupEnv.generate_tasks(20, seed=1)
     assert tasks == LookupEnv.generate_tasks(20, seed=1)
-    assert len({json_key(t["table"]) for t in tasks}) > 1  # each task hides its own table
+    assert len({json.dumps(t["table"], sort_keys=True) for t in tasks}) > 1  # each task hides its own table
     task = tasks[0]
     env = LookupEnv()
-    env.reset(task)
-    call = f'<tool_call>{{"name": "lookup", "arguments": {{"animal": "{task["animal"]}"}}}}</tool_call>'
-    result = await env.step(call)
-    assert result.observation[0]["content"] == task["answer"]
-    missing = await env.step('<tool_call>{"name": "lookup", "arguments": {"animal": "unicorn"}}</tool_call>')
-    assert "no animal 'unicorn'" in missing.observation[0]["content"]
-    assert env.reward(Transcript(task, [], f" {task['answer']}.", 2, "done")) == 1.0
-    assert env.reward(Transcript(task, [], "I think it is blue or red", 2, "done")) == 0.0
-    demo = env.demonstrate(task)
-    assert demo[-1] == {"role": "assistant", "content": task["answer"]}
-
-
-def json_key(table: dict) -> str:
-    import json
-
-    return json.dumps(table, sort_keys=True)
+    assert env.reset(task) == [{"role": "user", "content": task["question"]}]
+    found = env.step(f"<lookup> {task['animal']} </lookup>")
+    assert found.observation == f" <result> {task['answer']} </result>" and not found.done
+    assert env.step("<lookup> unicorn </lookup>").observation == " <result> unknown </result>"
+    corrective = env.step("I have no idea")
+    assert "<lookup> animal </lookup>" in corrective.observation and not corrective.done
+    assert env.metrics == {"tool_calls": 3, "tool_errors": 2}
+    done = env.step(f" <answer> {task['answer']} </answer>")
+    assert done.done and env.reward(Transcript(task, [], "", 3, "done")) == 1.0
+    wrong = LookupEnv()
+    wrong.reset(task)
+    wrong.step("<answer> nothing </answer>")
+    assert wrong.reward(Transcript(task, [], "", 1, "done")) == 0.0
+    assert LookupEnv.stop == ("</lookup>", "</answer>")

@@ -224,3 +224,25 @@ def test_cached_observation_layout_matches_a_full_render(tokenizer, content: str
     assert isinstance(renderer._layouts[next(iter(renderer._layouts))], list)  # the fast path was taken
     user = [{"role": "user", "content": content}]
     assert renderer.observation_text(user) == renderer._render_delta(user)
+
+
+async def test_tag_protocol_demonstrations_render_like_sampled_episodes(tokenizer) -> None:
+    from agentrl.envs.toy import LookupEnv
+    from agentrl.rollers.chat import render_conversation
+
+    task = LookupEnv.generate_tasks(1, seed=3)[0]
+    look = tokenizer.encode(f"<lookup> {task['animal']} </lookup>", add_special_tokens=False)
+    answer = tokenizer.encode(f" <answer> {task['answer']} </answer>", add_special_tokens=False)
+    replies = iter([Reply(look), Reply(answer)])  # stopped by the env's stop strings, no end-of-turn token
+    server = ScriptedServer(lambda ids, params: next(replies))
+    client = SGLangClient(await server.start())
+    env = LookupEnv()
+    try:
+        episode = await run_episode(env, task, client, ChatRenderer(tokenizer, None), RollerConfig())
+    finally:
+        await client.close()
+        await server.stop()
+    assert episode.reward == 1.0 and episode.finish_reason == "done"
+    ids, mask = render_conversation(ChatRenderer(tokenizer, None), LookupEnv().demonstrate(task))
+    assert ids == episode.tokens.tolist()
+    assert mask == episode.loss_mask.tolist()
