@@ -15,7 +15,7 @@ from agentrl.envs.registry import env_factory
 from agentrl.envs.swe.env import SWEEnv
 from agentrl.inference.sglang import SGLangClient
 from agentrl.rollers.agent_loop import run_episode
-from agentrl.rollers.chat import ChatRenderer
+from agentrl.rollers.chat import ChatRenderer, render_conversation
 from tests.unit.envs.sandbox.conftest import needs_bwrap
 
 pytestmark = [pytest.mark.slow, needs_bwrap]
@@ -68,3 +68,8 @@ async def test_scripted_gold_episode_earns_1_with_exact_tokens_and_masks(
     assert not episode.loss_mask[: starts[0]].any()
     gen = episode.loss_mask.astype(bool)
     assert np.all(episode.versions[~gen] == -1) and np.all(episode.logprobs[gen] == -0.5)
+
+    # the warm start trains on exactly this layout: the demonstration rendered for supervised
+    # learning is the episode the agent loop built, token for token and mask for mask
+    ids, mask = render_conversation(renderer, demo)
+    assert ids == episode.tokens.tolist() and mask == episode.loss_mask.tolist()
