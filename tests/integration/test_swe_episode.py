@@ -73,3 +73,23 @@ async def test_scripted_gold_episode_earns_1_with_exact_tokens_and_masks(
     # learning is the episode the agent loop built, token for token and mask for mask
     ids, mask = render_conversation(renderer, demo)
     assert ids == episode.tokens.tolist() and mask == episode.loss_mask.tolist()
+
+
+async def test_an_episode_cut_by_the_turn_limit_is_flagged(tiny_model: Path, tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    task = SWEEnv.generate_tasks(1, seed=12, out_dir=str(tmp_path))[0]
+    explore = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -R"}}\n</tool_call>'
+    reply = [*tokenizer.encode(explore, add_special_tokens=False), tokenizer.eos_token_id]
+    server = ScriptedServer(lambda ids, params: Reply(reply))
+    client = SGLangClient(await server.start())
+    env = env_factory(ENV)()
+    try:
+        config = RollerConfig(max_turns=3, max_new_tokens=128, max_total_tokens=4096)
+        episode = await run_episode(env, task, client, ChatRenderer(tokenizer, env.tool_schemas), config)
+    finally:
+        await client.close()
+        await server.stop()
+    assert episode.finish_reason == "max_turns" and episode.num_turns == 3
+    m = episode.metrics
+    assert m["hit_limit"] == 1 and m["submitted"] == 0 and m["steps"] == 3 and m["tool_calls"] == 3
+    assert episode.reward == 0.0 and m["patch_lines"] == 0 and env.sandbox is None
