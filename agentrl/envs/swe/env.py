@@ -160,7 +160,11 @@ class SWEEnv(ToolEnv):
 
     def prompt(self, task: dict[str, Any]) -> Messages:
         swe = self.swe_task or self._task(task)
-        workdir = self.sandbox.workdir if self.sandbox is not None else self.sandbox_config.workdir
+        workdir = (
+            self.sandbox.workdir
+            if self.sandbox is not None
+            else getattr(self.sandbox_config, "workdir", "/work")
+        )
         text = PROMPT.format(
             problem_statement=swe.problem_statement.strip(), workdir=workdir, test_cmd=swe.test_cmd
         )
