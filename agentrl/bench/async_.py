@@ -28,7 +28,7 @@ def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) ->
         sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml",
         f"--run_dir={run_dir}", f"--max_staleness={k}", f"--learner.model_path={model_dir}",
         f"--learner.max_steps={opts.steps}", f"--learner.groups_per_step={opts.groups_per_step}",
-        "--learner.warmstart_steps=0", "--roller.group_size=4", f"--roller.max_concurrent_episodes={opts.concurrency}",
+        "--learner.warmstart_steps=0", "--roller.group_size=4", "--roller.max_new_tokens=48", "--roller.max_total_tokens=768", f"--roller.max_concurrent_episodes={opts.concurrency}",
         "--env.name=toy_calculator_slow", "--env.kwargs", f"{{latency_s: {opts.latency_s}}}",
         "--queue.address", f"tcp://127.0.0.1:{_port()}",
     ]  # fmt: skip
@@ -49,6 +49,17 @@ def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) ->
     }
 
 
+def _warmstart(model_dir: str, run_dir: Path, steps: int) -> str:
+    args = [
+        sys.executable, "-m", "agentrl", "warmstart", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
+        f"--learner.model_path={model_dir}", f"--learner.warmstart_steps={steps}", "--env.name=toy_calculator_slow",
+    ]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    if result.returncode != 0:
+        raise RuntimeError(f"warm start failed:\n{result.stderr[-3000:]}")
+    return str(run_dir / "warmstart")
+
+
 def _port() -> int:
     from agentrl.weight_sync.broadcast import _free_port
 
@@ -63,6 +74,9 @@ def main(args: list[str]) -> int:
     parser.add_argument("--latency-s", type=float, default=0.3, help="median tool latency (Pareto tail)")
     parser.add_argument("--model-dir", help="checkpoint to train (default: a fresh tiny model)")
     parser.add_argument("--ks", default="0,1,2,4")
+    parser.add_argument(
+        "--warmstart-steps", type=int, default=200, help="supervised steps so the model calls tools"
+    )
     opts = parser.parse_args(args)
 
     from agentrl.tiny_model import init_model
@@ -70,6 +84,8 @@ def main(args: list[str]) -> int:
     ks = [int(k) for k in opts.ks.split(",")]
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-async-") as tmp:
         model_dir = opts.model_dir or str(init_model("tiny", Path(tmp) / "tiny"))
+        if opts.warmstart_steps:  # a random model never calls the tool, so tool latency would not show
+            model_dir = _warmstart(model_dir, Path(tmp) / "warm", opts.warmstart_steps)
         results = {k: _one_run(k, Path(tmp) / f"k{k}", model_dir, opts) for k in ks}
 
     base = results[ks[0]]["samples_per_s"]
