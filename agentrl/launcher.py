@@ -366,4 +366,9 @@ def finish(run_dir: Path) -> Path | None:
 
 def run(config: AgentRLConfig) -> int:
     config_path = save_resolved(config)
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the children like Ctrl-C: no orphans
+
+    signal.signal(signal.SIGTERM, _terminate)
     return launch(config, config_path)
