@@ -38,7 +38,7 @@ def load_env_class(name: str) -> type[Env]:
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # an env module that fails to import, for whatever reason
         raise ValueError(f"env.name: cannot import {module_name!r} for env {name!r}: {exc}") from exc
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Env)):

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from agentrl.launcher import staleness
 from agentrl.log import read_metrics
-from tests.conftest import find_free_port, run_agentrl
+from tests.conftest import REPO, find_free_port, run_agentrl
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -44,3 +50,57 @@ def test_closed_loop_run_keeps_its_invariants(tiny_model: Path, tmp_path: Path) 
     resolved = (tmp_path / "config.resolved.yaml").read_text()
     assert f"max_staleness: {k}" in resolved
     assert (tmp_path / "hf" / "latest" / "model.safetensors").exists()
+
+
+def _child_pids(output: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\S+) \(pid (\d+)\)", output)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_dying_child_stops_the_run_and_is_named(tiny_model: Path, tmp_path: Path) -> None:
+    # the roller dies at start-up (its env cannot be built); the learner and server must go too
+    (tmp_path / "broken_env.py").write_text(
+        "from agentrl.envs import Env\n\n\nclass Broken(Env):\n    def __init__(self):\n"
+        "        raise RuntimeError('broken on purpose')\n"
+    )
+    result = run_agentrl(
+        "run", "--config", "recipes/quickstart.yaml", f"--run_dir={tmp_path / 'run'}",
+        f"--learner.model_path={tiny_model}", "--learner.warmstart_steps=0",
+        "--env.name=broken_env:Broken", f"--queue.address=tcp://127.0.0.1:{find_free_port()}",
+        timeout=300, env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "roller0 exited with code" in result.stderr
+    pids = _child_pids(result.stderr)
+    assert {"server0", "learner", "roller0"} <= set(pids)
+    assert not any(_alive(pid) for pid in pids.values())  # no orphans
+
+
+def test_sigterm_stops_every_child(tiny_model: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml", f"--run_dir={tmp_path}",
+         f"--learner.model_path={tiny_model}", "--learner.warmstart_steps=0", "--learner.max_steps=1000",
+         f"--queue.address=tcp://127.0.0.1:{find_free_port()}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "learner.jsonl").exists():  # training has started
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    pids = _child_pids(stderr)
+    assert {"server0", "learner", "roller0"} <= set(pids)
+    assert not any(_alive(pid) for pid in pids.values())
