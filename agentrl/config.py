@@ -161,6 +161,8 @@ class RollerConfig(Section):
     """Seconds between progress lines and metrics records."""
     num_processes: int = Field(1, ge=1)
     """Roller processes `agentrl run` starts."""
+    max_consecutive_failures: int = Field(50, ge=0)
+    """Stop (exit non-zero) after this many groups in a row failed (server lost, env error); 0: never."""
     shutdown_grace_s: float = Field(10.0, ge=0)
     """On stop, how long in-flight groups may take to finish and be put before they are abandoned."""
     seed: int = 0

@@ -65,4 +65,7 @@ async def run_roller(config: AgentRLConfig) -> int:
         stats.groups_dropped_uniform,
         stats.groups_failed,
     )
+    if roller.fatal:
+        logger.error("roller gave up: %s (roller.max_consecutive_failures)", roller.fatal)
+        return 1
     return 0

@@ -109,6 +109,8 @@ class Roller:
         self._stopping = asyncio.Event()
         self._groups: set[asyncio.Task] = set()
         self._admitted = 0
+        self._failures_in_a_row = 0
+        self.fatal: str | None = None  # why the roller gave up, if it did
 
     def stop(self) -> None:
         """Stop admitting new groups; `run()` returns once in-flight groups are put."""
@@ -170,9 +172,14 @@ class Roller:
             for run in runs:
                 run.cancel()
             self.stats.groups_failed += 1
+            self._failures_in_a_row += 1
             log = logger.exception if self.stats.groups_failed <= 3 else logger.warning
             log("group for task %s failed and was dropped (counted): %s", task.get("id", "?"), exc)
             await self.producer.release_start(1)
+            limit = self.config.max_consecutive_failures
+            if limit and self._failures_in_a_row >= limit and self.fatal is None:
+                self.fatal = f"{self._failures_in_a_row} groups in a row failed; last error: {exc}"
+                self.stop()
             return
         finally:
             self._group_slots.release()
@@ -183,6 +190,7 @@ class Roller:
             return
         await self.producer.put(group)
         self.stats.groups_put += 1
+        self._failures_in_a_row = 0
         current = await self.producer.current_version()
         self.stats.staleness_at_put.append(group.staleness(current))
         if self.config.max_groups is not None and self.stats.groups_put >= self.config.max_groups:

@@ -182,3 +182,15 @@ def test_task_files(tmp_path: Path) -> None:
     generated = task_stream("builtin", CalculatorEnv, seed=1, digits=2)
     first = [next(generated) for _ in range(5)]
     assert all(str(safe_eval(t["expression"])) == t["answer"] for t in first)
+
+
+async def test_roller_gives_up_after_too_many_failures_in_a_row(tokenizer) -> None:
+    server, roller, _consumer, close = await _setup(
+        tokenizer, groups_per_step=1, max_staleness=0, max_consecutive_failures=3
+    )
+    server.script = lambda ids, params: Reply([], finish="stop", logprobs=[0.0])  # always malformed
+    try:
+        stats = await asyncio.wait_for(roller.run(), 60)  # returns by itself
+    finally:
+        await close()
+    assert stats.groups_failed >= 3 and roller.fatal.startswith("3 groups in a row failed")
