@@ -200,6 +200,7 @@ def run(
         consumer.publish_version(learner.version)
     skips_in_a_row = 0
     total_skipped: dict[str, int] = {}
+    progress = ConsoleProgress(cfg.max_steps, learner.version, enabled=learner.rank == 0)
     while learner.version < cfg.max_steps:
         # 1. wait for a batch admissible at the current version
         t0 = time.perf_counter()
@@ -275,6 +276,8 @@ def run(
                 log.info("version %d  loss %.4g  reward %.3g  grad_norm %.3g  %.0f tok/s", learner.version,
                          steps[-1]["loss"], batch.metrics.get("reward/mean", float("nan")),
                          steps[-1]["grad_norm"], _tokens(plans) * learner.world_size / max(t_train, 1e-9))  # fmt: skip
+                progress.update(learner.version, f"reward {batch.metrics.get('reward/mean', float('nan')):.3f}  "
+                                f"loss {steps[-1]['loss']:.4g}")  # fmt: skip
 
         # 7. checkpoint and export every N steps
         if applied and cfg.checkpoint_every and learner.version % cfg.checkpoint_every == 0:
@@ -282,9 +285,35 @@ def run(
         if applied and cfg.export_every and learner.version % cfg.export_every == 0:
             export(learner)
 
+    progress.close()
     _save(learner, consumer)
     export(learner)
     return learner.version
+
+
+class ConsoleProgress:
+    """A progress bar of learner versions on an interactive console (rank 0); nothing elsewhere,
+    where the per-step log line and the metrics files say the same."""
+
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        import sys
+
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("learner"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn())  # fmt: skip
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=total, completed=start, info="")
+
+    def update(self, version: int, info: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=version, info=info)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def _tokens(plans: list) -> int:
