@@ -19,8 +19,8 @@ $(VENV)/.agentrl-installed: pyproject.toml
 	@touch $@
 
 demo: setup
-	@test -f $(MODEL_DIR)/config.json || $(VENV)/bin/agentrl init-model tiny $(MODEL_DIR)
-	$(VENV)/bin/agentrl doctor --config recipes/quickstart.yaml
+	$(VENV)/bin/agentrl init-model tiny $(MODEL_DIR)
+	$(VENV)/bin/agentrl run --config recipes/quickstart.yaml
 
 test: setup
 	$(PY) -m ruff check .
