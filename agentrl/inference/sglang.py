@@ -40,7 +40,10 @@ class HTTPClient:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
-            self._session = aiohttp.ClientSession(headers=headers, timeout=timeout)
+            # no cap on connections: a roller keeps thousands of generations in flight (aiohttp's
+            # default of 100 would silently serialise them)
+            connector = aiohttp.TCPConnector(limit=0)
+            self._session = aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector)
         return self._session
 
     async def request(
