@@ -23,8 +23,14 @@ class WordTools(ToolEnv):
     @classmethod
     def generate_tasks(cls, num, seed=0):
         words = ["banana", "committee", "mississippi", "bookkeeper", "assessment"]
-        return [{"id": f"w{i}", "question": f"How many 's' are in {words[(seed + i) % 5]}?",
-                 "answer": str(words[(seed + i) % 5].count("s"))} for i in range(num)]
+        return [
+            {
+                "id": f"w{i}",
+                "question": f"How many 's' are in {words[(seed + i) % 5]}?",
+                "answer": str(words[(seed + i) % 5].count("s")),
+            }
+            for i in range(num)
+        ]
 
     def reward(self, transcript):
         return float(transcript.final_text.strip() == self.task["answer"])

@@ -1,6 +1,6 @@
 """Environments: the Env / ToolEnv API, @tool, tool-call parsing, rewards, built-in envs.
 
-    from agentrl.envs import Env, ToolEnv, tool
+User code imports the API from here: `from agentrl.envs import Env, ToolEnv, tool`.
 """
 
 from agentrl.envs.base import Env, StepResult, Transcript
