@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import shlex
@@ -52,6 +53,7 @@ HIDDEN_FOR_NAMESPACES = ["/root", "/home", str(PROJECT_ROOT)]
 _probe_cache: dict[tuple[str, bool], bool] = {}
 _uids_in_use: set[int] = set()
 _uid_lock = threading.Lock()
+_uid_rotation = itertools.count()
 
 
 def _allocate_uid() -> int:
@@ -59,7 +61,9 @@ def _allocate_uid() -> int:
     by any running process. Each process tries its own block first (by pid), so rollers on one
     host rarely even look at the same uids."""
     block = 200_000 + (os.getpid() % 7000) * 100
-    candidates = [*range(block, block + 100), *random.sample(range(200_000, 900_000), 200)]
+    start = next(_uid_rotation) % 100  # rotate: a just-closed sandbox's uid may still own dying processes
+    own = [block + (start + i) % 100 for i in range(100)]
+    candidates = [*own, *random.sample(range(200_000, 900_000), 200)]
     with _uid_lock:  # sandboxes start concurrently, each in a worker thread
         for uid in candidates:
             if uid not in _uids_in_use and not pids_of_uid(uid):

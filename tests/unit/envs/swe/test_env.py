@@ -95,7 +95,7 @@ async def test_gold_fix_by_bash_without_submit_is_graded_and_flagged(tasks) -> N
     )
     reward, messages, metrics = await play(env, task, [apply, call("bash", command="git status --short")])
     assert "applied" in messages[3]["content"]
-    assert reward == 1.0  # the diff is what counts ...
+    assert reward == 1.0, json.dumps(metrics)  # the diff is what counts ...
     assert (
         metrics["submitted"] == 0 and metrics["step_limit"] == 1 and metrics["hit_limit"] == 1
     )  # ... flagged
