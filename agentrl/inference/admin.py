@@ -76,11 +76,30 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     def receive_and_load() -> str:
         if body.abort_all_requests:
             engine.abort(abort_all=True, message="weights updated")
+        version = None if body.weight_version is None else str(body.weight_version)
+        state = engine.model.state_dict()
+        targets = [state.get(name) for name in body.names]
+        if all(
+            t is not None
+            and tuple(t.shape) == tuple(shape)
+            and t.dtype == dtype
+            and t.device == device
+            and t.is_contiguous()
+            for t, dtype, shape in zip(targets, dtypes, body.shapes, strict=True)
+        ):
+            # Names, shapes and dtypes all match: receive straight into the parameters (no staging copy).
+            # Should the broadcast fail midway the version is not bumped and the trainer pushes again.
+            with torch.no_grad():
+                for target in targets:
+                    group.broadcast(target, 0)
+            if version is not None:
+                engine.weight_version = version
+            return engine.weight_version
         # Receive everything the trainer sends even if it will be rejected: the collective stays aligned.
         tensors = {}
         for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):
             tensors[name] = group.broadcast(torch.empty(shape, dtype=dtype, device=device), 0)
-        engine.load_weights(tensors, None if body.weight_version is None else str(body.weight_version))
+        engine.load_weights(tensors, version)
         return engine.weight_version
 
     try:
