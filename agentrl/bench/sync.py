@@ -7,7 +7,8 @@ One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter m
 - ours: `BroadcastEngine.push` — pause, bucketed broadcast with the server loading each
   bucket into its model, continue (what the learner does after every step);
 - raw: a bare `ProcessGroupGloo` broadcast of the same tensors from this process to one
-  receiver process that only receives (no HTTP, no load): the transport's limit here;
+  receiver process that only receives into buffers it allocated once (no HTTP, no load):
+  the transport's limit here;
 - disk: `DiskEngine.push` — safetensors written, then `/update_weights_from_disk`.
 Ratios (higher is better): `vs_raw_broadcast` = raw / ours (target ≥ 0.8), `vs_disk` =
 disk / ours (target ≥ 3). The peak extra memory of a push is shown as the learner's
@@ -36,9 +37,10 @@ from agentrl.inference.weight_group import join_group
 port, shapes_file = int(sys.argv[1]), sys.argv[2]
 shapes = [tuple(map(int, line.split())) for line in open(shapes_file).read().splitlines()]
 group = join_group("127.0.0.1", port, 1, 2, "raw", "gloo", 300)
+buffers = [torch.empty(shape) for shape in shapes]  # allocated once: the transport alone is measured
 for _ in range(int(sys.argv[3])):
-    for shape in shapes:
-        group.broadcast(torch.empty(shape), 0)
+    for buffer in buffers:
+        group.broadcast(buffer, 0)
     group.barrier()
 import os; os._exit(0)
 """
