@@ -24,7 +24,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,14 +33,9 @@ from pathlib import Path
 
 from agentrl.config import AgentRLConfig, save_resolved
 from agentrl.log import get_logger, read_metrics
+from agentrl.net import free_port
 
 logger = get_logger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -152,7 +146,7 @@ def start_services(config: AgentRLConfig, supervisor: Supervisor) -> dict[str, s
     env_cls = load_env_class(config.env.name)
     kwargs = {}
     for service in env_cls.services(dict(config.env.kwargs), dict(config.roller.task_kwargs), config.run_dir):
-        port = _free_port()
+        port = free_port()
         args = [a.replace("{port}", str(port)) for a in service.args]
         child = supervisor.start(service.name, _agentrl(*args))
         try:
@@ -174,7 +168,7 @@ def serve_for(config: AgentRLConfig, model: str | None = None) -> Iterator[Agent
         update: dict = {"env": config.env.model_copy(update={"kwargs": env_kwargs})}
         if not config.inference.servers or model is not None:
             model = model or config.inference.model_path or config.learner.model_path
-            port = _free_port()
+            port = free_port()
             url = f"http://127.0.0.1:{port}"
             server = supervisor.start("server", _agentrl("serve", "--model", model, "--port", str(port)))
             wait_healthy([url], [server.proc])
@@ -206,7 +200,7 @@ def launch(config: AgentRLConfig, config_path: Path) -> int:
             model = str(run_dir / "warmstart")
 
         service_overrides = [f"--env.kwargs.{k}={v}" for k, v in start_services(config, supervisor).items()]
-        ports = [_free_port() for _ in range(config.inference.num_servers)]
+        ports = [free_port() for _ in range(config.inference.num_servers)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         common = [
             "--config",

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from agentrl.bench.common import emit, print_table
 from agentrl.log import read_metrics
+from agentrl.net import free_port
 
 
 def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) -> dict:
@@ -30,7 +31,7 @@ def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) ->
         f"--learner.max_steps={opts.steps}", f"--learner.groups_per_step={opts.groups_per_step}",
         "--learner.warmstart_steps=0", "--roller.group_size=4", "--roller.max_new_tokens=48", "--roller.max_total_tokens=768", f"--roller.max_concurrent_episodes={opts.concurrency}",
         "--env.name=toy_calculator_slow", "--env.kwargs", f"{{latency_s: {opts.latency_s}}}",
-        "--queue.address", f"tcp://127.0.0.1:{_port()}",
+        "--queue.address", f"tcp://127.0.0.1:{free_port()}",
     ]  # fmt: skip
     result = subprocess.run(args, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     if result.returncode != 0:
@@ -58,12 +59,6 @@ def _warmstart(model_dir: str, run_dir: Path, steps: int) -> str:
     if result.returncode != 0:
         raise RuntimeError(f"warm start failed:\n{result.stderr[-3000:]}")
     return str(run_dir / "warmstart")
-
-
-def _port() -> int:
-    from agentrl.weight_sync.broadcast import _free_port
-
-    return _free_port("127.0.0.1")
 
 
 def main(args: list[str]) -> int:

@@ -116,13 +116,13 @@ def main(args: list[str]) -> int:
         _edge(opts.edge[0], int(opts.edge[1]), opts.edge[2], float(opts.edge[3]))
         return 0
 
+    from agentrl.net import free_port
     from agentrl.tiny_model import init_model
-    from agentrl.weight_sync.broadcast import _free_port
 
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-roller-") as tmp:
         model_dir = str(init_model("tiny", Path(tmp) / "tiny"))
-        http_port = _free_port("127.0.0.1")
-        queue_address = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+        http_port = free_port()
+        queue_address = f"tcp://127.0.0.1:{free_port()}"
         edge = subprocess.Popen(
             [
                 sys.executable,

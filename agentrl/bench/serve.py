@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,12 +22,7 @@ import time
 from pathlib import Path
 
 from agentrl.bench.common import emit, print_table
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from agentrl.net import free_port
 
 
 async def _wait_healthy(client, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
@@ -85,7 +79,7 @@ def main(args: list[str]) -> int:
 
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-serve-") as tmp:
         model = ns.model or str(init_model(ns.preset, Path(tmp) / ns.preset))
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentrl", "serve", "--model", model, "--port", str(port)],
             stdout=subprocess.DEVNULL,

@@ -75,13 +75,12 @@ class PeakRSS:
 
 
 def _raw_broadcast(model: torch.nn.Module, repeats: int, workdir: Path) -> list[float]:
-    from agentrl.inference.weight_group import join_group
-    from agentrl.weight_sync.broadcast import _free_port
+    from agentrl.net import free_port, join_group
 
     tensors = [p.detach().contiguous() for p in model.parameters()]
     shapes = workdir / "shapes.txt"
     shapes.write_text("\n".join(" ".join(map(str, t.shape)) for t in tensors))
-    port = _free_port("127.0.0.1")
+    port = free_port()
     receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), str(shapes), str(repeats)])
     try:
         group = join_group("127.0.0.1", port, 0, 2, "raw", "gloo", 300)
@@ -110,16 +109,16 @@ def main(args: list[str]) -> int:
 
     from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
     from agentrl.launcher import wait_healthy
+    from agentrl.net import free_port
     from agentrl.tiny_model import init_model
     from agentrl.weight_sync.base import create
-    from agentrl.weight_sync.broadcast import _free_port
 
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-sync-") as tmp:
         workdir = Path(tmp)
         model_dir = init_model(opts.preset, workdir / "model")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        port = _free_port("127.0.0.1")
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         server = subprocess.Popen(
             [sys.executable, "-m", "agentrl", "serve", "--model", str(model_dir), "--port", str(port)],

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ import torch.distributed as dist
 
 from agentrl.inference.weight_group import WeightGroup, dtype_name, join_group
 from agentrl.log import get_logger
+from agentrl.net import free_port
 from agentrl.weight_sync.base import PushStats, WeightSyncEngine
 
 if TYPE_CHECKING:
@@ -88,12 +88,6 @@ def _prefetch(buckets: Iterator[Bucket], depth: int = 1) -> Iterator[Bucket]:
     thread.join()
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _agree(value: bool) -> bool:
     """Rank 0's decision, shared with every learner rank (no-op without a training group)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -129,9 +123,9 @@ class BroadcastEngine(WeightSyncEngine):
         self._leave_group()
         self._generation += 1
         name = f"agentrl_weights_{self._generation}"
-        port = self.config.master_port or _free_port(self.config.master_address)
+        port = self.config.master_port or free_port(self.config.master_address)
         if self.config.master_port and self._generation > 1:
-            port = _free_port(self.config.master_address)  # the fixed port may still be held
+            port = free_port(self.config.master_address)  # the fixed port may still be held
         world = 1 + len(urls) * self.config.workers_per_server
         futures = {
             url: self._bridge.submit(
