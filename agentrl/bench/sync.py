@@ -75,7 +75,8 @@ class PeakRSS:
 
 
 def _raw_broadcast(model: torch.nn.Module, repeats: int, workdir: Path) -> list[float]:
-    from agentrl.net import free_port, join_group
+    from agentrl.inference.weight_group import join_group
+    from agentrl.net import free_port
 
     tensors = [p.detach().contiguous() for p in model.parameters()]
     shapes = workdir / "shapes.txt"
