@@ -47,7 +47,7 @@ class Consumer(Protocol):
     def get_batch(
         self, num_groups: int, learner_version: int, max_staleness: int, timeout_s: float | None = None
     ) -> Any: ...
-    def ack(self, group_ids: list[str]) -> None: ...
+    def ack(self, group_ids: list[str], dropped: str | None = None) -> None: ...
     def publish_version(self, version: int) -> None: ...
     def metrics(self) -> dict[str, Any]: ...
 
@@ -258,7 +258,9 @@ def run(
         # 6. ack the groups (after the step: a crash before it means redelivery); log metrics
         if learner.rank == 0:
             if consumer is not None:
-                consumer.ack([g.group_id for g in groups])
+                # a skipped step returns its groups' admission, or the rollers would wait for a
+                # version that only new groups can bring (a livelock when every step is skipped)
+                consumer.ack([g.group_id for g in groups], dropped=None if applied else "skipped")
             if metrics is not None:
                 m = _step_metrics(learner, steps, batch, plans, queue_stats, total_skipped, t_wait, t_train)
                 if pushed is not None:

@@ -27,6 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from agentrl.types import Group
 
+DROP_REASONS = (None, "stale", "skipped")
+"""`Consumer.ack(..., dropped=)`: trained on, or dropped as too stale / in a step the learner skipped."""
+
 if TYPE_CHECKING:
     from agentrl.config import RedisQueueConfig, ZmqQueueConfig
 
@@ -90,8 +93,12 @@ class Consumer(abc.ABC):
         """`num_groups` whole groups admissible at `learner_version`; `TimeoutError` after `timeout_s`."""
 
     @abc.abstractmethod
-    def ack(self, group_ids: list[str]) -> None:
-        """The learner trained on these groups: the queue forgets them (and their WAL records)."""
+    def ack(self, group_ids: list[str], dropped: str | None = None) -> None:
+        """The learner is done with these groups: the queue forgets them (and their WAL records).
+
+        `dropped=None`: trained on. `dropped="stale"` / `"skipped"`: not trained on (too stale;
+        or the learner skipped the whole step, e.g. no trainable tokens) — counted under
+        `dropped_<reason>`, and their admission is returned so rollers start replacements."""
 
     @abc.abstractmethod
     def publish_version(self, version: int) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from agentrl.queue.base import Backend, Batch, Consumer, Producer
+from agentrl.queue.base import DROP_REASONS, Backend, Batch, Consumer, Producer
 from agentrl.types import Group, decode_group, encode_group
 
 POLL_S = 0.02
@@ -224,7 +224,7 @@ class RedisConsumer(Consumer):
             ]
             if stale:
                 self._buffer = [b for b in self._buffer if b[0].group_id not in stale]
-                self._remove(stale, stale=True)
+                self._remove(stale, dropped="stale")
                 dropped += len(stale)
             if len(self._buffer) >= num_groups:
                 break
@@ -261,20 +261,22 @@ class RedisConsumer(Consumer):
             keys=[self.stream], args=[self.config.consumer_group, *entries]
         )
 
-    def _remove(self, group_ids: list[str], stale: bool = False) -> None:
+    def _remove(self, group_ids: list[str], dropped: str | None = None) -> None:
         entries = [self._entry_of.pop(g) for g in group_ids if g in self._entry_of]
         if not entries:
             return
         pipe = self._redis.pipeline()
         pipe.xack(self.stream, self.config.consumer_group, *entries)
         pipe.xdel(self.stream, *entries)
-        if stale:
-            pipe.hincrby(self.state, "dropped_stale", len(entries))
+        if dropped is not None:
+            pipe.hincrby(self.state, f"dropped_{dropped}", len(entries))
             pipe.hincrby(self.state, "started", -len(entries))  # admission replaces them
         pipe.execute()
 
-    def ack(self, group_ids: list[str]) -> None:
-        self._remove(list(group_ids))
+    def ack(self, group_ids: list[str], dropped: str | None = None) -> None:
+        if dropped not in DROP_REASONS:
+            raise ValueError(f"dropped must be one of {DROP_REASONS}, got {dropped!r}")
+        self._remove(list(group_ids), dropped)
 
     def publish_version(self, version: int) -> None:
         self._redis.hset(self.state, "version", int(version))

@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
-from agentrl.queue.base import Backend, Batch, Consumer, Producer, QueueError
+from agentrl.queue.base import DROP_REASONS, Backend, Batch, Consumer, Producer, QueueError
 from agentrl.queue.frames import pack, unpack
 from agentrl.types import Group, decode_group, encode_group
 
@@ -303,13 +303,15 @@ class ZmqConsumer(Consumer):
         stale = [g.group_id for g, _, _ in self._buffer if not g.is_admissible(version, max_staleness)]
         if stale:
             self._buffer = [b for b in self._buffer if b[0].group_id not in stale]
-            self.ack(stale, stale=True)  # leaves the queue; counted as dropped
+            self.ack(stale, dropped="stale")  # leaves the queue; counted as dropped
         return len(stale)
 
-    def ack(self, group_ids: list[str], stale: bool = False) -> None:
-        """Trained on (or, with `stale`, dropped as too stale): the queue forgets these groups."""
+    def ack(self, group_ids: list[str], dropped: str | None = None) -> None:
+        """Trained on (or dropped for `dropped` = "stale" / "skipped"): the queue forgets these groups."""
+        if dropped not in DROP_REASONS:
+            raise ValueError(f"dropped must be one of {DROP_REASONS}, got {dropped!r}")
         if group_ids:
-            self._call({"k": "ack", "ids": list(group_ids), "stale": stale})
+            self._call({"k": "ack", "ids": list(group_ids), "drop": dropped})
             self._held.difference_update(group_ids)
 
     def publish_version(self, version: int) -> None:

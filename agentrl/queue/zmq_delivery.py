@@ -6,7 +6,7 @@ mixin holds what the learner ranks and the admission gate ask of it:
 - `get`: a rank asks for n whole groups admissible at version v with staleness k; groups
   that became inadmissible are dropped and counted (and give their admission back); the
   request waits, up to its deadline, until n are queued; FIFO or oldest-first;
-- `ack`: trained on; forgotten (and an ack record in the WAL); `stale` acks count as drops;
+- `ack`: trained on; forgotten (and an ack record in the WAL); acks with `drop` = stale / skipped count as drops and return admission;
 - `hello`: a rank (re)started under its name gets back what it held and had not acked;
 - `pub`: the learner's version; `acq` / `rel` / `cancel`: admission of new groups, granted
   while `started + n <= (v + max_staleness + 1) * groups_per_step`.
@@ -160,8 +160,9 @@ class Delivery:
             if entry is not None:
                 self._forget(entry)
                 done.append(gid)
-        if done and ctl.get("stale"):
-            self.counters["dropped_stale"] += len(done)
+        reason = ctl.get("drop")
+        if done and reason in ("stale", "skipped"):
+            self.counters[f"dropped_{reason}"] += len(done)
             self.started = max(0, self.started - len(done))
             self._grant_acqs()
         if done and self.wal is not None:

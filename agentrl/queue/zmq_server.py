@@ -24,7 +24,8 @@ Flow control: queued plus handed-out groups stay within `capacity_groups` and
 `capacity_bytes`; a put that does not fit is held unanswered until room frees up, so
 `Producer.put` waits (each producer also bounds its unacknowledged bytes). Admission:
 `acq` requests are granted while `started + n <= (v + max_staleness + 1) * groups_per_step`;
-groups dropped as stale give their admission back so rollers replace them.
+groups dropped as stale (or in a step the learner skipped) give their admission back so rollers
+replace them.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class QueueServer(Delivery):
                 "groups_out",
                 "bytes_in",
                 "dropped_stale",
+                "dropped_skipped",
                 "duplicates",
                 "redelivered",
                 "refused_auth",

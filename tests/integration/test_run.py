@@ -46,7 +46,7 @@ def test_closed_loop_run_keeps_its_invariants(tiny_model: Path, tmp_path: Path) 
     assert roller["roller/groups_put"] == queue["groups_in"]
     trained = learner[-1]["groups_consumed"]
     assert queue["groups_in"] == trained + queue["dropped_stale"] + queue["depth"] + queue["inflight"]
-    assert queue["refused_auth"] == queue["refused_corrupt"] == 0
+    assert queue["refused_auth"] == queue["refused_corrupt"] == queue["dropped_skipped"] == 0
     resolved = (tmp_path / "config.resolved.yaml").read_text()
     assert f"max_staleness: {k}" in resolved
     assert (tmp_path / "hf" / "latest" / "model.safetensors").exists()

@@ -51,6 +51,7 @@ class ListSource:
     groups: list[Group]
     cursor: int = 0
     acked: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
 
     def get_batch(
@@ -62,8 +63,10 @@ class ListSource:
         self.cursor += len(out)
         return Batch(out)
 
-    def ack(self, group_ids: list[str]) -> None:
+    def ack(self, group_ids: list[str], dropped: str | None = None) -> None:
         self.acked.extend(group_ids)
+        if dropped is not None:
+            self.dropped.extend(group_ids)
 
     def publish_version(self, version: int) -> None:
         self.versions.append(version)

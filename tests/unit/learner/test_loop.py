@@ -87,6 +87,8 @@ def test_bad_input_is_skipped_and_counted(tiny_model, tmp_path):
     assert last["skipped/no_generated_tokens"] == 1
     assert last["skipped/no_trainable_tokens"] == 2  # batches 1 and 2 had nothing left
     assert learner.version == 1 and source.cursor == 6
+    # the skipped batches' groups go back as dropped, returning the rollers' admission
+    assert source.dropped == [g.group_id for g in groups[:4]]
     assert all(torch.isfinite(v).all() for v in _weights(learner).values())
 
 
@@ -118,6 +120,7 @@ def test_nonfinite_step_is_skipped_and_weights_untouched(tiny_model, tmp_path):
     after = _weights(learner)
     assert all(torch.isfinite(v).all() for v in after.values())
     assert source.versions == [0, 1]
+    assert len(source.dropped) == len(source.acked) // 2  # the first batch of two went back as skipped
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the second batch trained
 
 

@@ -76,6 +76,33 @@ def test_admission_waits_for_the_learner_version(queue: Harness) -> None:
     assert asyncio.run(roller()) == [0, 1, 1]
 
 
+def test_groups_of_a_skipped_step_return_their_admission(queue: Harness) -> None:
+    """The learner skipped its step (e.g. no trainable tokens): its version stays, so without the
+    admission back no roller could start the groups that let it move on (a livelock)."""
+    queue.start(groups_per_step=2, max_staleness=0)
+    consumer = queue.consumer()
+
+    async def roller() -> None:
+        producer = queue.producer()
+        try:
+            await producer.acquire_start(2)
+            await producer.put(make_group(version=0, seed=1))
+            await producer.put(make_group(version=0, seed=2))
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(producer.acquire_start(1), timeout=0.5)
+            batch = await asyncio.to_thread(consumer.get_batch, 2, 0, 0, 10)
+            with pytest.raises(ValueError, match="dropped must be one of"):
+                consumer.ack(batch.group_ids, dropped="boring")
+            await asyncio.to_thread(consumer.ack, batch.group_ids, "skipped")
+            assert await asyncio.wait_for(producer.acquire_start(2), timeout=10) == 0  # still version 0
+        finally:
+            producer.close()
+
+    asyncio.run(roller())
+    m = consumer.metrics()
+    assert m["dropped_skipped"] == 2 and m.get("dropped_stale", 0) == 0 and m["depth"] == 0
+
+
 def test_full_queue_makes_put_wait_never_drop(queue: Harness) -> None:
     queue.start(capacity_groups=2)
     groups = [make_group(seed=i) for i in range(3)]
