@@ -14,6 +14,7 @@ at k over k = 0; the final mean reward at each k is in `metrics` (the price of s
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,24 +24,48 @@ from agentrl.bench.common import emit, print_table
 from agentrl.log import read_metrics
 from agentrl.net import free_port
 
+REPO = Path(__file__).resolve().parents[2]
+GROUP_SIZE = 4
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    """Run an `agentrl` child to completion. If we are interrupted, the child gets one SIGTERM and time
+    to stop its own children (`agentrl run` starts each in its own session): killing it outright, as
+    `subprocess.run` does, would leave its server, learner and roller running. It has its own session
+    so that a Ctrl-C or a signal to our process group reaches it once, through us, not twice."""
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
 
 def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) -> dict:
     args = [
         sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml",
         f"--run_dir={run_dir}", f"--max_staleness={k}", f"--learner.model_path={model_dir}",
         f"--learner.max_steps={opts.steps}", f"--learner.groups_per_step={opts.groups_per_step}",
-        "--learner.warmstart_steps=0", "--roller.group_size=4", "--roller.max_new_tokens=48", "--roller.max_total_tokens=768", f"--roller.max_concurrent_episodes={opts.concurrency}",
+        "--learner.warmstart_steps=0", f"--roller.group_size={GROUP_SIZE}", "--roller.max_new_tokens=48", "--roller.max_total_tokens=768", f"--roller.max_concurrent_episodes={opts.concurrency}",
         "--env.name=toy_calculator_slow", "--env.kwargs", f"{{latency_s: {opts.latency_s}}}",
         "--queue.address", f"tcp://127.0.0.1:{free_port()}",
     ]  # fmt: skip
-    result = subprocess.run(args, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    result = _run(args)
     if result.returncode != 0:
         raise RuntimeError(
             f"agentrl run at max_staleness={k} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
         )
     records = read_metrics(run_dir / "learner.jsonl")
     first, last = records[0], records[-1]
-    samples = opts.groups_per_step * 4 * (len(records) - 1)
+    samples = opts.groups_per_step * GROUP_SIZE * (len(records) - 1)
     seconds = last["time"] - first["time"]
     tail = records[-max(1, len(records) // 4) :]
     return {
@@ -55,7 +80,7 @@ def _warmstart(model_dir: str, run_dir: Path, steps: int) -> str:
         sys.executable, "-m", "agentrl", "warmstart", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
         f"--learner.model_path={model_dir}", f"--learner.warmstart_steps={steps}", "--env.name=toy_calculator_slow",
     ]  # fmt: skip
-    result = subprocess.run(args, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    result = _run(args)
     if result.returncode != 0:
         raise RuntimeError(f"warm start failed:\n{result.stderr[-3000:]}")
     return str(run_dir / "warmstart")
@@ -73,21 +98,24 @@ def main(args: list[str]) -> int:
         "--warmstart-steps", type=int, default=200, help="supervised steps so the model calls tools"
     )
     opts = parser.parse_args(args)
+    ks = [int(k) for k in opts.ks.split(",")]
+    if 0 not in ks or opts.steps < 2:  # the ratios are over k = 0; a rate needs two steps' times
+        parser.error("--ks must include 0 (the synchronous baseline) and --steps must be at least 2")
 
     from agentrl.tiny_model import init_model
 
-    ks = [int(k) for k in opts.ks.split(",")]
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the child run cleanly too
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-async-") as tmp:
         model_dir = opts.model_dir or str(init_model("tiny", Path(tmp) / "tiny"))
         if opts.warmstart_steps:  # a random model never calls the tool, so tool latency would not show
             model_dir = _warmstart(model_dir, Path(tmp) / "warm", opts.warmstart_steps)
         results = {k: _one_run(k, Path(tmp) / f"k{k}", model_dir, opts) for k in ks}
 
-    base = results[ks[0]]["samples_per_s"]
+    base = results[0]["samples_per_s"]
     print_table(
-        f"whole system, {opts.steps} steps × {opts.groups_per_step} groups × 4 episodes, "
+        f"whole system, {opts.steps} steps × {opts.groups_per_step} groups × {GROUP_SIZE} episodes, "
         f"tool latency ~{opts.latency_s}s (Pareto)",
-        ["max_staleness", "samples/s", f"vs k={ks[0]}", "final mean reward"],
+        ["max_staleness", "samples/s", "vs k=0", "final mean reward"],
         [
             [k, r["samples_per_s"], r["samples_per_s"] / base if base else 0.0, r["final_reward"]]
             for k, r in results.items()

@@ -13,8 +13,9 @@
    token-budget rows vs padded rows under the same token budget; tokens/s counts real tokens.
 
 Runs alternate between the variants (rotating which goes first). Because these machines are
-shared, ratios compare tokens per CPU-second of this process (median over steps); wall-clock
-tokens/s and wall-clock ratios are in the metrics.
+shared, ratios on CPU compare tokens per CPU-second of this process (median over steps); wall-clock
+tokens/s and wall-clock ratios are in the metrics. On a GPU both steps run on the GPU and the
+ratios use wall time (`metrics.ratio_basis`).
 """
 
 from __future__ import annotations
@@ -49,13 +50,22 @@ def _groups(rng: np.random.Generator, total_tokens: int, long_tail: bool, vocab:
     return groups
 
 
-def _ours(learner, groups, padded: bool = False) -> tuple[float, int]:
+def _clock(device) -> tuple[float, float]:
+    """(wall, CPU) time of this process, after the device's queued work has finished."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter(), time.process_time()
+
+
+def _ours(learner, groups, padded: bool = False) -> tuple[tuple[float, float], int]:
     from agentrl.learner.data import prepare_batch
     from agentrl.learner.packing import padded_plan, plan_microbatches
     from agentrl.learner.train_step import optimizer_step
 
     cfg = learner.cfg
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = _clock(learner.device)
     batch = prepare_batch(groups, advantage=cfg.advantage, loss_agg=cfg.loss_agg, vocab_size=learner.vocab_size,
                           learner_version=0)  # fmt: skip
     samples = batch.mini_batches[0]
@@ -66,19 +76,23 @@ def _ours(learner, groups, padded: bool = False) -> tuple[float, int]:
     )
     optimizer_step(learner.model, learner.optimizer, learner.scheduler, [mb.to(learner.device) for mb in plan],
                    cfg, 0, 1, learner.device)  # fmt: skip
-    return (time.perf_counter() - t0, time.process_time() - c0), sum(mb.real_tokens for mb in plan)
+    t1, c1 = _clock(learner.device)
+    return (t1 - t0, c1 - c0), sum(mb.real_tokens for mb in plan)
 
 
-def _bare(model, optimizer, plan) -> tuple[float, float]:
-    t0, c0 = time.perf_counter(), time.process_time()
+def _bare(model, optimizer, plan, device) -> tuple[float, float]:
+    """A plain HF step on the same micro-batches, on the same device as ours (copy included)."""
+    t0, c0 = _clock(device)
     optimizer.zero_grad(set_to_none=True)
     for mb in plan:
+        mb = mb.to(device)
         out = model(
             input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.input_ids, use_cache=False
         )
         out.loss.backward()
     optimizer.step()
-    return time.perf_counter() - t0, time.process_time() - c0
+    t1, c1 = _clock(device)
+    return t1 - t0, c1 - c0
 
 
 def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Path) -> dict[str, float]:
@@ -97,7 +111,7 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     learner = build_learner(cfg, workdir / f"run-{preset}")
     bare = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
-    )
+    ).to(learner.device)  # the baseline runs where ours does (on a GPU machine: the GPU)
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=1e-5, foreach=True)
     rng = np.random.default_rng(0)
     uniform = [_groups(rng, tokens, False, vocab) for _ in range(steps + 1)]
@@ -112,7 +126,10 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
         bare_plan = plan_microbatches(samples, budget)
         runs = {
             "ours": lambda i=i: _ours(learner, uniform[i]),
-            "bare": lambda p=bare_plan: (_bare(bare, bare_opt, p), sum(mb.real_tokens for mb in p)),
+            "bare": lambda p=bare_plan: (
+                _bare(bare, bare_opt, p, learner.device),
+                sum(mb.real_tokens for mb in p),
+            ),
             "packed": lambda i=i: _ours(learner, tailed[i]),
             "padded": lambda i=i: _ours(learner, tailed[i], padded=True),
         }
@@ -128,8 +145,10 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     # Ratios use tokens per CPU-second of this process (median over steps): other jobs on a shared
     # machine stretch wall time but barely change the CPU work a step needs. Wall-clock rates
     # (tokens/s, median) are reported alongside; on a dedicated machine the two agree.
+    # On a GPU the step's work is the device's, not this process's CPU: there they use wall time.
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     med_wall = {k: statistics.median(v) for k, v in wall.items()}
+    basis = med_wall if learner.device.type == "cuda" else med_cpu
     return {
         "ours_tok_s": med_wall["ours"],
         "bare_hf_tok_s": med_wall["bare"],
@@ -137,9 +156,9 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
         "padded_tok_s": med_wall["padded"],
         "ours_tok_per_cpu_s": med_cpu["ours"],
         "bare_hf_tok_per_cpu_s": med_cpu["bare"],
-        "vs_bare_hf": med_cpu["ours"] / med_cpu["bare"],
+        "vs_bare_hf": basis["ours"] / basis["bare"],
         "vs_bare_hf_wall": med_wall["ours"] / med_wall["bare"],
-        "packed_vs_padded": med_cpu["packed"] / med_cpu["padded"],
+        "packed_vs_padded": basis["packed"] / basis["padded"],
         "packed_vs_padded_wall": med_wall["packed"] / med_wall["padded"],
         "non_padding_packed": non_padding_fraction(plan_microbatches(tail_samples, budget)),
         "non_padding_padded": non_padding_fraction(padded_plan(tail_samples, budget)),
@@ -180,6 +199,7 @@ def main(args: list[str]) -> int:
     main_preset = "small" if "small" in results else next(iter(results))
     metrics = {f"{p}.{k}": v for p, r in results.items() for k, v in r.items()}
     metrics["ratios_from"] = main_preset
+    metrics["ratio_basis"] = "wall" if torch.cuda.is_available() else "cpu"  # the learner's device
     ratios = {k: results[main_preset][k] for k in ("vs_bare_hf", "packed_vs_padded")}
     for p, r in results.items():
         if p != main_preset:

@@ -2,6 +2,7 @@
 its own CPU overhead per turn, against servers that never make it wait on compute.
 
     agentrl bench roller [--concurrency 2048] [--delay-s 3] [--groups 768]
+    agentrl bench roller --concurrency 8 --delay-s 0.01 --groups 2   # seconds: every path, tiny load
 
 The outside edges run in a child process: a real HTTP server speaking SGLang's `/generate`
 that answers after `--delay-s` (standing in for a GPU fleet's latency) with scripted
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,6 +121,7 @@ def main(args: list[str]) -> int:
     from agentrl.net import free_port
     from agentrl.tiny_model import init_model
 
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM runs the finally that stops the edge
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-roller-") as tmp:
         model_dir = str(init_model("tiny", Path(tmp) / "tiny"))
         http_port = free_port()

@@ -2,6 +2,7 @@
 a raw gloo broadcast of the same tensors and with the disk engine, in one run.
 
     agentrl bench sync [--preset base100m] [--repeats 3] [--bucket-mb 64]
+    agentrl bench sync --preset mini --repeats 1 --bucket-mb 1   # seconds: several buckets, ~4 MB
 
 One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter model.
 - ours: `BroadcastEngine.push` — pause, bucketed broadcast with the server loading each
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -105,6 +107,8 @@ def main(args: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
     opts = parser.parse_args(args)
+    if opts.repeats < 1 or opts.bucket_mb < 1:
+        parser.error("--repeats and --bucket-mb must be at least 1")
 
     from transformers import AutoModelForCausalLM
 
@@ -114,6 +118,9 @@ def main(args: list[str]) -> int:
     from agentrl.tiny_model import init_model
     from agentrl.weight_sync.base import create
 
+    signal.signal(
+        signal.SIGTERM, signal.default_int_handler
+    )  # SIGTERM runs the finally that stops the server
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-sync-") as tmp:
         workdir = Path(tmp)
         model_dir = init_model(opts.preset, workdir / "model")
@@ -140,13 +147,14 @@ def main(args: list[str]) -> int:
                     if version > 1:  # the first push warms up connections and allocations
                         ours.append(stats.seconds)
                         peaks.append(rss.extra)
-                bucket = stats.peak_bucket_bytes
+                bucket, pushed = stats.peak_bucket_bytes, stats.bytes
             finally:
                 engine.close()
             disk_engine = create(DiskSyncConfig(keep_last=1), inference, run_dir=workdir)
             disk_engine.init()
             try:
-                disk = [disk_engine.push(model, 100 + i).seconds for i in range(opts.repeats)]
+                # warmed up like the other two paths: the first push is not counted
+                disk = [disk_engine.push(model, 100 + i).seconds for i in range(opts.repeats + 1)][1:]
             finally:
                 disk_engine.close()
         finally:
@@ -173,6 +181,7 @@ def main(args: list[str]) -> int:
         "sync",
         {
             "model_bytes": nbytes,
+            "pushed_bytes": pushed,  # what our engine sent: the same tensors as the raw baseline's
             "push_s": ours_s,
             "raw_broadcast_s": raw_s,
             "disk_s": disk_s,

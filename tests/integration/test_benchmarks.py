@@ -1,0 +1,123 @@
+"""`agentrl bench learner|sync|async|roller` run end to end through the command line, each at
+the smallest size that still takes every path, and end with the JSON line their issues promise.
+
+Only the schema is checked: the promised keys exist, numbers are finite (and positive where a
+rate or a ratio of rates must be), counts add up, and the table was printed. Never timings or
+ratio values: those are what the benchmarks are for, and they vary with the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, Processes
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def _bench(processes: Processes, *args: str, timeout: float) -> tuple[str, dict[str, Any]]:
+    """Run `agentrl bench ...` in its own process group (stopped by PID at teardown if it hangs:
+    SIGTERM makes a benchmark stop the children it started); return stdout and the JSON line."""
+    proc = processes.agentrl("bench", *args, cwd=REPO, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"agentrl bench {' '.join(args)} did not finish in {timeout}s")
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    lines = stdout.strip().splitlines()
+    line = json.loads(lines[-1])  # exactly one JSON line, and it comes last
+    assert not any(other.startswith('{"bench"') for other in lines[:-1])
+    assert set(line) == {"bench", "metrics", "ratios"}
+    assert line["bench"] == args[0]
+    return stdout, line
+
+
+def _positive(values: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        value = values[key]
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)
+
+
+def test_bench_learner_reports_vs_bare_hf_and_packed_vs_padded(processes: Processes) -> None:
+    # one measured step after the warm-up step; 128 episode tokens still make several episodes,
+    # uniform and long-tailed, packed and padded, in 256-token micro-batches
+    stdout, line = _bench(
+        processes, "learner", "--presets", "tiny", "--steps", "1", "--tokens", "128", "--budget", "256",
+        timeout=300,
+    )  # fmt: skip
+    assert set(line["ratios"]) == {"vs_bare_hf", "packed_vs_padded"}
+    _positive(line["ratios"], "vs_bare_hf", "packed_vs_padded")
+    metrics = line["metrics"]
+    assert metrics["ratios_from"] == "tiny"
+    assert metrics["ratio_basis"] in {"cpu", "wall"}
+    rates = ["ours_tok_s", "bare_hf_tok_s", "packed_tok_s", "padded_tok_s"]
+    rates += ["ours_tok_per_cpu_s", "bare_hf_tok_per_cpu_s", "vs_bare_hf_wall", "packed_vs_padded_wall"]
+    _positive(metrics, *[f"tiny.{k}" for k in rates])
+    for key in ("tiny.non_padding_packed", "tiny.non_padding_padded"):
+        assert 0 < metrics[key] <= 1, (key, metrics[key])
+    assert metrics["tiny.tokens_per_step_uniform"] >= 128 and metrics["tiny.tokens_per_step_tailed"] >= 128
+    assert metrics["tiny.vs_bare_hf"] == line["ratios"]["vs_bare_hf"]
+    assert "learner step" in stdout and "HF tok/s" in stdout and "│ tiny" in stdout
+
+
+def test_bench_sync_reports_vs_raw_broadcast_and_vs_disk(processes: Processes) -> None:
+    # the ~4 MB "mini" model in 1 MB buckets: several buckets, as with the ~100M default
+    stdout, line = _bench(
+        processes, "sync", "--preset", "mini", "--repeats", "1", "--bucket-mb", "1", timeout=300
+    )
+    assert set(line["ratios"]) == {"vs_raw_broadcast", "vs_disk"}
+    _positive(line["ratios"], "vs_raw_broadcast", "vs_disk")
+    metrics = line["metrics"]
+    _positive(metrics, "model_bytes", "push_s", "raw_broadcast_s", "disk_s", "gb_per_s", "bucket_bytes")
+    assert metrics["pushed_bytes"] == metrics["model_bytes"]  # ours sent the raw baseline's bytes
+    assert metrics["bucket_bytes"] <= 1 << 20 and metrics["bucket_bytes"] < metrics["model_bytes"]
+    assert metrics["peak_extra_rss_bytes"] >= 0
+    for row in ("ours: broadcast engine", "raw gloo broadcast", "disk engine", "peak extra resident memory"):
+        assert row in stdout, row
+
+
+def test_bench_async_reports_each_k_against_sync(processes: Processes) -> None:
+    # every k the issue names, two learner steps each (a rate needs two step times), one group of
+    # four episodes per step, after a one-step warm start (the path the default run takes)
+    stdout, line = _bench(
+        processes, "async", "--ks", "0,1,2,4", "--steps", "2", "--groups-per-step", "1",
+        "--concurrency", "4", "--latency-s", "0.01", "--warmstart-steps", "1",
+        timeout=540,
+    )  # fmt: skip
+    assert set(line["ratios"]) == {"k1_vs_sync", "k2_vs_sync", "k4_vs_sync"}
+    _positive(line["ratios"], "k1_vs_sync", "k2_vs_sync", "k4_vs_sync")
+    metrics = line["metrics"]
+    _positive(metrics, *[f"k{k}_samples_per_s" for k in (0, 1, 2, 4)])
+    for k in (0, 1, 2, 4):  # the final mean reward at each k: any finite value, zero included
+        reward = metrics[f"k{k}_final_reward"]
+        assert isinstance(reward, (int, float)) and math.isfinite(reward), (k, reward)
+    assert "max_staleness" in stdout and "final mean reward" in stdout
+    for k in (0, 1, 2, 4):
+        assert f"│ {k} " in stdout, k
+
+
+def test_bench_async_refuses_a_run_without_the_sync_baseline() -> None:
+    from tests.conftest import run_agentrl
+
+    result = run_agentrl("bench", "async", "--ks", "1,2", timeout=60)
+    assert result.returncode == 2 and "--ks must include 0" in result.stderr
+
+
+def test_bench_roller_reports_concurrency_and_overhead(processes: Processes) -> None:
+    # two groups of eight episodes through eight slots: the second group waits for admission
+    stdout, line = _bench(
+        processes, "roller", "--concurrency", "8", "--delay-s", "0.01", "--groups", "2", timeout=300
+    )
+    assert set(line["ratios"]) == {"concurrency_vs_target", "overhead_budget_vs_ours"}
+    _positive(line["ratios"], "concurrency_vs_target", "overhead_budget_vs_ours")
+    metrics = line["metrics"]
+    _positive(metrics, "max_concurrent_episodes", "overhead_ms_per_turn", "turns_per_s", "wall_s")
+    assert metrics["episodes"] == 2 * 8  # every episode of every group finished
+    assert 0 < metrics["max_concurrent_episodes"] <= 8
+    for row in ("peak concurrent episodes", "roller CPU per turn", "turns/s", "groups put"):
+        assert row in stdout, row
