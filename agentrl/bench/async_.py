@@ -1,6 +1,7 @@
 """`agentrl bench async`: samples/s of the whole system at max_staleness 0, 1, 2, 4.
 
     agentrl bench async [--steps 8] [--latency-s 0.3] [--model-dir DIR]
+    agentrl bench async --steps 2 --groups-per-step 1 --concurrency 4 --latency-s 0.01 --warmstart-steps 1
 
 Runs `agentrl run` four times on the same machine, one after the other, identical but for
 `max_staleness`, on the toy calculator whose tool calls take a long-tailed time (Pareto,

@@ -2,6 +2,7 @@
 
     agentrl bench learner                      # tiny and small presets, ~1-2 min on 2 CPU cores
     agentrl bench learner --presets small --steps 5 --tokens 4096
+    agentrl bench learner --presets tiny --steps 1 --tokens 128 --budget 256   # seconds: every path
 
 1. vs_bare_hf — the same packed micro-batches of the same episodes through
    (a) our learner step: validation + advantages + packing + FSDP2 model + GRPO/TIS loss with
@@ -121,7 +122,7 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     cpu: dict[str, list[float]] = {k: [] for k in wall}
     counts: dict[str, int] = {}
     for i in range(steps + 1):  # step 0 warms up every path
-        samples = prepare_batch(uniform[i], advantage="grpo", loss_agg="token_mean", vocab_size=vocab,
+        samples = prepare_batch(uniform[i], advantage=cfg.advantage, loss_agg=cfg.loss_agg, vocab_size=vocab,
                                 learner_version=0).mini_batches[0]  # fmt: skip
         bare_plan = plan_microbatches(samples, budget)
         runs = {
@@ -140,6 +141,8 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
                 wall[name].append(n / wall_s)
                 cpu[name].append(n / cpu_s)
             counts[name] = n
+        if counts["ours"] != counts["bare"] or counts["packed"] != counts["padded"]:
+            raise RuntimeError(f"the variants trained on different tokens: {counts}")  # not comparable
     tail_samples = prepare_batch(tailed[-1], advantage="grpo", loss_agg="token_mean", vocab_size=vocab,
                                  learner_version=0).mini_batches[0]  # fmt: skip
     # Ratios use tokens per CPU-second of this process (median over steps): other jobs on a shared
