@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # CPU wheel that lies on this disk; GPU users install their own torch into .venv first.
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,mcp,redis,nixl,docker,search
-MODEL_DIR ?= runs/models/tiny
+MODEL_DIR ?= runs/models/mini
 
 .PHONY: setup demo test test-fast lint format clean
 
@@ -19,7 +19,7 @@ $(VENV)/.agentrl-installed: pyproject.toml
 	@touch $@
 
 demo: setup
-	$(VENV)/bin/agentrl init-model tiny $(MODEL_DIR)
+	$(VENV)/bin/agentrl init-model mini $(MODEL_DIR)
 	$(VENV)/bin/agentrl run --config recipes/quickstart.yaml
 
 test: setup

@@ -79,7 +79,7 @@ def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) ->
 def _warmstart(model_dir: str, run_dir: Path, steps: int) -> str:
     args = [
         sys.executable, "-m", "agentrl", "warmstart", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
-        f"--learner.model_path={model_dir}", f"--learner.warmstart_steps={steps}", "--env.name=toy_calculator_slow",
+        f"--learner.model_path={model_dir}", f"--learner.warmstart_steps={steps}", "--env.name=toy_calculator_slow", "--env.kwargs={}",
     ]  # fmt: skip
     result = _run(args)
     if result.returncode != 0:

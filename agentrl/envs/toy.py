@@ -181,9 +181,12 @@ class LookupEnv(Env):
 
     stop = ("</lookup>", "</answer>")
 
-    def __init__(self, max_lookups: int = 2) -> None:
+    def __init__(self, max_lookups: int = 2, teacher_error_rate: float = 0.0) -> None:
         super().__init__()
+        if not 0.0 <= teacher_error_rate < 1.0:
+            raise ValueError(f"teacher_error_rate must be in [0, 1), got {teacher_error_rate}")
         self.max_lookups = max_lookups
+        self.teacher_error_rate = teacher_error_rate
         self.parser = TagParser(("lookup", "answer"))
         self.task: dict[str, Any] = {}
         self.answer: str | None = None
@@ -214,12 +217,21 @@ class LookupEnv(Env):
         return float(self.answer is not None and self.answer.strip() == self.task["answer"])
 
     def demonstrate(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        """Look the animal up, then answer with the result (tag-protocol segments)."""
+        """Look the animal up, then answer with the result (tag-protocol segments).
+
+        With `teacher_error_rate` > 0 the demonstrator is a weak teacher: on that share of
+        tasks (fixed per task id) it misreads the result and answers another colour. Imitation
+        caps a model near the teacher's accuracy; RL, rewarded for the right colour, has to go
+        past it — the quickstart's story."""
+        rng = random.Random(task["id"])
+        answer = task["answer"]
+        if rng.random() < self.teacher_error_rate:
+            answer = rng.choice([c for c in LOOKUP_VALUES if c != answer])
         return [
             *self.reset(task),
             {"role": "assistant", "content": f"<lookup> {task['animal']} </lookup>", "end": "stop"},
             {"role": "observation", "content": f" <result> {task['answer']} </result>"},
-            {"role": "assistant", "content": f" <answer> {task['answer']} </answer>", "end": "stop"},
+            {"role": "assistant", "content": f" <answer> {answer} </answer>", "end": "stop"},
         ]
 
     @classmethod

@@ -162,3 +162,23 @@ def test_lookup_env_needs_the_lookup_and_rewards_the_colour() -> None:
     wrong.step("<answer> nothing </answer>")
     assert wrong.reward(Transcript(task, [], "", 1, "done")) == 0.0
     assert LookupEnv.stop == ("</lookup>", "</answer>")
+
+
+def test_lookup_weak_teacher_misreads_a_fixed_share_of_tasks() -> None:
+    from agentrl.envs.toy import LookupEnv
+
+    tasks = LookupEnv.generate_tasks(400, seed=2)
+
+    def answered(env: LookupEnv, task: dict) -> str:
+        demo = env.demonstrate(task)
+        assert demo[1]["content"] == f"<lookup> {task['animal']} </lookup>"  # the lookup is always right
+        assert demo[2]["content"] == f" <result> {task['answer']} </result>"
+        return demo[3]["content"].split()[1]
+
+    assert all(answered(LookupEnv(), t) == t["answer"] for t in tasks)  # the default teacher is exact
+    teacher = LookupEnv(teacher_error_rate=0.3)
+    wrong = [t["id"] for t in tasks if answered(teacher, t) != t["answer"]]
+    assert 0.22 < len(wrong) / len(tasks) < 0.38
+    assert wrong == [t["id"] for t in tasks if answered(LookupEnv(teacher_error_rate=0.3), t) != t["answer"]]
+    with pytest.raises(ValueError, match="teacher_error_rate"):
+        LookupEnv(teacher_error_rate=1.5)
