@@ -90,7 +90,7 @@ class ZmqProducer(Producer):
 
     async def put(self, group: Group) -> None:
         frames = encode_group(group)
-        nbytes = sum(len(f) for f in frames)
+        nbytes = sum(map(len, frames))
         self._ensure_started()
         while self._inflight_bytes and self._inflight_bytes + nbytes > self.window_bytes:
             self._room.clear()
@@ -140,7 +140,7 @@ class ZmqProducer(Producer):
                     self._outbox.popleft()
                     items.append([nxt[0]["rid"], nxt[0]["gid"], len(nxt[1])])
                     payload.extend(nxt[1])
-                    size += sum(len(f) for f in nxt[1])
+                    size += sum(map(len, nxt[1]))
                 lens, counts, segments = pack(payload)
                 control = {"k": "put", "items": items, "lens": lens, "segs": counts}
                 await self._send(msgpack.packb(control), segments)

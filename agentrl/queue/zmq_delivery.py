@@ -25,7 +25,7 @@ from agentrl.queue.frames import pack
 from agentrl.types import Group
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     gid: str
     frames: list[Any]

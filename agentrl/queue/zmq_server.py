@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import numpy as np
 import zmq
 
 from agentrl.log import get_logger
@@ -47,21 +46,11 @@ from agentrl.queue.auth import Authenticator, AuthError, load_secret
 from agentrl.queue.frames import unpack
 from agentrl.queue.wal import MAX_REMEMBERED_ACKS, WriteAheadLog
 from agentrl.queue.zmq_delivery import _NO_VERSION, Delivery, _Entry, _Get
-from agentrl.types import Group, WireError, decode_group
+from agentrl.types import WireError, decode_group, decoded_min_version
 
 log = get_logger("queue.server")
 
 COALESCE_SLACK = 8 << 20  # a put message may carry several small groups beyond one group's limit
-
-
-def _min_version(group: Group) -> int:
-    """`Group.min_version` without copying the masked versions (one pass per episode)."""
-    lowest = _NO_VERSION
-    for ep in group.episodes:
-        lowest = min(
-            lowest, int(np.minimum.reduce(ep.versions, where=ep.loss_mask.view(bool), initial=_NO_VERSION))
-        )
-    return -1 if lowest == _NO_VERSION else lowest
 
 
 class QueueServer(Delivery):
@@ -171,7 +160,9 @@ class QueueServer(Delivery):
             group = decode_group(frames, max_bytes=self.config.max_message_bytes)
             self._seq += 1
             nbytes = sum(map(len, frames[1:]))
-            self._store(_Entry(gid, frames, nbytes, _min_version(group), self._seq, time.time(), group))
+            self._store(
+                _Entry(gid, frames, nbytes, decoded_min_version(group), self._seq, time.time(), group)
+            )
         log.info("WAL: recovered %d unacked groups, version %d", len(self._queued), self.version)
 
     def _run(self) -> None:
@@ -238,7 +229,7 @@ class QueueServer(Delivery):
             self.counters["refused_corrupt"] += 1
             return
         ident, mac, control, payload = msg[0].bytes, msg[1], msg[2], msg[3:]
-        if sum(len(f) for f in payload) > self.config.max_message_bytes + COALESCE_SLACK:
+        if sum(map(len, payload)) > self.config.max_message_bytes + COALESCE_SLACK:
             self.counters["refused_oversize"] += 1
             return
         try:
@@ -306,7 +297,7 @@ class QueueServer(Delivery):
             self.counters["duplicates"] += 1
             self._put_acks.setdefault((sock, ident), []).append(rid)
             return
-        nbytes = sum(len(f) for f in frames[1:])
+        nbytes = sum(map(len, frames[1:]))
         if nbytes > self.config.max_message_bytes:
             self.counters["refused_oversize"] += 1
             msg = f"group of {nbytes} bytes exceeds queue.max_message_bytes={self.config.max_message_bytes}"
@@ -321,7 +312,7 @@ class QueueServer(Delivery):
             self._reply(sock, ident, {"k": "err", "rid": rid, "msg": str(exc)})
             return
         self._seq += 1
-        entry = _Entry(gid, frames, nbytes, _min_version(group), self._seq, time.time(), group)
+        entry = _Entry(gid, frames, nbytes, decoded_min_version(group), self._seq, time.time(), group)
         if self._has_room(nbytes) and not self._parked:
             self._accept(sock, ident, rid, entry)
         else:

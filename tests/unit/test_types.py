@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import msgpack
 import numpy as np
@@ -10,7 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrl.types import ARRAY_FIELDS, Episode, Group, WireError, decode_group, encode_group
+from agentrl.types import (
+    ARRAY_FIELDS,
+    Episode,
+    Group,
+    WireError,
+    decode_group,
+    decoded_min_version,
+    encode_group,
+)
 
 
 def make_episode(n: int = 10, prompt: int = 4, version: int = 3, reward: float = 1.0) -> Episode:
@@ -223,3 +232,56 @@ def test_bit_flips_in_a_valid_message_are_refused_or_decode_cleanly(data: st.Dat
     for ep in group.episodes:  # whatever decodes is a well-formed group
         assert set(np.unique(ep.loss_mask)) <= {0, 1}
         assert len({len(getattr(ep, name)) for name, _ in ARRAY_FIELDS}) == 1
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(episodes(), max_size=5))
+def test_the_servers_min_version_agrees_with_the_group(eps: list[Episode]) -> None:
+    group = decode_group([bytes(f) for f in encode_group(Group(eps))])
+    assert decoded_min_version(group) == Group(eps).min_version
+
+
+def test_min_version_edge_values() -> None:
+    def group(versions: list[int], mask: list[int]) -> Group:
+        n = len(versions)
+        ep = Episode(np.zeros(n), np.array(mask), np.zeros(n), np.array(versions))
+        return decode_group([bytes(f) for f in encode_group(Group([ep]))])
+
+    assert decoded_min_version(group([2**31 - 1, 0], [1, 0])) == 2**31 - 1
+    assert decoded_min_version(group([-1, 5], [1, 1])) == -1  # a generated token without a version
+    assert decoded_min_version(group([7, 3], [0, 0])) == -1  # nothing generated
+    assert decoded_min_version(group([], [])) == -1
+
+
+def test_header_fast_path_keeps_every_schema_check() -> None:
+    frames = _frames()
+    header = _header(frames)
+    header["episodes"][0]["reward"] = 3  # an int reward is a valid float field
+    assert decode_group(_with_header(frames, header)).episodes[0].reward == 3.0
+    for field, value, message in [
+        ("reward", True, "reward: expected float"),
+        ("reward", "1", "reward: expected float"),
+        ("num_turns", 1.0, "num_turns: expected int"),
+        ("finish_reason", None, "finish_reason: expected str"),
+        ("metrics", [], "metrics: expected dict"),
+    ]:
+        bad = _header(frames)
+        bad["episodes"][1][field] = value
+        with pytest.raises(WireError, match=re.escape(f"episodes[1].{message}")):
+            decode_group(_with_header(frames, bad))
+    bad = _header(frames)
+    bad["episodes"][0]["extra"] = 1
+    del bad["episodes"][0]["num_turns"]  # same number of keys, wrong names
+    with pytest.raises(WireError, match="missing fields"):
+        decode_group(_with_header(frames, bad))
+
+
+def test_frames_of_any_buffer_kind_decode_and_strided_views_are_refused() -> None:
+    frames = _frames()
+    as_views = [memoryview(bytearray(f)) for f in frames]
+    assert decode_group(as_views).group_id == decode_group(frames).group_id
+    wide = [frames[0], *(memoryview(np.frombuffer(f, np.uint8)).cast("B") for f in frames[1:])]
+    assert decode_group(wide).group_id == decode_group(frames).group_id
+    strided = [frames[0], memoryview(frames[1] * 2)[::2], *frames[2:]]
+    with pytest.raises(WireError, match="not a byte buffer"):
+        decode_group(strided)
