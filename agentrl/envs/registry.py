@@ -21,6 +21,7 @@ BUILTIN_ENVS = {
     "toy_lookup": "agentrl.envs.toy:LookupEnv",
     "toy_calculator": "agentrl.envs.toy:CalculatorEnv",
     "toy_calculator_slow": "agentrl.envs.toy:SlowCalculatorEnv",
+    "toy_lookup_slow": "agentrl.envs.toy:SlowLookupEnv",
     "search_r1": "agentrl.envs.search.env:SearchR1Env",
     "search_r1_tools": "agentrl.envs.search.env:SearchToolEnv",
     "swe": "agentrl.envs.swe.env:SWEEnv",

@@ -6,7 +6,8 @@ must look up the animal named in the question, read the `<result>` and answer wi
 colour: two copies of one word each (every word is a single token of the tiny model's
 tokenizer, and the prompt is short), which a tiny model learns on CPU within minutes.
 
-`CalculatorEnv` (`toy_calculator`): multi-turn arithmetic with a calculator tool.
+`CalculatorEnv` (`toy_calculator`): multi-turn arithmetic with a calculator tool. The `_slow`
+variants of both (`toy_lookup_slow`, `toy_calculator_slow`) add a long-tailed tool latency.
 
 A calculator task asks for the value of an expression too big for a tiny model to compute in its
 head (`What is 347 * 29 + 18?`). The model is meant to call the `calculator` tool,
@@ -253,3 +254,23 @@ class LookupEnv(Env):
                 }
             )
         return tasks
+
+
+class SlowLookupEnv(LookupEnv):
+    """The lookup env with a long-tailed lookup latency (`latency_s × Pareto(alpha)`, median
+    ≈ latency_s), as sandboxes and search engines have. `agentrl bench async` runs it with the
+    quickstart's model, so each k's samples/s and final reward are both measured."""
+
+    def __init__(
+        self, latency_s: float = 0.2, alpha: float = 1.5, max_latency_s: float = 10.0, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.latency_s, self.alpha, self.max_latency_s = latency_s, alpha, max_latency_s
+        self._rng = random.Random()
+
+    async def step(self, action_text: str) -> StepResult:
+        result = super().step(action_text)
+        if not result.done:  # a lookup (or a malformed action): the tool takes its time
+            delay = self.latency_s * self._rng.paretovariate(self.alpha) / 2 ** (1 / self.alpha)
+            await asyncio.sleep(min(self.max_latency_s, delay))
+        return result

@@ -182,3 +182,23 @@ def test_lookup_weak_teacher_misreads_a_fixed_share_of_tasks() -> None:
     assert wrong == [t["id"] for t in tasks if answered(LookupEnv(teacher_error_rate=0.3), t) != t["answer"]]
     with pytest.raises(ValueError, match="teacher_error_rate"):
         LookupEnv(teacher_error_rate=1.5)
+
+
+def test_slow_lookup_takes_its_time_on_lookups_only() -> None:
+    import asyncio
+
+    from agentrl.envs.toy import SlowLookupEnv
+
+    task = SlowLookupEnv.generate_tasks(1, seed=4)[0]
+    env = SlowLookupEnv(latency_s=60.0, max_latency_s=60.0)  # every lookup takes a minute
+    env.reset(task)
+
+    async def episode() -> None:
+        with pytest.raises(asyncio.TimeoutError):  # the lookup is still sleeping
+            await asyncio.wait_for(env.step(f"<lookup> {task['animal']} </lookup>"), timeout=0.3)
+        done = await asyncio.wait_for(env.step(f"<answer> {task['answer']} </answer>"), timeout=30)
+        assert done.done  # answers do not wait
+
+    asyncio.run(episode())
+    assert env.metrics["tool_calls"] == 1
+    assert env.reward(Transcript(task, [], "", 2, "done")) == 1.0
