@@ -3,7 +3,8 @@
 The learner's model is a Hugging Face causal LM loaded with `from_pretrained` and sharded with
 FSDP2: `fully_shard` on every decoder layer (the classes HF lists in `_no_split_modules`) and
 then on the root, so each layer's parameters are all-gathered just before it runs and freed
-after. Parameter names are untouched by FSDP2, so `named_parameters()` gives HF names, which
+after. With one rank there is nothing to gather or free, so the root is the only FSDP unit
+(the same DTensor parameters, optimizer and checkpoint layout, fewer hooks per step). Parameter names are untouched by FSDP2, so `named_parameters()` gives HF names, which
 the weight-sync engine and the HF export rely on.
 
 One process without torchrun still gets a (world size 1, gloo) process group, so the same
@@ -89,11 +90,13 @@ def shard_model(
             )
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
-    # One rank has nothing to free between forward and backward; the root's parameters are
-    # needed again first thing in backward, so it keeps them either way (as torchtitan does).
-    reshard = dist.get_world_size() > 1
-    for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+    # Several ranks: one FSDP unit per decoder layer, gathered just before it runs and freed
+    # after. One rank holds everything anyway, so per-layer units would only add hooks: the
+    # root alone is one unit (the same DTensor parameters, optimizer and checkpoint layout).
+    # The root's parameters are needed first thing in backward: kept either way (as torchtitan).
+    if dist.get_world_size() > 1:
+        for layer in decoder_layers(model):
+            fully_shard(layer, reshard_after_forward=True, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
