@@ -26,6 +26,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,8 +49,9 @@ class Child:
 class Supervisor:
     """Starts children in their own process groups and stops exactly those (by PID)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, stop_timeout_s: float = 30) -> None:
         self.run_dir = run_dir
+        self.stop_timeout_s = stop_timeout_s
         self.children: list[Child] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -83,22 +85,41 @@ class Supervisor:
                 return child
         return None
 
-    def stop(self, child: Child, timeout_s: float = 30) -> None:
+    def stop(self, child: Child) -> None:
         if child.proc.poll() is not None:
             return
         try:
             os.killpg(child.proc.pid, signal.SIGTERM)
-            child.proc.wait(timeout=timeout_s)
+            child.proc.wait(timeout=self.stop_timeout_s)
         except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop in %ss; killing it", child.name, timeout_s)
-            os.killpg(child.proc.pid, signal.SIGKILL)
-            child.proc.wait()
+            logger.warning("%s did not stop in %ss; killing it", child.name, self.stop_timeout_s)
+            self.kill_all()
         except ProcessLookupError:
             pass
 
+    def kill_all(self) -> None:
+        for child in self.children:
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                child.proc.wait()
+
     def stop_all(self) -> None:
-        for child in reversed(self.children):
-            self.stop(child)
+        """SIGTERM each child (newest first) and wait for it. A second Ctrl-C / SIGTERM during
+        this does not abandon the cleanup half-way: it kills what is left, at once."""
+
+        def hurry(signum: int, frame: object) -> None:
+            logger.warning("second stop signal: killing the remaining processes")
+            self.kill_all()
+
+        main = threading.current_thread() is threading.main_thread()
+        old = {s: signal.signal(s, hurry) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        try:
+            for child in reversed(self.children):
+                self.stop(child)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
 
     def tail(self, child: Child, lines: int = 15) -> str:
         try:
