@@ -5,14 +5,19 @@ frame authenticates the control frame and every payload frame (with their length
 so frames cannot be re-cut) under a secret shared by all peers, read from the
 environment variable named in the config (`queue.secret_env`).
 
-Two schemes, named by the first byte of the MAC frame:
+Three schemes, named by the first byte of the MAC frame; a receiver accepts all three,
+a sender uses the fastest it has:
 
-- `P` (default when `cryptography` is installed): a one-time Poly1305 key is derived
-  per message as HMAC-SHA256(secret, nonce) with a fresh random 16-byte nonce, and the
-  Poly1305 tag (~10 GB/s here) covers the message. This is the construction of
-  ChaCha20-Poly1305 with HMAC as the key derivation, so hashing 16 MiB groups does
-  not cap the queue at SHA-256 speed (~1.6 GB/s).
-- `H`: HMAC-SHA256 over the same bytes, the fallback without `cryptography`.
+- `G` (default when `cryptography` is installed): a one-time AES-128 key is derived per
+  message as HMAC-SHA256(secret, nonce) with a unique 16-byte nonce; each payload frame
+  (in chunks of at most 1 GiB) gets a GMAC tag (AES-GCM with the frame as associated
+  data, no plaintext) under its own index as the GCM nonce, and a final GMAC under a
+  nonce no index uses covers the lengths, the control frame and those tags in order.
+  GMAC runs at ~23 GB/s here (AES-NI + carry-less multiply), so the MAC costs a 4 MiB
+  group ~0.2 ms per side instead of ~0.35 ms.
+- `P`: the same per-message key derivation with a Poly1305 tag (~10-13 GB/s here), the
+  construction of ChaCha20-Poly1305 with HMAC as the key derivation.
+- `H`: HMAC-SHA256 over the same bytes (~1.6 GB/s), the fallback without `cryptography`.
 
 Replay of a captured message is not prevented by the MAC; it is harmless by design
 (puts are deduplicated by group id, acks are idempotent). CURVE encryption is not
@@ -32,9 +37,15 @@ try:
     from cryptography.hazmat.primitives.poly1305 import Poly1305
 except ImportError:  # pragma: no cover - depends on the environment
     Poly1305 = None
+try:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+except ImportError:  # pragma: no cover - depends on the environment
+    AESGCM = None
 
 NONCE_BYTES = 16
-TAG_BYTES = {b"P"[0]: 16, b"H"[0]: 32}
+TAG_BYTES = {b"G"[0]: 16, b"P"[0]: 16, b"H"[0]: 32}
+GMAC_CHUNK = 1 << 30  # AES-GCM takes at most 2^31-1 bytes of associated data per call
+_FINAL_NONCE = b"\xff" * 12  # the chunk indices below never reach it
 
 
 class AuthError(ValueError):
@@ -62,10 +73,10 @@ class Authenticator:
 
     def __init__(self, secret: bytes | None, scheme: str | None = None) -> None:
         self.secret = secret
-        self.scheme = scheme or ("P" if Poly1305 is not None else "H")
+        self.scheme = scheme or ("G" if AESGCM is not None else "P" if Poly1305 is not None else "H")
         self._prefix, self._counter = os.urandom(8), 0
-        if self.scheme == "P" and Poly1305 is None:
-            raise AuthError("the Poly1305 MAC needs the `cryptography` package")
+        if (self.scheme == "P" and Poly1305 is None) or (self.scheme == "G" and AESGCM is None):
+            raise AuthError(f"the {self.scheme!r} MAC needs the `cryptography` package")
 
     @property
     def enabled(self) -> bool:
@@ -73,6 +84,8 @@ class Authenticator:
 
     def _tag(self, scheme: int, nonce: bytes, control: bytes, payload: Sequence[Any]) -> bytes:
         lengths = struct.pack(f"<{len(payload) + 1}Q", len(control), *(len(_buf(f)) for f in payload))
+        if scheme == b"G"[0]:
+            return self._gmac(nonce, lengths, control, payload)
         if scheme == b"P"[0]:
             if Poly1305 is None:
                 raise AuthError("message signed with Poly1305 but `cryptography` is not installed here")
@@ -85,6 +98,19 @@ class Authenticator:
         for frame in payload:
             mac.update(_buf(frame))
         return mac.finalize() if scheme == b"P"[0] else mac.digest()
+
+    def _gmac(self, nonce: bytes, lengths: bytes, control: bytes, payload: Sequence[Any]) -> bytes:
+        if AESGCM is None:
+            raise AuthError("message signed with GMAC but `cryptography` is not installed here")
+        key = hmac.new(self.secret, b"agentrl-queue-gmac" + nonce, hashlib.sha256).digest()[:16]
+        gcm = AESGCM(key)
+        tags, index = [lengths, control], 0
+        for frame in payload:
+            view = _buf(frame)
+            for start in range(0, len(view), GMAC_CHUNK) if len(view) else ():
+                tags.append(gcm.encrypt(index.to_bytes(12, "little"), b"", view[start : start + GMAC_CHUNK]))
+                index += 1
+        return gcm.encrypt(_FINAL_NONCE, b"", b"".join(tags))
 
     def sign(self, control: bytes, payload: Sequence[Any] = ()) -> bytes:
         """The MAC frame for a message: scheme byte, nonce, tag (one empty byte without auth)."""

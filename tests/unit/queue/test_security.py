@@ -8,7 +8,8 @@ import msgpack
 import pytest
 import zmq
 
-from agentrl.queue.auth import Authenticator, AuthError, Poly1305, load_secret
+from agentrl.queue import auth as auth_module
+from agentrl.queue.auth import AESGCM, Authenticator, AuthError, Poly1305, load_secret
 from agentrl.queue.frames import pack
 from agentrl.types import encode_group
 from tests.unit.queue.conftest import SECRET, Harness, make_group
@@ -16,10 +17,10 @@ from tests.unit.queue.conftest import SECRET, Harness, make_group
 pytestmark = pytest.mark.timeout(90)  # a hang fails this test, not the whole run
 
 
-@pytest.mark.parametrize("scheme", ["P", "H"])
+@pytest.mark.parametrize("scheme", ["G", "P", "H"])
 def test_mac_covers_control_payload_and_framing(scheme: str) -> None:
-    if scheme == "P" and Poly1305 is None:
-        pytest.skip("the Poly1305 MAC needs the `cryptography` package")
+    if (scheme == "P" and Poly1305 is None) or (scheme == "G" and AESGCM is None):
+        pytest.skip("this MAC needs the `cryptography` package")
     auth = Authenticator(SECRET.encode(), scheme)
     control, payload = b"ctl", [b"abc", b"def"]
     mac = auth.sign(control, payload)
@@ -35,6 +36,29 @@ def test_mac_covers_control_payload_and_framing(scheme: str) -> None:
         Authenticator(b"another-secret-of-some-length").verify(mac, control, payload)
     with pytest.raises(AuthError):
         auth.verify(b"-", control, payload)
+
+
+def test_gmac_chunks_frames_and_binds_every_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    if AESGCM is None:
+        pytest.skip("GMAC needs the `cryptography` package")
+    monkeypatch.setattr(auth_module, "GMAC_CHUNK", 4)  # frames of several chunks, one partial
+    auth = Authenticator(SECRET.encode(), "G")
+    control, payload = b"ctl", [b"0123456789", b"", b"abcd"]
+    mac = auth.sign(control, payload)
+    auth.verify(mac, control, payload)
+    for bad in ([b"0123456788", b"", b"abcd"], [b"0123456789", b"a", b"bcd"], [b"0123456789", b"abcd"]):
+        with pytest.raises(AuthError):
+            auth.verify(mac, control, bad)
+
+
+def test_a_receiver_accepts_every_scheme_and_senders_use_the_fastest() -> None:
+    receiver = Authenticator(SECRET.encode())
+    assert receiver.scheme == ("G" if AESGCM is not None else "P" if Poly1305 is not None else "H")
+    schemes = ["H"] + (["P"] if Poly1305 is not None else []) + (["G"] if AESGCM is not None else [])
+    for scheme in schemes:
+        mac = Authenticator(SECRET.encode(), scheme).sign(b"ctl", [b"payload"])
+        assert mac[:1] == scheme.encode()
+        receiver.verify(mac, b"ctl", [b"payload"])
 
 
 def test_missing_secret_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
