@@ -11,7 +11,8 @@ this process receives them:
 - Ray: the group's arrays put into Ray's object store by a task (a streaming generator), `ray.get` here;
 - NIXL: the array payloads over NIXL (UCX), ZeroMQ as control plane.
 Throughput is counted from the first group received to the last, in MB/s; raw and ours
-run alternately `--repeat` times and each keeps its best (other jobs share this machine).
+run alternately `--repeat` times and each keeps its best (other jobs share this machine);
+Ray also keeps the best of `--repeat` runs.
 Ratios are
 ours / baseline (higher is better); `vs_raw_zmq`, `vs_redis`, `vs_ray` and `nixl_vs_zmq`
 are the lowest over payloads >= 1 MiB.
@@ -234,6 +235,10 @@ def _start_redis() -> tuple[subprocess.Popen | None, str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
+def _best(fn: Any, size: int, count: int, repeat: int) -> tuple[float, float]:
+    return max((fn(size, count) for _ in range(max(1, repeat))), key=lambda r: r[0])
+
+
 def _min_ratio(ours: dict[int, float], base: dict[int, float]) -> float | None:
     ratios = [ours[s] / base[s] for s in base if s >= 1 << 20 and base[s] > 0]
     return round(min(ratios), 3) if ratios else None
@@ -328,7 +333,10 @@ def _run_baselines(opts: Any, sizes: list[int], results: dict, skipped: dict[str
 
             ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
             try:
-                results["ray"] = {s: bench_ray(s, _count(s, opts.total_mib, opts.small_groups)) for s in big}
+                results["ray"] = {  # best of --repeat, as raw and ours get
+                    s: _best(bench_ray, s, _count(s, opts.total_mib, opts.small_groups), opts.repeat)
+                    for s in big
+                }
                 names.append("ray")
             finally:
                 ray.shutdown()
