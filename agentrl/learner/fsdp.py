@@ -82,7 +82,11 @@ def shard_model(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = None
     if bf16:
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        # FSDP2 keeps fp32 master weights (and so fp32 AdamW state), casts them to bf16 when it
+        # gathers a unit for compute, and reduces gradients in fp32. CPUs compute in bf16 too
+        # (natively with AVX512-BF16/AMX, emulated otherwise), and gloo carries the bf16
+        # all-gathers, so the same policy runs on CPU (tests/unit/learner/test_mixed_precision.py).
+        if device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported()):
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             log.warning(
