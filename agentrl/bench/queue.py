@@ -1,6 +1,7 @@
 """`agentrl bench queue`: the TransferQueue against raw ZeroMQ, Redis Streams and Ray, same bytes.
 
-    agentrl bench queue [--total-mib 256] [--small-groups 20000] [--repeat 2] [--no-redis] [--no-ray] [--no-nixl]
+    agentrl bench queue [--total-mib 256] [--small-groups 20000] [--repeat 2] [--auth mac|none]
+                        [--no-redis] [--no-ray] [--no-nixl]
 
 For each payload size (4 KiB .. 16 MiB per group) a producer *process* sends groups and
 this process receives them:
@@ -85,7 +86,8 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
             from agentrl.config import ZmqQueueConfig
             from agentrl.queue import create
 
-            producer = create(ZmqQueueConfig(address=address, nixl=kind == "nixl")).producer()
+            config = ZmqQueueConfig(address=address, nixl=kind == "nixl", auth=_auth())
+            producer = create(config).producer()
         else:
             from agentrl.queue.redis_backend import RedisProducer
 
@@ -100,6 +102,11 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
         producer.close()
 
     asyncio.run(run())
+
+
+def _auth() -> str:
+    """`--auth` of the run (the producer processes inherit it through the environment)."""
+    return os.environ.get("AGENTRL_BENCH_QUEUE_AUTH", "mac")
 
 
 def _spawn(kind: str, address: str, size: int, count: int) -> subprocess.Popen:
@@ -160,7 +167,7 @@ def bench_ours(size: int, count: int) -> tuple[float, float]:
     from agentrl.config import ZmqQueueConfig
     from agentrl.queue import create
 
-    backend = create(ZmqQueueConfig(address="tcp://127.0.0.1:*", capacity_groups=8192))
+    backend = create(ZmqQueueConfig(address="tcp://127.0.0.1:*", capacity_groups=8192, auth=_auth()))
     server = backend.server(groups_per_step=1, max_staleness=0).start()
     consumer = backend.consumer("bench", server=server)
     proc = _spawn("ours", server.endpoint, size, count)
@@ -253,11 +260,18 @@ def main(args: list[str]) -> int:
     parser.add_argument("--small-groups", type=int, default=20000, help="Groups sent at 4 KiB.")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="Payload bytes per group.")
     parser.add_argument("--repeat", type=int, default=2, help="Runs of raw and ours per size (best kept).")
+    parser.add_argument(
+        "--auth",
+        choices=["mac", "none"],
+        default="mac",
+        help="queue.auth of ours (none: measure the MAC's cost).",
+    )
     parser.add_argument("--no-redis", action="store_true")
     parser.add_argument("--no-ray", action="store_true")
     parser.add_argument("--no-nixl", action="store_true")
     opts = parser.parse_args(args)
     os.environ.setdefault("AGENTRL_QUEUE_SECRET", os.urandom(16).hex())  # MAC on, as in production
+    os.environ["AGENTRL_BENCH_QUEUE_AUTH"] = opts.auth
     sizes = [int(s) for s in opts.sizes.split(",")]
     results: dict[str, dict[int, tuple[float, float]]] = {"raw": {}, "ours": {}}
     skipped: dict[str, str] = {}
@@ -292,6 +306,7 @@ def main(args: list[str]) -> int:
         "small_groups_per_s": round(results["ours"][small][1]),
         "raw_zmq_small_groups_per_s": round(results["raw"][small][1]),
         "small_group_bytes": small,
+        "auth": opts.auth,
         **{f"{name}_MBps_{_label(s)}": round(v, 1) for name, per in mbps.items() for s, v in per.items()},
         "skipped": skipped,
     }
