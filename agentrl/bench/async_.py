@@ -4,8 +4,9 @@
     agentrl bench async --steps 2 --groups-per-step 1 --concurrency 4 --latency-s 0.01 --warmstart-steps 1
 
 Runs `agentrl run` four times on the same machine, one after the other, identical but for
-`max_staleness`, on the toy calculator whose tool calls take a long-tailed time (Pareto,
-as sandboxes and search engines do). Samples/s is the learner's consumption rate between
+`max_staleness`, on the quickstart's lookup task whose lookups take a long-tailed time (Pareto,
+as sandboxes and search engines do), from the quickstart's warm-started model (so rewards are
+not zero and the price of staleness can show). Samples/s is the learner's consumption rate between
 its first and last step (episodes trained on per second of wall time). With k = 0 the
 rollers wait for every weight push and the slowest tool call of each batch stalls the
 learner; with k ≥ 1 generation overlaps training. Ratios `k{1,2,4}_vs_sync` are samples/s
@@ -55,8 +56,8 @@ def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) ->
         sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml",
         f"--run_dir={run_dir}", f"--max_staleness={k}", f"--learner.model_path={model_dir}",
         f"--learner.max_steps={opts.steps}", f"--learner.groups_per_step={opts.groups_per_step}",
-        "--learner.warmstart_steps=0", f"--roller.group_size={GROUP_SIZE}", "--roller.max_new_tokens=48", "--roller.max_total_tokens=768", f"--roller.max_concurrent_episodes={opts.concurrency}",
-        "--env.name=toy_calculator_slow", "--env.kwargs", f"{{latency_s: {opts.latency_s}}}",
+        "--learner.warmstart_steps=0", f"--roller.group_size={GROUP_SIZE}", f"--roller.max_concurrent_episodes={opts.concurrency}",
+        "--env.name=toy_lookup_slow", "--env.kwargs", f"{{latency_s: {opts.latency_s}}}",
         "--queue.address", f"tcp://127.0.0.1:{free_port()}",
     ]  # fmt: skip
     result = _run(args)
@@ -79,7 +80,7 @@ def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) ->
 def _warmstart(model_dir: str, run_dir: Path, steps: int) -> str:
     args = [
         sys.executable, "-m", "agentrl", "warmstart", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
-        f"--learner.model_path={model_dir}", f"--learner.warmstart_steps={steps}", "--env.name=toy_calculator_slow", "--env.kwargs={}",
+        f"--learner.model_path={model_dir}", f"--learner.warmstart_steps={steps}",
     ]  # fmt: skip
     result = _run(args)
     if result.returncode != 0:
@@ -93,10 +94,10 @@ def main(args: list[str]) -> int:
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--latency-s", type=float, default=0.3, help="median tool latency (Pareto tail)")
-    parser.add_argument("--model-dir", help="checkpoint to train (default: a fresh tiny model)")
+    parser.add_argument("--model-dir", help="checkpoint to start from (default: a fresh mini model)")
     parser.add_argument("--ks", default="0,1,2,4")
     parser.add_argument(
-        "--warmstart-steps", type=int, default=200, help="supervised steps so the model calls tools"
+        "--warmstart-steps", type=int, default=600, help="supervised steps (the quickstart's weak teacher)"
     )
     opts = parser.parse_args(args)
     ks = [int(k) for k in opts.ks.split(",")]
@@ -107,7 +108,7 @@ def main(args: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the child run cleanly too
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-async-") as tmp:
-        model_dir = opts.model_dir or str(init_model("tiny", Path(tmp) / "tiny"))
+        model_dir = opts.model_dir or str(init_model("mini", Path(tmp) / "mini"))
         if opts.warmstart_steps:  # a random model never calls the tool, so tool latency would not show
             model_dir = _warmstart(model_dir, Path(tmp) / "warm", opts.warmstart_steps)
         results = {k: _one_run(k, Path(tmp) / f"k{k}", model_dir, opts) for k in ks}
