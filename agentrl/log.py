@@ -8,12 +8,14 @@ Weights & Biases when asked for and installed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +34,43 @@ def get_logger(name: str) -> logging.Logger:
     return root if name == "agentrl" else root.getChild(name.removeprefix("agentrl."))
 
 
+def _plain(value: Any) -> Any:
+    """numpy / torch scalars as Python numbers, arrays and tensors as (nested) lists."""
+    if hasattr(value, "item"):
+        try:
+            return value.item()
+        except (ValueError, RuntimeError):  # more than one element
+            return value.tolist() if hasattr(value, "tolist") else str(value)
+    return value
+
+
 def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):  # numpy / torch scalars
-        value = value.item()
+    value = _plain(value)
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf; keep it visible rather than dropping it
     return value
 
 
+def _number(value: Any) -> int | float | None:
+    """The value as one int/float (NaN and inf included) for the scalar sinks, else None."""
+    if isinstance(value, bool):
+        return int(value)
+    return value if isinstance(value, (int, float)) else None
+
+
+def _drop_sink(name: str, close: Callable[[], Any]) -> None:
+    get_logger("metrics").exception("the %s metrics sink failed; continuing without it", name)
+    with contextlib.suppress(Exception):
+        close()
+
+
 class MetricsLogger:
-    """`log(metrics, step)` to JSONL plus optional TensorBoard / W&B sinks."""
+    """`log(metrics, step)` to JSONL plus optional TensorBoard / W&B sinks.
+
+    JSONL gets every value (non-finite floats as "nan"/"inf" strings, arrays as lists, other
+    objects as their str). TensorBoard gets the numbers (NaN and inf as such); W&B gets the
+    numbers and strings. An optional sink that raises mid-run is reported once and disabled;
+    training never stops for a dashboard."""
 
     def __init__(
         self,
@@ -56,30 +85,47 @@ class MetricsLogger:
         self._tb = None
         self._wandb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError(
+                    "tensorboard logging needs the tensorboard package: pip install 'agentrl[tensorboard]'"
+                ) from e
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         if wandb_project:
-            import wandb
-
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("W&B logging needs the wandb package: pip install 'agentrl[wandb]'") from e
+            # WANDB_MODE=offline writes the run under <run_dir>/wandb for a later `wandb sync`
             self._wandb = wandb.init(project=wandb_project, dir=str(run_dir))
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        values = {str(k): _plain(v) for k, v in metrics.items()}
+        record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record, default=str) + "\n")
+        numbers = {k: n for k, v in values.items() if (n := _number(v)) is not None}
         if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(_jsonable(value), (int, float)):
+            try:
+                for key, value in numbers.items():
                     self._tb.add_scalar(key, value, step)
+            except Exception:
+                self._tb = _drop_sink("tensorboard", self._tb.close)
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            strings = {k: v for k, v in values.items() if isinstance(v, str)}
+            try:
+                self._wandb.log({**numbers, **strings}, step=step)
+            except Exception:
+                self._wandb = _drop_sink("wandb", self._wandb.finish)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
+            self._wandb = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
