@@ -1,6 +1,6 @@
 """`agentrl bench queue`: the TransferQueue against raw ZeroMQ, Redis Streams and Ray, same bytes.
 
-    agentrl bench queue [--total-mib 256] [--small-groups 20000] [--repeat 2] [--auth mac|none]
+    agentrl bench queue [--total-mib 256] [--small-groups 20000] [--repeat 3] [--auth mac|none]
                         [--no-redis] [--no-ray] [--no-nixl]
 
 For each payload size (4 KiB .. 16 MiB per group) a producer *process* sends groups and
@@ -259,7 +259,9 @@ def main(args: list[str]) -> int:
     parser.add_argument("--total-mib", type=int, default=256, help="Bytes sent per payload size (MiB).")
     parser.add_argument("--small-groups", type=int, default=20000, help="Groups sent at 4 KiB.")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="Payload bytes per group.")
-    parser.add_argument("--repeat", type=int, default=2, help="Runs of raw and ours per size (best kept).")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="Runs of raw, ours and ray per size (best kept)."
+    )
     parser.add_argument(
         "--auth",
         choices=["mac", "none"],
