@@ -3,9 +3,10 @@
 The master weights, gradients and AdamW state stay fp32 while the forward computes in bf16;
 the learner's log-softmax runs in fp32 on the bf16 logits; one bf16 step agrees with the fp32
 step to bf16 accuracy; and a 2-rank bf16 run (torchrun, gloo) makes the same update as a
-1-rank bf16 run. AdamW's first step moves each weight by about ±lr (the sign of its gradient),
-so updated weights are compared by the sign of their update and by |Δ| ≤ 2·lr, and gradients
-by their relative error.
+1-rank bf16 run. Weight sync, called after the update, gathers the fp32 masters (a no-grad
+bf16 forward alone would leave the root's bf16 compute copies registered). AdamW's first step
+moves each weight by about ±lr (the sign of its gradient), so updated weights are compared by
+the sign of their update and by |Δ| ≤ 2·lr, and gradients by their relative error.
 
 This file is also the torchrun worker: `torchrun ... test_mixed_precision.py OUT_DIR MODEL_PATH`.
 """
@@ -23,7 +24,7 @@ import torch
 
 from agentrl.config import LearnerConfig
 from agentrl.learner.data import prepare_batch
-from agentrl.learner.fsdp import full_state_dict
+from agentrl.learner.fsdp import full_state_dict, iter_full_tensors
 from agentrl.learner.loop import build_learner, run
 from agentrl.learner.packing import plan_microbatches
 from agentrl.learner.train_step import forward_logprobs, microbatch_loss
@@ -144,6 +145,25 @@ def test_logprobs_take_fp32_log_softmax_of_bf16_logits(tiny_model, tmp_path):
     torch.testing.assert_close(logp[where], fp32, rtol=1e-5, atol=1e-5)
     assert (logp[where] - bf16).abs().max() > 1e-3  # a bf16 log-softmax would be visibly coarser
     assert torch.equal(logp[mb.mask == 0], torch.zeros_like(logp[mb.mask == 0]))
+
+
+class DtypePushes:
+    """A weight-sync stand-in at the loop's edge: records the dtypes of the gathered weights."""
+
+    def __init__(self):
+        self.dtypes: list[set[torch.dtype]] = []
+
+    def push(self, model, version):
+        self.dtypes.append({t.dtype for _, t in iter_full_tensors(model)})
+
+
+def test_weight_sync_gets_fp32_weights_under_bf16(tiny_model, tmp_path):
+    # decoupled PPO and a KL reference: no-grad bf16 forwards run before each update
+    cfg = _cfg(tiny_model, "bfloat16", max_steps=2, off_policy="decoupled", kl_coef=0.05)
+    learner = build_learner(cfg, tmp_path)
+    sync = DtypePushes()
+    run(learner, ListSource(make_groups(4, seed=5)), max_staleness=2, weight_sync=sync)
+    assert sync.dtypes == [{torch.float32}, {torch.float32}]
 
 
 # -- 2 ranks == 1 rank under bf16 (torchrun, gloo) ------------------------------------------------
