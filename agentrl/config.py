@@ -91,8 +91,9 @@ class LearnerConfig(Section):
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype: bfloat16 uses FSDP2 mixed precision (fp32 master weights and gradient
-    reduction) on devices with bf16 support; CPU trains in float32 and says so."""
+    """Compute dtype: bfloat16 uses FSDP2 mixed precision (bf16 compute; fp32 master weights,
+    AdamW state and gradient reduction; log-probs from an fp32 log-softmax) on CPU and on GPUs
+    with bf16 support; a GPU without bf16 trains in float32 and says so."""
     activation_checkpointing: bool = False
     """Recompute activations of each decoder layer in the backward pass."""
     batch_timeout_s: float = Field(5.0, gt=0)

@@ -3,8 +3,7 @@
 The learner's model is a Hugging Face causal LM loaded with `from_pretrained` and sharded with
 FSDP2: `fully_shard` on every decoder layer (the classes HF lists in `_no_split_modules`) and
 then on the root, so each layer's parameters are all-gathered just before it runs and freed
-after. With one rank there is nothing to gather or free, so the root is the only FSDP unit
-(the same DTensor parameters, optimizer and checkpoint layout, fewer hooks per step). Parameter names are untouched by FSDP2, so `named_parameters()` gives HF names, which
+after. Parameter names are untouched by FSDP2, so `named_parameters()` gives HF names, which
 the weight-sync engine and the HF export rely on.
 
 One process without torchrun still gets a (world size 1, gloo) process group, so the same
@@ -94,15 +93,25 @@ def shard_model(
             )
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
-    # Several ranks: one FSDP unit per decoder layer, gathered just before it runs and freed
-    # after. One rank holds everything anyway, so per-layer units would only add hooks: the
-    # root alone is one unit (the same DTensor parameters, optimizer and checkpoint layout).
-    # The root's parameters are needed first thing in backward: kept either way (as torchtitan).
-    if dist.get_world_size() > 1:
-        for layer in decoder_layers(model):
-            fully_shard(layer, reshard_after_forward=True, **kwargs)
+    # One FSDP unit per decoder layer, gathered just before it runs (and, with several ranks,
+    # freed after). One rank has nothing to free. The root's parameters are needed first thing
+    # in backward, so it keeps them either way (as torchtitan does). A root-only unit for one
+    # rank was tried: 7% faster per step on the 0.2M model, 8% slower on the 13M one.
+    reshard = dist.get_world_size() > 1
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
+
+
+def _reshard(model: nn.Module) -> None:
+    """Units kept gathered after a forward (`reshard_after_forward=False`) expose their compute
+    copies (bf16 under mixed precision) as parameters until resharded: go back to the fp32 shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():  # each unit reshards only its own parameters
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -110,6 +119,7 @@ def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
     A collective: every rank must iterate to the end in the same order; typically only rank 0
     uses the tensors (weight sync broadcasts them to inference servers). Tied weights appear once."""
+    _reshard(model)
     for name, param in model.named_parameters():
         data = param.detach()
         yield name, data.full_tensor() if hasattr(data, "full_tensor") else data
@@ -119,6 +129,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded model state on CPU (a collective; the dict is complete on rank 0 only)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    _reshard(model)
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 

@@ -226,3 +226,17 @@ def test_two_rank_bf16_update_equals_one_rank(tiny_model, tmp_path):
 
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2])
+
+
+def test_full_tensors_are_fp32_even_right_after_a_no_grad_forward(tiny_model, tmp_path):
+    """Units kept gathered after a forward expose their bf16 compute copies as parameters;
+    the weights handed to weight sync and export must still be the fp32 masters."""
+    learner = build_learner(_cfg(tiny_model, "bfloat16"), tmp_path)
+    with torch.no_grad():
+        for mb in _plan(learner, make_groups(1, seed=5)):
+            forward_logprobs(learner.model, mb)
+    assert {t.dtype for _, t in iter_full_tensors(learner.model)} == {torch.float32}
+    with torch.no_grad():
+        for mb in _plan(learner, make_groups(1, seed=6)):
+            forward_logprobs(learner.model, mb)
+    assert {t.dtype for t in full_state_dict(learner.model).values()} == {torch.float32}
