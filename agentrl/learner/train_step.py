@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from agentrl.config import LearnerConfig
 from agentrl.learner import losses
@@ -152,7 +153,14 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = defaultdict(float)
     maxes: dict[str, float] = defaultdict(lambda: -math.inf)
-    for mb in mbs:
+    # One rank: keep parameters gathered and gradients unreduced until the last micro-batch
+    # (nothing to communicate, and no extra memory: the unsharded size is the sharded size).
+    # Several ranks reduce-scatter after every micro-batch, which keeps gradients sharded.
+    accumulate = world_size == 1 and isinstance(model, FSDPModule) and len(mbs) > 1
+    for i, mb in enumerate(mbs):
+        if accumulate:
+            model.set_requires_gradient_sync(i == len(mbs) - 1)
+            model.set_reshard_after_backward(i == len(mbs) - 1)
         logp, ent = forward_logprobs(model, mb, cfg.temperature, "grad" if cfg.entropy_coef > 0 else "metric")
         loss, s, mx = microbatch_loss(logp, ent, mb, cfg, version)
         (loss * world_size).backward()

@@ -183,3 +183,21 @@ def test_other_objectives_train(tiny_model, tmp_path, overrides):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     if overrides.get("kl_coef"):
         assert row["kl_ref"] >= 0  # k3 is non-negative; the reference is the initial policy
+
+
+def test_micro_batch_budget_does_not_change_the_update(tiny_model, tmp_path):
+    """Gradients accumulated over several micro-batches (kept unreduced and gathered until the
+    last one on a single rank) give the same step as one micro-batch holding everything."""
+    updated = {}
+    for budget in (48, 4096):
+        learner = build_learner(
+            _cfg(tiny_model, max_steps=1, micro_batch_tokens=budget), tmp_path / str(budget)
+        )
+        metrics = MetricsLogger(tmp_path / str(budget))
+        run(learner, ListSource(make_groups(2, seed=9)), max_staleness=1, metrics=metrics)
+        metrics.close()
+        micro_batches = read_metrics(tmp_path / str(budget) / "metrics.jsonl")[-1]["packing/micro_batches"]
+        assert micro_batches == 1 if budget == 4096 else micro_batches > 1
+        updated[budget] = _weights(learner)
+    for name, tensor in updated[4096].items():
+        torch.testing.assert_close(updated[48][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
