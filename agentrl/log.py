@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -97,8 +98,13 @@ class MetricsLogger:
                 import wandb
             except ImportError as e:
                 raise ImportError("W&B logging needs the wandb package: pip install 'agentrl[wandb]'") from e
-            # WANDB_MODE=offline writes the run under <run_dir>/wandb for a later `wandb sync`
-            self._wandb = wandb.init(project=wandb_project, dir=str(run_dir))
+            # WANDB_MODE=offline writes the run under <run_dir>/wandb for a later `wandb sync`.
+            # The run id lives in the run directory, so a resumed run (`--resume`) continues the
+            # same W&B run instead of starting a new one.
+            id_file = Path(run_dir) / f"{name}.wandb_id"
+            run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+            id_file.write_text(run_id)
+            self._wandb = wandb.init(project=wandb_project, dir=str(run_dir), id=run_id, resume="allow")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         values = {str(k): _plain(v) for k, v in metrics.items()}

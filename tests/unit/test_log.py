@@ -179,3 +179,28 @@ def test_loggers_share_one_namespace() -> None:
     assert get_logger("queue").name == "agentrl.queue"
     assert get_logger("agentrl.learner").name == "agentrl.learner"
     assert get_logger("agentrl").name == "agentrl"
+
+
+def test_wandb_run_continues_when_the_run_directory_is_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("wandb", reason="wandb not installed (pip install 'agentrl[wandb]')")
+    import wandb
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for var, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
+                       "WANDB_CONFIG_DIR": str(tmp_path / "cfg"), "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+                       "WANDB_DATA_DIR": str(tmp_path / "data")}.items():  # fmt: skip
+        monkeypatch.setenv(var, value)
+    run_dir = tmp_path / "run"
+    try:
+        for step in (1, 2):  # a run, then its --resume in the same run directory
+            logger = MetricsLogger(run_dir, wandb_project="agentrl-test")
+            logger.log({"loss": 1.0 / step}, step)
+            logger.close()
+    finally:
+        wandb.teardown()
+    ids = set()
+    for log_file in glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")):
+        ids |= {r.run.run_id for r in wandb_records(Path(log_file)) if r.WhichOneof("record_type") == "run"}
+    assert ids == {(run_dir / "metrics.wandb_id").read_text()}
