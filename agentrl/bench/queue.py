@@ -153,10 +153,10 @@ def _drain(consumer: Any, count: int, batch: int, proc: subprocess.Popen) -> tup
             if proc.poll() not in (None, 0):
                 raise RuntimeError(f"the producer process failed (exit {proc.returncode})") from None
             continue
-        if got == 0:
-            first, first_n = time.perf_counter(), len(b)
+        if got == 0:  # every group has the same arrays: count bytes once, not per group in the loop
+            first, first_n, group_bytes = time.perf_counter(), len(b), b.groups[0].nbytes
         else:
-            nbytes += sum(g.nbytes for g in b.groups)
+            nbytes += len(b) * group_bytes
         got += len(b)
         consumer.ack(b.group_ids)
     last = time.perf_counter()
