@@ -66,6 +66,8 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
         weight_sync = open_weight_sync(cfg, learner.rank)
     try:
         if learner.rank == 0:
+            log.info("learner: %d FSDP2 rank(s) on %s, model %s", learner.world_size, learner.device,
+                     cfg.learner.model_path)  # fmt: skip
             save_resolved(cfg)
             consumer, server = open_queue(cfg)
             metrics = MetricsLogger(

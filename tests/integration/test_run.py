@@ -20,10 +20,11 @@ from tests.conftest import REPO, find_free_port, run_agentrl
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
-def test_closed_loop_run_keeps_its_invariants(tiny_model: Path, tmp_path: Path) -> None:
-    k = 1
+@pytest.mark.parametrize(("k", "ranks"), [(1, 1), (0, 2)], ids=["k1-one-rank", "k0-two-fsdp-ranks"])
+def test_closed_loop_run_keeps_its_invariants(tiny_model: Path, tmp_path: Path, k: int, ranks: int) -> None:
     result = run_agentrl(
         "run", "--config", "recipes/quickstart.yaml", f"--run_dir={tmp_path}", f"--max_staleness={k}",
+        f"--learner.num_processes={ranks}",
         f"--learner.model_path={tiny_model}", "--learner.max_steps=4", "--learner.groups_per_step=2",
         "--learner.warmstart_steps=0", "--roller.group_size=4", "--roller.max_turns=2",
         "--roller.max_concurrent_episodes=16", f"--queue.address=tcp://127.0.0.1:{find_free_port()}",
@@ -49,6 +50,7 @@ def test_closed_loop_run_keeps_its_invariants(tiny_model: Path, tmp_path: Path) 
     assert queue["refused_auth"] == queue["refused_corrupt"] == queue["dropped_skipped"] == 0
     resolved = (tmp_path / "config.resolved.yaml").read_text()
     assert f"max_staleness: {k}" in resolved
+    assert f"learner: {ranks} FSDP2 rank(s)" in (tmp_path / "logs" / "learner.log").read_text()
     assert (tmp_path / "hf" / "latest" / "model.safetensors").exists()
 
 
