@@ -126,17 +126,29 @@ class CalculatorEnv(ToolEnv):
         return tasks
 
 
+class ParetoLatency:
+    """A long-tailed tool latency, like sandboxes and search engines have: each `sleep()` waits
+    `latency_s × Pareto(alpha)` scaled so the median is latency_s (a heavy tail of slow calls),
+    capped at `max_latency_s`."""
+
+    def __init__(self, latency_s: float = 0.2, alpha: float = 1.5, max_latency_s: float = 10.0) -> None:
+        self.latency_s, self.alpha, self.max_latency_s = latency_s, alpha, max_latency_s
+        self._rng = random.Random()
+
+    async def sleep(self) -> None:
+        delay = self.latency_s * self._rng.paretovariate(self.alpha) / 2 ** (1 / self.alpha)
+        await asyncio.sleep(min(self.max_latency_s, delay))
+
+
 class SlowCalculatorEnv(CalculatorEnv):
-    """The calculator with a long-tailed tool latency, like sandboxes and search engines have:
-    each call sleeps `latency_s × Pareto(alpha)` (median ≈ latency_s, a heavy tail of slow calls).
-    Used by `agentrl bench async` to show what bounded staleness buys."""
+    """The calculator whose tool calls take a `ParetoLatency`. Used by `agentrl bench async` to
+    show what bounded staleness buys."""
 
     def __init__(
         self, latency_s: float = 0.2, alpha: float = 1.5, max_latency_s: float = 10.0, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        self.latency_s, self.alpha, self.max_latency_s = latency_s, alpha, max_latency_s
-        self._rng = random.Random()
+        self.latency = ParetoLatency(latency_s, alpha, max_latency_s)
 
     @tool
     async def calculator(self, expression: str) -> str:
@@ -145,10 +157,7 @@ class SlowCalculatorEnv(CalculatorEnv):
         Args:
             expression: The expression, e.g. "347 * 29 + 18".
         """
-        delay = min(
-            self.max_latency_s, self.latency_s * self._rng.paretovariate(self.alpha) / 2 ** (1 / self.alpha)
-        )
-        await asyncio.sleep(delay)
+        await self.latency.sleep()
         return str(safe_eval(expression))
 
 
@@ -257,20 +266,17 @@ class LookupEnv(Env):
 
 
 class SlowLookupEnv(LookupEnv):
-    """The lookup env with a long-tailed lookup latency (`latency_s × Pareto(alpha)`, median
-    ≈ latency_s), as sandboxes and search engines have. `agentrl bench async` runs it with the
-    quickstart's model, so each k's samples/s and final reward are both measured."""
+    """The lookup env whose lookups take a `ParetoLatency`. `agentrl bench async` runs it with
+    the quickstart's model, so each k's samples/s and final reward are both measured."""
 
     def __init__(
         self, latency_s: float = 0.2, alpha: float = 1.5, max_latency_s: float = 10.0, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        self.latency_s, self.alpha, self.max_latency_s = latency_s, alpha, max_latency_s
-        self._rng = random.Random()
+        self.latency = ParetoLatency(latency_s, alpha, max_latency_s)
 
     async def step(self, action_text: str) -> StepResult:
         result = super().step(action_text)
         if not result.done:  # a lookup (or a malformed action): the tool takes its time
-            delay = self.latency_s * self._rng.paretovariate(self.alpha) / 2 ** (1 / self.alpha)
-            await asyncio.sleep(min(self.max_latency_s, delay))
+            await self.latency.sleep()
         return result
