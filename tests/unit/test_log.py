@@ -136,17 +136,21 @@ def wandb_records(path: Path) -> Iterator:
             pending = b""
 
 
-def test_wandb_offline_sink_records_the_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("wandb", reason="wandb not installed (pip install 'agentrl[wandb]')")
-    import json
-
-    import wandb
-
+def _offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The wandb module in offline mode with its files under `tmp_path` (skips if not installed)."""
+    wandb = pytest.importorskip("wandb", reason="wandb not installed (pip install 'agentrl[wandb]')")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     for var, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
                        "WANDB_CONFIG_DIR": str(tmp_path / "cfg"), "WANDB_CACHE_DIR": str(tmp_path / "cache"),
                        "WANDB_DATA_DIR": str(tmp_path / "data")}.items():  # fmt: skip
         monkeypatch.setenv(var, value)
+    return wandb
+
+
+def test_wandb_offline_sink_records_the_history(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    wandb = _offline_wandb(tmp_path, monkeypatch)
     run_dir = tmp_path / "run"
     try:
         logger = MetricsLogger(run_dir, wandb_project="agentrl-test")
@@ -184,14 +188,7 @@ def test_loggers_share_one_namespace() -> None:
 def test_wandb_run_continues_when_the_run_directory_is_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("wandb", reason="wandb not installed (pip install 'agentrl[wandb]')")
-    import wandb
-
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    for var, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
-                       "WANDB_CONFIG_DIR": str(tmp_path / "cfg"), "WANDB_CACHE_DIR": str(tmp_path / "cache"),
-                       "WANDB_DATA_DIR": str(tmp_path / "data")}.items():  # fmt: skip
-        monkeypatch.setenv(var, value)
+    wandb = _offline_wandb(tmp_path, monkeypatch)
     run_dir = tmp_path / "run"
     try:
         for step in (1, 2):  # a run, then its --resume in the same run directory
