@@ -80,3 +80,24 @@ def run_agentrl(*args: str, timeout: float = 120, env: dict | None = None) -> su
         cwd=REPO,
         env={**os.environ, **(env or {})},
     )
+
+
+def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 240) -> None:
+    """Run `script args` as `nproc` local ranks under torchrun (one intra-op thread each, a free
+    port); fails the test with the ranks' stderr if any rank fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={find_free_port()}", "--master_addr=127.0.0.1", script, *args]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def end_rank() -> None:
+    """How a torchrun rank script ends: torch.distributed processes sometimes abort at exit after
+    their work is done, so leave the group, flush, and exit without the interpreter's teardown."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

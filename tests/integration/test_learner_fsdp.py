@@ -11,21 +11,19 @@ This file is also the worker: `torchrun ... test_learner_fsdp.py OUT_DIR MODEL_P
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import end_rank, run_torchrun
+
 CONFIG = dict(groups_per_step=3, max_steps=2, micro_batch_tokens=48, lr=1e-3, off_policy="decoupled",
               kl_coef=0.05, entropy_coef=0.01, loss_agg="seq_mean_token_mean", advantage="rloo")  # fmt: skip
 
 
 def worker(out_dir: str, model_path: str) -> None:
     import torch
-    import torch.distributed as dist
 
     from agentrl.config import LearnerConfig
     from agentrl.learner.fsdp import full_state_dict
@@ -39,18 +37,11 @@ def worker(out_dir: str, model_path: str) -> None:
     if learner.rank == 0:
         torch.save(state, Path(out_dir) / "weights.pt")
         (Path(out_dir) / "result.json").write_text(json.dumps({"world": learner.world_size}))
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_rank()
 
 
-def _torchrun(nproc: int, out: Path, model: Path, port: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-           "--master_addr=127.0.0.1", __file__, str(out), str(model)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def _torchrun(nproc: int, out: Path, model: Path) -> None:
+    run_torchrun(__file__, nproc, str(out), str(model))
     assert json.loads((out / "result.json").read_text())["world"] == nproc
 
 
@@ -59,10 +50,8 @@ def _torchrun(nproc: int, out: Path, model: Path, port: int) -> None:
 def test_two_rank_fsdp_update_equals_one_rank(tiny_model, tmp_path):
     import torch
 
-    from tests.conftest import find_free_port
-
-    _torchrun(1, tmp_path / "one", tiny_model, find_free_port())
-    _torchrun(2, tmp_path / "two", tiny_model, find_free_port())
+    _torchrun(1, tmp_path / "one", tiny_model)
+    _torchrun(2, tmp_path / "two", tiny_model)
     one = torch.load(tmp_path / "one" / "weights.pt")
     two = torch.load(tmp_path / "two" / "weights.pt")
     from safetensors.torch import load_file

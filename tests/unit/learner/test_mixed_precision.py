@@ -14,8 +14,6 @@ This file is also the torchrun worker: `torchrun ... test_mixed_precision.py OUT
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,9 +27,9 @@ from agentrl.learner.loop import build_learner, run
 from agentrl.learner.packing import plan_microbatches
 from agentrl.learner.train_step import forward_logprobs, microbatch_loss
 from agentrl.log import MetricsLogger, read_metrics
+from tests.conftest import end_rank, run_torchrun
 from tests.unit.learner.source import ListSource, make_groups
 
-REPO = Path(__file__).resolve().parents[3]
 LR = 1e-3
 
 
@@ -173,8 +171,6 @@ MULTI = dict(groups_per_step=3, max_steps=1, micro_batch_tokens=48, off_policy="
 
 
 def worker(out_dir: str, model_path: str) -> None:
-    import torch.distributed as dist
-
     learner = build_learner(_cfg(model_path, "bfloat16", **MULTI), out_dir)
     seen: list[torch.dtype] = []
     learner.model.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
@@ -187,18 +183,11 @@ def worker(out_dir: str, model_path: str) -> None:
         torch.save(state, Path(out_dir) / "weights.pt")
         result = {"world": learner.world_size, "dtypes": sorted({str(d) for d in seen})}
         (Path(out_dir) / "result.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_rank()
 
 
-def _torchrun(nproc: int, out: Path, model: Path, port: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-           "--master_addr=127.0.0.1", __file__, str(out), str(model)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def _torchrun(nproc: int, out: Path, model: Path) -> dict:
+    run_torchrun(__file__, nproc, str(out), str(model))
     result = json.loads((out / "result.json").read_text())
     assert result == {"world": nproc, "dtypes": ["torch.bfloat16"]}
     return read_metrics(out / "metrics.jsonl")[-1]
@@ -208,10 +197,8 @@ def _torchrun(nproc: int, out: Path, model: Path, port: int) -> dict:
 def test_two_rank_bf16_update_equals_one_rank(tiny_model, tmp_path):
     from safetensors.torch import load_file
 
-    from tests.conftest import find_free_port
-
-    m1 = _torchrun(1, tmp_path / "one", tiny_model, find_free_port())
-    m2 = _torchrun(2, tmp_path / "two", tiny_model, find_free_port())
+    m1 = _torchrun(1, tmp_path / "one", tiny_model)
+    m2 = _torchrun(2, tmp_path / "two", tiny_model)
     one = torch.load(tmp_path / "one" / "weights.pt")
     two = torch.load(tmp_path / "two" / "weights.pt")
     initial = load_file(tiny_model / "model.safetensors")
@@ -222,10 +209,6 @@ def test_two_rank_bf16_update_equals_one_rank(tiny_model, tmp_path):
     shared = {k: v for k, v in initial.items() if k in one}
     assert len(shared) > 10
     _compare_updates(two, one, shared)
-
-
-if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
 
 
 def test_full_tensors_are_fp32_even_right_after_a_no_grad_forward(tiny_model, tmp_path):
@@ -240,3 +223,7 @@ def test_full_tensors_are_fp32_even_right_after_a_no_grad_forward(tiny_model, tm
         for mb in _plan(learner, make_groups(1, seed=6)):
             forward_logprobs(learner.model, mb)
     assert {t.dtype for t in full_state_dict(learner.model).values()} == {torch.float32}
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])
