@@ -101,3 +101,12 @@ def end_rank() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this PID exists (a child that was waited for does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

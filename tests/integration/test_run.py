@@ -15,7 +15,7 @@ import pytest
 
 from agentrl.launcher import staleness
 from agentrl.log import read_metrics
-from tests.conftest import REPO, find_free_port, run_agentrl
+from tests.conftest import REPO, find_free_port, pid_alive, run_agentrl
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -58,14 +58,6 @@ def _child_pids(output: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\S+) \(pid (\d+)\)", output)}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_a_dying_child_stops_the_run_and_is_named(tiny_model: Path, tmp_path: Path) -> None:
     # the roller dies at start-up (its env cannot be built); the learner and server must go too
     (tmp_path / "broken_env.py").write_text(
@@ -82,7 +74,7 @@ def test_a_dying_child_stops_the_run_and_is_named(tiny_model: Path, tmp_path: Pa
     assert "roller0 exited with code" in result.stderr
     pids = _child_pids(result.stderr)
     assert {"server0", "learner", "roller0"} <= set(pids)
-    assert not any(_alive(pid) for pid in pids.values())  # no orphans
+    assert not any(pid_alive(pid) for pid in pids.values())  # no orphans
 
 
 def test_sigterm_stops_every_child(tiny_model: Path, tmp_path: Path) -> None:
@@ -105,4 +97,4 @@ def test_sigterm_stops_every_child(tiny_model: Path, tmp_path: Path) -> None:
     assert proc.returncode == 130
     pids = _child_pids(stderr)
     assert {"server0", "learner", "roller0"} <= set(pids)
-    assert not any(_alive(pid) for pid in pids.values())
+    assert not any(pid_alive(pid) for pid in pids.values())

@@ -12,17 +12,10 @@ from pathlib import Path
 import pytest
 
 from agentrl.launcher import Supervisor
+from tests.conftest import pid_alive
 
 # a child that ignores SIGTERM, as a process stuck in a collective might
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _started(supervisor: Supervisor, names: list[str]) -> list[int]:
@@ -43,7 +36,7 @@ def test_a_second_stop_signal_kills_the_remaining_children(tmp_path: Path) -> No
     timer.start()
     supervisor.stop_all()
     timer.join()
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
     assert signal.getsignal(signal.SIGTERM) is previous  # the cleanup's handler is gone again
 
 
@@ -52,4 +45,4 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path: Path
     supervisor = Supervisor(tmp_path, stop_timeout_s=0.5)
     pids = _started(supervisor, ["a", "b"])
     supervisor.stop_all()
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
