@@ -163,14 +163,16 @@ def _drain(consumer: Any, count: int, batch: int, proc: subprocess.Popen) -> tup
     return _rate(first, last, nbytes), (count - first_n) / max(last - first, 1e-9)
 
 
-def bench_ours(size: int, count: int) -> tuple[float, float]:
+def bench_ours(size: int, count: int, nixl: bool = False) -> tuple[float, float]:
+    """Our queue (array payloads over NIXL with `nixl`), hosted in this process like the learner's."""
     from agentrl.config import ZmqQueueConfig
     from agentrl.queue import create
 
-    backend = create(ZmqQueueConfig(address="tcp://127.0.0.1:*", capacity_groups=8192, auth=_auth()))
+    config = ZmqQueueConfig(address="tcp://127.0.0.1:*", capacity_groups=8192, auth=_auth(), nixl=nixl)
+    backend = create(config)
     server = backend.server(groups_per_step=1, max_staleness=0).start()
     consumer = backend.consumer("bench", server=server)
-    proc = _spawn("ours", server.endpoint, size, count)
+    proc = _spawn("nixl" if nixl else "ours", server.endpoint, size, count)
     try:
         return _drain(consumer, count, max(1, min(512, (8 << 20) // size)), proc)
     finally:
@@ -363,9 +365,9 @@ def _run_baselines(opts: Any, sizes: list[int], results: dict, skipped: dict[str
         skipped["nixl"] = "--no-nixl"
     else:
         try:
-            from agentrl.queue.nixl_transport import bench_nixl
-
-            results["nixl"] = {s: bench_nixl(s, _count(s, opts.total_mib, opts.small_groups)) for s in big}
+            results["nixl"] = {
+                s: bench_ours(s, _count(s, opts.total_mib, opts.small_groups), nixl=True) for s in big
+            }
             names.append("nixl")
         except Exception as exc:
             skipped["nixl"] = f"{type(exc).__name__}: {exc}"

@@ -130,22 +130,4 @@ class NixlReader:
         return done
 
 
-def bench_nixl(size: int, count: int) -> tuple[float, float]:
-    """Throughput of the NIXL path, measured like the other rows of `agentrl bench queue`."""
-    from agentrl.bench.queue import _drain, _spawn
-    from agentrl.config import ZmqQueueConfig
-    from agentrl.queue import create
-
-    backend = create(ZmqQueueConfig(address="tcp://127.0.0.1:*", capacity_groups=8192, nixl=True))
-    server = backend.server(groups_per_step=1, max_staleness=0).start()
-    consumer = backend.consumer("bench", server=server)
-    proc = _spawn("nixl", server.endpoint, size, count)
-    try:
-        return _drain(consumer, count, max(1, min(512, (8 << 20) // size)), proc)
-    finally:
-        proc.wait()
-        consumer.close()
-        server.stop()
-
-
-__all__ = ["NixlProducer", "NixlReader", "bench_nixl", "encode_group"]
+__all__ = ["NixlProducer", "NixlReader", "encode_group"]
