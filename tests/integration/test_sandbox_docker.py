@@ -207,24 +207,28 @@ async def test_dockerfiles_build_without_a_registry(docker_host: str, swe_base: 
         assert "1 passed" in passing.stdout
 
 
+def build_task_image(docker_host: str, swe_base: str, repo_dir: str | Path, context: Path, tag: str) -> None:
+    """A task's own image, as SWE-bench ships them: the base image with the repository at /testbed."""
+    import docker
+
+    shutil.copytree(repo_dir, context / "repo")
+    (context / "Dockerfile").write_text(f"FROM {swe_base}\nCOPY repo/ /testbed/\nWORKDIR /testbed\n")
+    client = docker.DockerClient(base_url=docker_host)
+    try:
+        client.images.build(path=str(context), tag=tag, rm=True)
+    finally:
+        client.close()
+
+
 async def test_swe_task_graded_in_its_own_image(docker_host: str, swe_base: str, tmp_path: Path) -> None:
     """A synthetic task baked into an image FROM the SWE base: the right patch scores 1, none 0."""
     import dataclasses
-
-    import docker
 
     from agentrl.envs.swe.grading import grade_patch
     from agentrl.envs.swe.synthetic import generate
 
     [task] = generate(tmp_path / "tasks", 1, seed=5)
-    context = tmp_path / "task-image"
-    shutil.copytree(task.repo_dir, context / "repo")
-    (context / "Dockerfile").write_text(f"FROM {swe_base}\nCOPY repo/ /testbed/\nWORKDIR /testbed\n")
-    client = docker.DockerClient(base_url=docker_host)
-    try:
-        client.images.build(path=str(context), tag="agentrl/task-test:1", rm=True)
-    finally:
-        client.close()
+    build_task_image(docker_host, swe_base, task.repo_dir, tmp_path / "task-image", "agentrl/task-test:1")
     in_image = dataclasses.replace(task, image="agentrl/task-test:1", repo_dir=None, workdir="/testbed")
     sandbox = config(docker_host, memory_mb=256)
     assert (await grade_patch(sandbox, in_image, task.patch, timeout=60)).reward == 1.0

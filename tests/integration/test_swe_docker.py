@@ -5,7 +5,6 @@ this module starts (the fixtures of test_sandbox_docker; skips with their reason
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from agentrl.config import EnvConfig
 from agentrl.envs.base import Transcript, resolve
 from agentrl.envs.registry import env_factory
 from agentrl.envs.swe.env import SWEEnv, parse_patch
-from tests.integration.test_sandbox_docker import docker_host, swe_base  # noqa: F401  (fixtures)
+from tests.integration.test_sandbox_docker import build_task_image, docker_host, swe_base  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -24,17 +23,10 @@ def call(name: str, **arguments) -> str:
 
 
 async def test_swe_env_in_task_images(docker_host: str, swe_base: str, tmp_path: Path) -> None:  # noqa: F811
-    import docker
-
     task = SWEEnv.generate_tasks(1, seed=9, out_dir=str(tmp_path / "tasks"))[0]
-    context = tmp_path / "task-image"
-    shutil.copytree(task["repo_dir"], context / "repo")
-    (context / "Dockerfile").write_text(f"FROM {swe_base}\nCOPY repo/ /testbed/\nWORKDIR /testbed\n")
-    client = docker.DockerClient(base_url=docker_host)
-    try:
-        client.images.build(path=str(context), tag="agentrl/swe-env-task:1", rm=True)
-    finally:
-        client.close()
+    build_task_image(
+        docker_host, swe_base, task["repo_dir"], tmp_path / "task-image", "agentrl/swe-env-task:1"
+    )
     in_image = {**task, "image": "agentrl/swe-env-task:1", "repo_dir": None, "workdir": "/testbed"}
     sandbox = {"type": "docker", "docker_host": docker_host, "memory_mb": 256, "timeout_s": 30}
     make_env = env_factory(EnvConfig(name="swe", sandbox=sandbox, tool_timeout_s=5))
