@@ -30,6 +30,13 @@ from agentrl.types import Group
 DROP_REASONS = (None, "stale", "skipped")
 """`Consumer.ack(..., dropped=)`: trained on, or dropped as too stale / in a step the learner skipped."""
 
+
+def check_drop_reason(dropped: str | None) -> None:
+    """Refuse an `ack(dropped=...)` reason the queue would not count."""
+    if dropped not in DROP_REASONS:
+        raise ValueError(f"dropped must be one of {DROP_REASONS}, got {dropped!r}")
+
+
 if TYPE_CHECKING:
     from agentrl.config import RedisQueueConfig, ZmqQueueConfig
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from agentrl.queue.base import DROP_REASONS, Backend, Batch, Consumer, Producer
+from agentrl.queue.base import Backend, Batch, Consumer, Producer, check_drop_reason
 from agentrl.types import Group, decode_group, encode_group
 
 POLL_S = 0.02
@@ -274,8 +274,7 @@ class RedisConsumer(Consumer):
         pipe.execute()
 
     def ack(self, group_ids: list[str], dropped: str | None = None) -> None:
-        if dropped not in DROP_REASONS:
-            raise ValueError(f"dropped must be one of {DROP_REASONS}, got {dropped!r}")
+        check_drop_reason(dropped)
         self._remove(list(group_ids), dropped)
 
     def publish_version(self, version: int) -> None:

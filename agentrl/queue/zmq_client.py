@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
-from agentrl.queue.base import DROP_REASONS, Backend, Batch, Consumer, Producer, QueueError
+from agentrl.queue.base import Backend, Batch, Consumer, Producer, QueueError, check_drop_reason
 from agentrl.queue.frames import pack, unpack
 from agentrl.types import Group, decode_group, encode_group
 
@@ -308,8 +308,7 @@ class ZmqConsumer(Consumer):
 
     def ack(self, group_ids: list[str], dropped: str | None = None) -> None:
         """Trained on (or dropped for `dropped` = "stale" / "skipped"): the queue forgets these groups."""
-        if dropped not in DROP_REASONS:
-            raise ValueError(f"dropped must be one of {DROP_REASONS}, got {dropped!r}")
+        check_drop_reason(dropped)
         if group_ids:
             self._call({"k": "ack", "ids": list(group_ids), "drop": dropped})
             self._held.difference_update(group_ids)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from agentrl.queue.base import DROP_REASONS
 from agentrl.queue.frames import pack
 from agentrl.types import Group
 
@@ -161,7 +162,7 @@ class Delivery:
                 self._forget(entry)
                 done.append(gid)
         reason = ctl.get("drop")
-        if done and reason in ("stale", "skipped"):
+        if done and reason is not None and reason in DROP_REASONS:
             self.counters[f"dropped_{reason}"] += len(done)
             self.started = max(0, self.started - len(done))
             self._grant_acqs()
