@@ -131,11 +131,20 @@ def test_many_producers_many_consumers_no_loss_no_duplicate(
         _start_server(processes, free_port, tmp_path / "server.log")
     else:
         address = _start_redis(processes, free_port)
+    outs = [tmp_path / f"got{j}" for j in range(2)]
+    consumers = [_worker(processes, "consumer", address, f"rank{j}", str(outs[j]), "10") for j in range(2)]
+    # a consumer opens its output file once it has joined the queue; start producing only when
+    # both have, or the first one up could drain everything before the other one asks (each
+    # waits 10 s for data before it quits: room for the producers to start on a loaded machine)
+    deadline = time.monotonic() + 60
+    while not all(o.exists() for o in outs):
+        assert all(c.poll() is None for c in consumers) and time.monotonic() < deadline, (
+            "a consumer did not start"
+        )
+        time.sleep(0.05)
     producers = [
         _worker(processes, "producer", address, f"p{i}", "60", str(tmp_path / f"acked{i}")) for i in range(3)
     ]
-    outs = [tmp_path / f"got{j}" for j in range(2)]
-    consumers = [_worker(processes, "consumer", address, f"rank{j}", str(outs[j]), "4") for j in range(2)]
     for proc in producers + consumers:
         assert proc.wait(timeout=120) == 0
     got = Counter(_lines(outs))
