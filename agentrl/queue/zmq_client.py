@@ -34,7 +34,7 @@ from agentrl.types import Group, decode_group, encode_group
 
 log = get_logger("queue.client")
 
-COALESCE_BYTES = 1 << 20
+COALESCE_BYTES = 256 << 10
 COALESCE_GROUPS = 512
 PING_S = 0.5
 SILENT_WARN_S = 30.0

@@ -18,7 +18,10 @@ What the loop does each turn (`_loop`):
 2. expire leases (unacked groups go back to the queue) and answer `get`s whose deadline
    passed;
 3. commit the write-ahead log, then send the replies — so a producer's ack always
-   follows the WAL write of its group.
+   follows the WAL write of its group. Without fsync, puts are acked after each message
+   instead (commit, then send), so a producer refills its window while the next message is
+   decoded rather than waiting for the whole turn; with `wal_fsync` the turn's writes share
+   one fsync.
 
 Flow control: queued plus handed-out groups stay within `capacity_groups` and
 `capacity_bytes`; a put that does not fit is held unanswered until room frees up, so
@@ -46,7 +49,7 @@ from agentrl.queue.auth import Authenticator, AuthError, load_secret
 from agentrl.queue.frames import unpack
 from agentrl.queue.wal import MAX_REMEMBERED_ACKS, WriteAheadLog
 from agentrl.queue.zmq_delivery import _NO_VERSION, Delivery, _Entry, _Get
-from agentrl.types import WireError, decode_group, decoded_min_version
+from agentrl.types import Group, WireError, decode_groups
 
 log = get_logger("queue.server")
 
@@ -156,13 +159,13 @@ class QueueServer(Delivery):
         found = self.wal.recover()
         self._acked = found.acked
         self.version, self.started = found.version, found.started
-        for gid, frames in found.groups.items():
-            group = decode_group(frames, max_bytes=self.config.max_message_bytes)
+        decoded = decode_groups(list(found.groups.values()), max_bytes=self.config.max_message_bytes)
+        for (gid, frames), result in zip(found.groups.items(), decoded, strict=True):
+            if isinstance(result, WireError):  # the WAL checksums records, so this is a version skew
+                raise result
             self._seq += 1
             nbytes = sum(map(len, frames[1:]))
-            self._store(
-                _Entry(gid, frames, nbytes, decoded_min_version(group), self._seq, time.time(), group)
-            )
+            self._store(_Entry(gid, frames, nbytes, result[1], self._seq, time.time(), result[0]))
         log.info("WAL: recovered %d unacked groups, version %d", len(self._queued), self.version)
 
     def _run(self) -> None:
@@ -203,6 +206,8 @@ class QueueServer(Delivery):
                         break
                     with self._lock:
                         self._handle(sock, msg)
+                    if self._put_acks and (self.wal is None or not self.wal.fsync):
+                        self._commit_and_flush()  # ack now: the producer refills while we go on
             with self._lock:
                 if self._nixl is not None and self._nixl.pending:
                     self._finish_nixl_reads()
@@ -263,6 +268,12 @@ class QueueServer(Delivery):
         ctl["e"], ctl["v"] = self.epoch, self.version
         self._replies.append((sock, ident, ctl, frames or []))
 
+    def _commit_and_flush(self) -> None:
+        if self.wal is not None:
+            with self._lock:
+                self.wal.commit()
+        self._flush()
+
     def _flush(self) -> None:
         with self._lock:
             for (sock, ident), rids in self._put_acks.items():
@@ -282,38 +293,58 @@ class QueueServer(Delivery):
         payload = unpack(ctl["lens"], ctl["segs"], payload)
         if sum(int(item[2]) for item in items) != len(payload):
             raise WireError("put: frame counts do not add up to the payload")
-        pos = 0
+        todo, pos = [], 0
         for rid, gid, nframes in items:
-            self._put_one(sock, ident, rid, gid, payload[pos : pos + nframes])
+            frames = payload[pos : pos + nframes]
             pos += nframes
+            if self._is_known(gid):
+                self._duplicate(sock, ident, rid)
+            elif self._fits(sock, ident, rid, frames):
+                todo.append((rid, gid, frames))
+        decoded = decode_groups([frames for _, _, frames in todo], max_bytes=self.config.max_message_bytes)
+        for (rid, gid, frames), result in zip(todo, decoded, strict=True):
+            self._put_one(sock, ident, rid, gid, frames, result)
         self._serve_gets()
 
     def _is_known(self, gid: str) -> bool:
         return gid in self._acked or gid in self._queued or gid in self._inflight or gid in self._parked_ids
 
-    def _put_one(self, sock: zmq.Socket, ident: bytes, rid: int, gid: str, frames: list[Any]) -> None:
-        """Validate one group and store it, hold it back while full, or refuse it with a reason."""
-        if self._is_known(gid):
-            self.counters["duplicates"] += 1
-            self._put_acks.setdefault((sock, ident), []).append(rid)
-            return
+    def _duplicate(self, sock: zmq.Socket, ident: bytes, rid: int) -> None:
+        self.counters["duplicates"] += 1
+        self._put_acks.setdefault((sock, ident), []).append(rid)
+
+    def _fits(self, sock: zmq.Socket, ident: bytes, rid: int, frames: list[Any]) -> bool:
         nbytes = sum(map(len, frames[1:]))
-        if nbytes > self.config.max_message_bytes:
-            self.counters["refused_oversize"] += 1
-            msg = f"group of {nbytes} bytes exceeds queue.max_message_bytes={self.config.max_message_bytes}"
-            self._reply(sock, ident, {"k": "err", "rid": rid, "msg": msg})
+        if nbytes <= self.config.max_message_bytes:
+            return True
+        self.counters["refused_oversize"] += 1
+        msg = f"group of {nbytes} bytes exceeds queue.max_message_bytes={self.config.max_message_bytes}"
+        self._reply(sock, ident, {"k": "err", "rid": rid, "msg": msg})
+        return False
+
+    def _put_one(
+        self,
+        sock: zmq.Socket,
+        ident: bytes,
+        rid: int,
+        gid: str,
+        frames: list[Any],
+        decoded: tuple[Group, int] | WireError,
+    ) -> None:
+        """Store one decoded group, hold it back while full, or refuse it with a reason."""
+        if self._is_known(gid):  # e.g. twice in one message
+            self._duplicate(sock, ident, rid)
             return
-        try:
-            group = decode_group(frames, max_bytes=self.config.max_message_bytes)
-            if group.group_id != gid:
-                raise WireError(f"put: header group_id {group.group_id!r} differs from {gid!r}")
-        except WireError as exc:
+        if not isinstance(decoded, WireError) and decoded[0].group_id != gid:
+            decoded = WireError(f"put: header group_id {decoded[0].group_id!r} differs from {gid!r}")
+        if isinstance(decoded, WireError):
             self.counters["refused_corrupt"] += 1
-            self._reply(sock, ident, {"k": "err", "rid": rid, "msg": str(exc)})
+            self._reply(sock, ident, {"k": "err", "rid": rid, "msg": str(decoded)})
             return
         self._seq += 1
-        entry = _Entry(gid, frames, nbytes, decoded_min_version(group), self._seq, time.time(), group)
-        if self._has_room(nbytes) and not self._parked:
+        group, min_version = decoded
+        entry = _Entry(gid, frames, sum(map(len, frames[1:])), min_version, self._seq, time.time(), group)
+        if self._has_room(entry.nbytes) and not self._parked:
             self._accept(sock, ident, rid, entry)
         else:
             self._parked.append((sock, ident, rid, entry))
@@ -326,8 +357,7 @@ class QueueServer(Delivery):
         if self._is_known(ctl["gid"]) or ctl["gid"] in self._nixl_busy:
             if not self._is_known(ctl["gid"]):
                 return  # a re-send while its read is under way: the read's ack answers it
-            self.counters["duplicates"] += 1
-            self._put_acks.setdefault((sock, ident), []).append(ctl["rid"])
+            self._duplicate(sock, ident, ctl["rid"])
             return
         if sum(int(n) for _, n in ctl["descs"]) > self.config.max_message_bytes:
             self.counters["refused_oversize"] += 1
@@ -346,7 +376,9 @@ class QueueServer(Delivery):
                 self._reply(sock, ident, {"k": "err", "rid": ctl["rid"], "msg": f"NIXL read failed: {error}"})
             else:
                 self.counters["nixl_reads"] += 1
-                self._put_one(sock, ident, ctl["rid"], ctl["gid"], frames)
+                if self._fits(sock, ident, ctl["rid"], frames):
+                    (decoded,) = decode_groups([frames], max_bytes=self.config.max_message_bytes)
+                    self._put_one(sock, ident, ctl["rid"], ctl["gid"], frames, decoded)
         self._serve_gets()
 
     def _has_room(self, nbytes: int) -> bool:

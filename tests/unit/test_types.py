@@ -17,6 +17,7 @@ from agentrl.types import (
     Group,
     WireError,
     decode_group,
+    decode_groups,
     decoded_min_version,
     encode_group,
 )
@@ -239,6 +240,76 @@ def test_bit_flips_in_a_valid_message_are_refused_or_decode_cleanly(data: st.Dat
 def test_the_servers_min_version_agrees_with_the_group(eps: list[Episode]) -> None:
     group = decode_group([bytes(f) for f in encode_group(Group(eps))])
     assert decoded_min_version(group) == Group(eps).min_version
+
+
+def _corrupt(frames: list[bytes], how: int) -> list[bytes]:
+    """Frames of a group broken in one of three ways only a value or length check catches."""
+    frames = list(frames)
+    i = 1 + 4 * (len(frames) // 4 - 1)  # the last episode's tokens frame
+    if how == 0:
+        frames[i + 1] = bytes([2]) + frames[i + 1][1:]  # loss_mask 2
+    elif how == 1:
+        frames[i + 3] = np.full(len(frames[i + 3]) // 4, -2, np.int32).tobytes()  # version -2
+    else:
+        frames[i] = frames[i][:-4]  # tokens cut short
+    return frames
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.lists(episodes(), max_size=4), max_size=8),
+    st.sets(st.integers(0, 7)),
+    st.integers(0, 2),
+    st.sampled_from([1 << 14, 8]),
+)
+def test_decoding_many_groups_at_once_agrees_with_one_at_a_time(
+    groups: list[list[Episode]], bad: set[int], how: int, short: int
+) -> None:
+    """Every group decodes, or fails with the message `decode_group` gives, whatever its
+    neighbours hold; episodes longer than SHORT_EPISODE (patched to 8: both paths) too."""
+    import agentrl.types as types
+
+    messages = []
+    for g, eps in enumerate(groups):
+        frames = [bytes(f) for f in encode_group(Group(eps))]
+        broken = g in bad and eps and any(len(e.tokens) for e in eps[-1:])
+        messages.append(_corrupt(frames, how) if broken else frames)
+    saved, types.SHORT_EPISODE = types.SHORT_EPISODE, short
+    try:
+        results = decode_groups(messages)
+    finally:
+        types.SHORT_EPISODE = saved
+    assert len(results) == len(messages)
+    for frames, result in zip(messages, results, strict=True):
+        try:
+            expected = decode_group(frames)
+        except WireError as exc:
+            assert isinstance(result, WireError) and str(result) == str(exc)
+            continue
+        group, min_version = result
+        assert group.group_id == expected.group_id and min_version == decoded_min_version(expected)
+        assert min_version == Group(expected.episodes).min_version
+        for a, b in zip(group.episodes, expected.episodes, strict=True):
+            for name, _ in ARRAY_FIELDS:
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+def test_decoding_many_groups_keeps_each_groups_oldest_token_its_own() -> None:
+    """The oldest generated token sits at a group's first or last position, or next to an
+    older masked one: the batched reduction must not move it across a group boundary."""
+
+    def group(*eps: tuple[list[int], list[int]]) -> list[bytes]:
+        episodes = [Episode(np.zeros(len(v)), np.array(m), np.zeros(len(v)), np.array(v)) for v, m in eps]
+        return [bytes(f) for f in encode_group(Group(episodes))]
+
+    messages = [
+        group(([5, 9, 9], [1, 1, 1])),
+        group(([9, 9, 1], [1, 1, 1])),
+        group(([0, 7], [0, 1])),
+        group(([], []), ([3], [1])),
+        group(([2, 8], [1, 1]), ([0, 4], [0, 0])),
+    ]
+    assert [r[1] for r in decode_groups(messages)] == [5, 1, 7, 3, 2]
 
 
 def test_min_version_edge_values() -> None:

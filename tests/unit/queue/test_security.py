@@ -77,8 +77,17 @@ def _raw_dealer(address: str) -> tuple[zmq.Context, zmq.Socket]:
 
 def _put(auth: Authenticator, rid: int, gid: str, frames: list[bytes], tamper: bool = False) -> list[bytes]:
     """A put message as a producer builds it (see zmq_client / frames.pack)."""
+    return _put_many(auth, [(rid, gid, frames)], tamper)
+
+
+def _put_many(
+    auth: Authenticator, puts: list[tuple[int, str, list[bytes]]], tamper: bool = False
+) -> list[bytes]:
+    """One put message carrying several groups, as the producer coalesces them."""
+    frames = [f for _, _, group_frames in puts for f in group_frames]
+    items = [[rid, gid, len(group_frames)] for rid, gid, group_frames in puts]
     lens, counts, segments = pack(frames)
-    control = msgpack.packb({"k": "put", "items": [[rid, gid, len(frames)]], "lens": lens, "segs": counts})
+    control = msgpack.packb({"k": "put", "items": items, "lens": lens, "segs": counts})
     segments = [bytes(s) for s in segments]
     mac = auth.sign(control, segments)
     if tamper:  # the payload changes after signing
@@ -136,6 +145,37 @@ def test_unauthenticated_and_corrupt_messages_are_refused(zmq_queue: Harness) ->
     batch = zmq_queue.consumer().get_batch(1, 0, 1, timeout_s=10)
     assert batch.group_ids == [group.group_id]
     assert server.metrics()["groups_in"] == 1
+
+
+def test_a_bad_group_in_a_coalesced_put_is_refused_alone(zmq_queue: Harness) -> None:
+    """Groups of one message are decoded together; one corrupt group (or one sent twice) must
+    not take its neighbours down with it."""
+    zmq_queue.start()
+    ctx, sock = _raw_dealer(zmq_queue.address)
+    right = Authenticator(SECRET.encode())
+    good = [make_group(seed=i) for i in range(3)]
+    frames = [[bytes(f) for f in encode_group(g)] for g in good]
+    bad = make_group(seed=9)
+    bad_frames = [bytes(f) for f in encode_group(bad)]
+    bad_frames[2] = b"\x07" + bad_frames[2][1:]  # a loss_mask of 7
+    puts = [(1, good[0].group_id, frames[0]), (2, bad.group_id, bad_frames), (3, good[1].group_id, frames[1])]
+    puts += [(4, good[0].group_id, frames[0]), (5, good[2].group_id, frames[2])]
+    sock.send_multipart(_put_many(right, puts))
+    answers: dict[int, str] = {}
+    while len(answers) < 5 and sock.poll(5000):
+        mac, control = sock.recv_multipart()
+        right.verify(mac, control)
+        reply = msgpack.unpackb(control)
+        answers.update({rid: reply["k"] for rid in reply.get("rids", [reply.get("rid")])})
+        if reply["k"] == "err":
+            assert "episodes[0].loss_mask: values must be 0 or 1" in reply["msg"]
+    sock.close()
+    ctx.term()
+    assert answers == {1: "ok", 2: "err", 3: "ok", 4: "ok", 5: "ok"}
+    metrics = zmq_queue.server.metrics()
+    assert (metrics["groups_in"], metrics["duplicates"], metrics["refused_corrupt"]) == (3, 1, 1)
+    batch = zmq_queue.consumer().get_batch(3, 0, 1, timeout_s=10)
+    assert sorted(batch.group_ids) == sorted(g.group_id for g in good)
 
 
 def test_in_process_consumer_uses_inproc(zmq_queue: Harness) -> None:
