@@ -401,7 +401,8 @@ def decoded_min_version(group: Group) -> int:
     return _min_version(max((_generated_key(e.versions, e.loss_mask) for e in group.episodes), default=0))
 
 
-SHORT_EPISODE = 1 << 14  # tokens; `decode_groups` checks shorter episodes of all its groups together
+SHORT_EPISODE = 1 << 12  # tokens; `decode_groups` checks shorter episodes of all its groups together
+SHORT_BATCH = 1 << 16  # tokens per concatenation: it stays in cache and off fresh pages
 
 
 def decode_groups(
@@ -410,12 +411,13 @@ def decode_groups(
     """`decode_group` for the groups of one message, each with its `decoded_min_version`.
 
     A group that fails gets its `WireError` in its place; the others are unaffected. The value
-    checks and min versions of all short episodes are done in a handful of vector passes over
-    their concatenation instead of several per episode: for thousands of small groups per
-    second those per-call costs are what the queue server would otherwise spend its time on."""
+    checks and min versions of short episodes are done a few vector passes per batch of them
+    (concatenated) instead of several per episode: for thousands of small groups per second
+    those per-call costs are what the queue server would otherwise spend its time on."""
     results: list[Any] = []
     keys = [0] * len(messages)
-    short: list[tuple[int, list[np.ndarray]]] = []  # (group index, arrays)
+    short: list[tuple[int, list[np.ndarray]]] = []  # (group index, arrays) of the current batch
+    short_tokens = 0
     for g, frames in enumerate(messages):
         try:
             header, episodes = _parse(frames, max_bytes)
@@ -434,26 +436,34 @@ def decode_groups(
                 keys[g] = max(keys[g], _generated_key(arrays[3], arrays[1]))
             elif n:
                 short.append((g, arrays))
-    if short:
-        mask = np.concatenate([arrays[1] for _, arrays in short])
-        versions = np.concatenate([arrays[3] for _, arrays in short])
-        if _MAX_MASK(mask) > 1 or _MIN_VERSION(versions) < -1:
-            _find_bad_values(results, short)  # rare: say which groups, keep the others
-            short = [(g, arrays) for g, arrays in short if not isinstance(results[g], WireError)]
-            if short:
-                mask = np.concatenate([arrays[1] for _, arrays in short])
-                versions = np.concatenate([arrays[3] for _, arrays in short])
-        if short:
-            w = np.subtract(_U32_MAX_MINUS_1, versions.view(np.uint32))
-            w *= mask
-            starts = list(itertools.accumulate((len(arrays[0]) for _, arrays in short[:-1]), initial=0))
-            for (g, _), key in zip(short, np.maximum.reduceat(w, starts).tolist(), strict=True):
-                if key > keys[g]:
-                    keys[g] = key
+                short_tokens += n
+                if short_tokens >= SHORT_BATCH:
+                    _short_keys(short, results, keys)
+                    short, short_tokens = [], 0
+    _short_keys(short, results, keys)
     return [
         item if isinstance(item, WireError) else (_build(*item), _min_version(keys[g]))
         for g, item in enumerate(results)
     ]
+
+
+def _short_keys(short: list[tuple[int, list[np.ndarray]]], results: list[Any], keys: list[int]) -> None:
+    """Check the values of a batch of short episodes and raise their groups' keys."""
+    if not short:
+        return
+    mask = np.concatenate([arrays[1] for _, arrays in short])
+    versions = np.concatenate([arrays[3] for _, arrays in short])
+    if _MAX_MASK(mask) > 1 or _MIN_VERSION(versions) < -1:  # rare: say which groups, keep the others
+        _find_bad_values(results, short)
+        short = [(g, arrays) for g, arrays in short if not isinstance(results[g], WireError)]
+        _short_keys(short, results, keys)
+        return
+    w = np.subtract(_U32_MAX_MINUS_1, versions.view(np.uint32))
+    w *= mask
+    starts = list(itertools.accumulate((len(arrays[0]) for _, arrays in short[:-1]), initial=0))
+    for (g, _), key in zip(short, np.maximum.reduceat(w, starts).tolist(), strict=True):
+        if key > keys[g]:
+            keys[g] = key
 
 
 def _find_bad_values(results: list[Any], short: list[tuple[int, list[np.ndarray]]]) -> None:

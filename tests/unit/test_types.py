@@ -260,13 +260,14 @@ def _corrupt(frames: list[bytes], how: int) -> list[bytes]:
     st.lists(st.lists(episodes(), max_size=4), max_size=8),
     st.sets(st.integers(0, 7)),
     st.integers(0, 2),
-    st.sampled_from([1 << 14, 8]),
+    st.sampled_from([(1 << 12, 1 << 16), (8, 20)]),
 )
 def test_decoding_many_groups_at_once_agrees_with_one_at_a_time(
-    groups: list[list[Episode]], bad: set[int], how: int, short: int
+    groups: list[list[Episode]], bad: set[int], how: int, sizes: tuple[int, int]
 ) -> None:
     """Every group decodes, or fails with the message `decode_group` gives, whatever its
-    neighbours hold; episodes longer than SHORT_EPISODE (patched to 8: both paths) too."""
+    neighbours hold; with SHORT_EPISODE / SHORT_BATCH patched to 8 / 20 tokens, episodes take
+    both paths and short ones are checked in several batches."""
     import agentrl.types as types
 
     messages = []
@@ -274,11 +275,12 @@ def test_decoding_many_groups_at_once_agrees_with_one_at_a_time(
         frames = [bytes(f) for f in encode_group(Group(eps))]
         broken = g in bad and eps and any(len(e.tokens) for e in eps[-1:])
         messages.append(_corrupt(frames, how) if broken else frames)
-    saved, types.SHORT_EPISODE = types.SHORT_EPISODE, short
+    saved = types.SHORT_EPISODE, types.SHORT_BATCH
+    types.SHORT_EPISODE, types.SHORT_BATCH = sizes
     try:
         results = decode_groups(messages)
     finally:
-        types.SHORT_EPISODE = saved
+        types.SHORT_EPISODE, types.SHORT_BATCH = saved
     assert len(results) == len(messages)
     for frames, result in zip(messages, results, strict=True):
         try:
