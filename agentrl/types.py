@@ -215,13 +215,18 @@ def _check_keys(obj: Any, schema: dict[str, type], where: str) -> None:
             raise WireError(f"{where}.{key}: expected {typ.__name__}, got {type(value).__name__}")
 
 
-def _frame_bytes(frame: Any) -> memoryview:
-    """Accept bytes, memoryview or a zmq.Frame (anything exposing the buffer protocol)."""
-    if type(frame) is memoryview and frame.format == "B" and frame.ndim == 1 and frame.contiguous:
-        return frame  # the common case (slices of a received segment): nothing to re-cast
-    buf = getattr(frame, "buffer", frame)
+def byte_view(frame: Any) -> memoryview:
+    """A flat byte view of bytes, a memoryview, a numpy array or a zmq.Frame (anything exposing
+    the buffer protocol); `WireError` for anything else or a strided view."""
+    if type(frame) is not memoryview:
+        try:
+            frame = memoryview(frame)
+        except TypeError as exc:
+            raise WireError(f"frame of type {type(frame).__name__} is not a byte buffer") from exc
+    if frame.format == "B" and frame.ndim == 1 and frame.contiguous:
+        return frame  # the common case: nothing to re-cast
     try:
-        return memoryview(buf).cast("B")
+        return frame.cast("B")
     except TypeError as exc:
         raise WireError(f"frame of type {type(frame).__name__} is not a byte buffer") from exc
 
@@ -292,7 +297,7 @@ def _parse(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[list[np.nd
     arrays' values (`_check_values`)."""
     if not frames:
         raise WireError("empty message: no header frame")
-    header_buf = _frame_bytes(frames[0])
+    header_buf = byte_view(frames[0])
     if len(header_buf) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(header_buf)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
@@ -312,7 +317,7 @@ def _parse(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[list[np.nd
     expected_frames = 1 + _N_FIELDS * len(meta)
     if len(frames) != expected_frames:
         raise WireError(f"expected {expected_frames} frames for {len(meta)} episodes, got {len(frames)}")
-    bufs = [_frame_bytes(f) for f in frames[1:]]
+    bufs = [byte_view(f) for f in frames[1:]]
     total = sum(map(len, bufs))
     if total > max_bytes:
         raise WireError(f"message of {total} bytes exceeds the limit of {max_bytes}")

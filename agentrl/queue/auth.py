@@ -33,6 +33,8 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+from agentrl.types import byte_view
+
 try:
     from cryptography.hazmat.primitives.poly1305 import Poly1305
 except ImportError:  # pragma: no cover - depends on the environment
@@ -64,10 +66,6 @@ def load_secret(env_name: str) -> bytes:
     return value.encode()
 
 
-def _buf(frame: Any) -> memoryview:
-    return memoryview(getattr(frame, "buffer", frame)).cast("B")
-
-
 class Authenticator:
     """Signs and verifies queue messages under one shared secret; `None` secret = no auth."""
 
@@ -83,30 +81,30 @@ class Authenticator:
         return self.secret is not None
 
     def _tag(self, scheme: int, nonce: bytes, control: bytes, payload: Sequence[Any]) -> bytes:
-        lengths = struct.pack(f"<{len(payload) + 1}Q", len(control), *(len(_buf(f)) for f in payload))
+        payload = [byte_view(f) for f in payload]
+        lengths = struct.pack(f"<{len(payload) + 1}Q", len(control), *map(len, payload))
         if scheme == b"G"[0]:
             return self._gmac(nonce, lengths, control, payload)
         if scheme == b"P"[0]:
             if Poly1305 is None:
                 raise AuthError("message signed with Poly1305 but `cryptography` is not installed here")
-            key = hmac.new(self.secret, b"agentrl-queue-poly1305" + nonce, hashlib.sha256).digest()
+            key = hmac.digest(self.secret, b"agentrl-queue-poly1305" + nonce, "sha256")
             mac = Poly1305(key)
         else:
             mac = hmac.new(self.secret, b"agentrl-queue-hmac" + nonce, hashlib.sha256)
         mac.update(lengths)
         mac.update(control)
-        for frame in payload:
-            mac.update(_buf(frame))
+        for view in payload:
+            mac.update(view)
         return mac.finalize() if scheme == b"P"[0] else mac.digest()
 
-    def _gmac(self, nonce: bytes, lengths: bytes, control: bytes, payload: Sequence[Any]) -> bytes:
+    def _gmac(self, nonce: bytes, lengths: bytes, control: bytes, payload: list[memoryview]) -> bytes:
         if AESGCM is None:
             raise AuthError("message signed with GMAC but `cryptography` is not installed here")
-        key = hmac.new(self.secret, b"agentrl-queue-gmac" + nonce, hashlib.sha256).digest()[:16]
+        key = hmac.digest(self.secret, b"agentrl-queue-gmac" + nonce, "sha256")[:16]
         gcm = AESGCM(key)
         tags, index = [lengths, control], 0
-        for frame in payload:
-            view = _buf(frame)
+        for view in payload:
             for start in range(0, len(view), GMAC_CHUNK) if len(view) else ():
                 tags.append(gcm.encrypt(index.to_bytes(12, "little"), b"", view[start : start + GMAC_CHUNK]))
                 index += 1
@@ -125,12 +123,12 @@ class Authenticator:
         """Raise `AuthError` unless `mac_frame` authenticates control + payload."""
         if self.secret is None:
             return
-        mac = bytes(_buf(mac_frame))
+        mac = bytes(byte_view(mac_frame))
         if not mac or mac[0] not in TAG_BYTES:
             raise AuthError("message is not signed (unknown or missing MAC scheme)")
         if len(mac) != 1 + NONCE_BYTES + TAG_BYTES[mac[0]]:
             raise AuthError(f"MAC frame of {len(mac)} bytes is malformed")
         nonce, tag = mac[1 : 1 + NONCE_BYTES], mac[1 + NONCE_BYTES :]
-        expected = self._tag(mac[0], nonce, bytes(_buf(control)), payload)
+        expected = self._tag(mac[0], nonce, bytes(byte_view(control)), payload)
         if not hmac.compare_digest(tag, expected):
             raise AuthError("MAC mismatch: wrong secret or a corrupted message")

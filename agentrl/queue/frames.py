@@ -15,14 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from agentrl.types import WireError
+from agentrl.types import WireError, byte_view
 
 PACK_BELOW = 64 << 10
-
-
-def _view(frame: Any) -> memoryview:
-    view = memoryview(getattr(frame, "buffer", frame))
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def pack(frames: Sequence[Any]) -> tuple[list[int], list[int], list[Any]]:
@@ -32,7 +27,7 @@ def pack(frames: Sequence[Any]) -> tuple[list[int], list[int], list[Any]]:
     segments: list[Any] = []
     small: list[memoryview] = []
     for frame in frames:
-        view = _view(frame)
+        view = byte_view(frame)
         lens.append(len(view))
         if len(view) < PACK_BELOW:
             small.append(view)
@@ -58,7 +53,7 @@ def unpack(lens: Sequence[int], counts: Sequence[int], segments: Sequence[Any]) 
     frames: list[memoryview] = []
     i = 0
     for count, segment in zip(counts, segments, strict=True):
-        view, pos = _view(segment), 0
+        view, pos = byte_view(segment), 0
         for length in lens[i : i + count]:
             if not isinstance(length, int) or length < 0:
                 raise WireError(f"frame length {length!r} is not a size")

@@ -29,6 +29,7 @@ from typing import Any
 import msgpack
 
 from agentrl.log import get_logger
+from agentrl.types import byte_view
 
 log = get_logger("queue.wal")
 
@@ -48,7 +49,7 @@ class Recovered:
 
 
 def _frames_body(gid: str, frames: Sequence[Any]) -> list[Any]:
-    bufs = [memoryview(getattr(f, "buffer", f)).cast("B") for f in frames]
+    bufs = [byte_view(f) for f in frames]
     head = msgpack.packb([gid, [len(b) for b in bufs]])
     return [struct.pack("<I", len(head)), head, *bufs]
 

@@ -56,6 +56,15 @@ log = get_logger("queue.server")
 COALESCE_SLACK = 8 << 20  # a put message may carry several small groups beyond one group's limit
 
 
+def _recv(sock: zmq.Socket) -> list[zmq.Frame]:
+    """`recv_multipart(NOBLOCK, copy=False)` without its getsockopt(RCVMORE) per frame: each
+    frame says whether more follow (the parts of a message arrive together)."""
+    msg = [sock.recv(zmq.NOBLOCK, copy=False)]
+    while msg[-1].more:
+        msg.append(sock.recv(zmq.NOBLOCK, copy=False))
+    return msg
+
+
 class QueueServer(Delivery):
     """The queue's state machine and its socket thread. `start()`, `stop()`, `metrics()`."""
 
@@ -201,7 +210,7 @@ class QueueServer(Delivery):
             for sock in (public, local):
                 for _ in range(512 if sock in events else 0):
                     try:
-                        msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        msg = _recv(sock)
                     except zmq.Again:
                         break
                     with self._lock:
@@ -233,7 +242,7 @@ class QueueServer(Delivery):
         if len(msg) < 3:
             self.counters["refused_corrupt"] += 1
             return
-        ident, mac, control, payload = msg[0].bytes, msg[1], msg[2], msg[3:]
+        ident, mac, control, *payload = msg[0].bytes, *map(memoryview, msg[1:])
         if sum(map(len, payload)) > self.config.max_message_bytes + COALESCE_SLACK:
             self.counters["refused_oversize"] += 1
             return
@@ -246,7 +255,7 @@ class QueueServer(Delivery):
         ctl: Any = None
         try:
             try:
-                ctl = msgpack.unpackb(control.buffer, raw=False)
+                ctl = msgpack.unpackb(control, raw=False)
             except Exception as exc:  # msgpack raises several unrelated types
                 raise WireError(f"control frame is not msgpack: {exc}") from None
             if not isinstance(ctl, dict) or not isinstance(ctl.get("k"), str):
