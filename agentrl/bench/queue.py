@@ -61,7 +61,8 @@ def make_groups(size: int, count: int) -> list[Group]:
 
 
 def _count(size: int, total_mib: int, small_groups: int) -> int:
-    return small_groups if size <= 4 << 10 else max(8, (total_mib << 20) // size)
+    """Groups sent at `size`: at least 32, so the 16 MiB row times more than a handful."""
+    return small_groups if size <= 4 << 10 else max(32, (total_mib << 20) // size)
 
 
 # ------------------------------------------------------------------ producer processes
