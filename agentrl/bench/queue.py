@@ -17,6 +17,11 @@ Ray also keeps the best of `--repeat` runs.
 Ratios are
 ours / baseline (higher is better); `vs_raw_zmq`, `vs_redis`, `vs_ray` and `nixl_vs_zmq`
 are the lowest over payloads >= 1 MiB.
+
+Each raw and ours run also records the CPU both processes spent per MiB (the receiver over
+the timed window, the producer over its sends, imports not counted):
+`metrics.cpu_bound_vs_raw_zmq` = raw's CPU / ours (lowest over >= 1 MiB) is the ratio a
+host whose cores are all busy allows, which is what a 2-core machine running both ends is.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,6 +43,7 @@ from agentrl.types import Episode, Group, encode_group
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 BYTES_PER_TOKEN = 13  # int32 token + uint8 mask + float32 logprob + int32 version
+CPU_MARK = "agentrl-bench-producer-cpu-s="
 
 
 def _label(size: int) -> str:
@@ -60,6 +66,12 @@ def make_groups(size: int, count: int) -> list[Group]:
     return [Group(episodes, group_id=f"{size}-{i}") for i in range(count)]
 
 
+def payload_bytes(size: int) -> int:
+    """The array bytes of one group from `make_groups(size, ...)` (a little under `size`)."""
+    n_eps = 1 if size < 64 << 10 else 8
+    return max(1, size // (BYTES_PER_TOKEN * n_eps)) * BYTES_PER_TOKEN * n_eps
+
+
 def _count(size: int, total_mib: int, small_groups: int) -> int:
     """Groups sent at `size`: at least 32, so the 16 MiB row times more than a handful."""
     return small_groups if size <= 4 << 10 else max(32, (total_mib << 20) // size)
@@ -76,10 +88,12 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
         sock.connect(address)
+        start = time.process_time()
         for group in groups:
             sock.send_multipart(encode_group(group), copy=False)
         sock.close(linger=-1)
         ctx.term()
+        print(f"{CPU_MARK}{time.process_time() - start}", flush=True)
         return
 
     async def run() -> None:
@@ -99,8 +113,10 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
             for group in todo:
                 await producer.put(group)
 
+        start = time.process_time()
         await asyncio.gather(*(roller() for _ in range(256)))
         producer.close()
+        print(f"{CPU_MARK}{time.process_time() - start}", flush=True)
 
     asyncio.run(run())
 
@@ -112,39 +128,63 @@ def _auth() -> str:
 
 def _spawn(kind: str, address: str, size: int, count: int) -> subprocess.Popen:
     args = [sys.executable, "-m", "agentrl.bench.queue", "--worker", kind, address, str(size), str(count)]
-    return subprocess.Popen(args, env=os.environ.copy())
+    return subprocess.Popen(args, env=os.environ.copy(), stdout=subprocess.PIPE, text=True)
 
 
-def _rate(first: float, last: float, bytes_after_first: int) -> float:
-    return bytes_after_first / max(last - first, 1e-9) / 1e6
+def _producer_cpu(proc: subprocess.Popen) -> float | None:
+    """The CPU seconds the producer process reported for its sends (imports not counted)."""
+    out, _ = proc.communicate()
+    marks = [line[len(CPU_MARK) :] for line in out.splitlines() if line.startswith(CPU_MARK)]
+    return float(marks[-1]) if marks else None
+
+
+class Run(NamedTuple):
+    """One timed run: MB/s and groups/s from the first group received to the last, and the
+    CPU both processes spent per MiB (receiver over that window + producer over its sends)."""
+
+    mbps: float
+    groups_per_s: float
+    cpu_us_per_mib: float | None = None
+
+
+def _run(first: float, last: float, groups_after_first: int, size: int, cpu_s: float | None) -> Run:
+    if groups_after_first <= 0:
+        raise ValueError("a run needs at least two groups (or batches): the first one starts the clock")
+    seconds, nbytes = max(last - first, 1e-9), groups_after_first * payload_bytes(size)
+    cpu = None if cpu_s is None else cpu_s / (nbytes / (1 << 20)) * 1e6
+    return Run(nbytes / seconds / 1e6, groups_after_first / seconds, cpu)
 
 
 # ------------------------------------------------------------------ receivers
 
 
-def bench_raw(size: int, count: int) -> tuple[float, float]:
+def bench_raw(size: int, count: int) -> Run:
     import zmq
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.bind("tcp://127.0.0.1:*")
     proc = _spawn("raw", sock.getsockopt_string(zmq.LAST_ENDPOINT), size, count)
-    nbytes, first = 0, 0.0
+    first = cpu_first = 0.0
     for i in range(count):
-        frames = sock.recv_multipart(copy=False)
+        sock.recv_multipart(copy=False)
         if i == 0:
-            first = time.perf_counter()
-        else:
-            nbytes += sum(len(f) for f in frames)
-    last = time.perf_counter()
-    proc.wait()
+            first, cpu_first = time.perf_counter(), time.process_time()
+    last, cpu = time.perf_counter(), time.process_time() - cpu_first
+    producer_cpu = _producer_cpu(proc)
     sock.close()
     ctx.term()
-    return _rate(first, last, nbytes), (count - 1) / max(last - first, 1e-9)
+    return _run(first, last, count - 1, size, None if producer_cpu is None else cpu + producer_cpu)
 
 
-def _drain(consumer: Any, count: int, batch: int, proc: subprocess.Popen) -> tuple[float, float]:
-    got, nbytes, first = 0, 0, 0.0
+def _batch(size: int, count: int) -> int:
+    """Groups per `get_batch`: up to 8 MiB or 512 groups, and at least 8 batches per run (the
+    first batch starts the clock, so one batch of everything would time nothing)."""
+    return max(1, min(512, (8 << 20) // size, count // 8))
+
+
+def _drain(consumer: Any, count: int, batch: int, proc: subprocess.Popen, size: int) -> Run:
+    got, first, cpu_first, first_n = 0, 0.0, 0.0, 0
     while got < count:
         try:
             b = consumer.get_batch(
@@ -154,17 +194,16 @@ def _drain(consumer: Any, count: int, batch: int, proc: subprocess.Popen) -> tup
             if proc.poll() not in (None, 0):
                 raise RuntimeError(f"the producer process failed (exit {proc.returncode})") from None
             continue
-        if got == 0:  # every group has the same arrays: count bytes once, not per group in the loop
-            first, first_n, group_bytes = time.perf_counter(), len(b), b.groups[0].nbytes
-        else:
-            nbytes += len(b) * group_bytes
+        if got == 0:
+            first, cpu_first, first_n = time.perf_counter(), time.process_time(), len(b)
         got += len(b)
         consumer.ack(b.group_ids)
-    last = time.perf_counter()
-    return _rate(first, last, nbytes), (count - first_n) / max(last - first, 1e-9)
+    last, cpu = time.perf_counter(), time.process_time() - cpu_first
+    producer_cpu = _producer_cpu(proc)
+    return _run(first, last, count - first_n, size, None if producer_cpu is None else cpu + producer_cpu)
 
 
-def bench_ours(size: int, count: int, nixl: bool = False) -> tuple[float, float]:
+def bench_ours(size: int, count: int, nixl: bool = False) -> Run:
     """Our queue (array payloads over NIXL with `nixl`), hosted in this process like the learner's."""
     from agentrl.config import ZmqQueueConfig
     from agentrl.queue import create
@@ -175,14 +214,14 @@ def bench_ours(size: int, count: int, nixl: bool = False) -> tuple[float, float]
     consumer = backend.consumer("bench", server=server)
     proc = _spawn("nixl" if nixl else "ours", server.endpoint, size, count)
     try:
-        return _drain(consumer, count, max(1, min(512, (8 << 20) // size)), proc)
+        return _drain(consumer, count, _batch(size, count), proc, size)
     finally:
         proc.wait()
         consumer.close()
         server.stop()
 
 
-def bench_redis(size: int, count: int, url: str) -> tuple[float, float]:
+def bench_redis(size: int, count: int, url: str) -> Run:
     from agentrl.config import RedisQueueConfig
     from agentrl.queue import create
 
@@ -191,13 +230,13 @@ def bench_redis(size: int, count: int, url: str) -> tuple[float, float]:
     consumer = backend.consumer("bench")
     proc = _spawn("redis", url, size, count)
     try:
-        return _drain(consumer, count, max(1, min(512, (8 << 20) // size)), proc)
+        return _drain(consumer, count, _batch(size, count), proc, size)
     finally:
         proc.wait()
         consumer.close()
 
 
-def bench_ray(size: int, count: int) -> tuple[float, float]:
+def bench_ray(size: int, count: int) -> Run:
     """Ray's object store with the same arrays: a task (another process) `put`s each group's
     arrays as it is made (a streaming generator: every yielded value goes into the object store),
     this process `ray.get`s each as soon as it exists (zero-copy from shared memory). Pipelined
@@ -220,7 +259,7 @@ def bench_ray(size: int, count: int) -> tuple[float, float]:
         else:
             nbytes += sum(a.nbytes for ep in arrays for a in ep)
     last = time.perf_counter()
-    return _rate(first, last, nbytes), (count - 1) / max(last - first, 1e-9)
+    return Run(nbytes / max(last - first, 1e-9) / 1e6, (count - 1) / max(last - first, 1e-9))
 
 
 def _start_redis() -> tuple[subprocess.Popen | None, str]:
@@ -245,8 +284,18 @@ def _start_redis() -> tuple[subprocess.Popen | None, str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def _best(fn: Any, size: int, count: int, repeat: int) -> tuple[float, float]:
+def _best(fn: Any, size: int, count: int, repeat: int) -> Run:
     return max((fn(size, count) for _ in range(max(1, repeat))), key=lambda r: r[0])
+
+
+def _cpu_row(raw: Run, ours: Run) -> list[Any]:
+    if not raw.cpu_us_per_mib or not ours.cpu_us_per_mib:
+        return ["-", "-", "-"]
+    return [
+        round(raw.cpu_us_per_mib),
+        round(ours.cpu_us_per_mib),
+        round(raw.cpu_us_per_mib / ours.cpu_us_per_mib, 3),
+    ]
 
 
 def _min_ratio(ours: dict[int, float], base: dict[int, float]) -> float | None:
@@ -278,14 +327,14 @@ def main(args: list[str]) -> int:
     os.environ.setdefault("AGENTRL_QUEUE_SECRET", os.urandom(16).hex())  # MAC on, as in production
     os.environ["AGENTRL_BENCH_QUEUE_AUTH"] = opts.auth
     sizes = [int(s) for s in opts.sizes.split(",")]
-    results: dict[str, dict[int, tuple[float, float]]] = {"raw": {}, "ours": {}}
+    results: dict[str, dict[int, Run]] = {"raw": {}, "ours": {}}
     skipped: dict[str, str] = {}
     for size in sizes:  # alternate raw and ours, keep each one's best: the machine is shared and noisy
         count = _count(size, opts.total_mib, opts.small_groups)
         for _ in range(opts.repeat):
             for name, fn in (("raw", bench_raw), ("ours", bench_ours)):
                 result = fn(size, count)
-                if size not in results[name] or result[0] > results[name][size][0]:
+                if size not in results[name] or result.mbps > results[name][size].mbps:
                     results[name][size] = result
 
     baselines = _run_baselines(opts, sizes, results, skipped)
@@ -295,24 +344,36 @@ def main(args: list[str]) -> int:
         for name in ("raw", "ours", *baselines):
             value = results.get(name, {}).get(size)
             row.append(round(value[0], 1) if value else "-")
-        row.append(round(results["ours"][size][0] / results["raw"][size][0], 3))
+        row.append(round(results["ours"][size].mbps / results["raw"][size].mbps, 3))
         rows.append(row)
     print_table(
         "TransferQueue throughput (MB/s of payload)",
         ["payload", "groups", "raw zmq", "ours", *baselines, "ours/raw"],
         rows,
     )
+    print_table(
+        "CPU per MiB moved, both processes (µs)",
+        ["payload", "raw zmq", "ours", "raw/ours"],
+        [[_label(size), *_cpu_row(results["raw"][size], results["ours"][size])] for size in sizes],
+    )
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")
 
-    mbps = {name: {s: v[0] for s, v in per.items()} for name, per in results.items()}
+    mbps = {name: {s: v.mbps for s, v in per.items()} for name, per in results.items()}
+    cpu = {name: {s: results[name][s].cpu_us_per_mib for s in sizes} for name in ("raw", "ours")}
     small = min(sizes)
     metrics: dict[str, Any] = {
-        "small_groups_per_s": round(results["ours"][small][1]),
-        "raw_zmq_small_groups_per_s": round(results["raw"][small][1]),
+        "small_groups_per_s": round(results["ours"][small].groups_per_s),
+        "raw_zmq_small_groups_per_s": round(results["raw"][small].groups_per_s),
         "small_group_bytes": small,
         "auth": opts.auth,
         **{f"{name}_MBps_{_label(s)}": round(v, 1) for name, per in mbps.items() for s, v in per.items()},
+        **{
+            f"cpu_us_per_mib_{n}_{_label(s)}": round(v) for n, per in cpu.items() for s, v in per.items() if v
+        },
+        "cpu_bound_vs_raw_zmq": _min_ratio(
+            {s: 1 / v for s, v in cpu["ours"].items() if v}, {s: 1 / v for s, v in cpu["raw"].items() if v}
+        ),
         "skipped": skipped,
     }
     ratios = {"vs_raw_zmq": _min_ratio(mbps["ours"], mbps["raw"])}

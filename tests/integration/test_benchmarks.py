@@ -121,3 +121,27 @@ def test_bench_roller_reports_concurrency_and_overhead(processes: Processes) -> 
     assert 0 < metrics["max_concurrent_episodes"] <= 8
     for row in ("peak concurrent episodes", "roller CPU per turn", "turns/s", "groups put"):
         assert row in stdout, row
+
+
+def test_bench_queue_reports_ratios_rates_and_cpu(processes: Processes) -> None:
+    # a small and a 1 MiB payload, every baseline that is installed here; NIXL too where present
+    import shutil
+
+    stdout, line = _bench(
+        processes, "queue", "--sizes", "4096,1048576", "--small-groups", "400", "--total-mib", "8",
+        "--repeat", "1", timeout=300,
+    )  # fmt: skip
+    ratios, metrics = line["ratios"], line["metrics"]
+    _positive(ratios, "vs_raw_zmq")
+    _positive(metrics, "small_groups_per_s", "raw_zmq_small_groups_per_s", "cpu_bound_vs_raw_zmq")
+    for name in ("raw", "ours"):
+        _positive(metrics, f"{name}_MBps_4KiB", f"{name}_MBps_1MiB", f"cpu_us_per_mib_{name}_1MiB")
+    assert metrics["small_group_bytes"] == 4096 and metrics["auth"] == "mac"
+    skipped = metrics["skipped"]
+    for name, ratio in (("redis", "vs_redis"), ("ray", "vs_ray"), ("nixl", "nixl_vs_zmq")):
+        assert (ratio in ratios) == (name not in skipped), (name, skipped)  # measured, or said why not
+        if ratio in ratios:
+            _positive(ratios, ratio)
+    if shutil.which("redis-server"):
+        assert "redis" not in skipped, skipped["redis"]
+    assert "TransferQueue throughput" in stdout and "│ 1MiB" in stdout and "CPU per MiB moved" in stdout
