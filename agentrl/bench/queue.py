@@ -11,15 +11,16 @@ this process receives them:
 - Redis: the Redis Streams backend against a local redis-server;
 - Ray: the group's arrays put into Ray's object store by a task (a streaming generator), `ray.get` here;
 - NIXL: the array payloads over NIXL (UCX), ZeroMQ as control plane.
-Throughput is counted from the first group received to the last, in MB/s; raw and ours
+Throughput is counted from the producer's first send (once connected) to the last group
+received, in MB/s (both ends are on this host, so they share a clock); raw and ours
 run alternately `--repeat` times and each keeps its best (other jobs share this machine);
 Ray also keeps the best of `--repeat` runs.
 Ratios are
 ours / baseline (higher is better); `vs_raw_zmq`, `vs_redis`, `vs_ray` and `nixl_vs_zmq`
 are the lowest over payloads >= 1 MiB.
 
-Each raw and ours run also records the CPU both processes spent per MiB (the receiver over
-the timed window, the producer over its sends, imports not counted):
+Each raw and ours run also records the CPU both processes spent per MiB (the receiver from
+the producer's start to the last group, the producer over its sends, imports not counted):
 `metrics.cpu_bound_vs_raw_zmq` = raw's CPU / ours (lowest over >= 1 MiB) is the ratio a
 host whose cores are all busy allows, which is what a 2-core machine running both ends is.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -43,7 +45,7 @@ from agentrl.types import Episode, Group, encode_group
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 BYTES_PER_TOKEN = 13  # int32 token + uint8 mask + float32 logprob + int32 version
-CPU_MARK = "agentrl-bench-producer-cpu-s="
+PRODUCER_MARK = "agentrl-bench-producer "
 
 
 def _label(size: int) -> str:
@@ -81,19 +83,26 @@ def _count(size: int, total_mib: int, small_groups: int) -> int:
 
 
 def _worker(kind: str, address: str, size: int, count: int) -> None:
+    """A producer process: connects, then sends `count` groups and reports (on stdout) when it
+    started sending and the CPU it spent from then on."""
     groups = make_groups(size, count)
     if kind == "raw":
         import zmq
+        from zmq.utils.monitor import recv_monitor_message
 
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         sock.connect(address)
-        start = time.process_time()
+        recv_monitor_message(monitor)  # connected: the clock starts with the first send, as for ours
+        sock.disable_monitor()
+        monitor.close()
+        started, cpu = time.time(), time.process_time()
         for group in groups:
             sock.send_multipart(encode_group(group), copy=False)
         sock.close(linger=-1)
         ctx.term()
-        print(f"{CPU_MARK}{time.process_time() - start}", flush=True)
+        _report(started, time.process_time() - cpu)
         return
 
     async def run() -> None:
@@ -107,18 +116,23 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
             from agentrl.queue.redis_backend import RedisProducer
 
             producer = RedisProducer(address, "bench", capacity_groups=4096)
+        await producer.current_version()  # connected and answered once before the clock starts
         todo = iter(groups)
 
         async def roller() -> None:  # like a roller's episode loops: each puts its groups in turn
             for group in todo:
                 await producer.put(group)
 
-        start = time.process_time()
+        started, cpu = time.time(), time.process_time()
         await asyncio.gather(*(roller() for _ in range(256)))
         producer.close()
-        print(f"{CPU_MARK}{time.process_time() - start}", flush=True)
+        _report(started, time.process_time() - cpu)
 
     asyncio.run(run())
+
+
+def _report(started: float, cpu_s: float) -> None:
+    print(PRODUCER_MARK + json.dumps({"started": started, "cpu_s": cpu_s}), flush=True)
 
 
 def _auth() -> str:
@@ -131,28 +145,28 @@ def _spawn(kind: str, address: str, size: int, count: int) -> subprocess.Popen:
     return subprocess.Popen(args, env=os.environ.copy(), stdout=subprocess.PIPE, text=True)
 
 
-def _producer_cpu(proc: subprocess.Popen) -> float | None:
-    """The CPU seconds the producer process reported for its sends (imports not counted)."""
+def _producer_report(proc: subprocess.Popen) -> dict[str, float]:
+    """When the producer process started sending (wall clock) and its CPU seconds since."""
     out, _ = proc.communicate()
-    marks = [line[len(CPU_MARK) :] for line in out.splitlines() if line.startswith(CPU_MARK)]
-    return float(marks[-1]) if marks else None
+    marks = [line[len(PRODUCER_MARK) :] for line in out.splitlines() if line.startswith(PRODUCER_MARK)]
+    if proc.returncode != 0 or not marks:
+        raise RuntimeError(f"the producer process failed (exit {proc.returncode})")
+    return json.loads(marks[-1])
 
 
 class Run(NamedTuple):
-    """One timed run: MB/s and groups/s from the first group received to the last, and the
-    CPU both processes spent per MiB (receiver over that window + producer over its sends)."""
+    """One timed run, from the producer's first send (after it connected) to the last group
+    received: MB/s, groups/s, and the CPU both processes spent per MiB over it."""
 
     mbps: float
     groups_per_s: float
     cpu_us_per_mib: float | None = None
 
 
-def _run(first: float, last: float, groups_after_first: int, size: int, cpu_s: float | None) -> Run:
-    if groups_after_first <= 0:
-        raise ValueError("a run needs at least two groups (or batches): the first one starts the clock")
-    seconds, nbytes = max(last - first, 1e-9), groups_after_first * payload_bytes(size)
+def _run(started: float, last: float, count: int, size: int, cpu_s: float | None) -> Run:
+    seconds, nbytes = max(last - started, 1e-9), count * payload_bytes(size)
     cpu = None if cpu_s is None else cpu_s / (nbytes / (1 << 20)) * 1e6
-    return Run(nbytes / seconds / 1e6, groups_after_first / seconds, cpu)
+    return Run(nbytes / seconds / 1e6, count / seconds, cpu)
 
 
 # ------------------------------------------------------------------ receivers
@@ -164,27 +178,24 @@ def bench_raw(size: int, count: int) -> Run:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.bind("tcp://127.0.0.1:*")
+    cpu = time.process_time()
     proc = _spawn("raw", sock.getsockopt_string(zmq.LAST_ENDPOINT), size, count)
-    first = cpu_first = 0.0
-    for i in range(count):
+    for _ in range(count):
         sock.recv_multipart(copy=False)
-        if i == 0:
-            first, cpu_first = time.perf_counter(), time.process_time()
-    last, cpu = time.perf_counter(), time.process_time() - cpu_first
-    producer_cpu = _producer_cpu(proc)
+    last, cpu = time.time(), time.process_time() - cpu
+    report = _producer_report(proc)
     sock.close()
     ctx.term()
-    return _run(first, last, count - 1, size, None if producer_cpu is None else cpu + producer_cpu)
+    return _run(report["started"], last, count, size, cpu + report["cpu_s"])
 
 
-def _batch(size: int, count: int) -> int:
-    """Groups per `get_batch`: up to 8 MiB or 512 groups, and at least 8 batches per run (the
-    first batch starts the clock, so one batch of everything would time nothing)."""
-    return max(1, min(512, (8 << 20) // size, count // 8))
+def _batch(size: int) -> int:
+    """Groups per `get_batch`: up to 8 MiB or 512 groups."""
+    return max(1, min(512, (8 << 20) // size))
 
 
 def _drain(consumer: Any, count: int, batch: int, proc: subprocess.Popen, size: int) -> Run:
-    got, first, cpu_first, first_n = 0, 0.0, 0.0, 0
+    got, cpu = 0, time.process_time()
     while got < count:
         try:
             b = consumer.get_batch(
@@ -194,13 +205,11 @@ def _drain(consumer: Any, count: int, batch: int, proc: subprocess.Popen, size: 
             if proc.poll() not in (None, 0):
                 raise RuntimeError(f"the producer process failed (exit {proc.returncode})") from None
             continue
-        if got == 0:
-            first, cpu_first, first_n = time.perf_counter(), time.process_time(), len(b)
         got += len(b)
         consumer.ack(b.group_ids)
-    last, cpu = time.perf_counter(), time.process_time() - cpu_first
-    producer_cpu = _producer_cpu(proc)
-    return _run(first, last, count - first_n, size, None if producer_cpu is None else cpu + producer_cpu)
+    last, cpu = time.time(), time.process_time() - cpu
+    report = _producer_report(proc)
+    return _run(report["started"], last, count, size, cpu + report["cpu_s"])
 
 
 def bench_ours(size: int, count: int, nixl: bool = False) -> Run:
@@ -214,7 +223,7 @@ def bench_ours(size: int, count: int, nixl: bool = False) -> Run:
     consumer = backend.consumer("bench", server=server)
     proc = _spawn("nixl" if nixl else "ours", server.endpoint, size, count)
     try:
-        return _drain(consumer, count, _batch(size, count), proc, size)
+        return _drain(consumer, count, _batch(size), proc, size)
     finally:
         proc.wait()
         consumer.close()
@@ -230,7 +239,7 @@ def bench_redis(size: int, count: int, url: str) -> Run:
     consumer = backend.consumer("bench")
     proc = _spawn("redis", url, size, count)
     try:
-        return _drain(consumer, count, _batch(size, count), proc, size)
+        return _drain(consumer, count, _batch(size), proc, size)
     finally:
         proc.wait()
         consumer.close()
@@ -240,26 +249,24 @@ def bench_ray(size: int, count: int) -> Run:
     """Ray's object store with the same arrays: a task (another process) `put`s each group's
     arrays as it is made (a streaming generator: every yielded value goes into the object store),
     this process `ray.get`s each as soon as it exists (zero-copy from shared memory). Pipelined
-    like the others and timed the same way, from the first group received to the last."""
+    like the others and timed the same way, from the task's first put to the last group here."""
     import ray
 
     @ray.remote(num_returns="streaming")
-    def produce(size: int, count: int) -> Iterator[list]:
+    def produce(size: int, count: int) -> Iterator[tuple[float, list]]:
         arrays = [[e.tokens, e.loss_mask, e.logprobs, e.versions] for e in make_groups(size, 1)[0].episodes]
+        started = time.time()
         for _ in range(count):
-            yield arrays
+            yield started, arrays
 
     for ref in produce.remote(4096, 2):  # a warm worker, as the other baselines have
         ray.get(ref)
-    nbytes, first = 0, 0.0
+    started = 0.0
     for i, ref in enumerate(produce.remote(size, count)):
-        arrays = ray.get(ref)
+        started_there, _arrays = ray.get(ref)  # zero-copy views of the arrays in shared memory
         if i == 0:
-            first = time.perf_counter()
-        else:
-            nbytes += sum(a.nbytes for ep in arrays for a in ep)
-    last = time.perf_counter()
-    return Run(nbytes / max(last - first, 1e-9) / 1e6, (count - 1) / max(last - first, 1e-9))
+            started = started_there
+    return _run(started, time.time(), count, size, None)
 
 
 def _start_redis() -> tuple[subprocess.Popen | None, str]:
