@@ -21,6 +21,7 @@ RDMA by itself.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from agentrl.types import Group, encode_group
 log = get_logger("queue.nixl")
 
 NIXL_MIN_BYTES = 256 << 10
+POOL_ROUND = 1 << 20  # receive buffers come in whole MiB, so groups of similar size share them
 
 
 def _agent(name: str) -> Any:
@@ -68,28 +70,93 @@ class NixlProducer(ZmqProducer):
                 "gid": group.group_id,
                 "descs": descs,
                 "agent": self.agent_name,
-                "md": self._agent.get_agent_metadata(),  # after registering: it names these buffers
+                # this group's buffers and how to connect: the full metadata would name every
+                # buffer of every group in flight, which the server would parse once per group
+                "md": self._agent.get_partial_agent_metadata(registered, True, ["UCX"]),
             }
             await self._call(ctl, [bytes(frames[0])])
         finally:
             self._agent.deregister_memory(registered)
 
 
-class NixlReader:
-    """Server side: READs each announced group's arrays into a buffer of its own."""
+class BufferPool:
+    """Receive buffers the server READs into, registered once and reused once nothing refers
+    to them any more.
 
-    def __init__(self, name: str) -> None:
+    A READ into freshly mapped pages is several times slower than into pages already faulted
+    in (the copy faults each page in: 16 MiB took ~30 ms here, ~1-5 ms into a buffer read into
+    before), and big buffers freed by the server thread go back to the OS, so a fresh buffer
+    per group made the NIXL path slower than ZeroMQ. A buffer is
+    reused only when its reference count shows that no group, frame or view of it is alive
+    (the learner may keep a batch after acking it), so reuse never overwrites data anyone
+    holds. Idle buffers beyond `max_bytes` are deregistered and freed."""
+
+    def __init__(self, register: Any, deregister: Any, max_bytes: int) -> None:
+        self._register, self._deregister = register, deregister
+        self.max_bytes = max_bytes
+        self._buffers: list[np.ndarray] = []
+        self._registrations: list[Any] = []
+        probe = [np.empty(0, dtype=np.uint8)]  # the count `_idle` sees for an unreferenced buffer
+        self._baseline = sys.getrefcount(probe[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(buf) for buf in self._buffers)
+
+    def _idle(self, i: int) -> bool:
+        return sys.getrefcount(self._buffers[i]) <= self._baseline  # only this list refers to it
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A registered buffer of at least `nbytes` that nothing else refers to."""
+        idle = [i for i in range(len(self._buffers)) if self._idle(i) and len(self._buffers[i]) >= nbytes]
+        if idle:
+            return self._buffers[min(idle, key=lambda i: len(self._buffers[i]))]
+        size = -(-max(1, nbytes) // POOL_ROUND) * POOL_ROUND
+        self._evict(self.max_bytes - size)
+        buf = np.empty(size, dtype=np.uint8)
+        self._registrations.append(self._register(buf))
+        self._buffers.append(buf)
+        return buf
+
+    def _evict(self, keep_bytes: int) -> None:
+        """Deregister and drop idle buffers, largest first, until at most `keep_bytes` remain."""
+        idle = [self._idle(i) for i in range(len(self._buffers))]  # before any other reference
+        total, dropped = self.nbytes, set()
+        for i in sorted(range(len(self._buffers)), key=lambda i: -len(self._buffers[i])):
+            if total <= keep_bytes:
+                break
+            if idle[i]:
+                self._deregister(self._registrations[i])
+                total -= len(self._buffers[i])
+                dropped.add(i)
+        if dropped:
+            kept = [i for i in range(len(self._buffers)) if i not in dropped]
+            self._buffers = [self._buffers[i] for i in kept]
+            self._registrations = [self._registrations[i] for i in kept]
+
+    def close(self) -> None:
+        self._evict(0)
+
+
+class NixlReader:
+    """Server side: READs each announced group's arrays into a pooled registered buffer."""
+
+    def __init__(self, name: str, max_pool_bytes: int = 1 << 30) -> None:
         self._agent = _agent(name)
-        self.pending: list[tuple[dict, list, Any, Any, np.ndarray, Any]] = []
+        self.pool = BufferPool(
+            lambda buf: self._agent.register_memory([(int(buf.ctypes.data), len(buf), 0, "")], "DRAM"),
+            self._agent.deregister_memory,
+            max_pool_bytes,
+        )
+        self.pending: list[tuple[dict, list, Any, Any]] = []
 
     def start(self, ctl: dict, header: Any, reply_to: Any) -> None:
         # the metadata names the memory the producer registered for this group: load it every time
         if self._agent.add_remote_agent(ctl["md"]).decode() != ctl["agent"]:
             raise ValueError("nput: NIXL metadata does not belong to the agent named in the message")
         lengths = [int(n) for _, n in ctl["descs"]]
-        buf = np.empty(max(1, sum(lengths)), dtype=np.uint8)
-        base = int(buf.ctypes.data)
-        registered = self._agent.register_memory([(base, len(buf), 0, "")], "DRAM")
+        view = memoryview(self.pool.take(sum(lengths)))
+        base = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
         local, remote, offset = [], [], 0
         for (addr, _), length in zip(ctl["descs"], lengths, strict=True):
             if length:
@@ -107,24 +174,22 @@ class NixlReader:
             if self._agent.transfer(handle) == "ERR":
                 log.warning("NIXL read of group %s failed to start", ctl["gid"])
         frames, offset = [bytes(memoryview(header))], 0
-        view = memoryview(buf)
         for length in lengths:
             frames.append(view[offset : offset + length])
             offset += length
-        self.pending.append((ctl, frames, reply_to, handle, buf, registered))
+        self.pending.append((ctl, frames, reply_to, handle))
 
     def poll(self) -> list[tuple[dict, list, Any, str | None]]:
         """Reads that finished (or failed) since the last call."""
         done, still = [], []
         for item in self.pending:
-            ctl, frames, reply_to, handle, _, registered = item
+            ctl, frames, reply_to, handle = item
             state = "DONE" if handle is None else self._agent.check_xfer_state(handle)
             if state == "PROC":
                 still.append(item)
                 continue
             if handle is not None:
                 self._agent.release_xfer_handle(handle)
-            self._agent.deregister_memory(registered)
             done.append((ctl, frames, reply_to, None if state == "DONE" else f"transfer state {state}"))
         self.pending = still
         return done

@@ -127,7 +127,7 @@ class QueueServer(Delivery):
         if getattr(config, "nixl", False):
             from agentrl.queue.nixl_transport import NixlReader
 
-            self._nixl = NixlReader(f"queue-server-{os.getpid()}-{self.epoch}")
+            self._nixl = NixlReader(f"queue-server-{os.getpid()}-{self.epoch}", config.capacity_bytes)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
