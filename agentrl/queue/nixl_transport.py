@@ -3,9 +3,9 @@
 With `queue.nixl: true` a producer does not put the array frames of a group on the ZeroMQ
 socket. It registers the arrays' own buffers with its NIXL agent (no copy; GPU memory
 works the same way where present) and sends the server a small `nput` message: the
-msgpack header frame, the (address, length) of each array and its agent metadata. The
-server allocates the group's buffer, registers it and issues one NIXL READ of all
-arrays; when the read completes the group goes through the same validation, capacity,
+msgpack header frame, the (address, length) of each array and the partial agent metadata
+naming those buffers. The server takes a registered buffer from its `BufferPool` and
+issues one NIXL READ of all arrays; when the read completes the group goes through the same validation, capacity,
 WAL and ack path as a ZeroMQ put (`QueueServer._put_one`), and only then does the
 producer get its ack and deregister the buffers. A server restarted mid-read simply
 reads again when the producer re-sends (the buffers stay registered until acked).
@@ -86,10 +86,10 @@ class BufferPool:
     A READ into freshly mapped pages is several times slower than into pages already faulted
     in (the copy faults each page in: 16 MiB took ~30 ms here, ~1-5 ms into a buffer read into
     before), and big buffers freed by the server thread go back to the OS, so a fresh buffer
-    per group made the NIXL path slower than ZeroMQ. A buffer is
-    reused only when its reference count shows that no group, frame or view of it is alive
-    (the learner may keep a batch after acking it), so reuse never overwrites data anyone
-    holds. Idle buffers beyond `max_bytes` are deregistered and freed."""
+    per group made the NIXL path slower than ZeroMQ. A buffer is reused only when its
+    reference count shows that no group, frame or view of it is alive (the learner may keep a
+    batch after acking it), so reuse never overwrites data anyone holds. Idle buffers beyond
+    `max_bytes` are deregistered and freed."""
 
     def __init__(self, register: Any, deregister: Any, max_bytes: int) -> None:
         self._register, self._deregister = register, deregister
