@@ -231,34 +231,24 @@ def byte_view(frame: Any) -> memoryview:
         raise WireError(f"frame of type {type(frame).__name__} is not a byte buffer") from exc
 
 
-_FLOAT_TYPES = (float, int)
+def _exact_types(schema: dict[str, type]) -> tuple[tuple[str, tuple[type, ...]], ...]:
+    """Each key with the exact types msgpack produces for it (an int where a float is asked)."""
+    return tuple((key, (float, int) if typ is float else (typ,)) for key, typ in schema.items())
 
 
-def _header_ok(h: Any) -> bool:
-    """Fast path of `_check_keys(h, _HEADER_KEYS)`: the exact types msgpack produces, no other keys.
-    False sends the header through `_check_keys`, which accepts it or names what is wrong."""
-    return (
-        type(h) is dict
-        and len(h) == 5
-        and type(h.get("wire")) is int
-        and type(h.get("group_id")) is str
-        and type(h.get("prompt_id")) is str
-        and type(h.get("metrics")) is dict
-        and type(h.get("episodes")) is list
-    )
+_HEADER_EXACT = _exact_types(_HEADER_KEYS)
+_EPISODE_EXACT = _exact_types(_EPISODE_KEYS)
 
 
-def _episode_ok(em: Any) -> bool:
-    """Fast path of `_check_keys(em, _EPISODE_KEYS)` (see `_header_ok`)."""
-    return (
-        type(em) is dict
-        and len(em) == 5
-        and type(em.get("num_tokens")) is int
-        and type(em.get("reward")) in _FLOAT_TYPES
-        and type(em.get("num_turns")) is int
-        and type(em.get("finish_reason")) is str
-        and type(em.get("metrics")) is dict
-    )
+def _schema_ok(obj: Any, exact: tuple[tuple[str, tuple[type, ...]], ...]) -> bool:
+    """Fast path of `_check_keys`: a dict of exactly the schema's keys, each value of an exact
+    type. False sends the map through `_check_keys`, which accepts it or names what is wrong."""
+    if type(obj) is not dict or len(obj) != len(exact):
+        return False
+    for key, types in exact:  # noqa: SIM110 - all() over a generator takes ~1.8x as long here
+        if type(obj.get(key)) not in types:
+            return False
+    return True
 
 
 def _check_plain_metrics(value: Any, where: str) -> None:
@@ -304,7 +294,7 @@ def _parse(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[list[np.nd
         header = msgpack.unpackb(header_buf, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise WireError(f"header is not valid msgpack: {exc}") from None
-    if not _header_ok(header):
+    if not _schema_ok(header, _HEADER_EXACT):
         _check_keys(header, _HEADER_KEYS, "header")
     if header["wire"] != WIRE_VERSION:
         raise WireError(
@@ -324,7 +314,7 @@ def _parse(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[list[np.nd
 
     episodes = []
     for i, em in enumerate(meta):
-        if not _episode_ok(em):
+        if not _schema_ok(em, _EPISODE_EXACT):
             _check_keys(em, _EPISODE_KEYS, f"episodes[{i}]")
         _check_plain_metrics(em["metrics"], f"episodes[{i}].metrics")
         n = em["num_tokens"]
