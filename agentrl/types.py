@@ -375,25 +375,26 @@ _U32_MAX = np.uint32(0xFFFFFFFF)
 _U32_MAX_MINUS_1 = np.uint32(0xFFFFFFFE)
 
 
-def _generated_key(versions: np.ndarray, loss_mask: np.ndarray) -> int:
-    """max(mask * ~u) with u = versions + 1 as uint32: the key of the oldest generated token.
+def _token_keys(versions: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """mask * ~u per token, with u = versions + 1 as uint32; the max is the key of the oldest
+    generated token.
 
     Relies on what the value checks established (loss_mask in {0, 1}, versions >= -1): u is in
     [0, 2^31], ~u = 2^32-2 - versions (mod 2^32), so the masked min of u is `2^32-1 - key` and a
     key of 0 means no generated token. Two vector passes, several times cheaper than a masked
     reduction or boolean indexing on long episodes."""
-    w = np.subtract(_U32_MAX_MINUS_1, versions.view(np.uint32))
-    w *= loss_mask
-    return int(np.maximum.reduce(w)) if len(w) else 0
+    keys = np.subtract(_U32_MAX_MINUS_1, versions.view(np.uint32))
+    keys *= loss_mask
+    return keys
+
+
+def _generated_key(versions: np.ndarray, loss_mask: np.ndarray) -> int:
+    return int(np.maximum.reduce(_token_keys(versions, loss_mask))) if len(versions) else 0
 
 
 def _min_version(key: int) -> int:
+    """`Group.min_version` from the largest `_token_keys` of the group (0: nothing generated)."""
     return -1 if key == 0 else int(_U32_MAX) - key - 1
-
-
-def decoded_min_version(group: Group) -> int:
-    """`group.min_version` for a group from `decode_group` (see `_generated_key`)."""
-    return _min_version(max((_generated_key(e.versions, e.loss_mask) for e in group.episodes), default=0))
 
 
 SHORT_EPISODE = 1 << 12  # tokens; `decode_groups` checks shorter episodes of all its groups together
@@ -403,7 +404,8 @@ SHORT_BATCH = 1 << 16  # tokens per concatenation: it stays in cache and off fre
 def decode_groups(
     messages: Sequence[Sequence[Any]], max_bytes: int = DEFAULT_MAX_BYTES
 ) -> list[tuple[Group, int] | WireError]:
-    """`decode_group` for the groups of one message, each with its `decoded_min_version`.
+    """`decode_group` for the groups of one message, each with its min version (`Group.min_version`,
+    computed in a few vector passes).
 
     A group that fails gets its `WireError` in its place; the others are unaffected. The value
     checks and min versions of short episodes are done a few vector passes per batch of them
@@ -453,10 +455,9 @@ def _short_keys(short: list[tuple[int, list[np.ndarray]]], results: list[Any], k
         short = [(g, arrays) for g, arrays in short if not isinstance(results[g], WireError)]
         _short_keys(short, results, keys)
         return
-    w = np.subtract(_U32_MAX_MINUS_1, versions.view(np.uint32))
-    w *= mask
     starts = list(itertools.accumulate((len(arrays[0]) for _, arrays in short[:-1]), initial=0))
-    for (g, _), key in zip(short, np.maximum.reduceat(w, starts).tolist(), strict=True):
+    episode_keys = np.maximum.reduceat(_token_keys(versions, mask), starts).tolist()
+    for (g, _), key in zip(short, episode_keys, strict=True):
         if key > keys[g]:
             keys[g] = key
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Iterator
 
 import msgpack
 import numpy as np
@@ -18,7 +19,6 @@ from agentrl.types import (
     WireError,
     decode_group,
     decode_groups,
-    decoded_min_version,
     encode_group,
 )
 
@@ -235,11 +235,31 @@ def test_bit_flips_in_a_valid_message_are_refused_or_decode_cleanly(data: st.Dat
         assert len({len(getattr(ep, name)) for name, _ in ARRAY_FIELDS}) == 1
 
 
+@contextlib.contextmanager
+def _short_sizes(episode: int, batch: int = 1 << 16) -> Iterator[None]:
+    """`decode_groups` with other SHORT_EPISODE / SHORT_BATCH limits: with episode 0 every
+    episode takes the one-by-one path, with small limits short ones come in several batches."""
+    import agentrl.types as types
+
+    saved = types.SHORT_EPISODE, types.SHORT_BATCH
+    types.SHORT_EPISODE, types.SHORT_BATCH = episode, batch
+    try:
+        yield
+    finally:
+        types.SHORT_EPISODE, types.SHORT_BATCH = saved
+
+
+def _min_version(frames: list[bytes], short: int) -> int:
+    with _short_sizes(short):
+        ((_, min_version),) = decode_groups([frames])
+    return min_version
+
+
+@pytest.mark.parametrize("short", [1 << 12, 0])  # batched with other episodes, or one by one
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(episodes(), max_size=5))
-def test_the_servers_min_version_agrees_with_the_group(eps: list[Episode]) -> None:
-    group = decode_group([bytes(f) for f in encode_group(Group(eps))])
-    assert decoded_min_version(group) == Group(eps).min_version
+@given(eps=st.lists(episodes(), max_size=5))
+def test_the_servers_min_version_agrees_with_the_group(short: int, eps: list[Episode]) -> None:
+    assert _min_version([bytes(f) for f in encode_group(Group(eps))], short) == Group(eps).min_version
 
 
 def _corrupt(frames: list[bytes], how: int) -> list[bytes]:
@@ -268,19 +288,13 @@ def test_decoding_many_groups_at_once_agrees_with_one_at_a_time(
     """Every group decodes, or fails with the message `decode_group` gives, whatever its
     neighbours hold; with SHORT_EPISODE / SHORT_BATCH patched to 8 / 20 tokens, episodes take
     both paths and short ones are checked in several batches."""
-    import agentrl.types as types
-
     messages = []
     for g, eps in enumerate(groups):
         frames = [bytes(f) for f in encode_group(Group(eps))]
         broken = g in bad and eps and any(len(e.tokens) for e in eps[-1:])
         messages.append(_corrupt(frames, how) if broken else frames)
-    saved = types.SHORT_EPISODE, types.SHORT_BATCH
-    types.SHORT_EPISODE, types.SHORT_BATCH = sizes
-    try:
+    with _short_sizes(*sizes):
         results = decode_groups(messages)
-    finally:
-        types.SHORT_EPISODE, types.SHORT_BATCH = saved
     assert len(results) == len(messages)
     for frames, result in zip(messages, results, strict=True):
         try:
@@ -289,7 +303,7 @@ def test_decoding_many_groups_at_once_agrees_with_one_at_a_time(
             assert isinstance(result, WireError) and str(result) == str(exc)
             continue
         group, min_version = result
-        assert group.group_id == expected.group_id and min_version == decoded_min_version(expected)
+        assert group.group_id == expected.group_id and min_version == _min_version(frames, 0)
         assert min_version == Group(expected.episodes).min_version
         for a, b in zip(group.episodes, expected.episodes, strict=True):
             for name, _ in ARRAY_FIELDS:
@@ -314,16 +328,17 @@ def test_decoding_many_groups_keeps_each_groups_oldest_token_its_own() -> None:
     assert [r[1] for r in decode_groups(messages)] == [5, 1, 7, 3, 2]
 
 
-def test_min_version_edge_values() -> None:
-    def group(versions: list[int], mask: list[int]) -> Group:
+@pytest.mark.parametrize("short", [1 << 12, 0])
+def test_min_version_edge_values(short: int) -> None:
+    def min_version(versions: list[int], mask: list[int]) -> int:
         n = len(versions)
         ep = Episode(np.zeros(n), np.array(mask), np.zeros(n), np.array(versions))
-        return decode_group([bytes(f) for f in encode_group(Group([ep]))])
+        return _min_version([bytes(f) for f in encode_group(Group([ep]))], short)
 
-    assert decoded_min_version(group([2**31 - 1, 0], [1, 0])) == 2**31 - 1
-    assert decoded_min_version(group([-1, 5], [1, 1])) == -1  # a generated token without a version
-    assert decoded_min_version(group([7, 3], [0, 0])) == -1  # nothing generated
-    assert decoded_min_version(group([], [])) == -1
+    assert min_version([2**31 - 1, 0], [1, 0]) == 2**31 - 1
+    assert min_version([-1, 5], [1, 1]) == -1  # a generated token without a version
+    assert min_version([7, 3], [0, 0]) == -1  # nothing generated
+    assert min_version([], []) == -1
 
 
 def test_header_fast_path_keeps_every_schema_check() -> None:
