@@ -306,13 +306,14 @@ class QueueServer(Delivery):
         for rid, gid, nframes in items:
             frames = payload[pos : pos + nframes]
             pos += nframes
+            nbytes = sum(map(len, frames[1:]))
             if self._is_known(gid):
                 self._duplicate(sock, ident, rid)
-            elif self._fits(sock, ident, rid, frames):
-                todo.append((rid, gid, frames))
-        decoded = decode_groups([frames for _, _, frames in todo], max_bytes=self.config.max_message_bytes)
-        for (rid, gid, frames), result in zip(todo, decoded, strict=True):
-            self._put_one(sock, ident, rid, gid, frames, result)
+            elif self._fits(sock, ident, rid, nbytes):
+                todo.append((rid, gid, frames, nbytes))
+        decoded = decode_groups([t[2] for t in todo], max_bytes=self.config.max_message_bytes)
+        for (rid, gid, frames, nbytes), result in zip(todo, decoded, strict=True):
+            self._put_one(sock, ident, rid, gid, frames, nbytes, result)
         self._serve_gets()
 
     def _is_known(self, gid: str) -> bool:
@@ -322,8 +323,8 @@ class QueueServer(Delivery):
         self.counters["duplicates"] += 1
         self._put_acks.setdefault((sock, ident), []).append(rid)
 
-    def _fits(self, sock: zmq.Socket, ident: bytes, rid: int, frames: list[Any]) -> bool:
-        nbytes = sum(map(len, frames[1:]))
+    def _fits(self, sock: zmq.Socket, ident: bytes, rid: int, nbytes: int) -> bool:
+        """A group of `nbytes` array bytes is within `max_message_bytes`, or it is refused."""
         if nbytes <= self.config.max_message_bytes:
             return True
         self.counters["refused_oversize"] += 1
@@ -338,6 +339,7 @@ class QueueServer(Delivery):
         rid: int,
         gid: str,
         frames: list[Any],
+        nbytes: int,
         decoded: tuple[Group, int] | WireError,
     ) -> None:
         """Store one decoded group, hold it back while full, or refuse it with a reason."""
@@ -352,7 +354,7 @@ class QueueServer(Delivery):
             return
         self._seq += 1
         group, min_version = decoded
-        entry = _Entry(gid, frames, sum(map(len, frames[1:])), min_version, self._seq, time.time(), group)
+        entry = _Entry(gid, frames, nbytes, min_version, self._seq, time.time(), group)
         if self._has_room(entry.nbytes) and not self._parked:
             self._accept(sock, ident, rid, entry)
         else:
@@ -368,11 +370,7 @@ class QueueServer(Delivery):
                 return  # a re-send while its read is under way: the read's ack answers it
             self._duplicate(sock, ident, ctl["rid"])
             return
-        if sum(int(n) for _, n in ctl["descs"]) > self.config.max_message_bytes:
-            self.counters["refused_oversize"] += 1
-            self._reply(
-                sock, ident, {"k": "err", "rid": ctl["rid"], "msg": "group exceeds queue.max_message_bytes"}
-            )
+        if not self._fits(sock, ident, ctl["rid"], sum(int(n) for _, n in ctl["descs"])):
             return
         self._nixl_busy.add(ctl["gid"])
         self._nixl.start(ctl, payload[0], (sock, ident))
@@ -384,10 +382,10 @@ class QueueServer(Delivery):
                 self.counters["refused_corrupt"] += 1
                 self._reply(sock, ident, {"k": "err", "rid": ctl["rid"], "msg": f"NIXL read failed: {error}"})
             else:
-                self.counters["nixl_reads"] += 1
-                if self._fits(sock, ident, ctl["rid"], frames):
-                    (decoded,) = decode_groups([frames], max_bytes=self.config.max_message_bytes)
-                    self._put_one(sock, ident, ctl["rid"], ctl["gid"], frames, decoded)
+                self.counters["nixl_reads"] += 1  # of the lengths `_on_nput` checked against the limit
+                (decoded,) = decode_groups([frames], max_bytes=self.config.max_message_bytes)
+                nbytes = sum(map(len, frames[1:]))
+                self._put_one(sock, ident, ctl["rid"], ctl["gid"], frames, nbytes, decoded)
         self._serve_gets()
 
     def _has_room(self, nbytes: int) -> bool:
