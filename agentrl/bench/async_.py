@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from agentrl.bench.common import emit, print_table
+from agentrl.bench.common import emit, print_table, stop_child
 from agentrl.log import read_metrics
 from agentrl.net import free_port
 
@@ -41,12 +41,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     try:
         out, err = proc.communicate()
     except BaseException:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        stop_child(proc, 120)
         raise
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 

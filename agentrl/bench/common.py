@@ -1,8 +1,9 @@
-"""Shared output helpers of the benchmarks: one table, then one JSON line."""
+"""Shared helpers of the benchmarks: one table, then one JSON line; stopping a child."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from typing import Any
 
 
@@ -22,3 +23,15 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 def emit(bench: str, metrics: dict[str, Any], ratios: dict[str, float]) -> None:
     """The last line of every benchmark: `{"bench", "metrics", "ratios"}`."""
     print(json.dumps({"bench": bench, "metrics": metrics, "ratios": ratios}), flush=True)
+
+
+def stop_child(proc: subprocess.Popen, timeout_s: float) -> tuple[Any, Any]:
+    """SIGTERM a child and give it `timeout_s` to stop (and stop its own children), then SIGKILL.
+    Its pipes are drained meanwhile, so a chatty child cannot block on a full one; returns
+    what was left in them."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()

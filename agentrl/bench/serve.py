@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentrl.bench.common import emit, print_table
+from agentrl.bench.common import emit, print_table, stop_child
 from agentrl.net import free_port
 
 
@@ -90,12 +90,7 @@ def main(args: list[str]) -> int:
         try:
             results = asyncio.run(_bench(f"http://127.0.0.1:{port}", proc, ns))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_child(proc, 30)
     tps = {r["concurrency"]: r["tokens"] / r["seconds"] for r in results}
     rows = [
         [r["concurrency"], r["requests"], r["tokens"], r["seconds"], tps[r["concurrency"]]] for r in results
