@@ -52,10 +52,15 @@ def _label(size: int) -> str:
     return f"{size >> 20}MiB" if size >= 1 << 20 else f"{size >> 10}KiB"
 
 
+def _shape(size: int) -> tuple[int, int]:
+    """(episodes, tokens per episode) of a group of ~`size` payload bytes."""
+    n_eps = 1 if size < 64 << 10 else 8
+    return n_eps, max(1, size // (BYTES_PER_TOKEN * n_eps))
+
+
 def make_groups(size: int, count: int) -> list[Group]:
     """`count` groups of ~`size` payload bytes sharing one set of arrays (distinct ids)."""
-    n_eps = 1 if size < 64 << 10 else 8
-    tokens = max(1, size // (BYTES_PER_TOKEN * n_eps))
+    n_eps, tokens = _shape(size)
     episodes = [
         Episode(
             tokens=np.arange(tokens, dtype=np.int32) % 1000,
@@ -70,8 +75,8 @@ def make_groups(size: int, count: int) -> list[Group]:
 
 def payload_bytes(size: int) -> int:
     """The array bytes of one group from `make_groups(size, ...)` (a little under `size`)."""
-    n_eps = 1 if size < 64 << 10 else 8
-    return max(1, size // (BYTES_PER_TOKEN * n_eps)) * BYTES_PER_TOKEN * n_eps
+    n_eps, tokens = _shape(size)
+    return n_eps * tokens * BYTES_PER_TOKEN
 
 
 def _count(size: int, total_mib: int, small_groups: int) -> int:
@@ -169,6 +174,14 @@ def _run(started: float, last: float, count: int, size: int, cpu_s: float | None
     return Run(nbytes / seconds / 1e6, count / seconds, cpu)
 
 
+def _finish(proc: subprocess.Popen, cpu_start: float, count: int, size: int) -> Run:
+    """The run, once this process has received its last group: clock stopped now, CPU of both
+    processes (this one since `cpu_start`, the producer's as it reports)."""
+    last, cpu = time.time(), time.process_time() - cpu_start
+    report = _producer_report(proc)
+    return _run(report["started"], last, count, size, cpu + report["cpu_s"])
+
+
 # ------------------------------------------------------------------ receivers
 
 
@@ -182,11 +195,10 @@ def bench_raw(size: int, count: int) -> Run:
     proc = _spawn("raw", sock.getsockopt_string(zmq.LAST_ENDPOINT), size, count)
     for _ in range(count):
         sock.recv_multipart(copy=False)
-    last, cpu = time.time(), time.process_time() - cpu
-    report = _producer_report(proc)
+    run = _finish(proc, cpu, count, size)
     sock.close()
     ctx.term()
-    return _run(report["started"], last, count, size, cpu + report["cpu_s"])
+    return run
 
 
 def _batch(size: int) -> int:
@@ -207,9 +219,7 @@ def _drain(consumer: Any, count: int, batch: int, proc: subprocess.Popen, size: 
             continue
         got += len(b)
         consumer.ack(b.group_ids)
-    last, cpu = time.time(), time.process_time() - cpu
-    report = _producer_report(proc)
-    return _run(report["started"], last, count, size, cpu + report["cpu_s"])
+    return _finish(proc, cpu, count, size)
 
 
 def bench_ours(size: int, count: int, nixl: bool = False) -> Run:
