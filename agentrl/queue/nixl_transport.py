@@ -61,10 +61,9 @@ class NixlProducer(ZmqProducer):
         if sum(len(f) for f in frames[1:]) < NIXL_MIN_BYTES:
             await super()._send_group(group, frames)
             return
-        arrays = [_address(f) for f in frames[1:] if len(f)]
-        registered = self._agent.register_memory([(a, n, 0, "") for a, n in arrays], "DRAM")
+        descs = [_address(f) for f in frames[1:]]
+        registered = self._agent.register_memory([(a, n, 0, "") for a, n in descs if n], "DRAM")
         try:
-            descs = [[a, n] for a, n in (_address(f) for f in frames[1:])]
             ctl = {
                 "k": "nput",
                 "gid": group.group_id,
@@ -144,7 +143,7 @@ class NixlReader:
     def __init__(self, name: str, max_pool_bytes: int = 1 << 30) -> None:
         self._agent = _agent(name)
         self.pool = BufferPool(
-            lambda buf: self._agent.register_memory([(int(buf.ctypes.data), len(buf), 0, "")], "DRAM"),
+            lambda buf: self._agent.register_memory([(*_address(buf), 0, "")], "DRAM"),
             self._agent.deregister_memory,
             max_pool_bytes,
         )
@@ -156,7 +155,7 @@ class NixlReader:
             raise ValueError("nput: NIXL metadata does not belong to the agent named in the message")
         lengths = [int(n) for _, n in ctl["descs"]]
         view = memoryview(self.pool.take(sum(lengths)))
-        base = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        base, _ = _address(view)
         local, remote, offset = [], [], 0
         for (addr, _), length in zip(ctl["descs"], lengths, strict=True):
             if length:
