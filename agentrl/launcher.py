@@ -92,7 +92,7 @@ class Supervisor:
             os.killpg(child.proc.pid, signal.SIGTERM)
             child.proc.wait(timeout=self.stop_timeout_s)
         except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop in %ss; killing it", child.name, self.stop_timeout_s)
+            logger.warning("%s did not stop in %ss; killing it and the rest", child.name, self.stop_timeout_s)
             self.kill_all()
         except ProcessLookupError:
             pass
