@@ -140,15 +140,20 @@ class ParetoLatency:
         await asyncio.sleep(min(self.max_latency_s, delay))
 
 
-class SlowCalculatorEnv(CalculatorEnv):
-    """The calculator whose tool calls take a `ParetoLatency`. Used by `agentrl bench async` to
-    show what bounded staleness buys."""
+class _SlowTools:
+    """Mixin of the `_slow` envs: `self.latency`, a `ParetoLatency` built from the constructor's
+    `latency_s`, `alpha` and `max_latency_s`; every other keyword goes to the env itself."""
 
     def __init__(
         self, latency_s: float = 0.2, alpha: float = 1.5, max_latency_s: float = 10.0, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self.latency = ParetoLatency(latency_s, alpha, max_latency_s)
+
+
+class SlowCalculatorEnv(_SlowTools, CalculatorEnv):
+    """The calculator whose tool calls take a `ParetoLatency`. Used by `agentrl bench async` to
+    show what bounded staleness buys."""
 
     @tool
     async def calculator(self, expression: str) -> str:
@@ -265,15 +270,9 @@ class LookupEnv(Env):
         return tasks
 
 
-class SlowLookupEnv(LookupEnv):
+class SlowLookupEnv(_SlowTools, LookupEnv):
     """The lookup env whose lookups take a `ParetoLatency`. `agentrl bench async` runs it with
     the quickstart's model, so each k's samples/s and final reward are both measured."""
-
-    def __init__(
-        self, latency_s: float = 0.2, alpha: float = 1.5, max_latency_s: float = 10.0, **kwargs: Any
-    ) -> None:
-        super().__init__(**kwargs)
-        self.latency = ParetoLatency(latency_s, alpha, max_latency_s)
 
     async def step(self, action_text: str) -> StepResult:
         result = super().step(action_text)
