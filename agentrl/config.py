@@ -321,7 +321,11 @@ class _SandboxLimits(Section):
     max_output_bytes: int = Field(65536, ge=256)
     """stdout and stderr of one `exec` are each cut to this size (head and tail kept, marker between)."""
     max_file_size_mb: int = Field(256, ge=1)
-    """Largest file a sandboxed process may write (RLIMIT_FSIZE)."""
+    """Largest file a sandboxed process may write (RLIMIT_FSIZE); also the most read_file returns."""
+    disk_mb: int = Field(1024, ge=0)
+    """Disk quota of the sandbox: all it writes together (local: its work and tmp dirs, on a
+    filesystem of this size mounted when started as root; docker: the container's writable layer
+    where the storage driver supports a size). Writes past it fail with ENOSPC. 0: no quota."""
     workdir: str = "/work"
     """Working directory inside the sandbox; relative paths of read_file/write_file start here."""
 
@@ -344,6 +348,9 @@ class LocalSandboxConfig(_SandboxLimits):
     """Host directory the sandboxes' working directories are created in (default: the system temp dir)."""
     uid: int | None = Field(None, ge=1)
     """When started as root: the unprivileged uid sandboxed code runs as (default: a random high uid)."""
+    seccomp: bool = True
+    """Under bubblewrap, load a seccomp filter refusing new namespaces, mounts and other kernel-wide
+    calls to the code inside (`envs/sandbox/seccomp.py`)."""
 
 
 class DockerSandboxConfig(_SandboxLimits):

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 async def test_swe_env_on_a_sandbox_server(
     processes: Processes, free_port: int, monkeypatch, tmp_path: Path
 ) -> None:
-    url = start_server(processes, free_port, "--python-packages", "pytest")
+    url = start_server(processes, free_port, "--python-packages", "pytest", "--timeout", "60")
     monkeypatch.setenv("AGENTRL_SANDBOX_KEY", KEY)
     make_env = env_factory(EnvConfig(name="swe", sandbox={"type": "remote", "url": url, "timeout_s": 30}))
     task = SWEEnv.generate_tasks(1, seed=5, out_dir=str(tmp_path))[0]

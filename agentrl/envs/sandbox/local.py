@@ -1,22 +1,27 @@
 """The local sandbox: model-written code as a process tree on this machine, contained.
 
-Each sandbox owns a fresh host directory (`<root>/work`, `<root>/tmp`). Each `exec`
-starts one process tree in it under the strongest isolation the machine gives:
+Each sandbox owns a fresh host directory (`<root>/work`, `<root>/tmp`) — a mount of its
+own with a size limit when started as root (`disk.py`: the disk quota). Each `exec`
+starts one process tree in it under the strongest isolation the machine gives
+(`isolation.py` builds the argv):
 
-- `bwrap`: bubblewrap with new user, pid, net, ipc, uts and mount namespaces and a
-  filesystem made only of read-only /usr (and the /bin, /lib* links), a few /etc files,
-  /proc, /dev, and the sandbox's own `/work` and `/tmp`. No home directories, no /root,
-  no project files, no network.
-- `namespaces`: `unshare` (user, pid, net, ipc, uts, mount) with tmpfs laid over /root,
-  /home and the project; the rest of the host filesystem stays readable.
-- `rlimits`: a plain process with resource limits only (trusted code).
+- `bwrap`: bubblewrap with new user, pid, net, ipc, uts and mount namespaces, a filesystem
+  made only of read-only /usr (and the /bin, /lib* links), a few /etc files, /proc, /dev,
+  and the sandbox's own `/work` and `/tmp`; a seccomp filter (`seccomp.py`) refuses new
+  namespaces and mounts to the code inside.
+- `namespaces`: `unshare` (user, pid, net, ipc, uts, mount) and `chroot` into the same
+  view, built by a shell script; no seccomp filter (nothing to load one with).
+- `rlimits`: a plain process with resource limits only (trusted code), at host paths.
 
 On top of any of them: rlimits (CPU, file size, processes, address space), a cgroup
 (memory + pids) where one can be made, a private uid when started as root, and a
 wall-clock timeout after which the whole tree is killed. When the command's main
 process ends, everything it left behind is killed too: nothing outlives an `exec`.
 `start()` logs which isolation it got and refuses to go below `min_isolation`.
-"""
+
+`read_file` / `write_file` work on the host while sandboxed code may run, so they go
+through `hostfs.py`: beneath descriptors of work/ and tmp/ held for the sandbox's life,
+never following a link (the sandbox cannot race them into a host file)."""
 
 from __future__ import annotations
 
@@ -24,8 +29,8 @@ import asyncio
 import contextlib
 import itertools
 import os
+import posixpath
 import random
-import shlex
 import shutil
 import signal
 import stat
@@ -35,7 +40,16 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agentrl.envs.sandbox import hostfs, seccomp
 from agentrl.envs.sandbox.base import ExecResult, OutputCapture, Sandbox, SandboxError, isolation_at_least
+from agentrl.envs.sandbox.disk import DiskQuota
+from agentrl.envs.sandbox.isolation import (
+    NEWROOT,
+    SITE_INSIDE,
+    available_isolation,
+    bwrap_options,
+    namespaces_prefix,
+)
 from agentrl.envs.sandbox.limits import Cgroup, Limits, kill_uid, launcher, pids_of_uid, threads_of_uid
 from agentrl.log import get_logger
 
@@ -45,12 +59,6 @@ if TYPE_CHECKING:
 logger = get_logger("envs.sandbox")
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
-ETC_FILES = [
-    "/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
-    "/etc/nsswitch.conf", "/etc/hosts", "/etc/mime.types", "/etc/ssl/openssl.cnf",
-]  # fmt: skip
-HIDDEN_FOR_NAMESPACES = ["/root", "/home", str(PROJECT_ROOT)]
-_probe_cache: dict[tuple[str, bool], bool] = {}
 _uids_in_use: set[int] = set()
 _uid_lock = threading.Lock()
 _uid_rotation = itertools.count()
@@ -72,67 +80,12 @@ def _allocate_uid() -> int:
     raise SandboxError("no free uid for a sandbox (300 tried)")
 
 
-def _probe(level: str, argv: list[str], uid: int | None) -> bool:
-    """Whether a trivial command runs under `level` on this machine (cached per process)."""
-    key = (level, uid is not None)  # every private uid behaves alike: probe once
-    if key not in _probe_cache:
-        try:
-            done = subprocess.run([*launcher(None, None, uid, None), *argv], capture_output=True, timeout=20)
-            _probe_cache[key] = done.returncode == 0
-            if done.returncode:
-                logger.debug("%s unavailable: %s", level, done.stderr.decode(errors="replace").strip())
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            logger.debug("%s unavailable: %s", level, exc)
-            _probe_cache[key] = False
-    return _probe_cache[key]
-
-
-def available_isolation(uid: int | None) -> list[str]:
-    """Isolation levels this machine offers now, strongest first. Every level but `none` needs
-    util-linux `prlimit` (and `setpriv` when started as root) to apply the limits."""
-    if not shutil.which("prlimit") or (uid is not None and not shutil.which("setpriv")):
-        logger.warning("util-linux prlimit/setpriv not found: no sandbox limits can be applied")
-        return ["none"]
-    levels = []
-    with tempfile.TemporaryDirectory(prefix="agentrl-probe-") as scratch:
-        os.chmod(scratch, 0o755)  # reachable by the sandbox uid
-        if shutil.which("bwrap") and _probe(
-            "bwrap", [*_bwrap_prefix(scratch, scratch, "/work", []), "true"], uid
-        ):
-            levels.append("bwrap")
-        unshare = [*_unshare_prefix([], scratch), "true"]
-        if shutil.which("unshare") and shutil.which("setpriv") and _probe("namespaces", unshare, uid):
-            levels.append("namespaces")
-    return [*levels, "rlimits", "none"]
-
-
-SITE_INSIDE = "/opt/agentrl-site"
-
-
-def _bwrap_prefix(
-    work: str, tmp: str, workdir: str, ro_paths: list[str], site: str | None = None
-) -> list[str]:
-    args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
-    args += ["--ro-bind", "/usr", "/usr"]
-    for name in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(name):
-            args += ["--symlink", os.readlink(name), name]
-        elif os.path.isdir(name):
-            args += ["--ro-bind", name, name]
-    for path in ETC_FILES + ro_paths:
-        args += ["--ro-bind-try", path, path]
-    if site:
-        args += ["--ro-bind", site, SITE_INSIDE]
-    args += ["--proc", "/proc", "--dev", "/dev", "--bind", tmp, "/tmp", "--bind", work, workdir]
-    return [*args, "--remount-ro", "/", "--chdir", workdir, "--"]
-
-
-def _unshare_prefix(hide: list[str], cwd: str) -> list[str]:
-    mounts = "".join(f"mount -t tmpfs -o size=1m,mode=0755 none {shlex.quote(p)} 2>/dev/null; " for p in hide)
-    # drop every capability (bounding set too) so the mapped root cannot lift the tmpfs covers
-    script = f'{mounts}cd {shlex.quote(cwd)} && exec setpriv --bounding-set=-all --inh-caps=-all -- "$@"'
-    unshare = ["unshare", "--user", "--map-root-user", "--pid", "--net", "--mount", "--ipc", "--uts"]
-    return [*unshare, "--fork", "--kill-child", "--mount-proc", "/bin/sh", "-c", script, "sh"]
+def _memfd(name: str, data: bytes) -> int:
+    """An inheritable descriptor reading `data` from its start (bwrap's --args and --seccomp)."""
+    fd = os.memfd_create(name, 0)  # no MFD_CLOEXEC: the launcher chain passes it down to bwrap
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _check_traversable(root: Path, uid: int) -> None:
@@ -157,10 +110,13 @@ class LocalSandbox(Sandbox):
         )
         self.root: Path | None = None
         self.cgroup: Cgroup | None = None
+        self.quota: DiskQuota | None = None
         self.uid: int | None = None
         self.isolation = "none"
         self.details: dict[str, object] = {}
         self.site: Path | None = None
+        self._dir_fds: dict[str, int] = {}
+        self._seccomp = seccomp.program() if config.seccomp else None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -205,19 +161,34 @@ class LocalSandbox(Sandbox):
             if self.uid is not None:
                 _check_traversable(Path(cfg.root_dir), self.uid)
         self.root = Path(tempfile.mkdtemp(prefix="agentrl-sandbox-", dir=cfg.root_dir))
-        work, tmp = self.root / "work", self.root / "tmp"
-        if image_or_spec:
-            source = Path(image_or_spec)
-            if not source.is_dir():
-                raise SandboxError(f"local sandbox: {image_or_spec!r} is not a directory to copy in")
-            await asyncio.to_thread(shutil.copytree, source, work, symlinks=True)
-        else:
-            work.mkdir()
-        tmp.mkdir()
+        why_no_quota = "sandbox.disk_mb is 0"
+        if cfg.disk_mb:
+            self.quota, why_no_quota = await asyncio.to_thread(DiskQuota.mount, self.root, cfg.disk_mb)
+            if self.quota is None:
+                logger.warning("local sandbox without a disk quota: %s", why_no_quota)
         if self.uid is not None:
-            await asyncio.to_thread(self._chown_tree, self.root)
-        self.workdir = cfg.workdir if level == "bwrap" else str(work)
-        self.tmpdir = "/tmp" if level == "bwrap" else str(tmp)
+            os.chmod(self.root, 0o755)  # the sandbox uid passes through; it owns only work/ and tmp/
+        work, tmp = self.root / "work", self.root / "tmp"
+        try:
+            if image_or_spec:
+                source = Path(image_or_spec)
+                if not source.is_dir():
+                    raise SandboxError(f"local sandbox: {image_or_spec!r} is not a directory to copy in")
+                await asyncio.to_thread(shutil.copytree, source, work, symlinks=True)
+            else:
+                work.mkdir()
+            tmp.mkdir()
+            (self.root / NEWROOT).mkdir()
+        except OSError as exc:  # shutil.Error included: e.g. a snapshot larger than the quota
+            raise SandboxError(f"local sandbox: cannot lay out {self.root}: {exc}") from None
+        if self.uid is not None:
+            await asyncio.to_thread(self._chown_tree, work)
+            await asyncio.to_thread(self._chown_tree, tmp)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._dir_fds = {"work": os.open(work, flags), "tmp": os.open(tmp, flags)}
+        inside = level in ("bwrap", "namespaces")
+        self.workdir = cfg.workdir if inside else str(work)
+        self.tmpdir = "/tmp" if inside else str(tmp)
         if level != "none":
             self.cgroup = Cgroup.create(self.limits)
         self.details = {
@@ -226,7 +197,11 @@ class LocalSandbox(Sandbox):
             "cgroup": f"v{self.cgroup.version}" if self.cgroup else None,
             "network": level == "rlimits" or level == "none",
             "memory_limit": "cgroup" if self.cgroup else ("rlimit_as" if level != "none" else None),
+            "disk_quota": self.quota.describe() if self.quota else None,
+            "seccomp": level == "bwrap" and self._seccomp is not None,
         }
+        if self.quota is None:
+            self.details["no_disk_quota"] = why_no_quota
         logger.info("local sandbox %s: %s", self.root.name, self.details)
 
     async def close(self) -> None:
@@ -234,6 +209,12 @@ class LocalSandbox(Sandbox):
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.remove)
             self.cgroup = None
+        for fd in self._dir_fds.values():
+            os.close(fd)
+        self._dir_fds = {}
+        if self.quota is not None:
+            await asyncio.to_thread(self.quota.unmount)
+            self.quota = None
         if self.root is not None:
             await asyncio.to_thread(shutil.rmtree, self.root, True)
             self.root = None
@@ -243,6 +224,7 @@ class LocalSandbox(Sandbox):
             self.uid = None
 
     def _chown_tree(self, top: Path) -> None:
+        """Give a tree the host just made to the sandbox uid (before any sandboxed code runs)."""
         for dirpath, dirnames, filenames in os.walk(top):
             for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
                 os.lchown(name, self.uid, self.uid)
@@ -259,16 +241,25 @@ class LocalSandbox(Sandbox):
 
     # ------------------------------------------------------------------ exec
 
-    def _argv(self, cmd: str | list[str]) -> list[str]:
+    def _argv(self, cmd: str | list[str], fds: list[int]) -> tuple[list[str], str]:
+        """The command under this sandbox's isolation, and the host directory it starts in.
+        Descriptors it needs passed down are appended to `fds` (the caller closes them)."""
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         work, tmp = str(self.root / "work"), str(self.root / "tmp")
+        site = str(self.site) if self.site else None
+        cfg = self.config
         if self.isolation == "bwrap":
-            site = str(self.site) if self.site else None
-            return _bwrap_prefix(work, tmp, self.config.workdir, self.config.ro_paths, site) + argv
+            seccomp_fd = None
+            if self._seccomp is not None:
+                seccomp_fd = _memfd("agentrl-seccomp", self._seccomp)
+                fds.append(seccomp_fd)
+            options = bwrap_options(work, tmp, cfg.workdir, cfg.ro_paths, site, seccomp_fd)
+            args_fd = _memfd("agentrl-bwrap-args", b"".join(os.fsencode(a) + b"\0" for a in options))
+            fds.append(args_fd)
+            return ["bwrap", "--args", str(args_fd), "--", *argv], work
         if self.isolation == "namespaces":
-            hide = [p for p in HIDDEN_FOR_NAMESPACES if os.path.isdir(p) and not work.startswith(p + "/")]
-            return _unshare_prefix(hide, work) + argv
-        return argv
+            return namespaces_prefix(cfg.workdir, cfg.ro_paths, site) + argv, str(self.root)
+        return argv, work
 
     def _nproc(self) -> int | None:
         if self.isolation == "none":
@@ -277,6 +268,13 @@ class LocalSandbox(Sandbox):
             return self.config.max_processes
         # our uid is shared with the host's own processes: allow what already runs, plus the budget
         return threads_of_uid(os.getuid()) + self.config.max_processes
+
+    def _disk_full(self) -> bool:
+        if self.quota is None or self.root is None:
+            return False
+        with contextlib.suppress(OSError):
+            return os.statvfs(self.root).f_bavail == 0
+        return False
 
     async def exec(
         self, cmd: str | list[str], timeout: float | None = None, env: dict[str, str] | None = None
@@ -292,21 +290,29 @@ class LocalSandbox(Sandbox):
             **(env or {}),
         }
         if self.site is not None:
-            site = SITE_INSIDE if self.isolation == "bwrap" else str(self.site)
+            inside = self.isolation in ("bwrap", "namespaces")
+            site = SITE_INSIDE if inside else str(self.site)
             full_env["PYTHONPATH"] = ":".join(p for p in (full_env.get("PYTHONPATH"), site) if p)
         limits = self.limits if self.isolation != "none" else None
         oom_before = self.cgroup.oom_kills() if self.cgroup else 0
         limiter = launcher(limits, self.cgroup, self.uid, self._nproc())
-        proc = await asyncio.create_subprocess_exec(
-            *limiter,
-            *self._argv(cmd),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=str(self.root / "work"),
-            env=full_env,
-            start_new_session=True,
-        )
+        fds: list[int] = []
+        try:
+            argv, cwd = self._argv(cmd, fds)
+            proc = await asyncio.create_subprocess_exec(
+                *limiter,
+                *argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=full_env,
+                start_new_session=True,
+                pass_fds=fds,
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
         out, err = OutputCapture(self.config.max_output_bytes), OutputCapture(self.config.max_output_bytes)
         pumps = [asyncio.create_task(_pump(proc.stdout, out)), asyncio.create_task(_pump(proc.stderr, err))]
         timed_out = False
@@ -324,57 +330,36 @@ class LocalSandbox(Sandbox):
         stderr = err.text()
         if self.cgroup and self.cgroup.oom_kills() > oom_before:
             stderr += "\n[sandbox: a process was killed for exceeding the memory limit]"
+        if self._disk_full():
+            stderr += (
+                f"\n[sandbox: the disk quota ({self.config.disk_mb} MiB) is full: No space left on device]"
+            )
         if timed_out:
             stderr += f"\n[sandbox: timed out after {timeout:g}s; process tree killed]"
         return ExecResult(exit_code=code, stdout=out.text(), stderr=stderr, timed_out=timed_out)
 
     # ------------------------------------------------------------------ files
 
-    def _host_path(self, path: str) -> Path:
-        """The host path behind a sandbox path, refusing anything outside work/ and tmp/
-        (symlinks the sandboxed code planted included: nothing runs while we resolve)."""
-        if self.root is None:
+    def _locate(self, path: str) -> tuple[int, str]:
+        """The held directory descriptor (work/ or tmp/) a sandbox path lies beneath, and the
+        path relative to it; anything outside both is refused. Nothing is resolved here:
+        hostfs opens it beneath the descriptor without following a link."""
+        if self.root is None or not self._dir_fds:
             raise SandboxError("sandbox not started")
-        inside_tmp = self.tmpdir
-        p = Path(path)
-        if not p.is_absolute():
-            p = Path(self.workdir) / p
-        base, host_base = Path(self.workdir), self.root / "work"
-        if p == Path(inside_tmp) or Path(inside_tmp) in p.parents:
-            base, host_base = Path(inside_tmp), self.root / "tmp"
-        elif not (p == base or base in p.parents):
-            raise PermissionError(f"{path}: outside the sandbox's writable directories")
-        host = host_base / os.path.relpath(os.path.normpath(p), base)
-        resolved = host.resolve()
-        if not (resolved == host_base.resolve() or host_base.resolve() in resolved.parents):
-            raise PermissionError(f"{path}: resolves outside the sandbox")
-        return resolved
+        p = posixpath.normpath(path if path.startswith("/") else posixpath.join(self.workdir, path))
+        for base, key in ((self.tmpdir, "tmp"), (self.workdir, "work")):
+            if p == base or p.startswith(base.rstrip("/") + "/"):
+                return self._dir_fds[key], posixpath.relpath(p, base)
+        raise PermissionError(f"{path}: outside the sandbox's writable directories")
 
     async def write_file(self, path: str, data: str | bytes) -> None:
-        host = self._host_path(path)
+        fd, relative = self._locate(path)
         payload = data.encode() if isinstance(data, str) else data
-
-        def write() -> None:
-            missing = [d for d in [host.parent, *host.parent.parents] if not d.exists()]
-            host.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(host, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-            if self.uid is not None:  # the sandboxed code must be able to edit what we wrote
-                for made in [host, *missing]:
-                    os.lchown(made, self.uid, self.uid)
-
-        await asyncio.to_thread(write)
+        await asyncio.to_thread(hostfs.write_beneath, fd, relative, payload, self.uid)
 
     async def read_file(self, path: str) -> bytes:
-        host = self._host_path(path)
-
-        def read() -> bytes:
-            fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW)
-            with os.fdopen(fd, "rb") as f:
-                return f.read()
-
-        return await asyncio.to_thread(read)
+        fd, relative = self._locate(path)
+        return await asyncio.to_thread(hostfs.read_beneath, fd, relative, self.config.max_file_size_mb << 20)
 
 
 async def _pump(stream: asyncio.StreamReader | None, capture: OutputCapture) -> None:
