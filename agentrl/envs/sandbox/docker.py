@@ -8,6 +8,17 @@ core and file-size ulimits. After each exec — and at once on a timeout — `ki
 inside the container ends every process but PID 1, so nothing outlives an exec, as with
 the local backend. The container is removed on close.
 
+Disk: `disk_mb` becomes the container's `storage_opt size` (a quota on its writable layer)
+where the engine's storage driver supports one (overlay2 on xfs mounted with pquota,
+btrfs, zfs, devicemapper); elsewhere Docker refuses the option, the container starts
+without a quota and `details` says why (overlay2 on ext4, as on most hosts, has none).
+
+Files: `read_file` / `write_file` go through Docker's archive API, which resolves the path
+inside the container's own root — the engine runs each archive operation in a private
+mount namespace switched to the container's filesystem (moby daemon/containerfs_linux.go,
+v23+; a chroot'd helper since 19.03.1, the fix of CVE-2018-15664) — so a link planted in
+the container can only lead to another file of the container, never to the host's.
+
 Images come from sandboxes/ (Dockerfile.python, Dockerfile.swe) or a task's own image;
 see sandboxes/README.md for building and importing them without a registry.
 """
@@ -52,6 +63,7 @@ class DockerSandbox(Sandbox):
         self.workdir = config.workdir
         self.client: Any = None
         self.container: Any = None
+        self.details: dict[str, object] = {}
 
     async def start(self, image_or_spec: str | None = None) -> None:
         if self.container is not None:
@@ -69,7 +81,6 @@ class DockerSandbox(Sandbox):
     def _start(self, image: str) -> None:
         try:
             import docker
-            from docker.types import Ulimit
         except ImportError as exc:
             raise SandboxError(
                 "the docker backend needs the docker SDK: pip install 'agentrl[docker]'"
@@ -86,32 +97,53 @@ class DockerSandbox(Sandbox):
         memory, fsize = f"{cfg.memory_mb}m", cfg.max_file_size_mb << 20
         try:  # never pull implicitly: tasks name images that must already be in the engine
             self.client.images.get(image)
-            self.container = self.client.containers.run(
-                image,
-                command=PID1,
-                name=f"agentrl-sandbox-{uuid.uuid4().hex[:12]}",
-                detach=True,
-                network_mode="none",
-                mem_limit=memory,
-                memswap_limit=memory,
-                nano_cpus=int(cfg.cpus * 1e9),
-                pids_limit=cfg.max_processes,
-                cap_drop=["ALL"],
-                cap_add=CAPS,
-                security_opt=["no-new-privileges"],
-                ulimits=[Ulimit(name="core", soft=0, hard=0), Ulimit(name="fsize", soft=fsize, hard=fsize)],
-                working_dir=cfg.workdir,
-                labels={"agentrl.sandbox": "1"},
-            )
         except docker.errors.ImageNotFound as exc:
             raise SandboxError(
                 f"image {image!r} not found in the Docker engine; build, import or pull it first "
                 "(see sandboxes/README.md)"
             ) from exc
+        quota = {"size": f"{cfg.disk_mb}m"} if cfg.disk_mb else None
+        self.details = {
+            "isolation": "docker",
+            "disk_quota": f"storage_opt {cfg.disk_mb} MiB" if quota else None,
+        }
+        try:
+            try:
+                self.container = self._run(image, memory, fsize, quota)
+            except docker.errors.APIError as exc:
+                if quota is None or "storage" not in str(exc.explanation or exc).lower():
+                    raise
+                why = f"the Docker engine has no per-container disk quota here: {exc.explanation or exc}"
+                logger.warning("docker sandbox without a disk quota: %s", why)
+                self.details.update(disk_quota=None, no_disk_quota=why)
+                self.container = self._run(image, memory, fsize, None)
         except docker.errors.APIError as exc:
             raise SandboxError(f"cannot start a container from {image!r}: {exc.explanation or exc}") from exc
-        logger.info("docker sandbox %s from %s (memory %s, pids %d)", self.container.name, image, memory,
-                    cfg.max_processes)  # fmt: skip
+        logger.info("docker sandbox %s from %s (memory %s, pids %d, disk quota %s)", self.container.name,
+                    image, memory, cfg.max_processes, self.details["disk_quota"])  # fmt: skip
+
+    def _run(self, image: str, memory: str, fsize: int, storage_opt: dict[str, str] | None) -> Any:
+        from docker.types import Ulimit
+
+        cfg = self.config
+        return self.client.containers.run(
+            image,
+            command=PID1,
+            name=f"agentrl-sandbox-{uuid.uuid4().hex[:12]}",
+            detach=True,
+            network_mode="none",
+            mem_limit=memory,
+            memswap_limit=memory,
+            nano_cpus=int(cfg.cpus * 1e9),
+            pids_limit=cfg.max_processes,
+            cap_drop=["ALL"],
+            cap_add=CAPS,
+            security_opt=["no-new-privileges"],
+            ulimits=[Ulimit(name="core", soft=0, hard=0), Ulimit(name="fsize", soft=fsize, hard=fsize)],
+            working_dir=cfg.workdir,
+            labels={"agentrl.sandbox": "1"},
+            **({"storage_opt": storage_opt} if storage_opt else {}),
+        )
 
     async def close(self) -> None:
         if self.container is None:
@@ -195,6 +227,7 @@ class DockerSandbox(Sandbox):
         import docker
 
         full = self._path(path)
+        limit = self.config.max_file_size_mb << 20
 
         def read() -> bytes:
             try:
@@ -203,6 +236,8 @@ class DockerSandbox(Sandbox):
                 raise FileNotFoundError(full) from exc
             if stat.get("mode", 0) & (1 << 31):  # Go's os.ModeDir
                 raise IsADirectoryError(full)
+            if stat.get("size", 0) > limit:
+                raise PermissionError(f"{full}: larger than the {limit}-byte read limit")
             with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
                 member = tar.next()
                 extracted = tar.extractfile(member) if member else None
