@@ -108,6 +108,8 @@ def open_dir(root_fd: int, parts: list[str], create: bool = False, owner: int | 
             except FileNotFoundError:
                 if not create:
                     raise
+                child = -1
+            if child < 0:
                 os.mkdir(name, 0o755, dir_fd=fd)  # mkdirat never follows a link in the last component
                 child = _open_one(fd, name, os.O_RDONLY | os.O_DIRECTORY)  # refuses a swap since mkdir
                 if owner is not None:
