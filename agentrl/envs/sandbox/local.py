@@ -270,10 +270,12 @@ class LocalSandbox(Sandbox):
         return threads_of_uid(os.getuid()) + self.config.max_processes
 
     def _disk_full(self) -> bool:
+        """Whether the quota is (all but) used up: under 1 MiB left, a write of any size failed."""
         if self.quota is None or self.root is None:
             return False
         with contextlib.suppress(OSError):
-            return os.statvfs(self.root).f_bavail == 0
+            st = os.statvfs(self.root)
+            return st.f_bavail * st.f_frsize < 1 << 20
         return False
 
     async def exec(
