@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,mcp,redis,nixl,docker,search
 MODEL_DIR ?= runs/models/mini
 
-.PHONY: setup demo test test-fast lint format clean
+.PHONY: setup system-deps demo test test-fast lint format clean
 
 setup: $(VENV)/.agentrl-installed
 
@@ -17,6 +17,17 @@ $(VENV)/.agentrl-installed: pyproject.toml
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@touch $@
+
+# Debian packages some tests use for real: redis-server (Redis Streams queue), bubblewrap (local
+# sandbox isolation), docker.io (the Docker sandbox; tests start their own dockerd, stop it by PID).
+# Needs root or sudo; without them `make test` still passes and those tests skip, saying why.
+SYSTEM_DEPS := redis-server:redis-server bubblewrap:bwrap docker.io:dockerd
+system-deps:
+	@missing=""; for dep in $(SYSTEM_DEPS); do command -v $${dep#*:} >/dev/null 2>&1 || missing="$$missing $${dep%%:*}"; done; \
+	if [ -z "$$missing" ]; then echo "system-deps: all present"; exit 0; fi; \
+	SUDO=""; [ "$$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"; \
+	($$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing) \
+	  || echo "warning: could not install$$missing; the tests that need them will skip" >&2
 
 demo: setup
 	$(VENV)/bin/agentrl init-model mini $(MODEL_DIR)

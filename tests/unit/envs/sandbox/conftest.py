@@ -19,7 +19,7 @@ def best_uid() -> int | None:
 AVAILABLE = available_isolation(best_uid())
 needs_bwrap = pytest.mark.skipif(
     "bwrap" not in AVAILABLE,
-    reason="bubblewrap is not installed or cannot create namespaces here (apt-get install -y bubblewrap)",
+    reason="bubblewrap is not installed or cannot create namespaces here (make system-deps, or apt-get install -y bubblewrap)",
 )
 
 
