@@ -85,9 +85,10 @@ def namespaces_prefix(workdir: str, ro_paths: list[str], site: str | None = None
         "set -e",
         f"R={NEWROOT}",
         "mount -t tmpfs -o size=1m,mode=0755,nosuid,nodev agentrl-root $R",
-        # bind $1 at $2 inside (a file or a directory), read-only when $3 = ro; missing sources skip
+        # bind $1 at $2 inside (a file or a directory), read-only when $3 = ro; missing sources skip.
+        # Recursive, as bwrap binds: a plain bind of a tree with locked submounts is refused in a userns
         'bind() { [ -e "$1" ] || return 0; if [ -d "$1" ]; then mkdir -p "$R$2"; '
-        'else mkdir -p "$(dirname "$R$2")"; : > "$R$2"; fi; mount --bind "$1" "$R$2"; '
+        'else mkdir -p "$(dirname "$R$2")"; : > "$R$2"; fi; mount --rbind "$1" "$R$2"; '
         '[ "$3" = ro ] || return 0; mount -o remount,bind,ro "$R$2" 2>/dev/null '
         '|| mount -o remount,bind,ro,nosuid,nodev "$R$2"; }',
         "bind /usr /usr ro",
