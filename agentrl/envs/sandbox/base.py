@@ -129,11 +129,16 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     async def write_file(self, path: str, data: str | bytes) -> None:
-        """Write a file inside the sandbox (relative to `workdir`), creating parent directories."""
+        """Write a file inside the sandbox (relative to `workdir`), creating parent directories.
+        Safe while sandboxed code runs: a path through a symbolic link raises PermissionError
+        (local), or resolves inside the container (docker); a full disk quota raises OSError
+        (ENOSPC)."""
 
     @abc.abstractmethod
     async def read_file(self, path: str) -> bytes:
-        """Read a file from inside the sandbox; raises FileNotFoundError when it does not exist."""
+        """Read a file from inside the sandbox; raises FileNotFoundError when it does not exist and
+        PermissionError for a file larger than `max_file_size_mb` (and, locally, for a path
+        through a symbolic link or to something not a regular file)."""
 
     @abc.abstractmethod
     async def close(self) -> None:
