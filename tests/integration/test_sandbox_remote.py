@@ -109,3 +109,35 @@ async def test_swe_task_graded_on_a_shared_sandbox_host(
     assert (await grade_patch(config, task, task.patch, timeout=30)).reward == 1.0
     unfixed = await grade_patch(config, task, "", timeout=30)
     assert unfixed.reward == 0.0 and all(unfixed.pass_to_pass.values())
+
+
+async def test_server_side_refusals_reach_the_client(free_port: int, monkeypatch, tmp_path) -> None:
+    """A link planted in the sandbox is refused (403 -> PermissionError) and a full disk quota is
+    the server's ENOSPC (422 -> OSError), both through a real server in this process."""
+    from aiohttp import web
+
+    from agentrl.config import LocalSandboxConfig
+    from agentrl.envs.sandbox.server import SandboxServer
+
+    level = "bwrap" if "bwrap" in AVAILABLE else AVAILABLE[0]
+    server = SandboxServer(LocalSandboxConfig(isolation=level, min_isolation="none", disk_mb=16), KEY)
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", free_port).start()
+    monkeypatch.setenv("AGENTRL_SANDBOX_KEY", KEY)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    try:
+        async with create(RemoteSandboxConfig(url=f"http://127.0.0.1:{free_port}", timeout_s=30)) as box:
+            await box.exec(f"ln -s {secret} link && ln -s {tmp_path} dirlink")
+            with pytest.raises(PermissionError, match="symbolic link"):
+                await box.read_file("link")
+            with pytest.raises(PermissionError, match="symbolic link"):
+                await box.write_file("dirlink/new.txt", "x")
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["secret.txt"]
+            if os.geteuid() == 0:  # the quota needs root
+                with pytest.raises(OSError, match="No space left") as info:
+                    await box.write_file("big.bin", b"\0" * (32 << 20))
+                assert info.value.errno == 28
+    finally:
+        await runner.cleanup()

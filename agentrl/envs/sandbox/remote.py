@@ -8,6 +8,7 @@ records the isolation level the server reports.
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -106,6 +107,9 @@ class RemoteSandbox(Sandbox):
         )
         if response.status == 403:
             raise PermissionError(await self._error(response))
+        if response.status == 422:  # the server's OSError, e.g. ENOSPC when the disk quota is full
+            body = await response.json()
+            raise OSError(body.get("errno") or errno.EIO, body.get("error", "write_file failed"))
         await self._check(response, "write_file")
 
     async def read_file(self, path: str) -> bytes:

@@ -9,7 +9,7 @@ Routes (JSON unless noted):
     GET    /health                          {"ok", "backend", "sandboxes"}
     POST   /sandboxes        {"image"}      {"id", "isolation", "workdir", "tmpdir"}
     POST   /sandboxes/{id}/exec {"cmd", "timeout", "env"}   ExecResult fields
-    PUT    /sandboxes/{id}/files?path=P     raw bytes in
+    PUT    /sandboxes/{id}/files?path=P     raw bytes in (403: refused path, 422: OSError, e.g. ENOSPC)
     GET    /sandboxes/{id}/files?path=P     raw bytes out
     DELETE /sandboxes/{id}
 
@@ -121,6 +121,8 @@ class SandboxServer:
             await sandbox.write_file(request.query["path"], await request.read())
         except PermissionError as exc:
             return web.json_response({"error": str(exc)}, status=403)
+        except OSError as exc:  # e.g. ENOSPC: the sandbox's disk quota is full
+            return web.json_response({"error": str(exc), "errno": exc.errno}, status=422)
         return web.json_response({"ok": True})
 
     async def read_file(self, request: web.Request) -> web.Response:
