@@ -8,7 +8,8 @@ No home directories, no project files, no network, no host path in sight (not ev
 
 - `bwrap`: bubblewrap. Its options come through a memfd (`--args FD`), so its command line
   (what /proc/1/cmdline shows inside) holds no host path; the seccomp filter of
-  `seccomp.py` comes through another (`--seccomp FD`).
+  `seccomp.py` comes through another (`--seccomp FD`). /dev/shm is a tmpfs of DEV_SHM_MB
+  where bubblewrap has `--size` (0.8+), as the whole /dev is at the `namespaces` level.
 - `namespaces`: util-linux `unshare` (user, pid, net, ipc, uts, mount) and a shell script
   that mounts the same view on a tmpfs and `chroot`s into it, every capability dropped
   (bounding set included) and no_new_privs set. The script runs with the sandbox's root
@@ -19,6 +20,7 @@ No home directories, no project files, no network, no host path in sight (not ev
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
@@ -40,7 +42,19 @@ DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 SITE_INSIDE = "/opt/agentrl-site"
 NEWROOT = "newroot"
 """Empty directory in a sandbox's root that the `namespaces` level mounts its root on."""
+DEV_SHM_MB = 64
+"""Size of the sandbox's /dev (with /dev/shm in it): tmpfs, memory the disk quota does not cover."""
 _probe_cache: dict[tuple[str, bool], bool] = {}
+
+
+@functools.cache
+def _bwrap_has_size() -> bool:
+    """Whether this bubblewrap takes `--size` for a tmpfs (0.8.0 and later)."""
+    try:
+        done = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--size" in done.stdout
 
 
 def bwrap_options(
@@ -64,6 +78,8 @@ def bwrap_options(
     if site:
         args += ["--ro-bind", site, SITE_INSIDE]
     args += ["--proc", "/proc", "--dev", "/dev", "--bind", tmp, "/tmp", "--bind", work, workdir]
+    if _bwrap_has_size():  # /dev/shm is memory outside the disk quota: bound it as the fallback does
+        args += ["--size", str(DEV_SHM_MB << 20), "--tmpfs", "/dev/shm"]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
     return [*args, "--remount-ro", "/", "--chdir", workdir]
@@ -104,7 +120,7 @@ def namespaces_prefix(workdir: str, ro_paths: list[str], site: str | None = None
     lines += [
         "mkdir $R/proc $R/dev $R/tmp",
         "mount -t proc -o nosuid,nodev,noexec proc $R/proc",
-        "mount -t tmpfs -o size=64m,mode=0755,nosuid agentrl-dev $R/dev",
+        f"mount -t tmpfs -o size={DEV_SHM_MB}m,mode=0755,nosuid agentrl-dev $R/dev",
         *(f"bind /dev/{d} /dev/{d}" for d in DEVICES),
         "ln -s /proc/self/fd $R/dev/fd; ln -s /proc/self/fd/0 $R/dev/stdin",
         "ln -s /proc/self/fd/1 $R/dev/stdout; ln -s /proc/self/fd/2 $R/dev/stderr; mkdir $R/dev/shm",
