@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.envs.sandbox import isolation
 from agentrl.envs.sandbox.local import LocalSandbox
 from tests.integration.test_sandbox_docker import config as docker_config
 from tests.integration.test_sandbox_docker import docker_host  # noqa: F401  (the module-scoped engine)
@@ -154,6 +155,10 @@ async def test_disk_fill_stops_at_the_quota(level: str) -> None:
         lost = free_before - parent.f_bavail * parent.f_frsize
         # a shared machine's other writers are noise here; 20 GiB went missing before the quota
         assert lost < (quota_mb + 512) << 20, lost
+        if level == "namespaces" or isolation._bwrap_has_size():  # memory-backed /dev/shm is bounded too
+            shm = await box.exec("head -c 200000000 /dev/zero > /dev/shm/x; du -m /dev/shm/x; rm /dev/shm/x")
+            assert "No space left on device" in shm.stderr, shm
+            assert int(shm.stdout.split()[0]) <= isolation.DEV_SHM_MB
         await box.exec("rm -f fill-*")  # freeing space makes the sandbox usable again
         ok = await box.exec("echo fine > after.txt && cat after.txt")
         assert (ok.exit_code, ok.stdout) == (0, "fine\n"), ok
