@@ -219,7 +219,12 @@ class DockerSandbox(Sandbox):
             info = tarfile.TarInfo(full.lstrip("/"))
             info.size, info.mode = len(payload), 0o644
             tar.addfile(info, io.BytesIO(payload))
-        ok = await asyncio.to_thread(self._api().put_archive, self.container.id, "/", buffer.getvalue())
+        import docker
+
+        try:
+            ok = await asyncio.to_thread(self._api().put_archive, self.container.id, "/", buffer.getvalue())
+        except docker.errors.APIError as exc:  # e.g. a directory on the path vanished meanwhile
+            raise _os_error(full, exc) from None
         if not ok:
             raise SandboxError(f"write_file {path}: the Docker engine refused the archive")
 
@@ -234,6 +239,8 @@ class DockerSandbox(Sandbox):
                 stream, stat = self._api().get_archive(self.container.id, full)
             except docker.errors.NotFound as exc:
                 raise FileNotFoundError(full) from exc
+            except docker.errors.APIError as exc:
+                raise _os_error(full, exc) from None
             if stat.get("mode", 0) & (1 << 31):  # Go's os.ModeDir
                 raise IsADirectoryError(full)
             if stat.get("size", 0) > limit:
@@ -246,3 +253,12 @@ class DockerSandbox(Sandbox):
                 return extracted.read()
 
         return await asyncio.to_thread(read)
+
+
+def _os_error(path: str, exc: Any) -> OSError:
+    """The engine's refusal of an archive operation as the OSError the file API promises."""
+    text = str(exc.explanation or exc)
+    for marker, kind in (("no such file", FileNotFoundError), ("not a directory", NotADirectoryError)):
+        if marker in text.lower():
+            return kind(f"{path}: {text}")
+    return PermissionError(f"{path}: the Docker engine refused: {text}")
