@@ -6,7 +6,7 @@ computed within it — and counted under a named reason when:
     empty_group          it has no episodes
     arrays_disagree      an episode's four arrays have different lengths
     token_out_of_vocab   a token id is negative or ≥ the model's vocabulary size
-    nonfinite_reward     a reward is NaN or ±inf
+    nonfinite_reward     a reward (or a per-turn reward) is NaN or ±inf
     nonfinite_logprobs   a behaviour log-prob on a generated token is NaN/inf or > 0
     too_long             an episode exceeds `max_seq_tokens`
     no_generated_tokens  no episode has a generated token after the first position
@@ -58,7 +58,7 @@ def invalid_reason(group: Group, vocab_size: int, max_seq_tokens: int | None) ->
             return "arrays_disagree"
         if n and (int(ep.tokens.min()) < 0 or int(ep.tokens.max()) >= vocab_size):
             return "token_out_of_vocab"
-        if not np.isfinite(ep.reward):
+        if not np.isfinite(ep.reward) or not np.isfinite(ep.turn_rewards).all():
             return "nonfinite_reward"
         gen = ep.loss_mask.astype(bool)
         lp = ep.logprobs[gen]
