@@ -96,3 +96,44 @@ def test_grpo_batch_std_is_trls_scale_rewards_batch():
     np.testing.assert_allclose(np.concatenate(compute_advantages("grpo_batch_std", groups)), trl.numpy())
     # REINFORCE++ subtracts the batch mean instead: the two differ whenever group means differ
     assert not np.allclose(np.concatenate(reinforce_pp(groups)), trl.numpy(), atol=1e-3)
+
+
+def test_overlong_shaping_changes_the_advantages_not_the_reward_metrics():
+    from agentrl.learner.data import prepare_batch
+    from tests.unit.learner.source import make_groups
+
+    groups = make_groups(1, group_size=4, seed=3, min_len=10, max_len=40)
+    lengths = np.array([ep.num_generated for ep in groups[0].episodes])
+    kw = dict(advantage="dr_grpo", loss_agg="token_mean", vocab_size=1000, learner_version=0)
+    plain = prepare_batch(groups, **kw)
+    l_max = int(np.median(lengths))
+    shaped = prepare_batch(groups, overlong=(l_max, 4, 1.0), **kw)
+    rewards = groups[0].rewards + dapo_overlong_penalty(lengths, l_max, 4)
+    np.testing.assert_allclose([s.advantage for s in shaped.mini_batches[0]], rewards - rewards.mean())
+    assert shaped.metrics["reward/mean"] == plain.metrics["reward/mean"]
+    assert shaped.metrics["reward/overlong_penalty_mean"] < 0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(policy_loss="cispo", clip_low=1.0, clip_high=4.0), dict(policy_loss="sapo", overlong_max_tokens=20,
+                                                                   overlong_buffer_tokens=8)],
+)  # fmt: skip
+def test_new_objectives_train_through_the_loop(tiny_model, tmp_path, overrides):
+    from agentrl.config import LearnerConfig
+    from agentrl.learner.fsdp import full_state_dict
+    from agentrl.learner.loop import build_learner, run
+    from agentrl.log import MetricsLogger, read_metrics
+    from tests.unit.learner.source import ListSource, make_groups
+
+    cfg = LearnerConfig(model_path=str(tiny_model), groups_per_step=2, max_steps=1, micro_batch_tokens=64, lr=1e-3,
+                        batch_timeout_s=0.1, **overrides)  # fmt: skip
+    learner = build_learner(cfg, tmp_path)
+    before = {k: v.clone() for k, v in full_state_dict(learner.model).items()}
+    metrics = MetricsLogger(tmp_path)
+    run(learner, ListSource(make_groups(2, seed=6)), max_staleness=1, metrics=metrics)
+    metrics.close()
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert row["step_skipped"] == 0 and math.isfinite(row["loss"])
+    after = full_state_dict(learner.model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
