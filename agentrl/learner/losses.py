@@ -146,7 +146,8 @@ def token_weights(seq_loss_tokens: list[int], mode: str, total_tokens: int, tota
     """Per-token aggregation weight of each sequence, given batch-wide totals.
 
     token_mean            1 / (loss tokens in the batch)
-    seq_mean_token_sum    1 / (sequences in the batch)          (Dr. GRPO: no length normalisation)
+    seq_mean_token_sum    1 / (sequences in the batch)          (Dr. GRPO: no length normalisation;
+                          TRL's dr_grpo also divides by max_completion_length, a constant factor)
     seq_mean_token_mean   1 / (sequences · that sequence's loss tokens)   (GRPO paper)
     """
     if mode == "token_mean":
