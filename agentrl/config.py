@@ -67,18 +67,33 @@ class LearnerConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature the rollers used; logits are divided by it so learner and behaviour
     log-probs describe the same distribution (keep equal to `roller.temperature`)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
-    """Advantage estimator: GRPO, Dr. GRPO, RLOO or REINFORCE++."""
-    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
-    """Policy objective: token-level PPO clip or GSPO's sequence-level ratio."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "grpo_batch_std"] = "grpo"
+    """Advantage estimator: GRPO, Dr. GRPO, RLOO, REINFORCE++ (batch mean and std) or grpo_batch_std
+    (group mean, batch std: TRL's `scale_rewards="batch"`); see docs/architecture.md."""
+    policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = "ppo_clip"
+    """Policy objective: token-level PPO clip, GSPO's sequence-level ratio, CISPO (clipped
+    importance-weight REINFORCE; uses clip_low / clip_high on the weight) or SAPO (soft gate)."""
     clip_low: float = Field(0.2, ge=0)
     """Lower clip range ε of the importance ratio (1 − ε)."""
     clip_high: float = Field(0.28, ge=0)
     """Upper clip range (1 + ε_high); DAPO's clip-higher when above clip_low."""
     dual_clip: float | None = Field(None, gt=1)
-    """Dual-clip constant c (> 1) bounding the loss for negative advantages; null disables."""
+    """Dual-clip constant c (> 1) bounding the loss for negative advantages (ppo_clip and gspo;
+    refused with cispo / sapo, which have no clip to bound); null disables."""
+    sapo_tau_pos: float = Field(1.0, gt=0)
+    """SAPO's gate temperature for positive advantages."""
+    sapo_tau_neg: float = Field(1.05, gt=0)
+    """SAPO's gate temperature for negative advantages."""
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
-    """How per-token losses are aggregated into the batch loss."""
+    """How per-token losses are aggregated into the batch loss. Left unset with `policy_loss: gspo`
+    it is `seq_mean_token_mean` (GSPO's sequence mean); token_mean would weight sequences by length."""
+    overlong_max_tokens: int | None = Field(None, ge=1)
+    """DAPO's overlong reward shaping: L_max, the generated-token length above which an episode
+    gets the full penalty; null disables the shaping."""
+    overlong_buffer_tokens: int = Field(0, ge=0)
+    """DAPO's L_cache: the penalty grows linearly over the last this-many tokens below L_max."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Scale of DAPO's overlong penalty (1.0 is the paper's: from 0 down to −1)."""
     off_policy: Literal["none", "tis", "decoupled"] = "tis"
     """Off-policy correction: none (π_old = behaviour), truncated importance sampling, or
     decoupled PPO (π_prox recomputed by the learner; behaviour weights above the cap dropped)."""
@@ -120,6 +135,37 @@ class LearnerConfig(Section):
     """Learning rate of the supervised warm start."""
     warmstart_batch_size: int = Field(16, ge=1)
     """Demonstrations per warm-start step."""
+
+    @property
+    def overlong(self) -> tuple[int, int, float] | None:
+        """(L_max, L_cache, factor) of DAPO's overlong shaping, or None when it is off."""
+        if self.overlong_max_tokens is None:
+            return None
+        return self.overlong_max_tokens, self.overlong_buffer_tokens, self.overlong_penalty
+
+    @model_validator(mode="before")
+    @classmethod
+    def _objective_defaults(cls, data: Any) -> Any:
+        """GSPO's own aggregation is the sequence mean (GSPO paper, eq. 5-7): it is the default
+        when `loss_agg` is not given, so the resolved config names it."""
+        if isinstance(data, dict) and data.get("policy_loss") == "gspo" and "loss_agg" not in data:
+            data = {**data, "loss_agg": "seq_mean_token_mean"}
+        return data
+
+    @model_validator(mode="after")
+    def _objective_checks(self) -> LearnerConfig:
+        if self.kl_coef > 0 and self.kl_estimator == "k1":
+            raise ValueError(
+                "kl_estimator: k1 (log π − log π_ref) as a loss term has zero expected gradient on tokens "
+                "sampled from π (E[∇ log π] = 0), so the penalty does nothing on average; use k3 or low_var_kl"
+            )
+        if self.dual_clip is not None and self.policy_loss in ("cispo", "sapo"):
+            raise ValueError(
+                f"dual_clip: {self.policy_loss} has no clipped surrogate to bound; set it to null"
+            )
+        if self.overlong_max_tokens is not None and self.overlong_buffer_tokens > self.overlong_max_tokens:
+            raise ValueError("overlong_buffer_tokens: must not exceed overlong_max_tokens (L_cache <= L_max)")
+        return self
 
 
 # --------------------------------------------------------------------------- roller

@@ -6,11 +6,14 @@ produced, with per-token loss mask, behaviour log-probs and weight versions. A
 within it) and is the unit that travels from rollers to the learner.
 
 On the wire a group is a list of frames: one msgpack header, then the four arrays of
-each episode as raw frames (`tokens`, `loss_mask`, `logprobs`, `versions`), so a
-sender can hand numpy buffers to ZeroMQ with `copy=False` and a receiver can view them
-with `np.frombuffer` without a copy. There is no pickle anywhere. `decode_group`
-treats its input as hostile: it checks the header schema, frame count, dtypes,
-lengths and value ranges, and raises `WireError` naming what is wrong.
+each episode as raw frames (`tokens`, `loss_mask`, `logprobs`, `versions`), then, for
+each episode that has per-turn rewards, its two turn arrays (`reward_pos`,
+`turn_rewards`), so a sender can hand numpy buffers to ZeroMQ with `copy=False` and a
+receiver can view them with `np.frombuffer` without a copy. An episode without per-turn
+rewards adds no frame. There is no pickle anywhere. `decode_group` treats its input as
+hostile: it checks the header schema, frame count, dtypes, lengths and value ranges,
+and raises `WireError` naming what is wrong. Wire version 2 added the per-turn rewards;
+version 1 messages (no `turns` in the header, no turn frames) still decode, with none.
 
 This module imports nothing else from agentrl.
 """
@@ -26,7 +29,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+WIRE_VERSIONS = (1, 2)  # decoded; 1 is 2 without per-turn rewards
 
 # name -> dtype of each per-token array, in frame order
 ARRAY_FIELDS: tuple[tuple[str, np.dtype], ...] = (
@@ -35,7 +39,12 @@ ARRAY_FIELDS: tuple[tuple[str, np.dtype], ...] = (
     ("logprobs", np.dtype("<f4")),
     ("versions", np.dtype("<i4")),
 )
-_ARRAY_DTYPES = dict(ARRAY_FIELDS)
+# name -> dtype of each per-turn array (one entry per rewarded turn), in frame order
+TURN_FIELDS: tuple[tuple[str, np.dtype], ...] = (
+    ("reward_pos", np.dtype("<i4")),
+    ("turn_rewards", np.dtype("<f4")),
+)
+_ARRAY_DTYPES = dict(ARRAY_FIELDS + TURN_FIELDS)
 
 DEFAULT_MAX_BYTES = 256 << 20
 MAX_HEADER_BYTES = 4 << 20
@@ -67,6 +76,14 @@ class Episode:
     loss_mask  uint8[T]  1 on tokens the policy generated, 0 on prompt / env output
     logprobs   float32[T] behaviour log-prob from the inference server (0 where mask is 0)
     versions   int32[T]  weight version that produced each generated token, -1 elsewhere
+
+    Per-turn rewards (optional, K entries, K = 0 when the env gives only an outcome):
+
+    reward_pos    int32[K]   token index of the last generated token of each rewarded turn,
+                             strictly increasing, in [0, T)
+    turn_rewards  float32[K] the env's step reward of that turn (the last also holds the
+                             final `Env.reward`); `reward` stays the episode's total, which
+                             outcome-only estimators use
     """
 
     tokens: np.ndarray
@@ -77,16 +94,37 @@ class Episode:
     num_turns: int = 0
     finish_reason: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
+    reward_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    turn_rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
     def __post_init__(self) -> None:
-        for name, _ in ARRAY_FIELDS:
+        for name, _ in ARRAY_FIELDS + TURN_FIELDS:
             setattr(self, name, _as_array(name, getattr(self, name)))
         n = len(self.tokens)
         for name, _ in ARRAY_FIELDS[1:]:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Episode.{name} has {len(getattr(self, name))} entries, tokens has {n}")
+        if len(self.turn_rewards) != len(self.reward_pos):
+            raise ValueError(
+                f"Episode.turn_rewards has {len(self.turn_rewards)} entries, reward_pos has {len(self.reward_pos)}"
+            )
+        problem = _turn_problem(self.reward_pos, n)
+        if problem:
+            raise ValueError(f"Episode.reward_pos: {problem}")
         self.reward = float(self.reward)
         self.num_turns = int(self.num_turns)
+
+    def token_rewards(self) -> np.ndarray:
+        """float32[T]: each turn's reward on the last generated token of its turn, 0 elsewhere.
+        Without per-turn rewards the whole `reward` sits on the last generated token (the last
+        token when nothing was generated; nothing for an empty episode)."""
+        out = np.zeros(len(self.tokens), np.float32)
+        if len(self.reward_pos):
+            np.add.at(out, self.reward_pos, self.turn_rewards)
+        elif len(out):
+            generated = np.flatnonzero(self.loss_mask)
+            out[generated[-1] if generated.size else -1] = self.reward
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +142,18 @@ class Episode:
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, name).nbytes for name, _ in ARRAY_FIELDS)
+        return sum(getattr(self, name).nbytes for name, _ in ARRAY_FIELDS + TURN_FIELDS)
+
+
+def _turn_problem(pos: np.ndarray, n: int) -> str | None:
+    """What is wrong with per-turn reward positions for an episode of n tokens, or None."""
+    if not len(pos):
+        return None
+    if int(pos[0]) < 0 or int(pos[-1]) >= n:
+        return f"positions must lie in [0, {n}), got {int(pos.min())}..{int(pos.max())}"
+    if len(pos) > 1 and not bool((pos[1:] > pos[:-1]).all()):
+        return "positions must be strictly increasing (one entry per turn)"
+    return None
 
 
 @dataclass
@@ -164,12 +213,14 @@ def _check_metrics(value: Any, where: str, depth: int = 0) -> None:
 
 
 def encode_group(group: Group) -> list[bytes | memoryview]:
-    """Frames for one group: a msgpack header, then 4 raw array frames per episode.
+    """Frames for one group: a msgpack header, 4 raw array frames per episode, then 2 per
+    episode that has per-turn rewards.
 
     The array frames are memoryviews of the episodes' own buffers (no copy)."""
     _check_metrics(group.metrics, "group.metrics")
     episodes = []
     frames: list[bytes | memoryview] = []
+    turn_frames: list[bytes | memoryview] = []
     for i, ep in enumerate(group.episodes):
         _check_metrics(ep.metrics, f"episodes[{i}].metrics")
         episodes.append(
@@ -183,17 +234,24 @@ def encode_group(group: Group) -> list[bytes | memoryview]:
         )
         for name, _ in ARRAY_FIELDS:
             frames.append(memoryview(getattr(ep, name)).cast("B"))
+        if len(ep.reward_pos):
+            turn_frames += [memoryview(ep.reward_pos).cast("B"), memoryview(ep.turn_rewards).cast("B")]
+    frames += turn_frames
+    # rewarded turns per episode, or [] when no episode has any (the common case costs nothing more)
+    turns = [len(ep.reward_pos) for ep in group.episodes] if turn_frames else []
     header = {
         "wire": WIRE_VERSION,
         "group_id": group.group_id,
         "prompt_id": group.prompt_id,
         "metrics": group.metrics,
         "episodes": episodes,
+        "turns": turns,
     }
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
 
-_HEADER_KEYS = {"wire": int, "group_id": str, "prompt_id": str, "metrics": dict, "episodes": list}
+_HEADER_KEYS_V1 = {"wire": int, "group_id": str, "prompt_id": str, "metrics": dict, "episodes": list}
+_HEADER_KEYS = {**_HEADER_KEYS_V1, "turns": list}
 _EPISODE_KEYS = {"num_tokens": int, "reward": float, "num_turns": int, "finish_reason": str, "metrics": dict}
 
 
@@ -237,7 +295,11 @@ def _exact_types(schema: dict[str, type]) -> tuple[tuple[str, tuple[type, ...]],
 
 
 _HEADER_EXACT = _exact_types(_HEADER_KEYS)
+_HEADER_SCHEMA = {1: (_HEADER_KEYS_V1, _exact_types(_HEADER_KEYS_V1)), 2: (_HEADER_KEYS, _HEADER_EXACT)}
 _EPISODE_EXACT = _exact_types(_EPISODE_KEYS)
+_NO_POS = np.zeros(0, _ARRAY_DTYPES["reward_pos"])
+_NO_REWARDS = np.zeros(0, _ARRAY_DTYPES["turn_rewards"])
+_NO_POS.flags.writeable = _NO_REWARDS.flags.writeable = False
 
 
 def _schema_ok(obj: Any, exact: tuple[tuple[str, tuple[type, ...]], ...]) -> bool:
@@ -269,6 +331,8 @@ def _episode(arrays: list[np.ndarray], em: dict) -> Episode:
         num_turns=em["num_turns"],
         finish_reason=em["finish_reason"],
         metrics=em["metrics"],
+        reward_pos=arrays[4] if len(arrays) > _N_FIELDS else _NO_POS,
+        turn_rewards=arrays[5] if len(arrays) > _N_FIELDS else _NO_REWARDS,
     )
     return ep
 
@@ -294,17 +358,23 @@ def _parse(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[list[np.nd
         header = msgpack.unpackb(header_buf, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise WireError(f"header is not valid msgpack: {exc}") from None
-    if not _schema_ok(header, _HEADER_EXACT):
-        _check_keys(header, _HEADER_KEYS, "header")
-    if header["wire"] != WIRE_VERSION:
-        raise WireError(
-            f"header.wire: unsupported wire version {header['wire']} (this build speaks {WIRE_VERSION})"
-        )
+    wire = header.get("wire") if type(header) is dict else None
+    keys, exact = _HEADER_SCHEMA.get(wire, _HEADER_SCHEMA[WIRE_VERSION])  # type: ignore[arg-type]
+    if not _schema_ok(header, exact):
+        _check_keys(header, keys, "header")
+    wire = header["wire"]
+    if wire not in WIRE_VERSIONS:
+        raise WireError(f"header.wire: unsupported wire version {wire} (this build speaks {WIRE_VERSIONS})")
     _check_plain_metrics(header["metrics"], "header.metrics")
     meta = header["episodes"]
     if len(meta) > MAX_EPISODES_PER_GROUP:
         raise WireError(f"header.episodes: {len(meta)} episodes exceed {MAX_EPISODES_PER_GROUP}")
-    expected_frames = 1 + _N_FIELDS * len(meta)
+    turns = header.get("turns") or ()
+    if turns and (len(turns) != len(meta) or any(type(k) is not int or k < 0 for k in turns)):
+        raise WireError(
+            f"header.turns: expected {len(meta)} counts of rewarded turns (ints >= 0), got {turns!r:.80}"
+        )
+    expected_frames = 1 + _N_FIELDS * len(meta) + (2 * (len(turns) - turns.count(0)) if turns else 0)
     if len(frames) != expected_frames:
         raise WireError(f"expected {expected_frames} frames for {len(meta)} episodes, got {len(frames)}")
     bufs = [byte_view(f) for f in frames[1:]]
@@ -313,6 +383,7 @@ def _parse(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[list[np.nd
         raise WireError(f"message of {total} bytes exceeds the limit of {max_bytes}")
 
     episodes = []
+    turn_frame = _N_FIELDS * len(meta)  # the first turn frame
     for i, em in enumerate(meta):
         if not _schema_ok(em, _EPISODE_EXACT):
             _check_keys(em, _EPISODE_KEYS, f"episodes[{i}]")
@@ -329,8 +400,26 @@ def _parse(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[list[np.nd
             _frombuffer(logprobs, _F4),
             _frombuffer(versions, _I4),
         ]
+        if turns and turns[i]:
+            arrays += _turn_arrays(i, n, turns[i], bufs[turn_frame], bufs[turn_frame + 1])
+            turn_frame += 2
         episodes.append(arrays)
     return header, episodes
+
+
+def _turn_arrays(i: int, n: int, k: int, pos_buf: memoryview, reward_buf: memoryview) -> tuple:
+    """The per-turn arrays of episode i (n tokens, k rewarded turns), with their checks: a turn
+    array is short, so its values are checked here rather than in the batched value pass."""
+    for (name, dtype), buf in zip(TURN_FIELDS, (pos_buf, reward_buf), strict=True):
+        if len(buf) != k * dtype.itemsize:
+            raise WireError(
+                f"episodes[{i}].{name}: {len(buf)} bytes, expected {k} × {dtype.itemsize} for {k} turns of {dtype}"
+            )
+    pos = _frombuffer(pos_buf, _I4)
+    problem = _turn_problem(pos, n)
+    if problem:
+        raise WireError(f"episodes[{i}].reward_pos: {problem}")
+    return pos, _frombuffer(reward_buf, _F4)
 
 
 def _length_error(i: int, n: int, bufs: Sequence[memoryview]) -> WireError:

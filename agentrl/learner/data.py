@@ -6,7 +6,7 @@ computed within it — and counted under a named reason when:
     empty_group          it has no episodes
     arrays_disagree      an episode's four arrays have different lengths
     token_out_of_vocab   a token id is negative or ≥ the model's vocabulary size
-    nonfinite_reward     a reward is NaN or ±inf
+    nonfinite_reward     a reward (or a per-turn reward) is NaN or ±inf
     nonfinite_logprobs   a behaviour log-prob on a generated token is NaN/inf or > 0
     too_long             an episode exceeds `max_seq_tokens`
     no_generated_tokens  no episode has a generated token after the first position
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agentrl.learner.advantages import compute_advantages
+from agentrl.learner.advantages import compute_advantages, dapo_overlong_penalty
 from agentrl.learner.losses import token_weights
 from agentrl.learner.packing import Sample
 from agentrl.log import get_logger
@@ -58,7 +58,7 @@ def invalid_reason(group: Group, vocab_size: int, max_seq_tokens: int | None) ->
             return "arrays_disagree"
         if n and (int(ep.tokens.min()) < 0 or int(ep.tokens.max()) >= vocab_size):
             return "token_out_of_vocab"
-        if not np.isfinite(ep.reward):
+        if not np.isfinite(ep.reward) or not np.isfinite(ep.turn_rewards).all():
             return "nonfinite_reward"
         gen = ep.loss_mask.astype(bool)
         lp = ep.logprobs[gen]
@@ -85,8 +85,12 @@ def prepare_batch(
     learner_version: int,
     mini_batches: int = 1,
     max_seq_tokens: int | None = None,
+    overlong: tuple[int, int, float] | None = None,
 ) -> PreparedBatch:
-    """Validate, compute advantages per group, and split groups into `mini_batches` slices."""
+    """Validate, compute advantages per group, and split groups into `mini_batches` slices.
+
+    `overlong` = (L_max, L_cache, factor) adds DAPO's overlong penalty to each episode's reward
+    (by its generated tokens) before the estimator; `reward/*` metrics stay the env's rewards."""
     skipped: Counter = Counter()
     good: list[Group] = []
     for g in groups:
@@ -96,7 +100,12 @@ def prepare_batch(
         else:
             skipped[reason] += 1
             log.warning("skipping group %s: %s", g.group_id, reason)
-    advs = compute_advantages(advantage, [g.rewards for g in good])
+    rewards = [g.rewards for g in good]
+    penalty = None
+    if overlong is not None:
+        penalty = [dapo_overlong_penalty([ep.num_generated for ep in g.episodes], *overlong) for g in good]
+        rewards = [r + p for r, p in zip(rewards, penalty, strict=True)]
+    advs = compute_advantages(advantage, rewards)
     slices = [good[i::mini_batches] for i in range(mini_batches)] if good else []
     adv_of = {id(g): a for g, a in zip(good, advs, strict=True)}
     minis: list[list[Sample]] = []
@@ -109,7 +118,10 @@ def prepare_batch(
         if samples:
             _weights(samples, loss_agg)
             minis.append(samples)
-    return PreparedBatch(minis, skipped, _batch_metrics(good, advs, learner_version))
+    metrics = _batch_metrics(good, advs, learner_version)
+    if penalty:
+        metrics["reward/overlong_penalty_mean"] = float(np.concatenate(penalty).mean())
+    return PreparedBatch(minis, skipped, metrics)
 
 
 def _batch_metrics(groups: list[Group], advs: list[np.ndarray], version: int) -> dict[str, float]:

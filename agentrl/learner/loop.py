@@ -199,6 +199,7 @@ def run(
     if learner.rank == 0 and consumer is not None:
         consumer.publish_version(learner.version)
     skips_in_a_row = 0
+    saved = exported = -1  # versions written by step 7
     total_skipped: dict[str, int] = {}
     progress = ConsoleProgress(cfg.max_steps, learner.version, enabled=learner.rank == 0)
     while learner.version < cfg.max_steps:
@@ -211,7 +212,8 @@ def run(
         # 2. validate, skip bad groups with a counted reason, compute advantages
         batch = prepare_batch(groups, advantage=cfg.advantage, loss_agg=cfg.loss_agg,
                               vocab_size=learner.vocab_size, learner_version=learner.version,
-                              mini_batches=cfg.mini_batches, max_seq_tokens=cfg.max_seq_tokens)  # fmt: skip
+                              mini_batches=cfg.mini_batches, max_seq_tokens=cfg.max_seq_tokens,
+                              overlong=cfg.overlong)  # fmt: skip
         if batch.trainable_tokens == 0:
             batch.skipped["no_trainable_tokens"] += 1
         for reason, n in batch.skipped.items():
@@ -284,12 +286,16 @@ def run(
         # 7. checkpoint and export every N steps
         if applied and cfg.checkpoint_every and learner.version % cfg.checkpoint_every == 0:
             _save(learner, consumer)
+            saved = learner.version
         if applied and cfg.export_every and learner.version % cfg.export_every == 0:
             export(learner)
+            exported = learner.version
 
     progress.close()
-    _save(learner, consumer)
-    export(learner)
+    if saved != learner.version:  # the last step's checkpoint may already be written
+        _save(learner, consumer)
+    if exported != learner.version:
+        export(learner)
     return learner.version
 
 

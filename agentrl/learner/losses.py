@@ -12,8 +12,12 @@ Objectives (minimised; A is the advantage, r = π_θ/π_old):
 
     ppo_clip   max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)), and for A < 0 with dual clip c
                additionally min(·, −c·A)                              (PPO, DAPO clip-higher, dual-clip PPO)
-    gspo       the same clip on the sequence ratio s = exp(mean_t log r_t), in GSPO's token form
-               s_t = sg[s]·π_θ(y_t)/sg[π_θ(y_t)] so that gradients flow per token   (GSPO)
+    gspo       the same clip (and dual clip) on the sequence ratio s = exp(mean_t log r_t), in GSPO's
+               token form s_t = sg[s]·π_θ(y_t)/sg[π_θ(y_t)] so that gradients flow per token   (GSPO)
+    cispo      −sg[clip(r, 1−ε_low, 1+ε_high)]·A·log π_θ: REINFORCE with a clipped, detached
+               importance weight, so clipped tokens still get gradient     (MiniMax-M1, CISPO)
+    sapo       −(4/τ)·σ(τ(r − 1))·A with τ = τ_pos for A > 0, τ_neg for A < 0: a soft gate in
+               place of the hard clip; its gradient weight 4σ(1−σ) is 1 at r = 1   (SAPO)
 
 Off-policy correction multiplies the per-token policy loss by a detached weight:
 
@@ -73,11 +77,37 @@ def gspo(
     num_seqs: int,
     clip_low: float,
     clip_high: float,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GSPO-token: the sequence-level ratio broadcast to tokens, clipped like PPO."""
+    """GSPO-token: the sequence-level ratio broadcast to tokens, clipped (and dual-clipped) like PPO."""
     seq_log_ratio = sequence_mean((logp - old_logp).detach(), mask, seq_idx, num_seqs)
     token_log_ratio = seq_log_ratio[seq_idx] + logp - logp.detach()
-    return ppo_clip(token_log_ratio, torch.zeros_like(logp), adv, clip_low, clip_high)
+    return ppo_clip(token_log_ratio, torch.zeros_like(logp), adv, clip_low, clip_high, dual_clip)
+
+
+def cispo(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4): −sg[clip(r, 1−ε_low, 1+ε_high)]·A·log π_θ.
+
+    The weight is detached, so every token keeps a gradient A·w·∇log π_θ (PPO's clip zeroes it).
+    The second value marks tokens whose weight was clipped."""
+    ratio = torch.exp((logp - old_logp).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -weight * adv * logp, weight != ratio
+
+
+def sapo(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, tau_pos: float, tau_neg: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAPO (Gao et al., arXiv 2511.20347): −f(r)·A with the soft gate f(r) = (4/τ)·σ(τ(r − 1)).
+
+    τ is τ_pos where A > 0 and τ_neg elsewhere. The second value marks tokens whose gate weight
+    4σ(1−σ) fell below one half (the soft analogue of "clipped")."""
+    ratio = torch.exp((logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    return -(4.0 / tau) * gate * adv, (4.0 * gate * (1.0 - gate)).detach() < 0.5
 
 
 def tis_weight(old_logp: torch.Tensor, behav_logp: torch.Tensor, cap: float) -> torch.Tensor:
@@ -116,7 +146,8 @@ def token_weights(seq_loss_tokens: list[int], mode: str, total_tokens: int, tota
     """Per-token aggregation weight of each sequence, given batch-wide totals.
 
     token_mean            1 / (loss tokens in the batch)
-    seq_mean_token_sum    1 / (sequences in the batch)          (Dr. GRPO: no length normalisation)
+    seq_mean_token_sum    1 / (sequences in the batch)          (Dr. GRPO: no length normalisation;
+                          TRL's dr_grpo also divides by max_completion_length, a constant factor)
     seq_mean_token_mean   1 / (sequences · that sequence's loss tokens)   (GRPO paper)
     """
     if mode == "token_mean":

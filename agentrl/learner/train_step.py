@@ -64,9 +64,31 @@ def forward_logprobs(
 
 @torch.no_grad()
 def recompute_logprobs(model: nn.Module, mbs: list[MicroBatch], key: str, temperature: float) -> None:
-    """Store a frozen policy's log-probs in `mb.extra[key]` for every micro-batch."""
-    for mb in mbs:
-        mb.extra[key] = forward_logprobs(model, mb, temperature)[0].detach()
+    """Store a frozen policy's log-probs in `mb.extra[key]` for every micro-batch.
+
+    The forward runs in eval mode (no dropout: the log-probs of the policy itself, not of one
+    dropout mask) and the model's mode is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        for mb in mbs:
+            mb.extra[key] = forward_logprobs(model, mb, temperature)[0].detach()
+    finally:
+        model.train(was_training)
+
+
+def policy_loss(
+    logp: torch.Tensor, old: torch.Tensor, mb: MicroBatch, cfg: LearnerConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token policy loss of `cfg.policy_loss` and a bool tensor of clipped tokens."""
+    if cfg.policy_loss == "gspo":
+        return losses.gspo(logp, old, mb.adv, mb.mask, mb.seq_idx, mb.num_seqs, cfg.clip_low, cfg.clip_high,
+                           cfg.dual_clip)  # fmt: skip
+    if cfg.policy_loss == "cispo":
+        return losses.cispo(logp, old, mb.adv, cfg.clip_low, cfg.clip_high)
+    if cfg.policy_loss == "sapo":
+        return losses.sapo(logp, old, mb.adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    return losses.ppo_clip(logp, old, mb.adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
 
 
 def microbatch_loss(
@@ -76,12 +98,7 @@ def microbatch_loss(
     mask = mb.mask
     learner_old = mb.extra.get("old_logp", logp.detach())  # the learner's π before this update
     old = mb.behav_logp if cfg.off_policy == "none" else learner_old
-    if cfg.policy_loss == "gspo":
-        pg, clipped = losses.gspo(
-            logp, old, mb.adv, mask, mb.seq_idx, mb.num_seqs, cfg.clip_low, cfg.clip_high
-        )
-    else:
-        pg, clipped = losses.ppo_clip(logp, old, mb.adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+    pg, clipped = policy_loss(logp, old, mb, cfg)
     is_w = None
     if cfg.off_policy == "tis":
         is_w = losses.tis_weight(old, mb.behav_logp, cfg.is_cap)

@@ -14,7 +14,10 @@ Steps of an episode:
 4. The episode ends when the env says done, or at a limit — max turns, the context
    budget (`max_total_tokens`), a generation cut by length, or the wall-clock timeout —
    with the reason recorded in `finish_reason`.
-5. `env.reward(transcript)` (plus any per-step rewards) is the episode's reward.
+5. `env.reward(transcript)` (plus any per-step rewards) is the episode's reward. Each
+   turn's step reward is also kept per turn, on the last generated token of its turn, and
+   the final reward is added on the episode's last generated token (`Episode.reward_pos`,
+   `Episode.turn_rewards`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class _Trace:
     final_text: str = ""
     turns: int = 0
     step_rewards: list[float] = field(default_factory=list)
+    reward_pos: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
     finish_reason: str = "max_turns"
     resumed: int = 0
     gen_time: float = 0.0
@@ -63,6 +68,17 @@ class _Trace:
         self.mask += [1] * n
         self.logprobs += result.logprobs
         self.versions += [result.weight_version] * n
+
+    def add_turn_reward(self, pos: int, reward: float) -> None:
+        """Put `reward` on token `pos`; a position at or before the last one adds to it (a turn
+        that generated nothing has no token of its own)."""
+        if pos < 0:
+            return
+        if self.reward_pos and pos <= self.reward_pos[-1]:
+            self.turn_rewards[-1] += reward
+        else:
+            self.reward_pos.append(pos)
+            self.turn_rewards.append(reward)
 
 
 def sampling_params(config: RollerConfig, max_new_tokens: int, stop: list[str]) -> dict[str, Any]:
@@ -131,6 +147,7 @@ async def _run_turns(
         step = as_step_result(await resolve(env.step(text)))
         trace.env_time += time.perf_counter() - t0
         trace.step_rewards.append(step.reward)
+        trace.add_turn_reward(len(trace.tokens) - 1, float(step.reward))  # the turn's last token
         if step.done:
             trace.finish_reason = "done"
             return
@@ -182,7 +199,10 @@ async def run_episode(
         transcript = Transcript(
             task, trace.messages, trace.final_text, trace.turns, trace.finish_reason, dict(env.metrics)
         )
-        reward = float(await resolve(env.reward(transcript))) + sum(trace.step_rewards)
+        final = float(await resolve(env.reward(transcript)))
+        reward = final + sum(trace.step_rewards)
+        last_generated = len(trace.mask) - 1 - trace.mask[::-1].index(1) if 1 in trace.mask else -1
+        trace.add_turn_reward(last_generated, final)
     finally:
         await resolve(env.close())
     metrics = {
@@ -202,4 +222,6 @@ async def run_episode(
         num_turns=trace.turns,
         finish_reason=trace.finish_reason,
         metrics=metrics,
+        reward_pos=trace.reward_pos,
+        turn_rewards=trace.turn_rewards,
     )

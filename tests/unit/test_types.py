@@ -373,3 +373,69 @@ def test_frames_of_any_buffer_kind_decode_and_strided_views_are_refused() -> Non
     strided = [frames[0], memoryview(frames[1] * 2)[::2], *frames[2:]]
     with pytest.raises(WireError, match="not a byte buffer"):
         decode_group(strided)
+
+
+# --------------------------------------------------------------------------- per-turn rewards
+
+
+def _turn_episode(n: int = 10) -> Episode:
+    ep = make_episode(n=n)
+    return Episode(ep.tokens, ep.loss_mask, ep.logprobs, ep.versions, reward=1.5, num_turns=2,
+                   reward_pos=[5, n - 1], turn_rewards=[0.5, 1.0])  # fmt: skip
+
+
+def test_per_turn_rewards_round_trip_and_add_frames_only_where_present() -> None:
+    group = Group([make_episode(), _turn_episode(), make_episode(n=3, prompt=1)])
+    frames = [bytes(f) for f in encode_group(group)]
+    assert len(frames) == 1 + 4 * 3 + 2  # the two turn frames of episode 1 trail the per-token ones
+    back = decode_group(frames)
+    assert back.episodes[1].reward_pos.tolist() == [5, 9]
+    assert back.episodes[1].turn_rewards.tolist() == [0.5, 1.0]
+    assert back.episodes[0].reward_pos.size == back.episodes[2].turn_rewards.size == 0
+    assert back.episodes[1].token_rewards().tolist() == [0, 0, 0, 0, 0, 0.5, 0, 0, 0, 1.0]
+    # without per-turn rewards the episode's reward sits on its last generated token
+    assert back.episodes[0].token_rewards().tolist() == [0] * 9 + [1.0]
+    ((decoded, _),) = decode_groups([frames])
+    assert decoded.episodes[1].reward_pos.tolist() == [5, 9]
+
+
+def test_version_1_messages_still_decode_without_per_turn_rewards() -> None:
+    frames = _frames()
+    header = _header(frames)
+    header["wire"] = 1
+    del header["turns"]
+    back = decode_group(_with_header(frames, header))
+    assert [e.reward_pos.size for e in back.episodes] == [0, 0]
+    assert back.episodes[0].tokens.tolist() == list(range(10))
+
+
+def test_bad_per_turn_rewards_are_refused() -> None:
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Episode([1, 2, 3], [0, 1, 1], [0, 0, 0], [-1, 0, 0], reward_pos=[2, 2], turn_rewards=[1, 1])
+    with pytest.raises(ValueError, match=r"in \[0, 3\)"):
+        Episode([1, 2, 3], [0, 1, 1], [0, 0, 0], [-1, 0, 0], reward_pos=[3], turn_rewards=[1])
+    with pytest.raises(ValueError, match="turn_rewards has 2 entries, reward_pos has 1"):
+        Episode([1, 2, 3], [0, 1, 1], [0, 0, 0], [-1, 0, 0], reward_pos=[1], turn_rewards=[1, 1])
+    frames = [bytes(f) for f in encode_group(Group([_turn_episode()]))]
+    pos, rewards = 5, 6
+    for mutate, message in [
+        (
+            lambda f: [*f[:pos], np.array([5, 10], np.int32).tobytes(), f[rewards]],
+            "reward_pos: positions must",
+        ),
+        (lambda f: [*f[:pos], np.array([7, 3], np.int32).tobytes(), f[rewards]], "strictly increasing"),
+        (lambda f: [*f[:pos], f[pos][:-4], f[rewards]], "reward_pos: 4 bytes, expected 2"),
+        (lambda f: [*f[:rewards], f[rewards] + b"\x00"], "turn_rewards: 9 bytes"),
+        (lambda f: f[:pos], "expected 7 frames"),
+    ]:
+        with pytest.raises(WireError, match=re.escape(message)):
+            decode_group(mutate(frames))
+    for turns in ([-1], [2, 0], [True], ["2"]):
+        header = _header(frames)
+        header["turns"] = turns
+        with pytest.raises(WireError, match=r"header\.turns: expected 1 counts"):
+            decode_group(_with_header(frames, header))
+    header = _header(frames)
+    header["turns"] = [3]
+    with pytest.raises(WireError, match=re.escape("reward_pos: 8 bytes, expected 3")):
+        decode_group(_with_header(frames, header))

@@ -65,11 +65,12 @@ def test_decoupled_uses_the_recomputed_proximal_policy():
 
 
 def test_kl_and_entropy_terms():
-    cfg = LearnerConfig(off_policy="tis", is_cap=100.0, kl_coef=0.5, kl_estimator="k1", entropy_coef=0.1)
+    cfg = LearnerConfig(off_policy="tis", is_cap=100.0, kl_coef=0.5, kl_estimator="k3", entropy_coef=0.1)
     ref = torch.tensor([-1.0, -1.0, -1.0, 0.0])
     ent = torch.tensor([2.0, 2.0, 2.0, 9.0])
     base, _, _ = microbatch_loss(LOGP, None, _mb(), LearnerConfig(off_policy="tis", is_cap=100.0), version=3)
     loss, sums, _ = microbatch_loss(LOGP, ent, _mb(ref_logp=ref), cfg, version=3)
-    kl = (LOGP - ref)[:3].sum() * 0.25  # k1, token-mean weights
+    x = (ref - LOGP)[:3]
+    kl = (torch.exp(x) - x - 1).sum() * 0.25  # k3, token-mean weights (k1 as a loss term is refused)
     assert float(loss) == pytest.approx(float(base) + 0.5 * float(kl) - 0.1 * 2.0 * 0.75, rel=1e-6)
     assert sums["entropy"] == pytest.approx(6.0)

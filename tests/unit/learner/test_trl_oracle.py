@@ -107,3 +107,67 @@ def test_grpo_loss_and_grads_match_trl(trainer, trl_loss, ours_agg):
     assert grads.keys() == trl_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], trl_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("trl_loss", "level", "ours", "trl_attrs", "scale"),
+    [
+        # GSPO: TRL's sequence-level importance weight with its per-sequence mean ("grpo")
+        (
+            "grpo",
+            "sequence",
+            dict(policy_loss="gspo", clip_low=3e-3, clip_high=4e-3),
+            dict(epsilon_low=3e-3, epsilon_high=4e-3),
+            1.0,
+        ),
+        # CISPO: TRL clamps the weight at ε_max only (ours: clip_high = ε_max − 1, clip_low ≥ 1)
+        (
+            "cispo",
+            "token",
+            dict(policy_loss="cispo", loss_agg="token_mean", clip_low=1.0, clip_high=0.3),
+            dict(epsilon_high=1.3),
+            1.0,
+        ),
+        ("sapo", "token", dict(policy_loss="sapo", loss_agg="seq_mean_token_mean"), {}, 1.0),
+        # Dr. GRPO: TRL divides the token sum by batch × max_completion_length, ours by the batch only
+        ("dr_grpo", "token", dict(loss_agg="seq_mean_token_sum"), {}, 1.0 / max(LENGTHS)),
+    ],
+)
+def test_other_objectives_match_trl(trainer, trl_loss, level, ours, trl_attrs, scale):
+    model = trainer.model
+    model.train()
+    prompt, completion, cmask, behav = _inputs(model)
+    adv = torch.tensor(compute_advantages("grpo", [REWARDS])[0], dtype=torch.float32)
+    if level == "sequence":
+        adv = -adv  # this draw's sequence ratios sit on the clipped side for these signs
+    saved = {k: getattr(trainer, k) for k in ("loss_type", "importance_sampling_level", *trl_attrs)}
+    trainer.loss_type, trainer.importance_sampling_level = trl_loss, level
+    for k, v in trl_attrs.items():
+        setattr(trainer, k, v)
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = {
+        "prompt_ids": prompt,
+        "prompt_mask": torch.ones_like(prompt),
+        "completion_ids": completion,
+        "completion_mask": cmask,
+        "advantages": adv,
+        "old_per_token_logps": behav,
+        "num_items_in_batch": cmask.sum(),
+    }
+    try:
+        model.zero_grad()
+        trl_value = trainer._compute_loss(model, inputs)
+        trl_value.backward()
+    finally:
+        for k, v in saved.items():
+            setattr(trainer, k, v)
+    trl_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    cfg = LearnerConfig(off_policy="none", **ours)
+    loss, grads, sums = _ours(model, prompt, completion, cmask, behav, adv, cfg)
+    if trl_loss in ("grpo", "cispo"):
+        assert sums["clipfrac"] > 0  # both sides of the comparison clip somewhere
+    torch.testing.assert_close(loss * scale, trl_value.detach(), rtol=1e-5, atol=1e-7)
+    assert grads.keys() == trl_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name] * scale, trl_grads[name], rtol=1e-4, atol=1e-7, msg=name)
