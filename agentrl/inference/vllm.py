@@ -171,7 +171,10 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         shapes: list[list[int]],
         group_name: str = "weight_update_group",
         weight_version: int | None = None,
+        flattened: bool = False,
     ) -> None:
+        if flattened:
+            raise InferenceError("vLLM client: flattened buckets are not supported")
         await self.http.request("POST", "/start_weight_update", {})
         # `packed` is left out: older releases default it to False, newer ones moved it to the init info.
         update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
