@@ -110,10 +110,6 @@ class BroadcastEngine(WeightSyncEngine):
         self.backend = (
             config.backend if config.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
         )
-        wire = config.gloo_wire
-        if wire == "auto":  # a real SGLang receives into tensors on its GPU; the embedded server on CPU
-            wire = "cuda" if inference.type == "sglang" else "cpu"
-        self.wire = wire
         self.members: list[str] = []  # servers in the current group
         self.dropped: list[str] = []
         self.group: WeightGroup | None = None
@@ -155,7 +151,6 @@ class BroadcastEngine(WeightSyncEngine):
                 name,
                 self.backend,
                 self.config.timeout_s,
-                wire=self.wire,
             )
         except Exception as exc:
             failed = self._failed(futures)
