@@ -130,11 +130,15 @@ class Engine:
         max_batch_size: int = 32,
         context_length: int | None = None,
         cpu_threads: int | None = 1,
+        logprobs: str = "full",
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if cpu_threads is not None and not device.startswith("cuda"):
             torch.set_num_threads(cpu_threads)  # process-wide; see InferenceConfig.cpu_threads
+        if logprobs not in ("full", "truncated"):
+            raise ValueError(f"logprobs {logprobs!r}: use full or truncated (see InferenceConfig.logprobs)")
+        self.full_logprobs = logprobs == "full"
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
@@ -379,7 +383,9 @@ class Engine:
         """Sample rows `first…` of the batch from `logits`, append, and retire finished rows."""
         b = self._batch
         rows = b.reqs[first:]
-        tokens, logprobs = sample(logits, [r.params for r in rows], [r.generator for r in rows])
+        tokens, logprobs = sample(
+            logits, [r.params for r in rows], [r.generator for r in rows], self.full_logprobs
+        )
         b.last[first:] = tokens
         keep = list(range(first))
         for j, req in enumerate(rows):

@@ -239,6 +239,7 @@ def run_server(model_path: str, host: str, port: int, config) -> None:
         max_batch_size=config.max_batch_size,
         context_length=config.context_length,
         cpu_threads=config.cpu_threads,
+        logprobs=config.logprobs,
     )
     engine.start()
     api_key = os.environ.get(config.api_key_env) or None
