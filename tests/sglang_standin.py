@@ -22,7 +22,7 @@ each taken from the 0.5.23 wheel (`pip download --no-deps sglang==0.5.23`):
 
 Generation is scripted: each request emits `max_new_tokens` pseudo-random token ids (one
 every `token_interval_s`) with log-probs, so pauses and aborts can land mid-request.
-`fail_next_update` makes the next bucket fail *after* it was received (as a failed
+`fail_updates` makes the next buckets fail *after* it was received (as a failed
 `load_weights` does), so a test can break a push midway.
 
 Torch registers process-group names per process, so several stand-ins in one group each run
@@ -30,7 +30,7 @@ in their own process, as SGLang servers do:
 
     python -m tests.sglang_standin --port 30000 [--no-session-api]
 
-`GET /_standin/state` and `POST /_standin/fail_next_update` are the test's hooks (not SGLang's).
+`GET /_standin/state` and `POST /_standin/fail_updates {"count": n}` are the test's hooks (not SGLang's).
 """
 
 from __future__ import annotations
@@ -110,7 +110,9 @@ class StandInSGLang:
         self.session = False
         self.calls: list[str] = []  # every route hit, in order
         self.refused: list[str] = []  # requests refused by a rule, with the rule's message
-        self.fail_next_update = False
+        self.fail_updates = 0
+        """Buckets still to fail (after receiving them), set by `POST /_standin/fail_updates`."""
+        self.aborted = 0  # generations that returned finish_reason abort
         self.groups: dict[str, Any] = {}
         self._running: dict[str, _Req] = {}
         self._resume: asyncio.Event | None = None
@@ -148,7 +150,7 @@ class StandInSGLang:
             "/pause_generation": self._pause,
             "/continue_generation": self._continue,
             "/abort_request": self._abort,
-            "/_standin/fail_next_update": self._script_failure,
+            "/_standin/fail_updates": self._script_failure,
         }
         if not self.session_api:
             del post["/begin_weight_update"], post["/end_weight_update"]
@@ -199,6 +201,7 @@ class StandInSGLang:
                 req.logprobs.append(-float(torch.rand(1, generator=gen)) - 0.1)
         finally:
             self._running.pop(req.rid, None)
+        self.aborted += req.aborted
         finish = {"type": "abort", "message": "Abort in waiting queue"} if req.aborted else {"type": "length",
                   "length": len(req.output_ids)}  # fmt: skip
         meta = {
@@ -255,12 +258,12 @@ class StandInSGLang:
         return web.json_response(
             {
                 "calls": self.calls, "refused": self.refused, "session": self.session, "paused": self.paused,
-                "weight_version": self.weight_version, "weights": {n: digest(t) for n, t in self.weights.items()},
+                "weight_version": self.weight_version, "aborted": self.aborted, "weights": {n: digest(t) for n, t in self.weights.items()},
             }
         )  # fmt: skip
 
     async def _script_failure(self, request: web.Request) -> web.Response:
-        self.fail_next_update = True
+        self.fail_updates = int((await request.json()).get("count", 1))
         return web.Response(status=200)
 
     async def _ping(self, request: web.Request) -> web.Response:
@@ -322,8 +325,8 @@ class StandInSGLang:
             )
         except Exception as exc:
             return self._result(False, f"Failed to receive weights: {exc}")
-        if self.fail_next_update:
-            self.fail_next_update = False
+        if self.fail_updates > 0:
+            self.fail_updates -= 1
             return self._result(False, "Failed to update parameter online: scripted failure. The full weights "
                                 "of the ModelRunner are partially updated. Please discard the whole weights.")  # fmt: skip
         self.weights.update(weights)

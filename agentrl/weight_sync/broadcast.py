@@ -17,7 +17,8 @@ A push, on rank 0 (other learner ranks only join the FSDP gathers):
    replies (one bucket in flight: out-of-order broadcasts deadlock);
 4. close every session (`/end_weight_update`; also on every failure path) and continue.
 A server that fails during a push is dropped: the group is rebuilt without it and the
-push is redone for the others (every learner rank repeats the gathers in step). A dropped
+push is redone for the others (every learner rank repeats the gathers in step); a live server
+whose bucket failed is kept for one redo and dropped only if it fails again. A dropped
 server stays paused (its weights may be a mix) and rejoins at a later push once it answers
 its liveness check (`alive`) again.
 """
@@ -256,6 +257,7 @@ class BroadcastEngine(WeightSyncEngine):
         if self.rank == 0:
             self._start_push()
         attempt = 0
+        second_chance = set(self.members)  # a live server whose bucket failed is retried once per push
         try:
             while True:
                 attempt += 1
@@ -268,12 +270,17 @@ class BroadcastEngine(WeightSyncEngine):
                 if not retry:
                     break
                 if self.rank == 0:
-                    # failed servers keep their (mixed) weights paused until a later push rejoins them
+                    # a live server that failed a bucket (e.g. a load error) is kept for one redo; a dead
+                    # one, or one failing again, is dropped and stays paused (its weights may be a mix)
+                    # until a later push rejoins it
                     self._end(self.members)
-                    self._drop(failed)
-                    self._build_group([u for u in self.members if u not in failed])
+                    alive = self._bridge.run(self._healthy(failed), timeout_s=self.config.timeout_s)
+                    drop = [u for u in failed if u not in alive or u not in second_chance]
+                    second_chance -= set(failed)
+                    self._drop(drop)
+                    self._build_group([u for u in self.members if u not in drop])
                     self._begin(self.members)
-                    stats.bytes = stats.tensors = stats.buckets = 0
+                    stats.bytes = stats.tensors = stats.buckets = stats.broadcasts = 0
         finally:
             if self.rank == 0:
                 self._end(self.members)
