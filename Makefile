@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,mcp,redis,nixl,docker,search
 MODEL_DIR ?= runs/models/mini
 
-.PHONY: setup system-deps demo test test-fast lint format clean
+.PHONY: setup system-deps demo test test-fast lint format clean sglang
 
 setup: $(VENV)/.agentrl-installed
 
@@ -51,3 +51,16 @@ format: setup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# SGLang for `agentrl serve --backend sglang`, in its own environment: sglang 0.5.23 pins
+# torch 2.14.1 and CUDA-only kernels, so this target only works on a Linux GPU node (it
+# refuses on a machine without nvidia-smi, such as the CPU machines CI runs on).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_SPEC ?= sglang==0.5.23
+
+sglang:
+	@command -v nvidia-smi >/dev/null 2>&1 || { echo "make sglang: no NVIDIA GPU here (nvidia-smi not found); SGLang $(SGLANG_SPEC) needs CUDA and cannot run on this CPU machine. Run it on a GPU node."; exit 1; }
+	@test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q "$(SGLANG_SPEC)"
+	$(SGLANG_VENV)/bin/python -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"

@@ -108,15 +108,28 @@ def serve(
     model: Annotated[str | None, typer.Option(help="Checkpoint directory to serve.")] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 30000,
+    backend: Annotated[
+        str, typer.Option(help="embedded (agentrl's server) or sglang (a real SGLang; GPU, .venv-sglang).")
+    ] = "embedded",
     config: ConfigOpt = None,
 ) -> None:
-    """Serve a model over SGLang's native HTTP API (the embedded inference server)."""
+    """Serve a model over SGLang's native HTTP API (the embedded server, or a real SGLang)."""
     cfg = load(config, ctx)
     model_path = model or cfg.inference.model_path or cfg.learner.model_path
     if not Path(model_path).is_dir():
         raise _fail(
             f"--model: {model_path} is not a checkpoint directory (make one: agentrl init-model tiny DIR)"
         )
+    if backend == "sglang":
+        from agentrl.inference.sglang_launch import run_sglang
+
+        try:
+            code = run_sglang(model_path, host, port, cfg.inference)
+        except RuntimeError as exc:  # no SGLang here, or it exited while starting
+            raise _fail(str(exc)) from None
+        raise typer.Exit(code)
+    if backend != "embedded":
+        raise _fail(f"--backend: {backend!r} is not one of embedded, sglang")
     from agentrl.inference.server import run_server
 
     run_server(model_path, host, port, cfg.inference)

@@ -283,6 +283,12 @@ class InferenceConfig(Section):
 
     type: Literal["embedded", "sglang", "vllm"] = "embedded"
     """Server kind: agentrl's embedded server, SGLang (native API) or vLLM (OpenAI API)."""
+    logprobs: Literal["full", "truncated"] = "full"
+    """Which distribution the behaviour log-probs are of. "full": log_softmax(logits / temperature)
+    over the whole vocabulary, before top-k/top-p (SGLang 0.5.23's default, srt/layers/sampler.py;
+    what the learner recomputes). "truncated": the top-k/top-p-restricted, renormalised distribution
+    the tokens are drawn from (embedded server; vLLM's processed log-probs); the learner cannot
+    recompute it, so it needs roller.top_p: 1 and roller.top_k: -1."""
     servers: list[str] = []
     """URLs of running servers; empty means `agentrl run` starts `num_servers` embedded ones."""
     num_servers: int = Field(1, ge=1)
@@ -503,6 +509,19 @@ class AgentRLConfig(Section):
             raise ValueError(
                 f"learner.temperature: must equal roller.temperature ({self.roller.temperature}); the learner "
                 "recomputes log-probs of the distribution the rollers sampled from"
+            )
+        truncating = self.roller.top_p < 1 or self.roller.top_k > 0
+        if self.inference.logprobs == "truncated" and truncating:
+            raise ValueError(
+                f"inference.logprobs: 'truncated' with roller.top_p={self.roller.top_p} / roller.top_k="
+                f"{self.roller.top_k}: the learner recomputes log_softmax(logits / temperature) over the full "
+                "vocabulary and cannot reproduce truncated log-probs; set inference.logprobs: full, or "
+                "roller.top_p: 1 and roller.top_k: -1"
+            )
+        if self.inference.logprobs == "truncated" and self.inference.type == "sglang":
+            raise ValueError(
+                "inference.logprobs: SGLang 0.5.23 returns only full-distribution log-probs "
+                "(srt/layers/sampler.py); use inference.logprobs: full with inference.type: sglang"
             )
         if self.learner.clip_high < self.learner.clip_low:
             raise ValueError(

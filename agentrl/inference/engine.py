@@ -130,11 +130,15 @@ class Engine:
         max_batch_size: int = 32,
         context_length: int | None = None,
         cpu_threads: int | None = 1,
+        logprobs: str = "full",
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if cpu_threads is not None and not device.startswith("cuda"):
             torch.set_num_threads(cpu_threads)  # process-wide; see InferenceConfig.cpu_threads
+        if logprobs not in ("full", "truncated"):
+            raise ValueError(f"logprobs {logprobs!r}: use full or truncated (see InferenceConfig.logprobs)")
+        self.full_logprobs = logprobs == "full"
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
@@ -199,12 +203,16 @@ class Engine:
         return future
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> int:
-        """(engine thread) Finish matching running/waiting requests now with `finish_reason.type == "abort"`."""
+        """(engine thread) Finish running/waiting requests whose rid starts with `rid` (SGLang 0.5.23
+        `Scheduler.abort_request` matches by prefix; an empty rid matches nothing here) now with
+        `finish_reason.type == "abort"`."""
+        if not abort_all and not rid:
+            return 0
         count = 0
         self._drain_waiting()
         held = []
         for req in self._held:
-            if abort_all or req.rid == rid:
+            if abort_all or req.rid.startswith(rid):
                 self._finish(req, {"type": "abort", "message": message})
                 count += 1
             else:
@@ -213,7 +221,7 @@ class Engine:
         if self._batch is not None:
             keep = []
             for i, req in enumerate(self._batch.reqs):
-                if abort_all or req.rid == rid:
+                if abort_all or req.rid.startswith(rid):
                     self._finish(req, {"type": "abort", "message": message})
                     count += 1
                 else:
@@ -221,10 +229,15 @@ class Engine:
             self._batch = _select(self._batch, keep)
         return count
 
-    def pause(self) -> int:
-        """(engine thread) Abort everything in flight and hold new requests until `resume()`."""
+    def pause(self, mode: str = "abort") -> int:
+        """(engine thread) Stop generating until `resume()`; new requests are held. SGLang 0.5.23's
+        modes (`PauseGenerationReqInput`): "abort" finishes everything in flight (partial output,
+        finish_reason abort); "in_place" and "retract" keep the running requests, which go on after
+        `resume()` with the KV cache they had (SGLang's retract recomputes it; here both keep it)."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r}: use abort, retract or in_place")
         self._paused = True
-        return self.abort(abort_all=True, message="generation paused")
+        return self.abort(abort_all=True, message="generation paused") if mode == "abort" else 0
 
     def resume(self) -> None:
         """(engine thread) Start the held requests."""
@@ -275,7 +288,7 @@ class Engine:
             try:
                 if admitted:
                     self._prefill(admitted)
-                if self._batch is not None:
+                if self._batch is not None and not self._paused:
                     self._decode_step()
             except Exception as exc:  # keep serving: fail the rows in this step, not the server
                 logger.exception("generation step failed")
@@ -283,7 +296,7 @@ class Engine:
                     if req.finish_reason is None:
                         self._finish(req, {"type": "abort", "message": f"engine error: {exc}"})
                 self._batch = None
-            if self._batch is None and not admitted and self._commands.empty():
+            if (self._batch is None or self._paused) and not admitted and self._commands.empty():
                 self._wake.wait(0.05)
                 self._wake.clear()
         self._run_commands()
@@ -370,7 +383,9 @@ class Engine:
         """Sample rows `first…` of the batch from `logits`, append, and retire finished rows."""
         b = self._batch
         rows = b.reqs[first:]
-        tokens, logprobs = sample(logits, [r.params for r in rows], [r.generator for r in rows])
+        tokens, logprobs = sample(
+            logits, [r.params for r in rows], [r.generator for r in rows], self.full_logprobs
+        )
         b.last[first:] = tokens
         keep = list(range(first))
         for j, req in enumerate(rows):

@@ -1,11 +1,17 @@
 """Per-request sampling for the embedded server, with the log-prob of what was sampled.
 
-RL needs the behaviour log-probability of every generated token. Here it is the
-log-probability under the distribution the token was actually drawn from: logits divided
-by the request's temperature, then restricted by top-k / top-p / min-p and renormalised.
-With temperature 1 and no truncation this is the model's plain `log_softmax`, which a test
-checks against a fresh forward pass. Greedy rows (temperature 0) report the untempered
-log-prob of the argmax.
+RL needs the behaviour log-probability of every generated token. Tokens are drawn from the
+logits divided by the request's temperature, restricted by top-k / top-p / min-p and
+renormalised. Which log-prob is reported is `InferenceConfig.logprobs`:
+
+- "full" (`full_logprobs=True`): `log_softmax(logits / T)` over the whole vocabulary, before
+  truncation — what SGLang 0.5.23's `Sampler.forward` returns (`srt/layers/sampler.py`:
+  `log(softmax(logits / T))` taken before `_sample_from_probs` truncates) and what the learner
+  recomputes (`learner.train_step.forward_logprobs`);
+- "truncated": the log-prob under the truncated, renormalised distribution actually sampled.
+
+With no truncation the two agree. Greedy rows (temperature 0) report the untempered
+log-prob of the argmax (SGLang's greedy path).
 """
 
 from __future__ import annotations
@@ -46,9 +52,13 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, mi
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    full_logprobs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of fp32 `logits` [B, V]; return (tokens [B], logprobs [B])."""
+    """Draw one token per row of fp32 `logits` [B, V]; return (tokens [B], logprobs [B]): of the
+    full tempered distribution with `full_logprobs`, else of the truncated one sampled from."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
     greedy = temps <= 0
@@ -56,10 +66,13 @@ def sample(
     top_k = torch.tensor([p.top_k for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
     min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+    full = scaled.log_softmax(dim=-1) if full_logprobs else None
     if bool((top_k > 0).any() | (top_p < 1).any() | (min_p > 0).any()):
         scaled = _truncate(scaled, top_k, top_p, min_p)
     logp = scaled.log_softmax(dim=-1)
     probs = logp.exp()
+    if full is not None:
+        logp = full
     tokens = torch.empty(len(params), dtype=torch.long, device=device)
     seeded = [i for i, g in enumerate(generators) if g is not None]
     unseeded = [i for i, g in enumerate(generators) if g is None]

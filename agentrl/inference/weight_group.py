@@ -8,7 +8,12 @@ can broadcast to each other without touching (or needing) the default `torch.dis
 process group. The store keys are laid out as SGLang's `init_custom_process_group` lays them
 out (`PrefixStore(group_name)`, then torch's `_new_process_group_helper` prefixes
 `"{group_name}/"` and `"{device}/"`), so a trainer using this module can also be rank 0 for
-real SGLang engines; no collective is issued at set-up, as SGLang issues none. Every step has
+real SGLang engines; no collective is issued at set-up, as SGLang issues none. For "gloo",
+torch's `_new_process_group_helper` (called by SGLang 0.5.23's `init_custom_process_group`,
+`srt/utils/common.py`) maps both devices gloo serves (cpu, cuda) to one backend, builds one
+`ProcessGroupGloo` under the `cpu/` prefix and registers it for both: so this one group also
+reaches a GPU SGLang that receives into CUDA tensors (checked against torch's helper in
+tests/unit/weight_sync/test_standin_push.py). Every step has
 a timeout that fails loudly instead of hanging: set-up and each collective.
 """
 

@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from agentrl.inference.base import RequestLostError
 from agentrl.inference.router import Router
 from agentrl.inference.sglang import SGLangClient
-from tests.conftest import Processes, find_free_port, run_agentrl
+from tests.conftest import REPO, Processes, find_free_port, run_agentrl
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -99,6 +100,7 @@ async def test_weight_updates_from_disk_and_from_a_gloo_trainer(servers, tiny_mo
         await client.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo")
         joiner.join(60)
         names = sorted(base)
+        await client.begin_weight_update()  # SGLang 0.5.23: updates only inside a session
         call = asyncio.create_task(
             client.update_weights_from_distributed(
                 names,
@@ -111,6 +113,7 @@ async def test_weight_updates_from_disk_and_from_a_gloo_trainer(servers, tiny_mo
         for n in names:
             await asyncio.to_thread(box["g"].broadcast, base[n].clone(), 0)
         await asyncio.wait_for(call, 60)
+        await client.end_weight_update()
         restored = await client.generate(PROMPT, GREEDY)
         assert restored.weight_version == 2 and restored.output_ids == before.output_ids
         await client.destroy_weights_update_group("wg")
@@ -149,3 +152,66 @@ async def test_killing_one_of_two_servers_loses_no_request_silently(servers):
 def test_serve_refuses_a_missing_model(tmp_path: Path):
     out = run_agentrl("serve", "--model", str(tmp_path / "nope"), "--port", str(find_free_port()))
     assert out.returncode == 2 and "not a checkpoint directory" in out.stderr
+
+
+def test_serve_backend_sglang_refuses_clearly_without_sglang(tiny_model: Path) -> None:
+    env = {**os.environ, "AGENTRL_SGLANG_PYTHON": sys.executable}
+    result = run_agentrl(
+        "serve", "--backend", "sglang", "--model", str(tiny_model), "--port", str(find_free_port()), env=env
+    )
+    assert result.returncode != 0 and "cannot import sglang" in result.stderr, result.stderr
+
+
+FAKE_LAUNCH_SERVER = '''
+"""Stands in for `python -m sglang.launch_server`: records its argv and pid, serves the stand-in."""
+import json, os, sys
+with open(os.environ["FAKE_SGLANG_RECORD"], "w") as f:
+    json.dump({"argv": sys.argv[1:], "pid": os.getpid(),
+               "health_generation": os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")}, f)
+port = sys.argv[sys.argv.index("--port") + 1]
+sys.argv = ["sglang_standin", "--port", port]
+from tests.sglang_standin import main
+main()
+'''
+
+
+def test_serve_backend_sglang_starts_waits_for_health_and_stops_by_pid(
+    processes: Processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    import json
+
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "sglang" / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    record = tmp_path / "record.json"
+    port = find_free_port()
+    env = {
+        **os.environ,
+        "AGENTRL_SGLANG_PYTHON": sys.executable,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}",
+        "FAKE_SGLANG_RECORD": str(record),
+    }
+    serve = processes.agentrl(
+        "serve", "--backend", "sglang", "--model", str(tiny_model), "--port", str(port), "--inference.dtype",
+        "bfloat16", env=env, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    asyncio.run(_wait_healthy(f"http://127.0.0.1:{port}", serve))
+    seen = json.loads(record.read_text())
+    argv = seen["argv"]
+    assert argv[argv.index("--model-path") + 1] == str(tiny_model)
+    assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--weight-version") + 1] == "0"
+    assert seen["health_generation"] == "0"
+    serve.send_signal(signal.SIGTERM)
+    assert serve.wait(timeout=60) == 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _pid_alive(seen["pid"]):
+        time.sleep(0.1)
+    assert not _pid_alive(seen["pid"])  # the SGLang process was stopped, by its pid
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

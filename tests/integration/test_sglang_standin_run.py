@@ -1,0 +1,113 @@
+"""`agentrl learner` + `agentrl roller` whose inference servers are two strict SGLang 0.5.23
+stand-ins (tests/sglang_standin.py: each rule names its source in the 0.5.23 wheel).
+
+Four learner steps, a push after each: every push pauses the servers with generations in
+flight (they come back aborted and the roller resubmits), runs inside begin/end, and is
+checked against the exported weights; the second push fails midway on one server (a bucket
+it received but could not load), whose session is closed and which is pushed to again in
+the redo, so it stays usable; the test reads the version as a client would (`/model_info`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.inference.sglang import SGLangClient
+from tests.conftest import find_free_port
+from tests.sglang_standin import digest
+from tests.unit.weight_sync.test_standin_push import start_standin
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+STEPS = 4
+
+
+def _wait_for(predicate, timeout_s: float, what: str, procs=()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        for proc in procs:
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"{proc.args[3]} exited {proc.returncode}: {proc.stderr.read().decode()[-3000:]}"
+                )
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_learner_and_roller_against_strict_sglang_standins(
+    processes, tiny_model: Path, tmp_path: Path
+) -> None:
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    servers = [
+        start_standin(processes, "--vocab-size", str(vocab), "--token-interval-s", "0.02") for _ in range(2)
+    ]
+    urls = [s.url for s in servers]
+    address = f"tcp://127.0.0.1:{find_free_port()}"
+    env = {**os.environ, "AGENTRL_QUEUE_SECRET": "s" * 32, "OMP_NUM_THREADS": "1"}
+    common = [
+        f"--run_dir={tmp_path}", f"--queue.address={address}", "--inference.type=sglang",
+        f"--inference.servers=[{', '.join(urls)}]", "--learner.groups_per_step=2", "--max_staleness=1",
+        "--env.name=toy_lookup",
+    ]  # fmt: skip
+    learner = processes.start(
+        [sys.executable, "-m", "agentrl", "learner", *common, f"--learner.model_path={tiny_model}",
+         f"--learner.max_steps={STEPS}", "--learner.warmstart_steps=0", "--learner.batch_timeout_s=0.5",
+         "--weight_sync.type=broadcast", "--weight_sync.backend=gloo", "--weight_sync.timeout_s=30",
+         "--weight_sync.bucket_mb=1"],
+        env=env,
+    )  # fmt: skip
+    roller = processes.start(
+        [sys.executable, "-m", "agentrl", "roller", *common, f"--roller.tokenizer_path={tiny_model}",
+         "--roller.group_size=2", "--roller.max_new_tokens=24", "--roller.max_turns=2",
+         "--roller.max_concurrent_episodes=8"],
+        env=env,
+    )  # fmt: skip
+
+    # after the first push, make the second one fail midway on the second server
+    _wait_for(
+        lambda: all(s.state()["weight_version"] == "1" for s in servers), 240, "push 1", [learner, roller]
+    )
+    servers[1].fail_updates(1)
+    try:
+        _, err = learner.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        learner.kill()
+        _, err = learner.communicate()
+        raise AssertionError(f"learner did not finish: {err.decode()[-4000:]}") from None
+    assert learner.returncode == 0, err.decode()[-3000:]
+    log = err.decode()
+
+    from safetensors.torch import load_file
+
+    exported = {}
+    for f in sorted((tmp_path / "hf" / "latest").glob("*.safetensors")):
+        exported.update(load_file(str(f)))
+    for server in servers:
+        state = server.state()
+        calls = state["calls"]
+        assert not state["refused"], state["refused"]  # no request broke SGLang's rules
+        assert (
+            calls.count("/begin_weight_update") == calls.count("/end_weight_update") and not state["session"]
+        )
+        assert state["weight_version"] == str(STEPS) and not state["paused"]
+        assert state["weights"] and all(digest(exported[n]) == d for n, d in state["weights"].items())
+        assert calls.count("/pause_generation") >= STEPS - 1 and "/get_weight_version" not in calls
+    assert sum(s.state()["aborted"] for s in servers) > 0  # pauses landed on generations in flight
+    assert "update_weights_from_distributed" in log and "scripted failure" in log  # push 2 failed midway
+    assert servers[1].state()["calls"].count("/init_weights_update_group") >= 2  # the group was rebuilt
+
+    async def version() -> list[int]:
+        async with SGLangClient(urls[0]) as a, SGLangClient(urls[1]) as b:
+            return [await a.get_weight_version(), await b.get_weight_version()]
+
+    assert asyncio.run(version()) == [STEPS, STEPS]
+    assert roller.poll() is None  # the roller kept going through every push

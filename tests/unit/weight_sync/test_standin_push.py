@@ -1,0 +1,182 @@
+"""`BroadcastEngine` pushing into strict SGLang 0.5.23 stand-ins (tests/sglang_standin.py).
+
+The stand-ins build their gloo group with torch's `_new_process_group_helper`, as SGLang's
+`init_custom_process_group` does, and receive through the group's cuda backend, as a GPU
+SGLang does: so these pushes show the learner's group reaches a GPU SGLang. Every push runs
+inside begin/end (balanced on every path), buckets travel flattened where the server takes
+it, and a server that fails a bucket midway is dropped, left out of generation with its
+session closed, and brought back with full weights at the next push."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from agentrl.config import BroadcastSyncConfig, InferenceConfig
+from agentrl.inference.sglang import SGLangClient
+from agentrl.weight_sync.base import create
+from tests.conftest import find_free_port
+from tests.sglang_standin import digest
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class StandIn:
+    """One stand-in process (torch names process groups per process, so one per server)."""
+
+    url: str
+    proc: subprocess.Popen
+
+    def state(self) -> dict:
+        with urllib.request.urlopen(f"{self.url}/_standin/state", timeout=10) as reply:
+            return json.loads(reply.read())
+
+    def fail_updates(self, count: int = 1) -> None:
+        body = json.dumps({"count": count}).encode()
+        urllib.request.urlopen(
+            urllib.request.Request(f"{self.url}/_standin/fail_updates", body, method="POST")
+        )
+
+
+def start_standin(processes, *flags: str) -> StandIn:
+    port = find_free_port()
+    cmd = [sys.executable, "-m", "tests.sglang_standin", "--port", str(port), *flags]
+    proc = processes.start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/ping", timeout=2)
+            return StandIn(url, proc)
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"stand-in exited with {proc.returncode}") from None
+            time.sleep(0.2)
+    raise TimeoutError(f"stand-in at {url} did not answer /ping")
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(64, 8, generator=gen),
+        "norm.weight": torch.randn(7, generator=gen).to(
+            torch.bfloat16
+        ),  # 14 bytes: the next fp32 is unaligned
+        "layer.0.weight": torch.randn(8, 8, generator=gen),
+        "layer.1.weight": torch.randn(8, 8, generator=gen).to(torch.bfloat16),
+        "head.weight": torch.randn(64, 8, generator=gen),
+    }
+
+
+def _engine(urls: list[str]):
+    engine = create(
+        BroadcastSyncConfig(backend="gloo", bucket_mb=1, timeout_s=20),
+        InferenceConfig(type="sglang", servers=urls),
+    )
+    engine.init()
+    return engine
+
+
+def _balanced(state: dict) -> bool:
+    calls = state["calls"]
+    return calls.count("/begin_weight_update") == calls.count("/end_weight_update") and not state["session"]
+
+
+@pytest.fixture
+def standins(processes):
+    return [start_standin(processes) for _ in range(2)]
+
+
+def _assert_pushed(server: StandIn, weights: dict[str, torch.Tensor], version: int) -> None:
+    state = server.state()
+    assert state["weight_version"] == str(version) and not state["paused"] and _balanced(state), state
+    assert state["weights"] == {name: digest(t) for name, t in weights.items()}
+    assert not state["refused"], state["refused"]
+
+
+def test_pushes_run_inside_a_session_and_reach_every_server(standins) -> None:
+    engine = _engine([s.url for s in standins])
+    try:
+        for version in (1, 2):
+            weights = _weights(version)
+            stats = engine.push(lambda w=weights: iter(w.items()), version)
+            assert stats.servers_updated == 2 and stats.servers_dropped == []
+            for server in standins:
+                _assert_pushed(server, weights, version)
+        # one bucket of 5 tensors whose fp32 after the 14-byte bf16 is unaligned: sent one by one
+        assert stats.buckets == 1 and stats.broadcasts == 5
+    finally:
+        engine.close()
+
+
+def test_aligned_buckets_travel_as_one_flattened_broadcast(standins) -> None:
+    engine = _engine([s.url for s in standins])
+    weights = {k: v for k, v in _weights(3).items() if k != "norm.weight"}
+    try:
+        stats = engine.push(lambda: iter(weights.items()), 1)
+        assert stats.buckets == 1 and stats.broadcasts == 1
+        for server in standins:
+            _assert_pushed(server, weights, 1)
+    finally:
+        engine.close()
+
+
+def test_a_bucket_failing_midway_keeps_sessions_balanced_and_the_server_comes_back(standins) -> None:
+    good, bad = standins
+    engine = _engine([good.url, bad.url])
+    try:
+        engine.push(lambda: iter(_weights(1).items()), 1)
+        # one failed bucket on a live server: the push is redone with it, and it ends up complete
+        bad.fail_updates(1)
+        weights = _weights(2)
+        stats = engine.push(lambda: iter(weights.items()), 2)
+        assert stats.servers_updated == 2 and stats.servers_dropped == [] and stats.attempts == 2
+        for server in standins:
+            _assert_pushed(server, weights, 2)
+
+        async def serves() -> int:
+            async with SGLangClient(bad.url) as client:
+                return (await client.generate([1, 2], {"max_new_tokens": 3})).weight_version
+
+        assert asyncio.run(serves()) == 2
+        # failing the redo too: dropped, session closed, kept paused (its weights are a mix)
+        bad.fail_updates(2)
+        weights = _weights(3)
+        stats = engine.push(lambda: iter(weights.items()), 3)
+        assert stats.servers_updated == 1 and stats.servers_dropped == [bad.url] and stats.attempts == 3
+        _assert_pushed(good, weights, 3)
+        state = bad.state()
+        assert _balanced(state) and state["paused"]
+        weights = _weights(4)
+        stats = engine.push(lambda: iter(weights.items()), 4)  # alive (/ping) while paused: it rejoins
+        assert stats.servers_updated == 2 and stats.servers_dropped == []
+        for server in standins:
+            _assert_pushed(server, weights, 4)
+        assert asyncio.run(serves()) == 4
+    finally:
+        engine.close()
+
+
+def test_an_older_sglang_without_the_session_routes_is_pushed_to_tensor_by_tensor(processes) -> None:
+    old = start_standin(processes, "--no-session-api")
+    engine = _engine([old.url])
+    weights = {k: v for k, v in _weights(4).items() if k != "norm.weight"}
+    try:
+        stats = engine.push(lambda: iter(weights.items()), 1)
+        assert stats.servers_updated == 1 and stats.broadcasts == len(weights)
+        state = old.state()
+        assert state["weight_version"] == "1" and state["weights"] == {
+            n: digest(t) for n, t in weights.items()
+        }
+        assert "/begin_weight_update" in state["calls"] and engine.clients[old.url].has_session is False
+    finally:
+        engine.close()
