@@ -78,6 +78,16 @@ async def test_hostile_calls_become_counted_error_observations() -> None:
     assert result.done is False  # the model gets to correct itself
 
 
+async def test_calls_beyond_the_turn_limit_are_told_to_the_model_and_counted() -> None:
+    env = Notes()
+    env.reset({"question": "q"})
+    result = await env.step('<tool_call>{"name": "write", "arguments": {"text": "n"}}</tool_call>' * 1000)
+    assert len(env.notes) == 8 and len(result.observation) == 9
+    assert "992 calls) were not run" in result.observation[-1]["content"]
+    assert env.metrics["tool_calls_dropped"] == 992 and env.metrics["tool_error_too_many_calls"] == 1
+    assert env.metrics["tool_errors"] == 1 and env.metrics["tool_calls"] == 9
+
+
 def test_duplicate_tool_names_are_refused() -> None:
     with pytest.raises(ValueError, match="duplicate tool names"):
         ToolEnv(tools=[lookup, lookup])
