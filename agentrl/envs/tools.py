@@ -176,7 +176,12 @@ class Tool:
         except Exception as exc:
             return ToolOutput(f"Error: {self.name} failed: {type(exc).__name__}: {exc}", error="raised")
         try:
-            text, cut = result_text(result, max_chars)
+            # JSON of a deep structure yields each piece through one generator per level: seconds
+            # for a hostile result, so anything but a string is serialised in a worker thread
+            if isinstance(result, str):
+                text, cut = truncate(result, max_chars)
+            else:
+                text, cut = await asyncio.to_thread(result_text, result, max_chars)
         except Exception as exc:  # ValueError (huge int, circular), RecursionError, a raising __str__
             reason = f"{type(exc).__name__}: {str(exc)[:200]}"
             return ToolOutput(
