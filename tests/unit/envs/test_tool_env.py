@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -133,6 +134,20 @@ def test_registry_builds_envs_from_config() -> None:
     assert isinstance(env, CalculatorEnv) and env.format_bonus == 0.2 and env.tool_timeout_s == 3
     assert make() is not env  # one instance per episode
     assert load_env_class("tests.unit.envs.test_tool_env:Notes") is Notes
+
+
+def test_registry_finds_env_modules_in_the_current_directory(tmp_path, monkeypatch) -> None:
+    (tmp_path / "scratch_envs").mkdir()
+    (tmp_path / "scratch_envs" / "__init__.py").write_text("")
+    (tmp_path / "scratch_envs" / "mine.py").write_text(
+        "from agentrl.envs import ToolEnv\n\nclass Mine(ToolEnv):\n    pass\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    cls = load_env_class("scratch_envs.mine:Mine")
+    assert cls.__name__ == "Mine" and sys.path[-1] == str(tmp_path)  # after the installed packages
+    with pytest.raises(ValueError, match=r"cannot import 'scratch_envs\.absent'"):
+        load_env_class("scratch_envs.absent:Mine")
 
 
 @pytest.mark.parametrize(
