@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from agentrl.tiny_model import PRESETS as MODEL_PRESETS  # plain data: no heavy import
+
 if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig
 
@@ -30,6 +32,19 @@ app = typer.Typer(
 )
 
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
+CONFIG_HELP = (
+    "Config sections: learner, roller, queue, inference, weight_sync, env (with env.sandbox), plus "
+    "run_dir, seed, max_staleness. Override any field with --section.field VALUE (or "
+    "--section.field=VALUE). Every field with its doc and default: agentrl config show [--config C] [SECTION]."
+)
+# what each command reads of the run config: cross-section checks run only over these
+USES = {
+    "learner": ("learner", "queue", "weight_sync", "inference"),
+    "roller": ("roller", "env", "inference", "queue"),
+    "serve": ("inference", "learner"),
+    "queue": ("queue", "learner"),
+    "warmstart": ("learner", "roller", "env"),
+}
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="YAML/TOML preset (see recipes/).", show_default=False)
 ]
@@ -51,16 +66,31 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def load(config: Path | None, ctx: typer.Context) -> AgentRLConfig:
-    """Load and validate the run config, or exit with a message naming the bad field."""
+    """Load and validate the run config for this command (the sections it uses), or exit with a
+    message naming the bad field."""
     from agentrl.config import ConfigError, load_config
 
     try:
-        return load_config(config, list(ctx.args))
+        return load_config(config, list(ctx.args), uses=USES.get(ctx.info_name or ""))
     except ConfigError as exc:
         raise _fail(str(exc)) from None
 
 
-@app.command(context_settings=OVERRIDES)
+def check_model_path(field: str, value: str) -> None:
+    """Exit with a config error naming `field` unless `value` is a checkpoint directory or looks
+    like a hub id (`org/name`); transformers' own error for a missing path is a traceback about
+    repo ids."""
+    import re
+
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return
+    if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith("."):
+        return  # a hub id: transformers fetches it where a hub is reachable
+    raise _fail(f"{field}: {value} is not a checkpoint directory (make one: agentrl init-model tiny {value})")
+
+
+@app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
 def learner(
     ctx: typer.Context,
     config: ConfigOpt = None,
@@ -68,12 +98,13 @@ def learner(
 ) -> None:
     """Train the policy on groups streamed from the TransferQueue (FSDP2; torchrun for several ranks)."""
     cfg = load(config, ctx)
+    check_model_path("learner.model_path", cfg.learner.model_path)
     from agentrl.learner.main import exit_process, main
 
     exit_process(main(cfg, resume=resume))
 
 
-@app.command(context_settings=OVERRIDES)
+@app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
 def roller(
     ctx: typer.Context,
     config: ConfigOpt = None,
@@ -94,6 +125,12 @@ def roller(
         extra += ["--inference.servers", "[" + ", ".join(s.strip() for s in servers.split(",")) + "]"]
     ctx.args = extra
     cfg = load(config, ctx)
+    # the tokenizer: the roller's own, else the served model's, else the learner's (rollers.main)
+    sources = [
+        ("roller.tokenizer_path", cfg.roller.tokenizer_path),
+        ("inference.model_path", cfg.inference.model_path),
+    ]
+    check_model_path(*next(((f, v) for f, v in sources if v), ("learner.model_path", cfg.learner.model_path)))
     from agentrl.rollers.main import run_roller
 
     try:
@@ -102,7 +139,7 @@ def roller(
         raise _fail(str(exc)) from None
 
 
-@app.command(context_settings=OVERRIDES)
+@app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
 def serve(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Option(help="Checkpoint directory to serve.")] = None,
@@ -135,7 +172,7 @@ def serve(
     run_server(model_path, host, port, cfg.inference)
 
 
-@app.command(context_settings=OVERRIDES)
+@app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
 def queue(
     ctx: typer.Context,
     bind: Annotated[str, typer.Option(help="ZeroMQ address to bind.")] = "tcp://127.0.0.1:5555",
@@ -175,7 +212,7 @@ def queue(
         server.stop()
 
 
-@app.command(context_settings=OVERRIDES)
+@app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
 def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Run learner, queue, inference servers and rollers on this machine as one job."""
     cfg = load(config, ctx)
@@ -184,17 +221,13 @@ def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
             "agentrl run starts embedded servers: set inference.type: embedded, or start the "
             "learner and rollers yourself against your SGLang / vLLM servers"
         )
-    if not Path(cfg.learner.model_path).is_dir():
-        raise _fail(
-            f"learner.model_path: {cfg.learner.model_path} is not a checkpoint directory "
-            f"(make one: agentrl init-model tiny {cfg.learner.model_path})"
-        )
+    check_model_path("learner.model_path", cfg.learner.model_path)
     from agentrl.launcher import run as launch
 
     raise typer.Exit(launch(cfg))
 
 
-@app.command(context_settings=OVERRIDES)
+@app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
 def warmstart(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Supervised warm start on the env's demonstrations; writes <run_dir>/warmstart."""
     cfg = load(config, ctx)
@@ -202,6 +235,7 @@ def warmstart(ctx: typer.Context, config: ConfigOpt = None) -> None:
         raise _fail(
             "learner.warmstart_steps is 0: nothing to do (set it, e.g. --learner.warmstart_steps 200)"
         )
+    check_model_path("learner.model_path", cfg.learner.model_path)
     from agentrl.learner.warmstart import warmstart as train
 
     try:
@@ -210,7 +244,7 @@ def warmstart(ctx: typer.Context, config: ConfigOpt = None) -> None:
         raise _fail(f"env.name: {exc}") from None
 
 
-@app.command("eval", context_settings=OVERRIDES)
+@app.command("eval", context_settings=OVERRIDES, epilog=CONFIG_HELP)
 def eval_(
     ctx: typer.Context,
     recipe: Annotated[str | None, typer.Option(help="A recipe in recipes/, e.g. search_r1.")] = None,
@@ -249,15 +283,20 @@ def eval_(
 
 @app.command("init-model")
 def init_model(
-    preset: Annotated[str, typer.Argument(help="Model size: tiny (~0.2M params) or small (~13M).")],
+    preset: Annotated[
+        str,
+        typer.Argument(
+            help="Model size: "
+            + ", ".join(MODEL_PRESETS)
+            + " (tiny ~0.2M parameters, mini ~1M, small ~13M, base100m ~100M)."
+        ),
+    ],
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
 ) -> None:
     """Write a random-weight Qwen2-style HF checkpoint with a Qwen2.5-format tokenizer (offline)."""
-    from agentrl.tiny_model import PRESETS
-
-    if preset not in PRESETS:
-        raise _fail(f"unknown model preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    if preset not in MODEL_PRESETS:
+        raise _fail(f"unknown model preset {preset!r}; choose one of: {', '.join(MODEL_PRESETS)}")
     from agentrl.tiny_model import init_model as build
 
     out = build(preset, out_dir, seed=seed)
@@ -290,13 +329,35 @@ def bench(
     raise typer.Exit(module.main(list(ctx.args)))
 
 
-@app.command(context_settings=OVERRIDES)
+@app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
 def doctor(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Check this machine and a config: versions, devices, optional backends, the model's chat template."""
     from agentrl.doctor import run_doctor
 
     cfg = load(config, ctx)
     raise typer.Exit(run_doctor(cfg))
+
+
+config_app = typer.Typer(help="Inspect the run configuration.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show", context_settings=OVERRIDES)
+def config_show(
+    ctx: typer.Context,
+    section: Annotated[
+        str | None, typer.Argument(help="One section (learner, roller, queue, ...) or run-wide field.")
+    ] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Print every config field with its type, default and doc (with --config: the values it sets)."""
+    from agentrl.config import ConfigError, describe, load_config
+
+    try:
+        cfg = load_config(config, list(ctx.args), uses=()) if config or ctx.args else None
+        typer.echo(describe(cfg, section), nl=False)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
 
 
 sandbox_app = typer.Typer(

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 
 class ConfigError(ValueError):
@@ -499,35 +500,51 @@ class AgentRLConfig(Section):
         return data
 
     @model_validator(mode="after")
-    def _cross_field_checks(self) -> AgentRLConfig:
-        if self.inference.type != "embedded" and not self.inference.servers:
+    def _cross_field_checks(self, info: ValidationInfo) -> AgentRLConfig:
+        """Checks across sections. A command validates only the sections it uses (validation
+        context `uses`, from `load_config(..., uses=...)`): `agentrl queue` is not refused over an
+        incomplete `inference` section it never reads. No context: every check runs."""
+        uses = (info.context or {}).get("uses") if info is not None else None
+
+        def concerns(*sections: str) -> bool:
+            return uses is None or set(sections) <= set(uses)
+
+        if concerns("inference") and self.inference.type != "embedded" and not self.inference.servers:
             raise ValueError(
                 f"inference.servers: inference.type={self.inference.type!r} needs the URLs of running "
                 "servers (agentrl only starts embedded ones)"
             )
-        if self.learner.temperature != self.roller.temperature:
+        if concerns("learner", "roller") and self.learner.temperature != self.roller.temperature:
             raise ValueError(
                 f"learner.temperature: must equal roller.temperature ({self.roller.temperature}); the learner "
                 "recomputes log-probs of the distribution the rollers sampled from"
             )
         truncating = self.roller.top_p < 1 or self.roller.top_k > 0
-        if self.inference.logprobs == "truncated" and truncating:
+        if concerns("inference", "roller") and self.inference.logprobs == "truncated" and truncating:
             raise ValueError(
                 f"inference.logprobs: 'truncated' with roller.top_p={self.roller.top_p} / roller.top_k="
                 f"{self.roller.top_k}: the learner recomputes log_softmax(logits / temperature) over the full "
                 "vocabulary and cannot reproduce truncated log-probs; set inference.logprobs: full, or "
                 "roller.top_p: 1 and roller.top_k: -1"
             )
-        if self.inference.logprobs == "truncated" and self.inference.type == "sglang":
+        if (
+            concerns("inference")
+            and self.inference.logprobs == "truncated"
+            and self.inference.type == "sglang"
+        ):
             raise ValueError(
                 "inference.logprobs: SGLang 0.5.23 returns only full-distribution log-probs "
                 "(srt/layers/sampler.py); use inference.logprobs: full with inference.type: sglang"
             )
-        if self.learner.clip_high < self.learner.clip_low:
+        if concerns("learner") and self.learner.clip_high < self.learner.clip_low:
             raise ValueError(
                 "learner.clip_high: must be >= learner.clip_low (clip-higher widens the upper bound only)"
             )
         return self
+
+
+SECTIONS = ("learner", "roller", "queue", "inference", "weight_sync", "env")
+"""The component sections of `AgentRLConfig`, in the order `agentrl config show` prints them."""
 
 
 # --------------------------------------------------------------------------- loading
@@ -652,13 +669,17 @@ def format_validation_error(exc: ValidationError) -> str:
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> AgentRLConfig:
-    """Load a preset (YAML/TOML), apply dotted overrides and validate the whole run."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, uses: Collection[str] | None = None
+) -> AgentRLConfig:
+    """Load a preset (YAML/TOML), apply dotted overrides and validate. Every section's own fields
+    are always checked; the checks across sections run only for the sections in `uses` (the
+    ones the calling command reads; None: all of them)."""
     data = _read_preset(Path(path)) if path else {}
     for key, value in parse_overrides(overrides or []):
         apply_override(data, key, value)
     try:
-        return AgentRLConfig.model_validate(data)
+        return AgentRLConfig.model_validate(data, context={"uses": set(uses)} if uses is not None else None)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
 
@@ -670,3 +691,57 @@ def save_resolved(config: AgentRLConfig, run_dir: str | Path | None = None) -> P
     path = out / "config.resolved.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     return path
+
+
+def _type_name(annotation: Any) -> str:
+    text = repr(annotation) if get_origin(annotation) else getattr(annotation, "__name__", repr(annotation))
+    return text.replace("typing.", "")
+
+
+def _describe_model(model: type[BaseModel], prefix: str, values: BaseModel | None) -> list[str]:
+    lines = []
+    for name, field in model.model_fields.items():
+        nested = _models_in(field.annotation)
+        current = getattr(values, name) if values is not None else None
+        if nested and name != "type":
+            variants = [m for m in nested if current is None or isinstance(current, m)]
+            for sub in variants:
+                tag = sub.model_fields.get("type")
+                label = f"{prefix}{name}" + (f" (type: {tag.default})" if tag is not None else "")
+                lines.append(f"{label}: {(sub.__doc__ or '').strip().splitlines()[0]}")
+                lines += _describe_model(sub, f"{prefix}{name}.", current)
+            continue
+        default = field.get_default(call_default_factory=True)
+        shown = f"{prefix}{name}: {_type_name(field.annotation)} = {json.dumps(default, default=str)}"
+        if values is not None and current != default:
+            shown += f"  (set: {json.dumps(getattr(values, name), default=str)})"
+        lines.append("  " + shown)
+        if field.description:
+            lines += ["      " + line for line in field.description.splitlines()]
+    return lines
+
+
+def describe(config: AgentRLConfig | None = None, section: str | None = None) -> str:
+    """Every field of the run config (or of one section) with its type, default and docstring,
+    derived from the models themselves; with `config`, the values it sets beside the defaults."""
+    if section is not None and section not in AgentRLConfig.model_fields:
+        raise ConfigError(f"unknown section {section!r}; sections: {', '.join(AgentRLConfig.model_fields)}")
+    lines: list[str] = []
+    if section is None:
+        lines.append("run-wide fields (--FIELD VALUE); then each section's (--section.field VALUE):")
+        for name in AgentRLConfig.model_fields.keys() - set(SECTIONS):
+            lines += _describe_model(_Only(AgentRLConfig, name), "", config)
+    for name in SECTIONS if section is None else [section]:
+        if name not in SECTIONS:  # a run-wide field asked for by name
+            lines += _describe_model(_Only(AgentRLConfig, name), "", config)
+            continue
+        lines.append("")
+        lines += _describe_model(_Only(AgentRLConfig, name), "", config)
+    return "\n".join(lines).strip("\n") + "\n"
+
+
+class _Only:
+    """A view of one field of a model, so `_describe_model` can print a single section."""
+
+    def __init__(self, model: type[BaseModel], name: str) -> None:
+        self.model_fields = {name: model.model_fields[name]}

@@ -1,10 +1,16 @@
 """A tool environment in one short file: the README's example.
 
+Run from the repository root (env modules are also looked up in the current directory):
+
     agentrl roller --config recipes/quickstart.yaml --env.name examples.word_tools:WordTools \
-        --queue tcp://127.0.0.1:5555 --servers http://127.0.0.1:30000
+        --env.kwargs '{}' --queue tcp://127.0.0.1:5555 --servers http://127.0.0.1:30000
 """
 
+import json
+
 from agentrl.envs import ToolEnv, tool
+
+WORDS = ["banana", "committee", "mississippi", "bookkeeper", "assessment"]
 
 
 class WordTools(ToolEnv):
@@ -22,15 +28,29 @@ class WordTools(ToolEnv):
 
     @classmethod
     def generate_tasks(cls, num, seed=0):
-        words = ["banana", "committee", "mississippi", "bookkeeper", "assessment"]
-        return [
-            {
-                "id": f"w{i}",
-                "question": f"How many 's' are in {words[(seed + i) % 5]}?",
-                "answer": str(words[(seed + i) % 5].count("s")),
-            }
-            for i in range(num)
-        ]
+        # `roller.tasks: builtin` calls this; "question" becomes the user turn, the rest is for reward()
+        tasks = []
+        for i in range(num):
+            word = WORDS[(seed + i) % len(WORDS)]
+            tasks.append(
+                {
+                    "id": f"w{i}",
+                    "question": f"How many 's' are in {word}?",
+                    "word": word,
+                    "answer": str(word.count("s")),
+                }
+            )
+        return tasks
 
     def reward(self, transcript):
         return float(transcript.final_text.strip() == self.task["answer"])
+
+    def demonstrate(self, task):
+        """The ideal conversation, for the supervised warm start (`learner.warmstart_steps`)."""
+        call = json.dumps({"name": "count_letters", "arguments": {"word": task["word"], "letter": "s"}})
+        return [
+            *self.prompt(task),
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "name": "count_letters", "content": task["answer"]},
+            {"role": "assistant", "content": task["answer"]},
+        ]

@@ -43,7 +43,7 @@ class ScriptedServer:
     record: bool = True
 
     async def start(self, port: int = 0) -> str:
-        app = web.Application()
+        app = web.Application(client_max_size=256 << 20)  # as the embedded server: long episodes
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/get_weight_version", self._version)

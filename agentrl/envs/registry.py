@@ -4,12 +4,19 @@ env:
   name: toy_calculator            # built-in
   name: my_pkg.envs:MyEnv         # any importable class
   kwargs: {format_bonus: 0.1}
+
+A `module:Class` name is imported like any Python module: from the installed packages and
+`PYTHONPATH` first, then from the current directory (so `examples.word_tools:WordTools` works
+from a checkout, and `my_env:MyEnv` finds `./my_env.py`). Processes `agentrl run` starts
+inherit its current directory.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,13 +45,28 @@ def load_env_class(name: str) -> type[Env]:
         )
     module_name, _, attr = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except Exception as exc:  # an env module that fails to import, for whatever reason
         raise ValueError(f"env.name: cannot import {module_name!r} for env {name!r}: {exc}") from exc
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Env)):
         raise ValueError(f"env.name: {target!r} is not an agentrl Env subclass")
     return cls
+
+
+def _import(module_name: str):
+    """Import `module_name`; if it is not found, look in the current directory as well (after
+    everything else on the path, so an installed package keeps precedence)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".")[0]
+        cwd = os.getcwd()
+        if exc.name not in (top, module_name) or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        importlib.invalidate_caches()
+        return importlib.import_module(module_name)
 
 
 def env_factory(config: EnvConfig) -> Callable[[], Env]:

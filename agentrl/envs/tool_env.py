@@ -19,7 +19,10 @@ Each assistant turn is parsed for tool calls (Hermes/Qwen `<tool_call>` JSON by
 default). Calls run concurrently, each under a timeout, and their results come back
 as `tool` messages. A turn with no call attempt ends the episode (its text is the
 final answer). Malformed calls, unknown tools, bad arguments, exceptions, timeouts
-and oversized results become error observations and are counted in `metrics`.
+and results that cannot be shown become error observations and are counted in `metrics`;
+oversized results are cut with a marker (`tool_truncated`). Calls beyond the parser's per-turn
+limit are not run: the model is told which (one error observation) and they are counted in
+`tool_calls_dropped`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from typing import Any
 from agentrl.envs.base import Env, Messages, StepResult
 from agentrl.envs.parsers import ToolCall, ToolCallParser, create_parser
 from agentrl.envs.tools import Tool, ToolOutput, as_tool
+
+PARSE_OFF_LOOP_CHARS = 1 << 15
+"""Turns longer than this are parsed in a worker thread, so one huge completion cannot hold
+the roller's event loop (which runs every other episode) while it is scanned."""
 
 
 class ToolEnv(Env):
@@ -82,7 +89,10 @@ class ToolEnv(Env):
         return self.prompt(task)
 
     async def step(self, action_text: str) -> StepResult:
-        parsed = self.parser.parse(action_text)
+        if len(action_text) > PARSE_OFF_LOOP_CHARS:
+            parsed = await asyncio.to_thread(self.parser.parse, action_text)
+        else:
+            parsed = self.parser.parse(action_text)
         if not parsed.attempted:
             return StepResult(None, 0.0, True, {"final": parsed.content})
         outputs = await asyncio.gather(*(self._run(call) for call in parsed.calls))
@@ -90,9 +100,13 @@ class ToolEnv(Env):
         for call, out in zip(parsed.calls, outputs, strict=True):
             messages.append({"role": "tool", "name": call.name, "content": out.text})
             self._count(out)
-        for error in parsed.errors:
+        for i, error in enumerate(parsed.errors):
             messages.append({"role": "tool", "content": f"Error: {error}"})
-            self._count(ToolOutput("", error="malformed"))
+            # a parser reports calls beyond its limit in its last error
+            dropped = parsed.dropped and i == len(parsed.errors) - 1
+            self._count(ToolOutput("", error="too_many_calls" if dropped else "malformed"))
+        if parsed.dropped:
+            self.metrics["tool_calls_dropped"] = self.metrics.get("tool_calls_dropped", 0) + parsed.dropped
         return StepResult(messages, 0.0, False, {"calls": [c.name for c in parsed.calls]})
 
     async def _run(self, call: ToolCall) -> ToolOutput:

@@ -12,8 +12,11 @@ The schema (OpenAI function format) comes from the signature and the Google-styl
 docstring; arguments the model writes are validated against the signature with
 pydantic before the function runs. `Tool.call` never raises for anything the model
 did: unknown or wrong-typed arguments, an exception inside the tool, a timeout, or a
-huge result all come back as a `ToolOutput` whose text is an error message the model
-can learn from, with `error` naming the kind (counted in episode metrics).
+result that cannot be shown (an integer past Python's 4,300-digit str limit, a recursive or
+too deeply nested structure, an object whose `str` raises) all come back as a `ToolOutput`
+whose text is an error message the model can learn from, with `error` naming the kind
+(counted in episode metrics). A huge result is cut with a marker; a non-string one is
+serialised only up to the limit, so a billion-element list costs no more than a short one.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ class ToolOutput:
     """What a tool call produced: text for the model, and an error kind if it failed."""
 
     text: str
-    error: str | None = None  # unknown_tool | bad_arguments | raised | timeout | None
+    error: str | None = None  # unknown_tool | bad_arguments | raised | timeout | bad_result | None
     truncated: bool = False
 
 
@@ -172,9 +175,35 @@ class Tool:
             return ToolOutput(f"Error: {self.name} timed out after {timeout_s:g}s", error="timeout")
         except Exception as exc:
             return ToolOutput(f"Error: {self.name} failed: {type(exc).__name__}: {exc}", error="raised")
-        text = result if isinstance(result, str) else json.dumps(result, default=str)
-        text, cut = truncate(text, max_chars)
+        try:
+            # JSON of a deep structure yields each piece through one generator per level: seconds
+            # for a hostile result, so anything but a string is serialised in a worker thread
+            if isinstance(result, str):
+                text, cut = truncate(result, max_chars)
+            else:
+                text, cut = await asyncio.to_thread(result_text, result, max_chars)
+        except Exception as exc:  # ValueError (huge int, circular), RecursionError, a raising __str__
+            reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+            return ToolOutput(
+                f"Error: {self.name} returned a result that cannot be shown ({reason})", "bad_result"
+            )
         return ToolOutput(text, truncated=cut)
+
+
+def result_text(result: Any, max_chars: int) -> tuple[str, bool]:
+    """(text, truncated) of a tool's return value: strings as they are, anything else as JSON
+    (`str` for what JSON cannot hold). The JSON is produced piece by piece and stops once it
+    passes `max_chars`, so the cost is bounded by the limit, not by the result's size."""
+    if isinstance(result, str):
+        return truncate(result, max_chars)
+    pieces, size = [], 0
+    for piece in json.JSONEncoder(default=str).iterencode(result):
+        pieces.append(piece)
+        size += len(piece)
+        if size > max_chars:
+            marker = f"\n...[truncated: the result is longer than {max_chars} characters]"
+            return "".join(pieces)[: max(0, max_chars - len(marker))] + marker, True
+    return truncate("".join(pieces), max_chars)
 
 
 def _validator_for(fn: Callable[..., Any], name: str) -> type[pydantic.BaseModel]:

@@ -90,3 +90,36 @@ def test_doctor_reports_a_usable_model(tiny_model: Path) -> None:
     assert "decode round-trip exact" in result.stdout
     missing = run_agentrl("doctor", "--learner.model_path=/nonexistent/model", env={"COLUMNS": "240"})
     assert missing.returncode == 1 and "agentrl init-model tiny" in missing.stdout
+
+
+def test_help_names_the_real_model_presets_and_the_config_sections() -> None:
+    from agentrl.tiny_model import PRESETS
+
+    init = run_agentrl("init-model", "--help")
+    assert all(name in init.stdout for name in PRESETS)
+    for command in ("run", "roller", "learner", "queue"):
+        shown = run_agentrl(command, "--help").stdout
+        assert "weight_sync" in shown and "agentrl config show" in shown, command
+
+
+def test_config_show_prints_fields_and_the_values_a_config_sets() -> None:
+    result = run_agentrl("config", "show", "--config", "recipes/quickstart.yaml", "env")
+    assert result.returncode == 0, result.stderr
+    assert (
+        result.stdout.startswith("env:")
+        and 'env.name: str = "toy_calculator"  (set: "toy_lookup")' in result.stdout
+    )
+
+
+def test_queue_ignores_sections_it_does_not_use_and_missing_models_name_the_field(tmp_path: Path) -> None:
+    # agentrl queue reads queue and learner only: an sglang inference section without servers is fine
+    # (it gets as far as the queue's own check of its secret)
+    queue = run_agentrl(
+        "queue", "--inference.type", "sglang", "--bind", "tcp://127.0.0.1:1", env={"AGENTRL_QUEUE_SECRET": ""}
+    )
+    assert "inference.servers" not in queue.stderr
+    missing = tmp_path / "no-model"
+    learner = run_agentrl("learner", "--learner.model_path", str(missing))
+    assert learner.returncode == 2
+    assert f"learner.model_path: {missing} is not a checkpoint directory" in learner.stderr
+    assert "Traceback" not in learner.stderr

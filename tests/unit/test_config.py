@@ -8,10 +8,12 @@ import pytest
 import yaml
 
 from agentrl.config import (
+    SECTIONS,
     AgentRLConfig,
     ConfigError,
     DiskSyncConfig,
     RedisQueueConfig,
+    describe,
     load_config,
     parse_overrides,
     save_resolved,
@@ -144,3 +146,29 @@ def test_parse_overrides_reads_yaml_values() -> None:
         ("d", "text"),
         ("e_f", 1),
     ]
+
+
+def test_each_command_validates_only_the_sections_it_uses() -> None:
+    overrides = ["--inference.type", "sglang"]  # no servers: only commands that use inference care
+    config = load_config(None, overrides, uses=("queue", "learner"))
+    assert config.inference.type == "sglang"
+    with pytest.raises(ConfigError, match=r"inference\.servers"):
+        load_config(None, overrides, uses=("roller", "env", "inference", "queue"))
+    with pytest.raises(ConfigError, match=r"inference\.servers"):
+        load_config(None, overrides)  # no command named: every check
+    with pytest.raises(ConfigError, match=r"learner\.lrr"):  # a section's own fields always count
+        load_config(None, ["--learner.lrr", "1"], uses=("queue",))
+
+
+def test_describe_prints_every_field_with_its_doc_and_default() -> None:
+    text = describe()
+    for section in SECTIONS:
+        assert f"\n{section}" in text
+    assert "  learner.lr: float = 1e-05\n      Peak learning rate of AdamW." in text
+    assert "queue (type: redis)" in text and "env.sandbox (type: docker)" in text
+    assert "  env.sandbox.memory_mb: int = 1024" in text
+    shown = describe(load_config(None, ["--roller.group_size", "4"]), "roller")
+    assert shown.startswith("roller:") and "roller.group_size: int = 8  (set: 4)" in shown
+    assert "learner." not in shown
+    with pytest.raises(ConfigError, match="unknown section 'nope'"):
+        describe(None, "nope")

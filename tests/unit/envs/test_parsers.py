@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -96,3 +98,46 @@ def test_hermes_parser_never_raises_on_hostile_text(text: str) -> None:
 def test_parsers_never_raise_on_random_unicode(text: str) -> None:
     HermesParser().parse(text)
     TagParser().parse(text)
+
+
+_REGEX_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hostile)
+def test_linear_block_scan_matches_the_lazy_regex(text: str) -> None:
+    # the reference: what `<tool_call>(.*?)</tool_call>` finds, and the old content rule
+    spans, unterminated = HermesParser().blocks(text)
+    expected = list(_REGEX_BLOCK.finditer(text))
+    assert spans == [m.span(1) for m in expected]
+    tail = text[expected[-1].end() :] if expected else text
+    assert unterminated == ("<tool_call>" in tail)
+    content = _REGEX_BLOCK.sub("", text).replace("<tool_call>", "").strip()
+    assert HermesParser().parse(text).content == content
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["<a>", "</a>", "<b>", "</b>", "x", " "]), max_size=40).map("".join))
+def test_tag_scan_matches_the_lazy_regex(text: str) -> None:
+    match = re.search(r"<(a|b)>(.*?)</\1>", text, re.S)
+    result = TagParser(("a", "b")).parse(text)
+    if match is None:
+        assert not result.attempted
+    else:
+        assert [(c.name, c.arguments["text"]) for c in result.calls] == [
+            (match.group(1), match.group(2).strip())
+        ]
+
+
+def test_unclosed_tags_scan_in_linear_time() -> None:
+    # 5 MB of unclosed opening tags: a lazy regex rescans the rest of the text from each one
+    # (10,000 of them took 44 s); the scan reads the text once
+    result = HermesParser().parse("<tool_call>" * 450_000)
+    assert result.errors == ["unterminated <tool_call> block: close each call with </tool_call>"]
+    assert not TagParser().parse("<search>" * 600_000).attempted
+
+
+def test_calls_beyond_the_limit_are_reported_with_their_count() -> None:
+    result = HermesParser(max_calls=8).parse('<tool_call>{"name": "a"}</tool_call>' * 1000)
+    assert len(result.calls) == 8 and result.dropped == 992
+    assert "calls 9 to 1000 (992 calls) were not run" in result.errors[-1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -78,6 +79,16 @@ async def test_hostile_calls_become_counted_error_observations() -> None:
     assert result.done is False  # the model gets to correct itself
 
 
+async def test_calls_beyond_the_turn_limit_are_told_to_the_model_and_counted() -> None:
+    env = Notes()
+    env.reset({"question": "q"})
+    result = await env.step('<tool_call>{"name": "write", "arguments": {"text": "n"}}</tool_call>' * 1000)
+    assert len(env.notes) == 8 and len(result.observation) == 9
+    assert "992 calls) were not run" in result.observation[-1]["content"]
+    assert env.metrics["tool_calls_dropped"] == 992 and env.metrics["tool_error_too_many_calls"] == 1
+    assert env.metrics["tool_errors"] == 1 and env.metrics["tool_calls"] == 9
+
+
 def test_duplicate_tool_names_are_refused() -> None:
     with pytest.raises(ValueError, match="duplicate tool names"):
         ToolEnv(tools=[lookup, lookup])
@@ -123,6 +134,20 @@ def test_registry_builds_envs_from_config() -> None:
     assert isinstance(env, CalculatorEnv) and env.format_bonus == 0.2 and env.tool_timeout_s == 3
     assert make() is not env  # one instance per episode
     assert load_env_class("tests.unit.envs.test_tool_env:Notes") is Notes
+
+
+def test_registry_finds_env_modules_in_the_current_directory(tmp_path, monkeypatch) -> None:
+    (tmp_path / "scratch_envs").mkdir()
+    (tmp_path / "scratch_envs" / "__init__.py").write_text("")
+    (tmp_path / "scratch_envs" / "mine.py").write_text(
+        "from agentrl.envs import ToolEnv\n\nclass Mine(ToolEnv):\n    pass\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    cls = load_env_class("scratch_envs.mine:Mine")
+    assert cls.__name__ == "Mine" and sys.path[-1] == str(tmp_path)  # after the installed packages
+    with pytest.raises(ValueError, match=r"cannot import 'scratch_envs\.absent'"):
+        load_env_class("scratch_envs.absent:Mine")
 
 
 @pytest.mark.parametrize(

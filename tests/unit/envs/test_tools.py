@@ -9,7 +9,7 @@ from typing import Literal
 
 import pytest
 
-from agentrl.envs.tools import as_tool, make_tool, parse_docstring, tool, truncate, type_schema
+from agentrl.envs.tools import Tool, as_tool, make_tool, parse_docstring, tool, truncate, type_schema
 
 
 class Unit(Enum):
@@ -131,3 +131,44 @@ def test_truncate_marks_what_it_cut() -> None:
     assert cut and len(text) <= 60
     assert text.endswith(f"[truncated {100 - len(kept)} characters]") and set(kept) == {"a"}
     assert truncate("short", 60) == ("short", False)
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _recursive() -> dict:
+    value: dict = {}
+    value["self"] = value
+    return value
+
+
+class _Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+@pytest.mark.parametrize(
+    ("fn", "arguments", "reason"),
+    [
+        (lambda a, b: a + b, {"a": int("9" * 4300), "b": int("9" * 4300)}, "4300 digits"),
+        (lambda: _nested(100_000), {}, "RecursionError"),
+        (_recursive, {}, "Circular reference"),
+        (lambda: {"x": _Unprintable()}, {}, "no text for you"),
+    ],
+    ids=["huge_int", "deeply_nested", "recursive", "raising_str"],
+)
+async def test_results_that_cannot_be_shown_are_error_observations(fn, arguments, reason) -> None:
+    out = await Tool("t", "", {}, fn).call(arguments, 5, 4096)
+    assert out.error == "bad_result" and "cannot be shown" in out.text and reason in out.text
+
+
+async def test_huge_structured_result_is_serialised_only_up_to_the_limit() -> None:
+    out = await Tool("t", "", {}, lambda: list(range(5_000_000))).call({}, 5, 300)
+    assert out.truncated and out.error is None and len(out.text) <= 300
+    assert out.text.startswith("[0, 1, 2") and "longer than 300 characters" in out.text
+    small = await Tool("t", "", {}, lambda: [1, 2]).call({}, 5, 300)
+    assert small.text == "[1, 2]" and not small.truncated
