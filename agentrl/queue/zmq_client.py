@@ -205,7 +205,7 @@ class ZmqProducer(Producer):
             self._wake.clear()
             while self._outbox:
                 rid = self._outbox.popleft()
-                if rid not in self._pending:
+                if rid not in self._pending or self._pending[rid][2].done():
                     continue
                 ctl, frames, _ = self._pending[rid]
                 if ctl["k"] != "put":
@@ -214,7 +214,7 @@ class ZmqProducer(Producer):
                 items, payload, size = [[rid, ctl["gid"], len(frames)]], list(frames), sum(map(len, frames))
                 while self._outbox and size < COALESCE_BYTES and len(items) < COALESCE_GROUPS:
                     nxt = self._pending.get(self._outbox[0])
-                    if nxt is None or nxt[0]["k"] != "put":
+                    if nxt is None or nxt[0]["k"] != "put" or nxt[2].done():
                         break
                     self._outbox.popleft()
                     items.append([nxt[0]["rid"], nxt[0]["gid"], len(nxt[1])])
@@ -258,7 +258,8 @@ class ZmqProducer(Producer):
                     self.lease,
                     self.held,
                 )
-                self._outbox.extend(sorted(self._pending))
+                answered = set(ctl.get("rids", [ctl.get("rid")]))  # this reply settles them: not again
+                self._outbox.extend(sorted(rid for rid in self._pending if rid not in answered))
                 self._wake.set()
             self._epoch = ctl.get("e")
             if ctl.get("code") == "lapsed":

@@ -12,7 +12,8 @@ mixin holds what the learner ranks and the admission gate ask of it:
 
 Every group put ends in exactly one of: trained (`trained`), dropped (`dropped_stale`,
 `dropped_skipped`), still queued (`depth`) or handed out (`inflight`):
-`groups_in == trained + dropped_stale + dropped_skipped + depth + inflight`.
+`groups_in + recovered == trained + dropped_stale + dropped_skipped + depth + inflight`
+(`recovered`: found in the WAL at start).
 """
 
 from __future__ import annotations

@@ -142,6 +142,7 @@ class QueueServer(Admission, Delivery):
                 "groups_in",
                 "groups_out",
                 "trained",
+                "recovered",
                 "bytes_in",
                 "dropped_stale",
                 "dropped_skipped",
@@ -219,6 +220,7 @@ class QueueServer(Admission, Delivery):
             self._seq += 1
             nbytes = sum(map(len, frames[1:]))
             self._store(_Entry(gid, frames, nbytes, result[1], self._seq, time.time(), result[0]))
+            self.counters["recovered"] += 1
         log.info("WAL: recovered %d unacked groups, version %d", len(self._queued), self.version)
 
     def _run(self) -> None:
@@ -324,7 +326,8 @@ class QueueServer(Admission, Delivery):
             handler(sock, ident, ctl, payload)
         except PeerRefused as exc:
             self.counters[f"refused_{exc.code}"] += 1
-            self._log_refusal(exc.code, str(exc))
+            if exc.code != "finished":  # a roller asking after the run's end is told so; nothing wrong
+                self._log_refusal(exc.code, str(exc))
             self._reply(sock, ident, {"k": "err", "rid": ctl.get("rid"), "code": exc.code, "msg": str(exc)})
         except Exception as exc:  # whatever an authenticated peer sent, the server keeps serving
             self.counters["refused_corrupt"] += 1

@@ -7,7 +7,8 @@ component is built from its own section. SIGINT/SIGTERM stop admitting new group
 let in-flight groups finish and be put, so no admitted work is lost.
 
 The roller's identity is `roller.index` (else `$AGENTRL_ROLLER_INDEX`, else 0): its lease in
-the queue is named `roller-<index>` and the ids of the groups the queue acknowledged go to
+the queue is named `roller-<index>` and the ids (and task numbers) of the groups the queue
+acknowledged go to
 `<run_dir>/roller-<index>.groups` (metrics to `roller.jsonl`, as before). Its tasks come from the queue's
 shared cursor (`tasks.TaskSource`). Exit codes: 0 when done or when the queue says the run is
 over; 1 when the queue is unreachable, refuses it, goes silent, or too many groups failed.

@@ -30,6 +30,7 @@ groups finish first, so no admitted work is lost.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -107,7 +108,8 @@ class Roller:
         metrics: MetricsLogger | None = None,
         groups_file: str | None = None,
     ) -> None:
-        """`groups_file`: append the id of every group the queue acknowledged (the run's account)."""
+        """`groups_file`: append `{"id", "task"}` (JSON lines) for every group the queue acknowledged,
+        the roller's side of the run's account."""
         self.config = config
         self.make_env = make_env
         self.tasks = tasks
@@ -237,7 +239,8 @@ class Roller:
             return
         self.stats.groups_put += 1
         if self._groups_file is not None:
-            self._groups_file.write(group.group_id + "\n")
+            record = {"id": group.group_id, "task": admission.get("task_index")}
+            self._groups_file.write(json.dumps(record) + "\n")
         self._failures_in_a_row = 0
         try:
             current = await self.producer.current_version()

@@ -4,7 +4,7 @@
     assert (acct.lost, acct.duplicated, acct.leaked_credits) == (0, 0, 0)
 
 Sources, all under the run directory (several lives of a resumed learner append to them):
-- `roller-<i>.groups`: one id per line for every group the queue acknowledged to roller i;
+- `roller-<i>.groups`: `{id, task}` per line for every group the queue acknowledged to roller i;
 - `learner_groups.jsonl`: per step, the ids trained on (`trained`) or skipped (`skipped`);
 - `queue_ledger.jsonl` (a hosted queue): ids dropped as stale / skipped, and at each clean
   stop the ids still held (`remaining`);
@@ -18,7 +18,7 @@ under leases when the queue stopped (every roller had left or lapsed by then).
 
 `invariant_residuals(metrics)` checks one snapshot of the queue's metrics:
 `admitted − spent − released − reclaimed − leased` (credits) and
-`groups_in − trained − dropped − depth − inflight` (groups); both are 0 in every snapshot.
+`groups_in + recovered − trained − dropped − depth − inflight` (groups); both are 0 in every snapshot.
 """
 
 from __future__ import annotations
@@ -50,7 +50,13 @@ def invariant_residuals(m: dict[str, Any], prefix: str = "") -> tuple[float, flo
         - g("leased")
     )
     groups = (
-        g("groups_in") - g("trained") - g("dropped_stale") - g("dropped_skipped") - g("depth") - g("inflight")
+        g("groups_in")
+        + g("recovered")
+        - g("trained")
+        - g("dropped_stale")
+        - g("dropped_skipped")
+        - g("depth")
+        - g("inflight")
     )
     return credits, groups
 
@@ -63,6 +69,7 @@ class Account:
     remaining: set[str] = field(default_factory=set)
     final: dict[str, Any] = field(default_factory=dict)
     step_residuals: list[tuple[float, float]] = field(default_factory=list)
+    tasks: dict[str, list[int | None]] = field(default_factory=dict)  # roller -> task numbers it put
 
     @property
     def lost_ids(self) -> set[str]:
@@ -101,7 +108,9 @@ def account(run_dir: Path | str) -> Account:
     run_dir = Path(run_dir)
     acct = Account()
     for path in sorted(run_dir.glob("roller-*.groups")):
-        acct.put.update(line.strip() for line in path.read_text().splitlines() if line.strip())
+        rows = read_jsonl(path)
+        acct.put.update(row["id"] for row in rows)
+        acct.tasks[path.name.removesuffix(".groups")] = [row["task"] for row in rows]
     for row in read_jsonl(run_dir / "learner_groups.jsonl"):
         acct.trained.update(row.get("trained", []))
         acct.dropped.setdefault("skipped", set()).update(row.get("skipped", []))
