@@ -109,14 +109,18 @@ def _stop_on_signals() -> tuple[threading.Event, list[int]]:
 def _finish_run(cfg: AgentRLConfig, consumer: Any, server: Any) -> None:
     """Tell the queue the run is over, and give the rollers a moment to hear it and leave."""
     consumer.finish()
-    if server is None:
+    if cfg.queue.type != "zmq":
         return
     q = cfg.queue
+
+    def leases() -> int:
+        return server.live_leases() if server is not None else int(consumer.metrics().get("leases", 0))
+
     deadline = time.monotonic() + q.roller_lease_s + 2 * q.heartbeat_s
-    while server.live_leases() and time.monotonic() < deadline:
+    while leases() and time.monotonic() < deadline:
         time.sleep(0.2)
-    if server.live_leases():
-        log.warning("%d roller(s) did not leave within %.0fs of the run's end", server.live_leases(),
+    if leases():
+        log.warning("%d roller(s) did not leave within %.0fs of the run's end", leases(),
                     q.roller_lease_s + 2 * q.heartbeat_s)  # fmt: skip
 
 
