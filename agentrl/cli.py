@@ -149,7 +149,7 @@ def queue(
         server.start()
     except (AuthError, QueueError) as exc:
         raise _fail(str(exc)) from None
-    typer.echo(f"agentrl queue: serving on {server.endpoint}", err=True)
+    typer.echo(f"agentrl queue: serving on {server.endpoint} (run {server.run_id})", err=True)
 
     def _interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

@@ -182,7 +182,8 @@ class ZmqQueueConfig(Section):
 
     type: Literal["zmq"] = "zmq"
     address: str = "tcp://127.0.0.1:5555"
-    """Where the queue server binds (learner side) and where producers connect."""
+    """Where the queue server binds (a hosting learner) and where producers (and, with
+    `standalone`, the learner) connect."""
     capacity_groups: int = Field(1024, ge=1)
     """Groups held before producers are made to wait."""
     capacity_bytes: int = Field(1 << 30, ge=1 << 16)

@@ -220,3 +220,20 @@ def test_binding_a_taken_address_says_what_to_do(zmq_queue: Harness) -> None:
     with pytest.raises(QueueError, match=r"address already in use.*--queue\.standalone true"):
         other.start()
     other.stop()
+
+
+def test_a_roller_whose_queue_goes_silent_gives_up_saying_so(zmq_queue: Harness) -> None:
+    """The learner (hosting the queue) is gone for good: after `silent_timeout_s` the producer
+    fails every call with a message, so the roller exits instead of waiting forever."""
+    zmq_queue.start(groups_per_step=2, max_staleness=0, silent_timeout_s=1.0, **FAST)
+
+    async def go() -> None:
+        producer = zmq_queue.producer()
+        await producer.acquire_start(1)
+        zmq_queue.server.stop()
+        zmq_queue.server = None
+        with pytest.raises(QueueUnavailable, match="has been silent"):
+            await asyncio.wait_for(producer.acquire_start(1), timeout=30)
+        producer.close()
+
+    asyncio.run(go())
