@@ -184,7 +184,7 @@ def queue(
         raise _fail(f"queue.type={cfg.queue.type!r} needs no agentrl server (Redis is the server)")
     import signal
 
-    from agentrl.queue import create
+    from agentrl.queue import QueueError, create
     from agentrl.queue.auth import AuthError
 
     wal_dir = cfg.queue.wal_dir or str(Path(cfg.run_dir) / "queue_wal")
@@ -194,11 +194,12 @@ def queue(
             max_staleness=cfg.max_staleness,
             bind=bind,
             wal_dir=wal_dir,
+            ledger=Path(cfg.run_dir) / "queue_ledger.jsonl",
         )
         server.start()
-    except AuthError as exc:
+    except (AuthError, QueueError) as exc:
         raise _fail(str(exc)) from None
-    typer.echo(f"agentrl queue: serving on {server.endpoint}", err=True)
+    typer.echo(f"agentrl queue: serving on {server.endpoint} (run {server.run_id})", err=True)
 
     def _interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

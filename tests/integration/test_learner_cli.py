@@ -21,7 +21,8 @@ async def _put(address: str, groups) -> None:
     from agentrl.queue.base import create
 
     os.environ.update(SECRET)
-    producer = create(ZmqQueueConfig(address=address)).producer()
+    # the learner may take longer than the default 30 s to bind on a loaded machine
+    producer = create(ZmqQueueConfig(address=address, connect_timeout_s=180)).producer()
     try:
         for g in groups:
             await asyncio.wait_for(producer.put(g), timeout=60)

@@ -1,0 +1,239 @@
+"""Admission credits under rollers' leases, and the queue's lifetimes (zmq backend).
+
+Real server thread, real sockets; a "killed" roller is one whose heartbeat stops (its tasks are
+cancelled and its socket closed without the `bye` a clean close sends)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.queue.base import LeaseLapsed, QueueError, QueueUnavailable, RunOver
+from tests.integration.faults_account import invariant_residuals
+from tests.unit.queue.conftest import Harness, make_group
+
+pytestmark = pytest.mark.timeout(90)
+
+FAST = {"heartbeat_s": 0.2, "roller_lease_s": 1.0}
+
+
+def _kill(producer) -> None:
+    """What kill -9 does to a producer: no more heartbeats, no `bye`."""
+    for task in producer._tasks:
+        task.cancel()
+    producer._sock.close(linger=0)
+    producer._sock = None
+
+
+def _residuals_zero(m: dict) -> bool:
+    return invariant_residuals(m) == (0, 0)
+
+
+def _wait(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_dead_rollers_credits_come_back_and_a_replacement_is_admitted(zmq_queue: Harness) -> None:
+    zmq_queue.start(groups_per_step=2, max_staleness=0, **FAST)
+    server = zmq_queue.server
+
+    async def go() -> None:
+        dead, replacement = zmq_queue.producer(), zmq_queue.producer()
+        await dead.acquire_start(2)  # the whole window, at version 0
+        await dead.put(make_group(seed=1))  # one put, one credit still held
+        m = server.metrics()
+        assert (m["leased"], m["depth"], m["started"], m["admission_limit"]) == (1, 1, 2, 2)
+        assert _residuals_zero(m)
+        _kill(dead)
+        admission = await asyncio.wait_for(replacement.acquire_start(1), timeout=20)  # after the lapse
+        assert admission.version == 0 and admission.first_task == 2  # the cursor moves on
+        m = server.metrics()
+        assert m["admission_reclaimed"] == 1 and m["leases_lapsed"] == 1 and _residuals_zero(m)
+        replacement.close()
+
+    asyncio.run(go())
+    # a clean close gives back what the replacement still held
+    assert _wait(lambda: server.metrics()["leased"] == 0)
+    m = server.metrics()
+    assert m["admission_released"] == 1 and _residuals_zero(m)
+
+
+def test_a_late_roller_finds_its_lease_gone_and_starts_fresh(zmq_queue: Harness) -> None:
+    zmq_queue.start(groups_per_step=2, max_staleness=0, **FAST)
+    server = zmq_queue.server
+
+    async def go() -> None:
+        late = zmq_queue.producer()
+        await late.acquire_start(1)
+        old_lease = late.lease
+        late._tasks[2].cancel()  # a partition: its heartbeat stops reaching the queue
+        assert await asyncio.to_thread(_wait, lambda: server.metrics()["admission_reclaimed"] == 1)
+        with pytest.raises(LeaseLapsed):  # the group admitted under the lapsed lease is not taken
+            await asyncio.wait_for(late.put(make_group(seed=1)), timeout=10)
+        assert late.lease != old_lease and late.held == 0
+        assert (await asyncio.wait_for(late.acquire_start(2), timeout=10)).version == 0  # a fresh lease
+        await late.put(make_group(seed=2))
+        late.close()
+
+    asyncio.run(go())
+    m = server.metrics()
+    assert m["refused_lapsed"] >= 1 and m["groups_in"] == 1 and _residuals_zero(m)
+
+
+def test_a_restarted_queue_learns_what_live_rollers_hold(zmq_queue: Harness, tmp_path: Path) -> None:
+    """Kill the (durable) server, start it again on the same address: the roller's re-sent
+    messages restore its lease with the credits it holds, and no credit is counted twice."""
+    zmq_queue.start(groups_per_step=2, max_staleness=0, durable=True)
+    first = zmq_queue.server
+    address = first.endpoint
+
+    async def go() -> None:
+        producer = zmq_queue.producer()
+        await producer.acquire_start(2)
+        await producer.put(make_group(seed=1))
+        assert producer.held == 1
+        first.stop()
+        second = zmq_queue.backend.server(groups_per_step=2, max_staleness=0, bind=address).start()
+        zmq_queue.server = second
+        await asyncio.wait_for(producer.put(make_group(seed=2)), timeout=20)
+        m = second.metrics()
+        assert m["admission_restored"] == 1 and m["leased"] == 0 and m["depth"] == 2  # one from the WAL
+        assert m["run_id"] == first.run_id  # a durable queue keeps its run
+        assert m["put_unleased"] == 0 and m["duplicates"] == 0  # nothing re-sent that was answered
+        assert _residuals_zero(m)
+        producer.close()
+
+    asyncio.run(go())
+
+
+def test_a_resumed_learner_rebuilds_admission_instead_of_flooding(zmq_queue: Harness) -> None:
+    """A fresh queue told version 7 admits one window ((7 + 0 + 1) x 2 - 7 x 2), not 16 groups."""
+    zmq_queue.start(groups_per_step=2, max_staleness=0)
+    consumer = zmq_queue.consumer()
+    consumer.publish_version(7)
+    m = consumer.metrics()
+    assert m["admission_limit"] - m["started"] == 2
+
+    async def go() -> None:
+        producer = zmq_queue.producer()
+        await producer.acquire_start(2)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(producer.acquire_start(1), timeout=0.5)
+        producer.close()
+
+    asyncio.run(go())
+
+
+def test_the_learner_version_going_back_on_resume_does_not_stall_admission(zmq_queue: Harness) -> None:
+    """The durable row of issue 14: the queue reached version 5, the learner resumes from 3."""
+    zmq_queue.start(groups_per_step=2, max_staleness=0)
+    consumer = zmq_queue.consumer()
+    consumer.publish_version(5)
+    consumer.publish_version(3)
+
+    async def go() -> int:
+        producer = zmq_queue.producer()
+        try:
+            return (await asyncio.wait_for(producer.acquire_start(2), timeout=10)).version
+        finally:
+            producer.close()
+
+    assert asyncio.run(go()) == 3
+
+
+def test_nobody_waits_silently_for_a_queue_that_is_not_there(zmq_queue: Harness, free_port: int) -> None:
+    zmq_queue.start(connect_timeout_s=1.0, heartbeat_s=0.2, roller_lease_s=1.0)
+    producer = zmq_queue.backend.producer(address=f"tcp://127.0.0.1:{free_port}")
+
+    async def go() -> None:
+        with pytest.raises(QueueUnavailable, match=r"no answer from the queue.*AGENTRL_QUEUE_SECRET"):
+            await asyncio.wait_for(producer.acquire_start(1), timeout=30)
+        with pytest.raises(QueueUnavailable):  # and every later call says the same at once
+            await producer.put(make_group())
+        producer.close()
+
+    asyncio.run(go())
+    with pytest.raises(QueueUnavailable, match="no answer from the queue"):
+        zmq_queue.backend.consumer("rank0", address=f"tcp://127.0.0.1:{free_port}")
+
+
+def test_a_wrong_secret_is_logged_and_the_client_says_what_to_check(
+    zmq_queue: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    zmq_queue.start(connect_timeout_s=1.0, heartbeat_s=0.2, roller_lease_s=1.0)
+    monkeypatch.setenv("AGENTRL_QUEUE_SECRET", "another-secret-of-enough-length-000")
+    producer = zmq_queue.producer()
+
+    async def go() -> None:
+        with pytest.raises(QueueUnavailable, match="holds the queue's secret"):
+            await asyncio.wait_for(producer.acquire_start(1), timeout=30)
+        producer.close()
+
+    with caplog.at_level("WARNING", logger="agentrl.queue.server"):
+        asyncio.run(go())
+    refusals = [r for r in caplog.records if "failed its MAC" in r.getMessage()]
+    assert refusals and len(refusals) <= 2  # rate-limited: one report per REFUSAL_LOG_S
+    assert zmq_queue.server.metrics()["refused_auth"] >= 3
+
+
+def test_a_roller_of_another_run_is_refused_and_a_finished_run_ends_its_rollers(zmq_queue: Harness) -> None:
+    zmq_queue.start(groups_per_step=2, max_staleness=0, run_id="run-a")
+    consumer = zmq_queue.consumer()
+
+    async def go() -> None:
+        stranger = zmq_queue.backend.producer(address=zmq_queue.address)
+        stranger.run_id = "run-b"
+        with pytest.raises(QueueUnavailable, match="serves run 'run-a'"):
+            await asyncio.wait_for(stranger.acquire_start(1), timeout=10)
+        stranger.close()
+
+        member = zmq_queue.producer()
+        await member.acquire_start(1)
+        assert member.run_id == "run-a"  # adopted from the first answer
+        await asyncio.to_thread(consumer.finish)
+        with pytest.raises(RunOver, match="finished at version 0"):
+            await asyncio.wait_for(member.acquire_start(1), timeout=10)
+        member.close()
+
+    asyncio.run(go())
+    m = zmq_queue.server.metrics()
+    assert m["refused_run"] >= 1 and m["finished"]
+
+
+def test_a_learner_with_another_config_is_refused(zmq_queue: Harness) -> None:
+    zmq_queue.start(groups_per_step=4, max_staleness=1)
+    with pytest.raises(QueueUnavailable, match=r"learner\.groups_per_step: the learner has 8"):
+        zmq_queue.backend.consumer("rank0", address=zmq_queue.address, hello={"gps": 8, "ms": 1})
+
+
+def test_binding_a_taken_address_says_what_to_do(zmq_queue: Harness) -> None:
+    zmq_queue.start()
+    other = zmq_queue.backend.server(groups_per_step=4, max_staleness=1, bind=zmq_queue.address)
+    with pytest.raises(QueueError, match=r"address already in use.*--queue\.standalone true"):
+        other.start()
+    other.stop()
+
+
+def test_a_roller_whose_queue_goes_silent_gives_up_saying_so(zmq_queue: Harness) -> None:
+    """The learner (hosting the queue) is gone for good: after `silent_timeout_s` the producer
+    fails every call with a message, so the roller exits instead of waiting forever."""
+    zmq_queue.start(groups_per_step=2, max_staleness=0, silent_timeout_s=1.0, **FAST)
+
+    async def go() -> None:
+        producer = zmq_queue.producer()
+        await producer.acquire_start(1)
+        zmq_queue.server.stop()
+        zmq_queue.server = None
+        with pytest.raises(QueueUnavailable, match="has been silent"):
+            await asyncio.wait_for(producer.acquire_start(1), timeout=30)
+        producer.close()
+
+    asyncio.run(go())
