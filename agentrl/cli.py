@@ -108,15 +108,27 @@ def serve(
     model: Annotated[str | None, typer.Option(help="Checkpoint directory to serve.")] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 30000,
+    backend: Annotated[
+        str, typer.Option(help="embedded (agentrl's server) or vllm (a real vLLM server from .venv-vllm).")
+    ] = "embedded",
     config: ConfigOpt = None,
 ) -> None:
-    """Serve a model over SGLang's native HTTP API (the embedded inference server)."""
+    """Serve a model: the embedded server (SGLang's native HTTP API) or, with --backend vllm, vLLM."""
     cfg = load(config, ctx)
     model_path = model or cfg.inference.model_path or cfg.learner.model_path
     if not Path(model_path).is_dir():
         raise _fail(
             f"--model: {model_path} is not a checkpoint directory (make one: agentrl init-model tiny DIR)"
         )
+    if backend == "vllm":
+        from agentrl.inference.vllm_launch import exec_server
+
+        try:
+            exec_server(model_path, host, port, cfg.inference)  # returns only on failure
+        except (FileNotFoundError, OSError) as exc:
+            raise _fail(f"--backend vllm: {exc}") from None
+    if backend != "embedded":
+        raise _fail(f"--backend: unknown backend {backend!r}; choose embedded or vllm")
     from agentrl.inference.server import run_server
 
     run_server(model_path, host, port, cfg.inference)
@@ -166,10 +178,10 @@ def queue(
 def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Run learner, queue, inference servers and rollers on this machine as one job."""
     cfg = load(config, ctx)
-    if cfg.inference.type != "embedded":
+    if cfg.inference.type == "sglang":
         raise _fail(
-            "agentrl run starts embedded servers: set inference.type: embedded, or start the "
-            "learner and rollers yourself against your SGLang / vLLM servers"
+            "agentrl run starts embedded and vLLM servers: set inference.type: embedded or vllm, or "
+            "start the learner and rollers yourself against your SGLang servers"
         )
     if not Path(cfg.learner.model_path).is_dir():
         raise _fail(

@@ -81,7 +81,8 @@ class AgentRLWorkerExtension:
     # ------------------------------------------------------------------ push
 
     def agentrl_receive(self, payload: str) -> dict[str, Any]:
-        """Receive one bucket (`names`, `dtypes`, `shapes`, broadcast in that order) into the staging area."""
+        """Receive one bucket into the staging area: one broadcast per tensor in the order of `names`
+        or, with `flattened`, one uint8 tensor holding them back to back."""
         args = json.loads(payload)
         group = self._agentrl_group
         if group is None or group.group_name != args["group_name"]:
@@ -92,10 +93,23 @@ class AgentRLWorkerExtension:
         device = "cuda" if group.backend == "nccl" else "cpu"
         staged = self._agentrl_staged if self._agentrl_staged is not None else {}
         self._agentrl_staged = None  # a receive that fails below leaves nothing staged
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            buffer = torch.empty(shape, dtype=parse_dtype(dtype), device=device)
-            group.broadcast(buffer, 0)
-            staged[name] = buffer.cpu() if device != "cpu" else buffer
+        specs = [(n, parse_dtype(d), torch.Size(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        if args.get(
+            "flattened"
+        ):  # one uint8 broadcast, tensors back to back (SGLang's FlattenedTensorBucket)
+            sizes = [shape.numel() * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in specs]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            group.broadcast(flat, 0)
+            flat = flat.cpu()
+            offset = 0
+            for (name, dtype, shape), size in zip(specs, sizes, strict=True):
+                staged[name] = flat[offset : offset + size].view(dtype).reshape(shape)
+                offset += size
+        else:
+            for name, dtype, shape in specs:
+                buffer = torch.empty(shape, dtype=dtype, device=device)
+                group.broadcast(buffer, 0)
+                staged[name] = buffer.cpu()
         self._agentrl_staged = staged
         return {"staged": len(staged)}
 
