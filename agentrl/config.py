@@ -308,6 +308,9 @@ class BroadcastSyncConfig(Section):
     """Timeout of group set-up and of every collective."""
     workers_per_server: int = Field(1, ge=1)
     """Ranks each inference server contributes to the group (its tensor-parallel size; 1 for embedded)."""
+    gloo_wire: Literal["auto", "cpu", "cuda"] = "auto"
+    """With gloo: the device the servers receive into, whose gloo group (`cpu/` or `cuda/`) carries
+    the broadcasts; auto is cuda for `inference.type: sglang` (a GPU SGLang), cpu otherwise."""
 
 
 class DiskSyncConfig(Section):

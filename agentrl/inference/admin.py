@@ -1,7 +1,13 @@
 """Admin routes of the embedded server: weight updates, pause/continue, abort, health, info.
 
-They follow SGLang's routes and bodies (`protocol.py`) and answer `{"success", "message"}`,
-HTTP 400 when the request cannot be honoured. Everything that touches the model or the
+They follow SGLang 0.5.23's routes and bodies (`protocol.py`; `srt/entrypoints/http_server.py`)
+and its rules: weight-update routes answer `{"success", "message"}` (HTTP 400 when the request
+cannot be honoured); `/update_weights_from_distributed` is refused outside a
+`/begin_weight_update` … `/end_weight_update` session, before anything is received
+(`SchedulerWeightUpdaterManager.update_weights_from_distributed`); `load_format:
+"flattened_bucket"` receives a bucket as one uint8 broadcast (`FlattenedTensorBucket`);
+aborts match rid prefixes and answer an empty body; `/ping` is a liveness flag that answers
+while paused (`sagemaker_health`). Everything that touches the model or the
 running batch runs in the engine thread between two decode steps (`Engine.call`), so a
 weight update never lands inside a step.
 """
@@ -9,6 +15,7 @@ weight update never lands inside a step.
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +23,7 @@ from aiohttp import web
 
 from agentrl.inference import protocol as P
 from agentrl.inference.engine import Engine
-from agentrl.inference.protocol import ENGINE, STATE, BadInput, parse
+from agentrl.inference.protocol import ENGINE, STATE, parse
 
 
 async def _in_engine(engine: Engine, fn) -> Any:
@@ -64,6 +71,12 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
 
     engine, state = request.app[ENGINE], request.app[STATE]
     body: P.UpdateDistributedIn = await parse(request, P.UpdateDistributedIn)
+    if not state["session"]:
+        return _fail(
+            "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+        )
+    if body.load_format not in (None, "flattened_bucket"):
+        return _fail(f"load_format {body.load_format!r}: the embedded server takes none or flattened_bucket")
     group = state["groups"].get(body.group_name)
     if group is None:
         return _fail(f"no weight group {body.group_name!r}; call /init_weights_update_group first")
@@ -73,9 +86,21 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         return _fail(str(exc))
     device = engine.device if group.backend == "nccl" else torch.device("cpu")
 
+    def receive_flattened() -> str:
+        sizes = [math.prod(shape) * d.itemsize for d, shape in zip(dtypes, body.shapes, strict=True)]
+        flat = group.broadcast(torch.empty(sum(sizes), dtype=torch.uint8, device=device), 0)
+        tensors, offset = {}, 0
+        for name, dtype, shape, size in zip(body.names, dtypes, body.shapes, sizes, strict=True):
+            tensors[name] = flat[offset : offset + size].view(dtype).reshape(shape)
+            offset += size
+        engine.load_weights(tensors, None if body.weight_version is None else str(body.weight_version))
+        return engine.weight_version
+
     def receive_and_load() -> str:
         if body.abort_all_requests:
             engine.abort(abort_all=True, message="weights updated")
+        if body.load_format == "flattened_bucket":
+            return receive_flattened()
         version = None if body.weight_version is None else str(body.weight_version)
         state = engine.model.state_dict()
         targets = [state.get(name) for name in body.names]
@@ -154,26 +179,43 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
     return _ok(f"destroyed {body.group_name}")
 
 
+async def begin_weight_update(request: web.Request) -> web.Response:
+    await parse(request, P.BeginUpdateIn)
+    state = request.app[STATE]
+    if state["session"]:
+        return _fail("a weight-update session is already open; call end_weight_update() first")
+    state["session"] = True
+    return _ok("Success")
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    await parse(request, P.EndUpdateIn)
+    state = request.app[STATE]
+    if not state["session"]:
+        return _fail("no weight-update session is open; call begin_weight_update() first")
+    state["session"] = False
+    return _ok("Success")
+
+
 async def pause_generation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    await parse(request, P.PauseIn)
-    aborted = await _in_engine(engine, engine.pause)
-    return _ok("paused", num_aborted=aborted)
+    body: P.PauseIn = await parse(request, P.PauseIn)
+    await _in_engine(engine, lambda: engine.pause(body.mode))
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     await _in_engine(engine, engine.resume)
-    return _ok("continued")
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
 async def abort_request(request: web.Request) -> web.Response:
+    """Every request whose rid starts with `rid` (or all); an empty rid aborts nothing. 200, no body."""
     engine = request.app[ENGINE]
     body: P.AbortIn = await parse(request, P.AbortIn)
-    if not body.abort_all and not body.rid:
-        raise BadInput("give rid or abort_all=true")
-    n = await _in_engine(engine, lambda: engine.abort(rid=body.rid, abort_all=body.abort_all))
-    return _ok(f"aborted {n}", num_aborted=n)
+    await _in_engine(engine, lambda: engine.abort(rid=body.rid, abort_all=body.abort_all))
+    return web.Response(status=200)
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
@@ -194,12 +236,14 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """`/health`, `/health_generate`, `/ping`: 200 while the engine thread runs (paused or not)."""
     if not request.app[ENGINE].alive:
-        return web.json_response({"error": {"message": "engine thread is not running"}}, status=503)
-    return web.Response(text="")
+        return web.Response(status=503)
+    return web.Response(status=200)
 
 
 async def get_weight_version(request: web.Request) -> web.Response:
+    """An extra of the embedded server (SGLang 0.5.23 has no such route; clients read `/model_info`)."""
     return web.json_response({"weight_version": request.app[ENGINE].weight_version})
 
 

@@ -128,6 +128,8 @@ class WeightUpdateClient(abc.ABC):
     calls by `update_weights_from_disk`."""
 
     url: str = ""
+    flattened_buckets: bool = False
+    """True when the server takes a bucket as one flat uint8 broadcast (`flattened=True`)."""
 
     @abc.abstractmethod
     async def alive(self) -> bool:
@@ -173,8 +175,11 @@ class WeightUpdateClient(abc.ABC):
         shapes: list[list[int]],
         group_name: str = "weight_update_group",
         weight_version: int | None = None,
+        flattened: bool = False,
     ) -> None:
-        """Receive one bucket of tensors broadcast by rank 0 in the order of `names`, then load it."""
+        """Receive one bucket broadcast by rank 0, then load it: one broadcast per tensor in the order
+        of `names`, or with `flattened` one uint8 tensor holding them back to back (SGLang's
+        `FlattenedTensorBucket` layout)."""
 
     @abc.abstractmethod
     async def end_weight_update(self, weight_version: int | None = None) -> None:

@@ -199,12 +199,16 @@ class Engine:
         return future
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> int:
-        """(engine thread) Finish matching running/waiting requests now with `finish_reason.type == "abort"`."""
+        """(engine thread) Finish running/waiting requests whose rid starts with `rid` (SGLang 0.5.23
+        `Scheduler.abort_request` matches by prefix; an empty rid matches nothing here) now with
+        `finish_reason.type == "abort"`."""
+        if not abort_all and not rid:
+            return 0
         count = 0
         self._drain_waiting()
         held = []
         for req in self._held:
-            if abort_all or req.rid == rid:
+            if abort_all or req.rid.startswith(rid):
                 self._finish(req, {"type": "abort", "message": message})
                 count += 1
             else:
@@ -213,7 +217,7 @@ class Engine:
         if self._batch is not None:
             keep = []
             for i, req in enumerate(self._batch.reqs):
-                if abort_all or req.rid == rid:
+                if abort_all or req.rid.startswith(rid):
                     self._finish(req, {"type": "abort", "message": message})
                     count += 1
                 else:
@@ -221,10 +225,15 @@ class Engine:
             self._batch = _select(self._batch, keep)
         return count
 
-    def pause(self) -> int:
-        """(engine thread) Abort everything in flight and hold new requests until `resume()`."""
+    def pause(self, mode: str = "abort") -> int:
+        """(engine thread) Stop generating until `resume()`; new requests are held. SGLang 0.5.23's
+        modes (`PauseGenerationReqInput`): "abort" finishes everything in flight (partial output,
+        finish_reason abort); "in_place" and "retract" keep the running requests, which go on after
+        `resume()` with the KV cache they had (SGLang's retract recomputes it; here both keep it)."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r}: use abort, retract or in_place")
         self._paused = True
-        return self.abort(abort_all=True, message="generation paused")
+        return self.abort(abort_all=True, message="generation paused") if mode == "abort" else 0
 
     def resume(self) -> None:
         """(engine thread) Start the held requests."""
@@ -275,7 +284,7 @@ class Engine:
             try:
                 if admitted:
                     self._prefill(admitted)
-                if self._batch is not None:
+                if self._batch is not None and not self._paused:
                     self._decode_step()
             except Exception as exc:  # keep serving: fail the rows in this step, not the server
                 logger.exception("generation step failed")
@@ -283,7 +292,7 @@ class Engine:
                     if req.finish_reason is None:
                         self._finish(req, {"type": "abort", "message": f"engine error: {exc}"})
                 self._batch = None
-            if self._batch is None and not admitted and self._commands.empty():
+            if (self._batch is None or self._paused) and not admitted and self._commands.empty():
                 self._wake.wait(0.05)
                 self._wake.clear()
         self._run_commands()

@@ -2,15 +2,17 @@
 
 Field names and defaults follow SGLang's `GenerateReqInput`, `sampling_params`
 (`SamplingParams`) and the weight-update request dataclasses in
-`python/sglang/srt/managers/io_struct.py`. Unknown fields are rejected (HTTP 400 naming
-the field) rather than ignored, and SGLang features the embedded server does not implement
-(streaming, prompt log-probs, top log-probs, …) are rejected with a message saying so.
+`sglang/srt/managers/io_struct.py` (SGLang 0.5.23). Unknown `/generate` and sampling fields are
+rejected (HTTP 400 naming the field) rather than ignored, and SGLang features the embedded
+server does not implement (streaming, prompt log-probs, top log-probs, …) are rejected with a
+message saying so. Admin bodies (weight updates, pause, abort) ignore unknown fields, as
+SGLang's msgspec request structs do.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -22,7 +24,13 @@ STATE = web.AppKey("state", dict)
 
 
 class BadInput(Exception):
-    """Turned into HTTP 400 with `{"error": {"message": ...}}` (SGLang's error body)."""
+    """Turned into HTTP 400 with SGLang's validation-error body (`error_body`)."""
+
+
+def error_body(message: str, status: int = 400) -> dict[str, Any]:
+    """SGLang 0.5.23's body for a request it cannot validate (`ErrorResponse`, sent by
+    `validation_exception_handler` in `srt/entrypoints/http_server.py`)."""
+    return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": status}
 
 
 async def parse(request: web.Request, model: type[BaseModel]) -> Any:
@@ -131,7 +139,11 @@ class GenerateIn(Strict):
         return value
 
 
-class InitGroupIn(Strict):
+class Admin(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class InitGroupIn(Admin):
     master_address: str
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)
@@ -140,7 +152,7 @@ class InitGroupIn(Strict):
     backend: str = "nccl"
 
 
-class UpdateDistributedIn(Strict):
+class UpdateDistributedIn(Admin):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -160,7 +172,7 @@ class UpdateDistributedIn(Strict):
         return self
 
 
-class UpdateDiskIn(Strict):
+class UpdateDiskIn(Admin):
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
@@ -168,23 +180,31 @@ class UpdateDiskIn(Strict):
     flush_cache: bool = True
 
 
-class DestroyGroupIn(Strict):
+class DestroyGroupIn(Admin):
     group_name: str = "weight_update_group"
 
 
-class AbortIn(Strict):
+class AbortIn(Admin):
     rid: str | None = ""
     abort_all: bool = False
     abort_message: str | None = None
 
 
-class PauseIn(Strict):
-    mode: str = Field("abort", pattern="^abort$", description="only mode=abort is supported")
+class PauseIn(Admin):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
-class UpdateVersionIn(Strict):
+class BeginUpdateIn(Admin):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndUpdateIn(Admin):
+    pass
+
+
+class UpdateVersionIn(Admin):
     new_version: str | int
-    abort_all_requests: bool = False
+    abort_all_requests: bool = True
 
 
 def describe(exc: ValidationError) -> str:

@@ -4,8 +4,11 @@ Rollers, weight sync and tests reach it exactly as they reach a real SGLang serv
 routes, field names and response shapes; see `protocol.py`). Handlers validate input and
 hand work to the `Engine` thread: generation requests join its running batch, weight
 loads and pause/abort run between decode steps. Bad input gets HTTP 4xx with a message
-and never disturbs other requests. It binds 127.0.0.1 unless told otherwise; when an API
-key is set every route requires `Authorization: Bearer <key>`.
+and never disturbs other requests. It binds 127.0.0.1 unless told otherwise. Keys follow
+SGLang 0.5.23's `decide_request_auth` (`srt/utils/auth.py`): `/health*`, `/ready*` and
+`/metrics*` are always open; with an API key every other route needs `Authorization: Bearer
+<key>`; with an admin key the admin routes (weight updates, pause, abort) need the admin key
+instead (and without one, the API key).
 
     agentrl serve --model runs/models/tiny --port 30000
 """
@@ -35,18 +38,30 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except BadInput as exc:
-        return web.json_response({"error": {"message": str(exc)}}, status=400)
+        return web.json_response(P.error_body(str(exc)), status=400)
     except ValidationError as exc:
-        return web.json_response({"error": {"message": P.describe(exc)}}, status=400)
+        return web.json_response(P.error_body(P.describe(exc)), status=400)
 
 
-def _auth(api_key: str):
+_OPEN = ("/health", "/ready", "/metrics")
+_ADMIN = {
+    "/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_disk",
+    "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update", "/pause_generation",
+    "/continue_generation", "/abort_request", "/update_weight_version", "/flush_cache",
+}  # fmt: skip
+
+
+def _auth(api_key: str | None, admin_api_key: str | None):
+    import secrets
+
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.headers.get("Authorization") != f"Bearer {api_key}":
-            return web.json_response(
-                {"error": {"message": "unauthorized: missing or wrong API key"}}, status=401
-            )
+        if request.path.startswith(_OPEN):
+            return await handler(request)
+        key = admin_api_key if (request.path in _ADMIN and admin_api_key) else api_key
+        given = request.headers.get("Authorization", "")
+        if key and not (given.startswith("Bearer ") and secrets.compare_digest(given[7:], key)):
+            return web.json_response({"error": {"message": "unauthorized: missing or wrong key"}}, status=401)
         return await handler(request)
 
     return check
@@ -164,15 +179,22 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(out[0] if single and len(out) == 1 else out)
 
 
-def make_app(engine: Engine, api_key: str | None = None, group_timeout_s: float = 120.0) -> web.Application:
+def make_app(
+    engine: Engine,
+    api_key: str | None = None,
+    group_timeout_s: float = 120.0,
+    admin_api_key: str | None = None,
+) -> web.Application:
     """The aiohttp application over a started `engine`; the engine is stopped on app cleanup."""
-    middlewares = [_auth(api_key)] if api_key else []
+    middlewares = [_auth(api_key, admin_api_key)] if (api_key or admin_api_key) else []
     app = web.Application(middlewares=[*middlewares, _errors], client_max_size=256 << 20)
     app[ENGINE] = engine
-    app[STATE] = {"rids": set(), "groups": {}, "group_timeout_s": group_timeout_s}
+    app[STATE] = {"rids": set(), "groups": {}, "group_timeout_s": group_timeout_s, "session": False}
     post = {
         "/generate": generate,
         "/init_weights_update_group": admin.init_weights_update_group,
+        "/begin_weight_update": admin.begin_weight_update,
+        "/end_weight_update": admin.end_weight_update,
         "/update_weights_from_distributed": admin.update_weights_from_distributed,
         "/update_weights_from_disk": admin.update_weights_from_disk,
         "/destroy_weights_update_group": admin.destroy_weights_update_group,
@@ -185,6 +207,7 @@ def make_app(engine: Engine, api_key: str | None = None, group_timeout_s: float 
     get = {
         "/health": admin.health,
         "/health_generate": admin.health,
+        "/ping": admin.health,
         "/get_weight_version": admin.get_weight_version,
         "/get_model_info": admin.get_model_info,
         "/model_info": admin.get_model_info,

@@ -1,9 +1,19 @@
 """Client of SGLang's native HTTP API; it also drives agentrl's embedded server.
 
-Request and response shapes follow SGLang's `GenerateReqInput`, the weight-update request
-dataclasses in `python/sglang/srt/managers/io_struct.py` and the routes of
-`python/sglang/srt/entrypoints/http_server.py` (checked against commit 001067f; see
-tests/unit/inference/test_contracts.py). Errors map onto the three kinds in `base`:
+Request and response shapes follow SGLang 0.5.23 (the PyPI wheel): `GenerateReqInput` and the
+weight-update request structs in `sglang/srt/managers/io_struct.py`, the routes of
+`sglang/srt/entrypoints/http_server.py` (see tests/unit/inference/test_contracts.py and the
+strict stand-in, tests/sglang_standin.py). What 0.5.23 requires of a client:
+
+- `/update_weights_from_distributed` only inside `/begin_weight_update` … `/end_weight_update`
+  (`SchedulerWeightUpdaterManager.update_weights_from_distributed` in
+  `srt/managers/scheduler_components/weight_updater.py` answers 400 otherwise). Releases without
+  the session routes (404 on begin) are detected once per client, logged, and pushed to without
+  a session; `flattened_bucket` is only used where the session routes exist.
+- the version comes from `GET /model_info` (`model_info`); `/get_weight_version` is gone.
+- liveness is `GET /ping` (`sagemaker_health`: a flag check that answers 200 while paused);
+  `/health` runs a one-token generation unless `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`
+  and is held while paused, so weight sync never uses it. Errors map onto the three kinds in `base`:
 4xx → `BadRequestError`, connection failures / timeouts / 5xx → `ServerUnavailableError`.
 """
 
@@ -23,6 +33,9 @@ from agentrl.inference.base import (
     WeightUpdateClient,
     parse_weight_version,
 )
+from agentrl.log import get_logger
+
+logger = get_logger(__name__)
 
 
 class HTTPClient:
@@ -99,6 +112,14 @@ class SGLangClient(InferenceClient, WeightUpdateClient):
     ) -> None:
         self.http = HTTPClient(url, api_key, timeout_s, connect_timeout_s)
         self.url = self.http.url
+        self.has_session: bool | None = None
+        """Whether the server has `/begin_weight_update` (SGLang ≥ 0.5.2x); None until first asked."""
+
+    @property
+    def flattened_buckets(self) -> bool:
+        """True when a bucket may travel as one `flattened_bucket` broadcast (servers with the
+        session routes; `ModelRunner` weight updater `_receive_bucketed_weights_from_distributed`)."""
+        return bool(self.has_session)
 
     def generate_payload(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None, session_id: str | None
@@ -165,14 +186,20 @@ class SGLangClient(InferenceClient, WeightUpdateClient):
             return False
 
     async def alive(self) -> bool:
-        return await self.health()
+        try:
+            await self.http.request("GET", "/ping", timeout_s=self.http.connect_timeout_s)
+            return True
+        except InferenceError:
+            return False
 
     async def get_weight_version(self) -> int:
-        reply = await self.http.request("GET", "/get_weight_version")
-        return parse_weight_version(reply["weight_version"] if isinstance(reply, dict) else reply)
+        return parse_weight_version((await self.get_model_info()).get("weight_version"))
 
     async def get_model_info(self) -> dict[str, Any]:
-        return await self.http.request("GET", "/get_model_info")
+        reply = await self.http.request("GET", "/model_info")
+        if not isinstance(reply, dict):
+            raise InferenceError(f"{self.url}/model_info: expected a JSON object, got {str(reply)[:200]}")
+        return reply
 
     async def init_weights_update_group(
         self,
@@ -202,18 +229,39 @@ class SGLangClient(InferenceClient, WeightUpdateClient):
         shapes: list[list[int]],
         group_name: str = "weight_update_group",
         weight_version: int | None = None,
+        flattened: bool = False,
     ) -> None:
         body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if flattened:
+            body["load_format"] = "flattened_bucket"
         reply = await self.http.request("POST", "/update_weights_from_distributed", body)
         _check_success("/update_weights_from_distributed", reply)
 
     async def begin_weight_update(self) -> None:
-        _check_success("/begin_weight_update", await self.http.request("POST", "/begin_weight_update", {}))
+        try:
+            reply = await self.http.request("POST", "/begin_weight_update", {})
+        except BadRequestError as exc:
+            if exc.status != 404:
+                raise
+            if self.has_session is not False:
+                logger.warning(
+                    "%s has no /begin_weight_update (SGLang older than the session API): "
+                    "pushing without a session, one broadcast per tensor",
+                    self.url,
+                )
+            self.has_session = False
+            return
+        if self.has_session is None:
+            logger.info("%s has the weight-update session API (begin/end, flattened_bucket)", self.url)
+        self.has_session = True
+        _check_success("/begin_weight_update", reply)
 
     async def end_weight_update(self, weight_version: int | None = None) -> None:
         """SGLang records the version with each bucket; `weight_version` is not sent here."""
+        if self.has_session is False:
+            return
         _check_success("/end_weight_update", await self.http.request("POST", "/end_weight_update", {}))
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:

@@ -8,7 +8,13 @@ can broadcast to each other without touching (or needing) the default `torch.dis
 process group. The store keys are laid out as SGLang's `init_custom_process_group` lays them
 out (`PrefixStore(group_name)`, then torch's `_new_process_group_helper` prefixes
 `"{group_name}/"` and `"{device}/"`), so a trainer using this module can also be rank 0 for
-real SGLang engines; no collective is issued at set-up, as SGLang issues none. Every step has
+real SGLang engines; no collective is issued at set-up, as SGLang issues none. Like torch's
+`_new_process_group_helper` under SGLang 0.5.23's `init_custom_process_group`
+(`srt/utils/common.py`), "gloo" builds one gloo group per device torch lists for it
+(`Backend.backend_capability["gloo"] == ["cpu", "cuda"]`): `cpu/` then `cuda/`. Each connects
+its full mesh when built, so every member must build both in that order; a GPU SGLang
+receives into CUDA tensors, which go over its `cuda/` group, so rank 0 broadcasts on the
+group of the receivers' device (`wire`). Every step has
 a timeout that fails loudly instead of hanging: set-up and each collective.
 """
 
@@ -62,10 +68,15 @@ class WeightGroup:
     timeout_s: float
     _pg: object
     _store: object
+    _pg_cuda: object = None
+    """gloo only: the `cuda/` group (see the module docstring)."""
+    wire: str = "cpu"
+    """gloo only: which of the two groups broadcasts use ("cpu" or "cuda": the receivers' device)."""
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast `tensor` in place from rank `src` (send on src, receive elsewhere); waits with timeout."""
-        work = self._pg.broadcast(tensor, src, datetime.timedelta(seconds=self.timeout_s))
+        pg = self._pg_cuda if (self.wire == "cuda" and self._pg_cuda is not None) else self._pg
+        work = pg.broadcast(tensor, src, datetime.timedelta(seconds=self.timeout_s))
         if not work.wait(datetime.timedelta(seconds=self.timeout_s)):
             raise TimeoutError(
                 f"weight group {self.group_name!r}: broadcast timed out after {self.timeout_s}s"
@@ -86,6 +97,7 @@ class WeightGroup:
             except Exception as exc:  # best effort: the group is being discarded anyway
                 logger.warning("weight group %s: shutdown failed: %s", self.group_name, exc)
         self._pg = None
+        self._pg_cuda = None
         self._store = None
 
 
@@ -97,10 +109,12 @@ def join_group(
     group_name: str = "weight_update_group",
     backend: str = "gloo",
     timeout_s: float = 120.0,
+    wire: str = "cpu",
 ) -> WeightGroup:
     """Join (rank 0: host) a weight-update group; blocks until all `world_size` ranks joined.
 
-    `backend` is "gloo" (CPU tensors) or "nccl" (CUDA tensors). Raises TimeoutError / RuntimeError
+    `backend` is "gloo" (CPU tensors; `wire` names the group broadcasts go over, "cuda" when the
+    receivers hold CUDA tensors) or "nccl" (CUDA tensors). Raises TimeoutError / RuntimeError
     when the other ranks do not show up within `timeout_s`."""
     from torch.distributed import PrefixStore, TCPStore
 
@@ -117,18 +131,21 @@ def join_group(
     )
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"unknown backend {backend!r}; use 'gloo' or 'nccl'")
-    device = "cpu" if backend == "gloo" else "cuda"
-    prefixed = PrefixStore(f"{device}/", PrefixStore(f"{group_name}/", PrefixStore(group_name, store)))
+    if wire not in ("cpu", "cuda"):
+        raise ValueError(f"wire {wire!r}: use 'cpu' or 'cuda'")
+    base = PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
+    pg_cuda = None
     if backend == "gloo":
-        # Connects the full mesh in the constructor: returns once every rank joined, or times out.
-        pg = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        # Each connects the full mesh in its constructor: returns once every rank joined, or times out.
+        pg = torch.distributed.ProcessGroupGloo(PrefixStore("cpu/", base), rank, world_size, timeout)
+        pg_cuda = torch.distributed.ProcessGroupGloo(PrefixStore("cuda/", base), rank, world_size, timeout)
     else:
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
         opts = torch.distributed.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         # NCCL connects on the first collective; a missing rank fails there, within the timeout.
-        pg = torch.distributed.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    group = WeightGroup(group_name, rank, world_size, backend, timeout_s, pg, store)
+        pg = torch.distributed.ProcessGroupNCCL(PrefixStore("cuda/", base), rank, world_size, opts)
+    group = WeightGroup(group_name, rank, world_size, backend, timeout_s, pg, store, pg_cuda, wire)
     logger.info("joined weight group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
     return group

@@ -68,6 +68,7 @@ class PushStats:
     bytes: int = 0
     tensors: int = 0
     buckets: int = 0
+    broadcasts: int = 0
     servers_updated: int = 0
     servers_dropped: list[str] = field(default_factory=list)
     peak_bucket_bytes: int = 0

@@ -5,17 +5,21 @@ server (engine i at `rank_offset = 1 + i × workers_per_server`, as SGLang numbe
 separate from the training group; NCCL on GPUs, gloo on CPU.
 
 A push, on rank 0 (other learner ranks only join the FSDP gathers):
-1. pause generation on every server (in-flight requests come back aborted; rollers resume);
+1. pause generation on every server (in-flight requests come back aborted; rollers resume)
+   and open a weight-update session on each (`/begin_weight_update`: SGLang 0.5.23 refuses
+   `/update_weights_from_distributed` outside one);
 2. a gather thread pulls full tensors from `weights()` (layer by layer from FSDP2) and packs them into
    buckets of about `bucket_mb`, at most one bucket ahead — so bucket i+1 is gathered
    while bucket i is broadcast, and peak extra memory is about two buckets;
 3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`),
-   broadcast each tensor in that order, await the servers' replies (one bucket in flight:
-   out-of-order broadcasts deadlock);
-4. continue generation.
+   broadcast each tensor in that order (or, where every server takes SGLang's
+   `flattened_bucket`, the whole bucket as one flat uint8 broadcast), await the servers'
+   replies (one bucket in flight: out-of-order broadcasts deadlock);
+4. close every session (`/end_weight_update`; also on every failure path) and continue.
 A server that fails during a push is dropped: the group is rebuilt without it and the
 push is redone for the others (every learner rank repeats the gathers in step). A dropped
-server rejoins at a later push once it answers its health check again.
+server stays paused (its weights may be a mix) and rejoins at a later push once it answers
+its liveness check (`alive`) again.
 """
 
 from __future__ import annotations
@@ -106,6 +110,10 @@ class BroadcastEngine(WeightSyncEngine):
         self.backend = (
             config.backend if config.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
         )
+        wire = config.gloo_wire
+        if wire == "auto":  # a real SGLang receives into tensors on its GPU; the embedded server on CPU
+            wire = "cuda" if inference.type == "sglang" else "cpu"
+        self.wire = wire
         self.members: list[str] = []  # servers in the current group
         self.dropped: list[str] = []
         self.group: WeightGroup | None = None
@@ -140,7 +148,14 @@ class BroadcastEngine(WeightSyncEngine):
         }
         try:
             self.group = join_group(
-                self.config.master_address, port, 0, world, name, self.backend, self.config.timeout_s
+                self.config.master_address,
+                port,
+                0,
+                world,
+                name,
+                self.backend,
+                self.config.timeout_s,
+                wire=self.wire,
             )
         except Exception as exc:
             failed = self._failed(futures)
@@ -208,27 +223,65 @@ class BroadcastEngine(WeightSyncEngine):
 
     # ------------------------------------------------------------------ push
 
+    def _begin(self, urls: list[str]) -> list[str]:
+        """Open a weight-update session on `urls`; returns those that refused. One still holding a
+        session from an earlier, interrupted push has it closed and opened again."""
+        errors = self._all("begin_weight_update", urls, timeout_s=self.config.timeout_s)
+        stale = [u for u, exc in errors.items() if exc is not None and "already open" in str(exc)]
+        if stale:
+            self._end(stale)
+            errors.update(self._all("begin_weight_update", stale, timeout_s=self.config.timeout_s))
+        for url, exc in errors.items():
+            if exc is not None:
+                logger.error("server %s refused /begin_weight_update: %s", url, exc)
+        return [u for u, exc in errors.items() if exc is not None]
+
+    def _end(self, urls: list[str]) -> None:
+        """Close the session on `urls` (every path out of a push goes through here: a server is never
+        left mid-update); a failure is logged, the server is then judged by its next push."""
+        for url, exc in self._all("end_weight_update", urls, timeout_s=self.config.timeout_s).items():
+            if exc is not None:
+                logger.error("server %s: /end_weight_update failed: %s", url, exc)
+
+    def _start_push(self) -> None:
+        """Rank 0: rejoin healthy dropped servers, pause every member, open their sessions; a member
+        that fails either is dropped before anything is broadcast."""
+        self._rejoin_healthy()
+        self._pause_members()
+        refused = self._begin(self.members)
+        if refused:
+            self._drop(refused)
+            kept = [u for u in self.members if u not in refused]
+            self._build_group(kept)
+            self._begin(self.members)
+
     def push(self, weights: WeightSource, version: int) -> PushStats | None:
         stats = PushStats(version) if self.rank == 0 else None
         start = time.perf_counter()
         if self.rank == 0:
-            self._rejoin_healthy()
-            self._pause_members()
+            self._start_push()
         attempt = 0
-        while True:
-            attempt += 1
-            failed: list[str] = []
-            buckets = iter_buckets(weights(), self.config.bucket_mb << 20)
-            for bucket in _prefetch(buckets):
-                if self.rank == 0 and not failed and self.members:
-                    failed = self._send_bucket(bucket, version, stats)
-            retry = _agree(bool(failed))
-            if not retry:
-                break
+        try:
+            while True:
+                attempt += 1
+                failed: list[str] = []
+                buckets = iter_buckets(weights(), self.config.bucket_mb << 20)
+                for bucket in _prefetch(buckets):
+                    if self.rank == 0 and not failed and self.members:
+                        failed = self._send_bucket(bucket, version, stats)
+                retry = _agree(bool(failed))
+                if not retry:
+                    break
+                if self.rank == 0:
+                    # failed servers keep their (mixed) weights paused until a later push rejoins them
+                    self._end(self.members)
+                    self._drop(failed)
+                    self._build_group([u for u in self.members if u not in failed])
+                    self._begin(self.members)
+                    stats.bytes = stats.tensors = stats.buckets = 0
+        finally:
             if self.rank == 0:
-                self._drop(failed)
-                self._build_group([u for u in self.members if u not in failed])
-                stats.bytes = stats.tensors = stats.buckets = 0
+                self._end(self.members)
         if self.rank == 0:
             self._all("continue_generation", self.members, timeout_s=self.config.timeout_s)
             stats.seconds = time.perf_counter() - start
@@ -245,31 +298,47 @@ class BroadcastEngine(WeightSyncEngine):
             )
         return stats
 
+    def _flatten(self, bucket: Bucket) -> torch.Tensor | None:
+        """The bucket as one uint8 tensor in `FlattenedTensorBucket` layout (SGLang 0.5.23
+        `srt/weight_sync/tensor_bucket.py`), when every member takes it and every tensor starts at an
+        offset its dtype divides (SGLang's `FlattenedTensorBucket.empty` refuses others); else None."""
+        if len(bucket.tensors) < 2 or not all(self.clients[u].flattened_buckets for u in self.members):
+            return None
+        offset = 0
+        for tensor in bucket.tensors:
+            if offset % tensor.element_size():
+                return None
+            offset += tensor.numel() * tensor.element_size()
+        return torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.tensors])
+
     def _send_bucket(self, bucket: Bucket, version: int, stats: PushStats) -> list[str]:
         """Announce one bucket to every member, broadcast it, await the replies; returns failed servers."""
         names = bucket.names
         dtypes = [dtype_name(t.dtype) for t in bucket.tensors]
         shapes = [list(t.shape) for t in bucket.tensors]
         name = self.group.group_name
+        flat = self._flatten(bucket)
         futures = {
             url: self._bridge.submit(
-                self.clients[url].update_weights_from_distributed(names, dtypes, shapes, name, version)
+                self.clients[url].update_weights_from_distributed(
+                    names, dtypes, shapes, name, version, flattened=flat is not None
+                )
             )
             for url in self.members
         }
         device = "cuda" if self.backend == "nccl" else "cpu"
         try:
-            for tensor in bucket.tensors:
+            for tensor in [flat] if flat is not None else bucket.tensors:
                 self.group.broadcast(tensor.to(device), 0)
         except Exception as exc:
             logger.error("broadcast of a bucket failed (%s); finding the server that failed", exc)
             # Close our end first: the servers still waiting for this bucket then fail fast instead of
-            # waiting out their timeout, and answer the health check below.
+            # waiting out their timeout, and answer the liveness check below.
             self.group.close()
             self.group = None
             for future in futures.values():
                 # every member fails this bucket (live ones once their own receive times out);
-                # the health check below tells the dead from the living
+                # the liveness check below tells the dead from the living
                 with contextlib.suppress(Exception):
                     future.result(timeout=2 * self.config.timeout_s)
             healthy = self._bridge.run(self._healthy(self.members), timeout_s=self.config.timeout_s)
@@ -278,6 +347,7 @@ class BroadcastEngine(WeightSyncEngine):
         stats.bytes += bucket.nbytes
         stats.tensors += len(bucket.tensors)
         stats.buckets += 1
+        stats.broadcasts += 1 if flat is not None else len(bucket.tensors)
         stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, bucket.nbytes)
         return failed
 

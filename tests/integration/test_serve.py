@@ -99,6 +99,7 @@ async def test_weight_updates_from_disk_and_from_a_gloo_trainer(servers, tiny_mo
         await client.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo")
         joiner.join(60)
         names = sorted(base)
+        await client.begin_weight_update()  # SGLang 0.5.23: updates only inside a session
         call = asyncio.create_task(
             client.update_weights_from_distributed(
                 names,
@@ -111,6 +112,7 @@ async def test_weight_updates_from_disk_and_from_a_gloo_trainer(servers, tiny_mo
         for n in names:
             await asyncio.to_thread(box["g"].broadcast, base[n].clone(), 0)
         await asyncio.wait_for(call, 60)
+        await client.end_weight_update()
         restored = await client.generate(PROMPT, GREEDY)
         assert restored.weight_version == 2 and restored.output_ids == before.output_ids
         await client.destroy_weights_update_group("wg")

@@ -19,7 +19,12 @@ class ServerThread:
     """`make_app(Engine(model))` served by its own event loop in a daemon thread."""
 
     def __init__(
-        self, model: Path, api_key: str | None = None, max_batch_size: int = 32, **engine_kw
+        self,
+        model: Path,
+        api_key: str | None = None,
+        max_batch_size: int = 32,
+        admin_api_key: str | None = None,
+        **engine_kw,
     ) -> None:
         from agentrl.inference.engine import Engine
 
@@ -27,6 +32,7 @@ class ServerThread:
         self.url = f"http://127.0.0.1:{self.port}"
         self.engine = Engine(str(model), max_batch_size=max_batch_size, **engine_kw)
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"server-{self.port}", daemon=True)
@@ -40,7 +46,7 @@ class ServerThread:
         asyncio.set_event_loop(self._loop)
         self.engine.start()
         runner = web.AppRunner(
-            make_app(self.engine, self.api_key, group_timeout_s=30),
+            make_app(self.engine, self.api_key, group_timeout_s=30, admin_api_key=self.admin_api_key),
             access_log=None,
             shutdown_timeout=2,
             handler_cancellation=True,

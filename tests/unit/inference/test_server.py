@@ -97,7 +97,7 @@ async def test_bad_input_gets_400_and_server_keeps_serving(server: ServerThread)
         raw = body if isinstance(body, str) else None
         status, out = await _post(server.url, "/generate", raw if raw is not None else body)
         assert status == 400, (body, out)
-        assert message in out["error"]["message"], (body, out)
+        assert message in out["message"] and out["object"] == "error", (body, out)  # SGLang's ErrorResponse
     status, out = await _post(server.url, "/update_weights_from_disk", {"model_path": "/nonexistent"})
     assert status == 400 and out["success"] is False
     status, out = await _post(server.url, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
@@ -128,21 +128,77 @@ async def test_abort_by_rid_returns_partial_then_pause_holds(server: ServerThrea
         assert len((await asyncio.wait_for(held, 30)).output_ids) == 8
 
 
-async def test_api_key_guards_every_route(tiny_model: Path):
+async def test_api_key_guards_every_route_but_health(tiny_model: Path):
+    # SGLang 0.5.23 `decide_request_auth` (srt/utils/auth.py): /health* always open
     srv = ServerThread(tiny_model, api_key="s3cret").start()
     try:
-        for path in ("/health", "/get_model_info", "/get_weight_version"):
+        for path in ("/model_info", "/get_model_info", "/get_weight_version", "/ping"):
             async with aiohttp.ClientSession() as s, s.get(srv.url + path) as r:
-                assert r.status == 401
+                assert r.status == 401, path
+        for path in ("/health", "/health_generate"):
+            async with aiohttp.ClientSession() as s, s.get(srv.url + path) as r:
+                assert r.status == 200, path
         status, _ = await _post(srv.url, "/generate", {"input_ids": PROMPT})
         assert status == 401
         async with SGLangClient(srv.url, api_key="wrong") as bad:
-            assert not await bad.health()
+            assert not await bad.alive()
+            with pytest.raises(BadRequestError, match="401"):
+                await bad.get_weight_version()
         async with SGLangClient(srv.url, api_key="s3cret") as good:
-            assert await good.health()
+            assert await good.health() and await good.alive()
             assert len((await good.generate(PROMPT, GREEDY)).output_ids) == 8
     finally:
         srv.stop()
+
+
+async def test_admin_key_replaces_the_api_key_on_admin_routes(tiny_model: Path):
+    srv = ServerThread(tiny_model, api_key="user", admin_api_key="root").start()
+    try:
+        async with (
+            SGLangClient(srv.url, api_key="user") as user,
+            SGLangClient(srv.url, api_key="root") as root,
+        ):
+            assert len((await user.generate(PROMPT, GREEDY)).output_ids) == 8
+            with pytest.raises(BadRequestError, match="401"):
+                await user.pause_generation()
+            await root.pause_generation()
+            await root.continue_generation()
+    finally:
+        srv.stop()
+
+
+async def test_abort_matches_rid_prefixes_and_an_empty_rid_aborts_nothing(server: ServerThread):
+    async with SGLangClient(server.url) as client:
+        long = {"max_new_tokens": 3000, "ignore_eos": True}
+        tasks = [asyncio.create_task(client.generate(PROMPT, long, rid=f"ep7-turn{i}")) for i in range(2)]
+        other = asyncio.create_task(
+            client.generate(PROMPT, {"max_new_tokens": 40, "ignore_eos": True}, rid="x")
+        )
+        while server.engine.num_running < 3:
+            await asyncio.sleep(0.01)
+        status, _ = await _post(server.url, "/abort_request", {"rid": ""})
+        assert status == 200 and server.engine.num_running == 3
+        await client.abort_request(rid="ep7-")
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert all(r.finish_reason == "abort" for r in results)
+        assert (await asyncio.wait_for(other, 30)).finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_pause_keeps_running_requests_in_place_and_retract_modes(server: ServerThread, mode: str):
+    async with SGLangClient(server.url) as client:
+        task = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 60, "ignore_eos": True}))
+        while server.engine.num_running == 0:
+            await asyncio.sleep(0.01)
+        status, out = await _post(server.url, "/pause_generation", {"mode": mode, "unknown_field": 1})
+        assert status == 200 and out["status"] == "ok"
+        steps = server.engine.steps
+        await asyncio.sleep(0.3)
+        assert not task.done() and server.engine.steps == steps  # held, not stepped, not aborted
+        assert await client.alive()  # liveness answers while paused
+        await client.continue_generation()
+        res = await asyncio.wait_for(task, 30)
+        assert res.finish_reason == "length" and len(res.output_ids) == 60
 
 
 def _perturbed_checkpoint(src: Path, dst: Path, scale: float = 5.0) -> dict[str, torch.Tensor]:
@@ -198,6 +254,13 @@ async def test_update_weights_from_distributed_over_gloo(tiny_model: Path, tmp_p
             group = trainer["g"]
             new = _perturbed_checkpoint(tiny_model, tmp_path / "ckpt")
             names = sorted(new)
+            # outside a session the server refuses before receiving anything (SGLang 0.5.23)
+            with pytest.raises(BadRequestError, match="between begin_weight_update"):
+                await client.update_weights_from_distributed(["x"], ["float32"], [[1]], "wg")
+            await client.begin_weight_update()
+            assert client.has_session and client.flattened_buckets
+            with pytest.raises(InferenceError, match="already open"):
+                await client.begin_weight_update()
             # send in two buckets, each: post the metadata, then broadcast in the order of `names`
             for bucket, version in ((names[: len(names) // 2], None), (names[len(names) // 2 :], 3)):
                 call = asyncio.create_task(
@@ -213,9 +276,29 @@ async def test_update_weights_from_distributed_over_gloo(tiny_model: Path, tmp_p
                     await asyncio.to_thread(group.broadcast, new[n].clone(), 0)
                 await asyncio.wait_for(call, 30)
             after = await client.generate(PROMPT, GREEDY)
-            assert after.weight_version == 3 and after.output_ids != before.output_ids
             for n in names:
                 assert torch.equal(srv.engine.model.state_dict()[n], new[n]), n
+            # one bucket as a single flattened uint8 broadcast (SGLang's FlattenedTensorBucket layout)
+            flat_new = {n: (t * 0.5).contiguous() for n, t in new.items()}
+            call = asyncio.create_task(
+                client.update_weights_from_distributed(
+                    names,
+                    [dtype_name(flat_new[n].dtype) for n in names],
+                    [list(flat_new[n].shape) for n in names],
+                    "wg",
+                    weight_version=3,
+                    flattened=True,
+                )
+            )
+            flat = torch.cat([flat_new[n].reshape(-1).view(torch.uint8) for n in names])
+            await asyncio.to_thread(group.broadcast, flat, 0)
+            await asyncio.wait_for(call, 30)
+            await client.end_weight_update()
+            after = await client.generate(PROMPT, GREEDY)
+            assert after.weight_version == 3 and after.output_ids != before.output_ids
+            for n in names:
+                assert torch.equal(srv.engine.model.state_dict()[n], flat_new[n]), n
+            await client.begin_weight_update()
             # names the model lacks: the server still receives (the group stays aligned), then refuses
             call = asyncio.create_task(
                 client.update_weights_from_distributed(["nope"], ["float32"], [[2]], "wg", 4)
@@ -224,6 +307,9 @@ async def test_update_weights_from_distributed_over_gloo(tiny_model: Path, tmp_p
             with pytest.raises(BadRequestError, match="unknown parameter names"):
                 await asyncio.wait_for(call, 30)
             assert await client.get_weight_version() == 3
+            await client.end_weight_update()
+            with pytest.raises(InferenceError, match="no weight-update session"):
+                await client.end_weight_update()
             await client.destroy_weights_update_group("wg")
             with pytest.raises(InferenceError):
                 await client.update_weights_from_distributed(["x"], ["float32"], [[1]], "wg")
