@@ -95,6 +95,7 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         self.model = model
         self.group_timeout_s = group_timeout_s
         """Timeout of the workers' weight-group set-up and of each of their receives."""
+        self._pending_version: int | None = None  # the version the staged buckets were announced with
 
     def completion_payload(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None, session_id: str | None
@@ -234,6 +235,7 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
 
     async def begin_weight_update(self) -> None:
         """Drop anything a previous, unfinished push left staged."""
+        self._pending_version = None
         await self.rpc("agentrl_discard")
 
     async def update_weights_from_distributed(
@@ -245,7 +247,9 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         weight_version: int | None = None,
         flattened: bool = False,
     ) -> None:
-        """Receive one bucket into the workers' staging area; the model changes at `end_weight_update`."""
+        """Receive one bucket into the workers' staging area; the model changes at `end_weight_update`,
+        which tags it with this `weight_version` unless given one itself."""
+        self._pending_version = weight_version
         await self.rpc(
             "agentrl_receive",
             names=names,
@@ -259,8 +263,9 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         """Commit what was staged, all of it or nothing (the worker checks it is a whole checkpoint),
         then tag the server with `weight_version`. After a failed bucket nothing is staged, so the
         commit fails and the server keeps its previous weights and version."""
+        pending, self._pending_version = self._pending_version, None
         await self.rpc("agentrl_commit")
-        await self._set_version(weight_version)
+        await self._set_version(weight_version if weight_version is not None else pending)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
         """Load `<model_path>/*.safetensors` through the worker's checked, re-tied commit; the caller

@@ -121,7 +121,9 @@ def command(
         argv.append("--enforce-eager")
     env = {
         "VLLM_SERVER_DEV_MODE": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        "PYTHONPATH": os.pathsep.join(
+            dict.fromkeys(p for p in (str(_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p)
+        ),
     }
     if _on_gpu(python):
         argv += ["--gpu-memory-utilization", str(launch.gpu_memory_utilization)]
