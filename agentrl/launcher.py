@@ -6,7 +6,8 @@ Start-up order (each step waits for the previous one to be ready):
 1. the resolved config is written to the run directory;
 2. optionally a supervised warm start (`learner.warmstart_steps > 0`): `agentrl warmstart`
    writes `<run_dir>/warmstart`, which the servers and the learner then load;
-3. `inference.num_servers` embedded servers (`agentrl serve`) on free loopback ports,
+3. `inference.num_servers` embedded servers (`agentrl serve`; vLLM ones with `inference.type:
+   vllm`, see `inference/vllm_launch.py`) on free loopback ports,
    until each answers `/health`;
 4. the learner (`agentrl learner`, under torchrun when `learner.num_processes > 1`), which
    hosts the TransferQueue and pushes weights to the servers;
@@ -232,12 +233,15 @@ def launch(config: AgentRLConfig, config_path: Path) -> int:
             "[" + ", ".join(urls) + "]",
             *service_overrides,
         ]
+        vllm = config.inference.type == "vllm"  # inference/vllm_launch.py
+        backend = ["--backend", "vllm"] if vllm else []
         servers = [
-            supervisor.start(f"server{i}", _agentrl("serve", "--port", str(port), *common))
+            supervisor.start(f"server{i}", _agentrl("serve", "--port", str(port), *backend, *common))
             for i, port in enumerate(ports)
         ]
         try:
-            wait_healthy(urls, [c.proc for c in servers])
+            timeout_s = config.inference.vllm.startup_timeout_s if vllm else 300
+            wait_healthy(urls, [c.proc for c in servers], timeout_s=timeout_s)
         except RuntimeError:
             failed = supervisor.failed()
             raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None

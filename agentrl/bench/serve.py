@@ -4,10 +4,14 @@ Starts a real `agentrl serve` process on a free port with a freshly made local m
 the same number of requests at each concurrency through the SGLang client (fixed
 `max_new_tokens`, `ignore_eos`, so every request generates the same number of tokens), and
 reports generated tokens per second. The baseline is concurrency 1 on the same server in the
-same run, so the ratios say how much continuous batching buys on this machine.
+same run, so the ratios say how much continuous batching buys on this machine. With `--vllm`,
+a real vLLM server (`.venv-vllm`, `make vllm`; started by `inference/vllm_launch.py`) is
+measured afterwards on the same model and prompts at concurrency 1 and 32 (one server at a
+time, so neither slows the other), through agentrl's vLLM client.
 
     agentrl bench serve                       # tiny model
     agentrl bench serve --preset small --requests 32 --max-new-tokens 32
+    agentrl bench serve --preset mini --vllm  # + the vLLM rows
 """
 
 from __future__ import annotations
@@ -57,11 +61,29 @@ async def _bench(url: str, proc: subprocess.Popen, args: argparse.Namespace) -> 
 
     async with SGLangClient(url, timeout_s=600) as client:
         await _wait_healthy(client, proc)
-        await _run_level(client, 4, 4, args.prompt_len, 4)  # warm-up
-        return [
-            await _run_level(client, c, max(c, args.requests), args.prompt_len, args.max_new_tokens)
-            for c in (1, 8, 32)
-        ]
+        return await _levels(client, args, (1, 8, 32))
+
+
+async def _levels(client, args: argparse.Namespace, levels: tuple[int, ...]) -> list[dict]:
+    await _run_level(client, 4, 4, args.prompt_len, 4)  # warm-up
+    return [
+        await _run_level(client, c, max(c, args.requests), args.prompt_len, args.max_new_tokens)
+        for c in levels
+    ]
+
+
+def _bench_vllm(model: str, args: argparse.Namespace) -> list[dict]:
+    """The same levels 1 and 32 against a real vLLM server on `model`, started and stopped here."""
+    from agentrl.config import InferenceConfig
+    from agentrl.inference.vllm import VLLMClient
+    from agentrl.inference.vllm_launch import VLLMServer
+
+    async def go(url: str) -> list[dict]:
+        async with VLLMClient(url, timeout_s=600) as client:
+            return await _levels(client, args, (1, 32))
+
+    with VLLMServer(model, free_port(), InferenceConfig(type="vllm")) as server:
+        return asyncio.run(go(server.url))
 
 
 def main(args: list[str]) -> int:
@@ -73,6 +95,7 @@ def main(args: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--model", default=None, help="serve this checkpoint instead of a fresh preset")
+    parser.add_argument("--vllm", action="store_true", help="also measure a real vLLM server (make vllm)")
     ns = parser.parse_args(args)
 
     from agentrl.tiny_model import init_model
@@ -91,16 +114,20 @@ def main(args: list[str]) -> int:
             results = asyncio.run(_bench(f"http://127.0.0.1:{port}", proc, ns))
         finally:
             stop_child(proc, 30)
+        vllm = _bench_vllm(model, ns) if ns.vllm else []  # after the embedded server is gone
     tps = {r["concurrency"]: r["tokens"] / r["seconds"] for r in results}
     rows = [
-        [r["concurrency"], r["requests"], r["tokens"], r["seconds"], tps[r["concurrency"]]] for r in results
+        [server, r["concurrency"], r["requests"], r["tokens"], r["seconds"], r["tokens"] / r["seconds"]]
+        for server, runs in (("agentrl serve", results), ("vLLM", vllm))
+        for r in runs
     ]
     print_table(
-        f"agentrl serve throughput ({ns.model or ns.preset}, {ns.max_new_tokens} new tokens/request)",
-        ["concurrency", "requests", "tokens", "seconds", "tokens/s"],
+        f"inference server throughput ({ns.model or ns.preset}, {ns.max_new_tokens} new tokens/request)",
+        ["server", "concurrency", "requests", "tokens", "seconds", "tokens/s"],
         rows,
     )
     metrics = {f"tokens_per_s_c{c}": v for c, v in tps.items()}
+    metrics.update({f"vllm_tokens_per_s_c{r['concurrency']}": r["tokens"] / r["seconds"] for r in vllm})
     metrics.update(model=ns.model or ns.preset, max_new_tokens=ns.max_new_tokens, requests=ns.requests)
     emit("serve", metrics, {"c8_vs_c1": tps[8] / tps[1], "c32_vs_c1": tps[32] / tps[1]})
     return 0

@@ -10,7 +10,10 @@ One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter m
 - raw: a bare `ProcessGroupGloo` broadcast of the same tensors from this process to one
   receiver process that only receives into buffers it allocated once (no HTTP, no load):
   the transport's limit here;
-- disk: `DiskEngine.push` — safetensors written, then `/update_weights_from_disk`.
+- disk: `DiskEngine.push` — safetensors written, then `/update_weights_from_disk`;
+- vllm (`--vllm`, needs `make vllm`): `BroadcastEngine.push` into a real vLLM server started
+  after the embedded one has stopped: the same broadcast into agentrl's worker extension, which
+  stages every bucket and loads the whole set with vLLM's in-place reload at the end.
 Ratios (higher is better): `vs_raw_broadcast` = raw / ours (target ≥ 0.8), `vs_disk` =
 disk / ours (target ≥ 3). The peak extra memory of a push is shown as the learner's
 resident-set growth while pushing, next to the bucket size.
@@ -101,11 +104,34 @@ def _raw_broadcast(model: torch.nn.Module, repeats: int, workdir: Path) -> list[
             receiver.kill()
 
 
+def _vllm_pushes(model: torch.nn.Module, model_dir: str, opts: argparse.Namespace) -> list[float]:
+    """Seconds of each broadcast push into a real vLLM server (the first, warm-up, not counted)."""
+    from agentrl.config import BroadcastSyncConfig, InferenceConfig
+    from agentrl.inference.vllm_launch import VLLMServer
+    from agentrl.net import free_port
+    from agentrl.weight_sync.base import create
+
+    inference = InferenceConfig(type="vllm")
+    with VLLMServer(model_dir, free_port(), inference) as server:
+        config = BroadcastSyncConfig(bucket_mb=opts.bucket_mb, timeout_s=300)
+        engine = create(config, inference.model_copy(update={"servers": [server.url]}))
+        engine.init()
+        try:
+            pushes = [engine.push(model.named_parameters, v) for v in range(1, opts.repeats + 2)]
+            served = engine._bridge.run(engine.clients[server.url].get_weight_version(), timeout_s=30)
+        finally:
+            engine.close()
+    if served != len(pushes) or any(p.servers_updated != 1 for p in pushes):
+        raise RuntimeError(f"vLLM did not take every push (serving version {served} of {len(pushes)})")
+    return [p.seconds for p in pushes[1:]]
+
+
 def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agentrl bench sync")
     parser.add_argument("--preset", default="base100m", help="model size to push (tiny, small, base100m)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--vllm", action="store_true", help="also push into a real vLLM server (make vllm)")
     opts = parser.parse_args(args)
     if opts.repeats < 1 or opts.bucket_mb < 1:
         parser.error("--repeats and --bucket-mb must be at least 1")
@@ -162,6 +188,7 @@ def main(args: list[str]) -> int:
         finally:
             os.killpg(server.pid, 9)
             server.wait()
+        vllm = _vllm_pushes(model, str(model_dir), opts) if opts.vllm else []
         raw = _raw_broadcast(model, opts.repeats + 1, workdir)[1:]
 
     ours_s, raw_s, disk_s = statistics.median(ours), statistics.median(raw), statistics.median(disk)
@@ -170,6 +197,9 @@ def main(args: list[str]) -> int:
         ["raw gloo broadcast, same tensors, no load", raw_s, nbytes / raw_s / 1e9],
         ["disk engine (safetensors + /update_weights_from_disk)", disk_s, nbytes / disk_s / 1e9],
     ]
+    if vllm:
+        vllm_s = statistics.median(vllm)
+        rows.append(["vLLM: broadcast engine into the worker extension", vllm_s, nbytes / vllm_s / 1e9])
     print_table(
         f"weight push of {nbytes / 1e6:.0f} MB ({opts.preset}), median of {opts.repeats}",
         ["path", "seconds", "GB/s"],
@@ -191,6 +221,17 @@ def main(args: list[str]) -> int:
             "peak_extra_rss_bytes": max(peaks),
             "bucket_bytes": bucket,
         },
-        {"vs_raw_broadcast": raw_s / ours_s, "vs_disk": disk_s / ours_s},
+        {
+            "vs_raw_broadcast": raw_s / ours_s,
+            "vs_disk": disk_s / ours_s,
+            **(
+                {
+                    "vllm_push_s": statistics.median(vllm),
+                    "vllm_vs_raw_broadcast": raw_s / statistics.median(vllm),
+                }
+                if vllm
+                else {}
+            ),
+        },
     )
     return 0

@@ -1,32 +1,47 @@
-"""Client of a vLLM server: OpenAI `/v1/completions` with token ids, plus vLLM's RL endpoints.
+"""Client of a vLLM server: OpenAI `/v1/completions` with token ids, plus the RL dev routes.
 
 Generation sends the prompt as token ids and asks for `return_token_ids` (per-choice
 `token_ids`) and `logprobs: 0` (the sampled token's log-prob only), following
 `CompletionRequest` / `CompletionResponseChoice` in
-`vllm/entrypoints/openai/completion/protocol.py`. Weight updates, pause/resume and aborts
-use the routes of `vllm/entrypoints/serve/dev/rlhf/api_router.py` (`/init_weight_transfer_engine`,
-`/start_weight_update`, `/update_weights`, `/finish_weight_update`, `/weight_info`, `/pause`,
-`/resume`, `/abort_requests`; the server must be started with `VLLM_SERVER_DEV_MODE=1` and
-`--weight-transfer-config`). Both checked at vLLM commit 002032e / 0100a21; `update_info` follows
-`NCCLWeightTransferUpdateInfo` in `vllm/distributed/weight_transfer/nccl_engine.py`. See
-tests/unit/inference/test_vllm_client.py. The trainer's side of vLLM's NCCL group is vLLM's own
-(`NCCLTrainerWeightTransferEngine`, a stateless PyNccl group), not `weight_group.join_group`.
+`vllm/entrypoints/openai/completion/protocol.py` (vLLM 0.32). Every sampling parameter that
+shapes the distribution is sent explicitly (temperature, top_p, top_k, min_p and the three
+penalties at their neutral values unless asked), and servers agentrl starts run with
+`--generation-config vllm` (`vllm_launch`), so the model's `generation_config.json` cannot
+change the behaviour policy behind the roller's back.
 
-vLLM does not put a weight version in completion responses, so `generate` reads
-`/weight_info` before sending and reports that version: if weights change mid-request the
-reported version is the older one, which over- rather than under-states staleness.
-vLLM reports log-probs of the raw (untempered) distribution unless started with
-`--logprobs-mode processed_logprobs`; start it so for temperature ≠ 1.
+vLLM names a completion request `cmpl-{request_id}-{index}` (`completion/serving.py`), and
+its `/abort_requests` takes those engine ids, so `abort_request(rid)` sends `cmpl-{rid}-0`.
+Finish reasons (`FINISH_REASON_STRINGS` in `vllm/v1/engine/__init__.py`): stop, length and
+abort pass through; `repetition` (vLLM's repetition detector cut the output: a server-side
+limit like max_tokens, not the policy ending its turn) is reported as "length" with
+`matched="repetition"`; `error` (vLLM: a retryable request-level internal error) raises
+`ServerUnavailableError`, so the router retries elsewhere; anything else raises, naming it.
+
+Weight version: `/v1/completions` carries none, so `generate` reads `/weight_info` before
+sending and reports that. Pushes pause with `mode=abort`, so a request in flight during an
+update comes back aborted; the reported version is never newer than the weights behind any
+of its tokens (a read after the reply could be: a later push may land in between).
+
+Weight-update control runs agentrl's own protocol through `POST /collective_rpc` (dev mode,
+`VLLM_SERVER_DEV_MODE=1`) into `agentrl.inference.vllm_worker.AgentRLWorkerExtension`
+(`--worker-extension-cls`): join agentrl's weight group (gloo on CPU, NCCL on GPU), stage
+each broadcast bucket, commit the whole set at `end_weight_update`, then
+`/update_weight_version`. The disk fallback loads through the same commit. vLLM's native
+weight-transfer engines (nccl, ipc, ...) are not used: none runs on CPU, and a failed update
+through them killed the engine (issue 16). Pause / resume are `/pause?mode=abort`, `/resume`.
+See tests/unit/inference/test_vllm_client.py and tests/integration/test_vllm.py.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from agentrl.inference.base import (
     GenerateResult,
     InferenceClient,
     InferenceError,
+    ServerUnavailableError,
     WeightUpdateClient,
     parse_weight_version,
 )
@@ -43,11 +58,28 @@ _PASS = {
     "stop_token_ids",
     "ignore_eos",
     "skip_special_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+}
+# Sent unless the roller asks otherwise: vLLM's own neutral values, stated so that no server-side
+# default (a generation_config.json, a --override-generation-config) can change the policy.
+_NEUTRAL = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
 }
 
 
 class VLLMClient(InferenceClient, WeightUpdateClient):
     """vLLM's OpenAI-compatible server driven token-in / token-out."""
+
+    flattened_buckets = True
+    """The worker extension takes a bucket as one flat uint8 broadcast (`agentrl_receive`)."""
 
     def __init__(
         self,
@@ -56,10 +88,14 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         api_key: str | None = None,
         timeout_s: float = 300.0,
         connect_timeout_s: float = 10.0,
+        group_timeout_s: float = 120.0,
     ) -> None:
         self.http = HTTPClient(url, api_key, timeout_s, connect_timeout_s)
         self.url = self.http.url
         self.model = model
+        self.group_timeout_s = group_timeout_s
+        """Timeout of the workers' weight-group set-up and of each of their receives."""
+        self._pending_version: int | None = None  # the version the staged buckets were announced with
 
     def completion_payload(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None, session_id: str | None
@@ -72,6 +108,7 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
             "return_token_ids": True,
             "include_stop_str_in_output": True,
             "skip_special_tokens": False,
+            **_NEUTRAL,
         }
         if self.model is not None:
             body["model"] = self.model
@@ -99,15 +136,13 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
                     "vLLM returned no token_ids (is return_token_ids supported by this version?)"
                 )
             logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
-            reason = choice.get("finish_reason") or "abort"
-            if reason not in ("stop", "length", "abort"):
-                raise InferenceError(f"unknown finish_reason {reason!r}")
+            reason, matched = _finish(choice.get("finish_reason") or "abort", choice.get("stop_reason"))
             usage = reply.get("usage") or {}
             return GenerateResult(
                 output_ids=[int(t) for t in token_ids],
                 logprobs=[float(x) for x in logprobs],
                 finish_reason=reason,
-                matched=choice.get("stop_reason"),
+                matched=matched,
                 weight_version=weight_version,
                 prompt_tokens=int(usage.get("prompt_tokens", 0)),
                 completion_tokens=int(usage.get("completion_tokens", len(token_ids))),
@@ -139,11 +174,34 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
             return False
 
     async def alive(self) -> bool:
-        return await self.health()
+        return await self.health()  # vLLM's /health answers while paused
 
     async def get_weight_version(self) -> int:
         reply = await self.http.request("GET", "/weight_info")
         return parse_weight_version(reply.get("weight_version") if isinstance(reply, dict) else None)
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        if not abort_all and rid is None:
+            raise InferenceError("abort_request: give rid or abort_all=True")
+        body = {} if abort_all else {"request_ids": [engine_request_id(rid)]}
+        await self.http.request("POST", "/abort_requests", body)
+
+    # ------------------------------------------------------------------ weight-update control
+
+    async def rpc(self, method: str, **kwargs: Any) -> list[Any]:
+        """Call `AgentRLWorkerExtension.<method>` on every worker; their answers, one per worker."""
+        body = {"method": method, "kwargs": {"payload": json.dumps(kwargs)}, "timeout": self.http.timeout_s}
+        try:
+            reply = await self.http.request("POST", "/collective_rpc", body)
+        except ServerUnavailableError:
+            # vLLM answers a failed RPC with a 500 from its error middleware and drops the connection;
+            # a fresh session keeps the next call (the commit after a failed receive) off that socket.
+            await self.http.close()
+            raise
+        results = reply.get("results") if isinstance(reply, dict) else None
+        if not isinstance(results, list) or not results:
+            raise InferenceError(f"/collective_rpc {method}: unexpected reply {str(reply)[:300]}")
+        return results
 
     async def init_weights_update_group(
         self,
@@ -154,15 +212,31 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         group_name: str = "weight_update_group",
         backend: str = "nccl",
     ) -> None:
-        """vLLM's transfer backend is fixed at launch (`--weight-transfer-config`); `backend` and
-        `group_name` are not sent."""
-        init_info = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-        }
-        await self.http.request("POST", "/init_weight_transfer_engine", {"init_info": init_info})
+        """Every worker joins at `rank_offset + its rank` (so a server takes tensor_parallel_size ranks)."""
+        await self.rpc(
+            "agentrl_join_group",
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+            timeout_s=self.group_timeout_s,
+        )
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self.rpc("agentrl_leave_group")
+
+    async def pause_generation(self) -> None:
+        await self.http.request("POST", "/pause", params={"mode": "abort"})
+
+    async def continue_generation(self) -> None:
+        await self.http.request("POST", "/resume")
+
+    async def begin_weight_update(self) -> None:
+        """Drop anything a previous, unfinished push left staged."""
+        self._pending_version = None
+        await self.rpc("agentrl_discard")
 
     async def update_weights_from_distributed(
         self,
@@ -173,41 +247,53 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         weight_version: int | None = None,
         flattened: bool = False,
     ) -> None:
-        if flattened:
-            raise InferenceError("vLLM client: flattened buckets are not supported")
-        await self.http.request("POST", "/start_weight_update", {})
-        # `packed` is left out: older releases default it to False, newer ones moved it to the init info.
-        update_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
-        await self.http.request("POST", "/update_weights", {"update_info": update_info})
-        body = {} if weight_version is None else {"weight_version": str(weight_version)}
-        await self.http.request("POST", "/finish_weight_update", body)
-
-    async def begin_weight_update(self) -> None:
-        """Nothing to send: `update_weights_from_distributed` opens and closes vLLM's update itself
-        (`/start_weight_update` … `/finish_weight_update` per bucket)."""
-
-    async def end_weight_update(self, weight_version: int | None = None) -> None:
-        """Nothing to send (see `begin_weight_update`)."""
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
-        raise InferenceError(
-            "vLLM: loading weights from disk is not exposed over its HTTP API; use the broadcast weight sync"
+        """Receive one bucket into the workers' staging area; the model changes at `end_weight_update`,
+        which tags it with this `weight_version` unless given one itself."""
+        self._pending_version = weight_version
+        await self.rpc(
+            "agentrl_receive",
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            flattened=flattened,
         )
 
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        """vLLM has no route to leave the transfer group; it lives as long as the server."""
+    async def end_weight_update(self, weight_version: int | None = None) -> None:
+        """Commit what was staged, all of it or nothing (the worker checks it is a whole checkpoint),
+        then tag the server with `weight_version`. After a failed bucket nothing is staged, so the
+        commit fails and the server keeps its previous weights and version."""
+        pending, self._pending_version = self._pending_version, None
+        await self.rpc("agentrl_commit")
+        await self._set_version(weight_version if weight_version is not None else pending)
 
-    async def pause_generation(self) -> None:
-        await self.http.request("POST", "/pause", params={"mode": "abort"})
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
+        """Load `<model_path>/*.safetensors` through the worker's checked, re-tied commit; the caller
+        pauses first (`/pause` clears vLLM's prefix cache, computed with the old weights)."""
+        await self.rpc("agentrl_load_from_disk", path=str(model_path))
+        await self._set_version(weight_version)
 
-    async def continue_generation(self) -> None:
-        await self.http.request("POST", "/resume")
-
-    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        if not abort_all and rid is None:
-            raise InferenceError("abort_request: give rid or abort_all=True")
-        body = {} if abort_all else {"request_ids": [rid]}
-        await self.http.request("POST", "/abort_requests", body)
+    async def _set_version(self, weight_version: int | None) -> None:
+        if weight_version is not None:
+            await self.http.request("POST", "/update_weight_version", {"new_version": str(weight_version)})
 
     async def close(self) -> None:
         await self.http.close()
+
+
+def engine_request_id(rid: str | None) -> str:
+    """The id vLLM's engine gives the one completion of request `rid` (`cmpl-{rid}-{index}`, n=1)."""
+    return f"cmpl-{rid}-0"
+
+
+def _finish(reason: str, stop_reason: Any) -> tuple[str, Any]:
+    """vLLM's finish reason → agentrl's (stop / length / abort) and the `matched` value."""
+    if reason in ("stop", "length", "abort"):
+        return reason, stop_reason
+    if reason == "repetition":
+        return "length", "repetition"
+    if reason == "error":
+        raise ServerUnavailableError("vLLM finished the request with finish_reason 'error' (retryable)")
+    raise InferenceError(
+        f"vLLM finish_reason {reason!r} is not one agentrl knows (stop, length, abort, repetition, error)"
+    )

