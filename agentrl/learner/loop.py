@@ -57,6 +57,8 @@ class WeightSync(Protocol):
 
     def push(self, model: nn.Module, version: int) -> None: ...
 
+    # optional: `behind(version) -> list[str]`, servers up but not at `version` (pushed to at once)
+
 
 @dataclass
 class Learner:
@@ -115,14 +117,32 @@ def build_learner(cfg: LearnerConfig, run_dir: str | Path) -> Learner:
                    model.config.vocab_size, pad)  # fmt: skip
 
 
-def _wait_for_groups(
-    learner: Learner, consumer: Consumer | None, max_staleness: int
+def _next_batch(
+    learner: Learner, consumer: Consumer | None, max_staleness: int, weight_sync: WeightSync | None
 ) -> tuple[list[Group], dict]:
-    """Rank 0 blocks on the queue until groups arrive; every rank returns the same groups."""
+    """The next batch; while waiting for it, a server that came back behind the current version
+    (restarted, or dropped and up again) gets the current weights at once, every rank joining
+    that push as after a step (it does not wait for the next trained step)."""
+    while True:
+        groups, stats, late = _wait_for_groups(learner, consumer, max_staleness, weight_sync)
+        if not late:
+            return groups, stats
+        log.info("servers %s are behind version %d: pushing the current weights now", late, learner.version)
+        weight_sync.push(learner.model, learner.version)
+
+
+def _wait_for_groups(
+    learner: Learner, consumer: Consumer | None, max_staleness: int, weight_sync: WeightSync | None = None
+) -> tuple[list[Group], dict, list[str]]:
+    """Rank 0 blocks on the queue until groups arrive, or until weight sync names servers behind
+    the current version; every rank returns the same (groups, stats, servers behind)."""
     payload: list[Any] = [None]
+    behind = getattr(weight_sync, "behind", None)
     if learner.rank == 0:
-        cfg, groups, stats = learner.cfg, [], {}
+        cfg, groups, stats, late = learner.cfg, [], {}, []
         while not groups:
+            if behind is not None and (late := behind(learner.version)):
+                break
             try:
                 batch = consumer.get_batch(
                     cfg.groups_per_step, learner.version, max_staleness, cfg.batch_timeout_s
@@ -142,7 +162,7 @@ def _wait_for_groups(
                 if ages:
                     stats["queue/age_s_mean"] = sum(ages) / len(ages)
                     stats["queue/age_s_max"] = max(ages)
-        payload = [(groups, stats)]
+        payload = [(groups, stats, late)]
     if learner.world_size > 1:
         dist.broadcast_object_list(payload, src=0)
     return payload[0]
@@ -204,7 +224,7 @@ def run(
     while learner.version < cfg.max_steps:
         # 1. wait for a batch admissible at the current version
         t0 = time.perf_counter()
-        groups, queue_stats = _wait_for_groups(learner, consumer, max_staleness)
+        groups, queue_stats = _next_batch(learner, consumer, max_staleness, weight_sync)
         t_wait = time.perf_counter() - t0
         learner.consumed_groups += len(groups)
 
