@@ -143,7 +143,7 @@ def main(args: list[str]) -> int:
             try:
                 for version in range(1, opts.repeats + 2):
                     with PeakRSS() as rss:
-                        stats = engine.push(model, version)
+                        stats = engine.push(model.named_parameters, version)
                     if version > 1:  # the first push warms up connections and allocations
                         ours.append(stats.seconds)
                         peaks.append(rss.extra)
@@ -154,7 +154,9 @@ def main(args: list[str]) -> int:
             disk_engine.init()
             try:
                 # warmed up like the other two paths: the first push is not counted
-                disk = [disk_engine.push(model, 100 + i).seconds for i in range(opts.repeats + 1)][1:]
+                disk = [
+                    disk_engine.push(model.named_parameters, 100 + i).seconds for i in range(opts.repeats + 1)
+                ][1:]
             finally:
                 disk_engine.close()
         finally:

@@ -1,7 +1,8 @@
-"""One async client interface over SGLang, vLLM and the embedded server, and its result type.
+"""The two client interfaces over SGLang, vLLM and the embedded server, and their result type.
 
-Rollers and weight sync talk to inference servers only through `InferenceClient`; which
-server sits behind it is chosen by `InferenceConfig.type` in `create()`. Every
+Rollers generate through `InferenceClient` (`create()`: one client, or a router over many);
+weight sync drives each server through `WeightUpdateClient` (`create_weight_updater()`).
+Which server sits behind them is chosen by `InferenceConfig.type`. Every
 implementation returns the same `GenerateResult`: token ids exactly as sampled, the
 behaviour log-prob of each, why generation stopped, and the weight version that produced
 them. Errors fall into three kinds the router acts on: `BadRequestError` (the request is
@@ -78,7 +79,7 @@ def parse_weight_version(value: Any) -> int:
 
 
 class InferenceClient(abc.ABC):
-    """Async client of one inference server (or, for the router, of many)."""
+    """Generation against one inference server (or, for the router, many): what rollers use."""
 
     url: str = ""
 
@@ -103,45 +104,6 @@ class InferenceClient(abc.ABC):
         """The weight version the server generates with now."""
 
     @abc.abstractmethod
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
-        """Make the server join a weight-update group (blocks until the trainer, rank 0, joins too)."""
-
-    @abc.abstractmethod
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        weight_version: int | None = None,
-    ) -> None:
-        """Receive one bucket of tensors broadcast by rank 0 in the order of `names`, then load it."""
-
-    @abc.abstractmethod
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
-        """Load a checkpoint directory written by the learner."""
-
-    @abc.abstractmethod
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        """Leave the weight-update group."""
-
-    @abc.abstractmethod
-    async def pause_generation(self) -> None:
-        """Abort in-flight requests (they return finish_reason "abort") and hold new ones."""
-
-    @abc.abstractmethod
-    async def continue_generation(self) -> None:
-        """Resume after `pause_generation`."""
-
-    @abc.abstractmethod
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort one request by id, or all of them."""
 
@@ -156,19 +118,95 @@ class InferenceClient(abc.ABC):
         await self.close()
 
 
+class WeightUpdateClient(abc.ABC):
+    """Weight-update control of one inference server: what the weight-sync engines use.
+
+    A separate interface from `InferenceClient` because servers differ here (SGLang's
+    begin/update/end session, vLLM's transfer engine, the embedded server). A broadcast push
+    is `pause_generation`, `begin_weight_update`, one `update_weights_from_distributed` per
+    bucket, `end_weight_update`, `continue_generation`; a disk push replaces the three middle
+    calls by `update_weights_from_disk`."""
+
+    url: str = ""
+
+    @abc.abstractmethod
+    async def alive(self) -> bool:
+        """True when the server process answers; cheap, and answers while generation is paused."""
+
+    @abc.abstractmethod
+    async def get_weight_version(self) -> int:
+        """The weight version the server generates with now."""
+
+    @abc.abstractmethod
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """Make the server join a weight-update group (blocks until the trainer, rank 0, joins too)."""
+
+    @abc.abstractmethod
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Leave the weight-update group."""
+
+    @abc.abstractmethod
+    async def pause_generation(self) -> None:
+        """Abort in-flight requests (they return finish_reason "abort") and hold new ones."""
+
+    @abc.abstractmethod
+    async def continue_generation(self) -> None:
+        """Resume after `pause_generation`."""
+
+    @abc.abstractmethod
+    async def begin_weight_update(self) -> None:
+        """Open a weight-update session; `update_weights_from_distributed` calls go inside it."""
+
+    @abc.abstractmethod
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: int | None = None,
+    ) -> None:
+        """Receive one bucket of tensors broadcast by rank 0 in the order of `names`, then load it."""
+
+    @abc.abstractmethod
+    async def end_weight_update(self, weight_version: int | None = None) -> None:
+        """Close the session opened by `begin_weight_update` (also after a failed bucket)."""
+
+    @abc.abstractmethod
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
+        """Load a checkpoint directory written by the learner."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections."""
+
+
+def _client_kwargs(config: InferenceConfig) -> dict[str, Any]:
+    import os
+
+    return dict(
+        api_key=os.environ.get(config.api_key_env) or None,
+        timeout_s=config.request_timeout_s,
+        connect_timeout_s=config.connect_timeout_s,
+    )
+
+
 def create(config: InferenceConfig, urls: list[str] | None = None) -> InferenceClient:
     """A client for `config.type`: one server gives its client, several give a `Router` over them.
 
     The embedded server speaks SGLang's native API, so "embedded" and "sglang" share a client."""
-    import os
-
     urls = list(urls if urls is not None else config.servers)
     if not urls:
         raise ValueError("inference: no server URLs given (set inference.servers)")
-    api_key = os.environ.get(config.api_key_env) or None
-    kwargs = dict(
-        api_key=api_key, timeout_s=config.request_timeout_s, connect_timeout_s=config.connect_timeout_s
-    )
+    kwargs = _client_kwargs(config)
     if config.type in ("embedded", "sglang"):
         from agentrl.inference.sglang import SGLangClient
 
@@ -189,3 +227,16 @@ def create(config: InferenceConfig, urls: list[str] | None = None) -> InferenceC
         request_timeout_s=config.request_timeout_s,
         health_interval_s=config.health_check_interval_s,
     )
+
+
+def create_weight_updater(config: InferenceConfig, url: str) -> WeightUpdateClient:
+    """The weight-update control client of the server at `url`, for `config.type`."""
+    if config.type in ("embedded", "sglang"):
+        from agentrl.inference.sglang import SGLangClient
+
+        return SGLangClient(url, **_client_kwargs(config))
+    if config.type == "vllm":
+        from agentrl.inference.vllm import VLLMClient
+
+        return VLLMClient(url, model=config.served_model_name, **_client_kwargs(config))
+    raise ValueError(f"inference.type: unknown server kind {config.type!r}")

@@ -20,6 +20,7 @@ from agentrl.inference.base import (
     InferenceClient,
     InferenceError,
     ServerUnavailableError,
+    WeightUpdateClient,
     parse_weight_version,
 )
 
@@ -89,8 +90,9 @@ def _check_success(path: str, reply: Any) -> None:
         raise InferenceError(f"{path}: {reply.get('message', 'failed')}")
 
 
-class SGLangClient(InferenceClient):
-    """SGLang native API (`/generate` with `input_ids`, weight-update endpoints)."""
+class SGLangClient(InferenceClient, WeightUpdateClient):
+    """SGLang native API: generation (`/generate` with `input_ids`) and weight-update control,
+    one HTTP API, so one class fills both interfaces."""
 
     def __init__(
         self, url: str, api_key: str | None = None, timeout_s: float = 300.0, connect_timeout_s: float = 10.0
@@ -162,6 +164,9 @@ class SGLangClient(InferenceClient):
         except InferenceError:
             return False
 
+    async def alive(self) -> bool:
+        return await self.health()
+
     async def get_weight_version(self) -> int:
         reply = await self.http.request("GET", "/get_weight_version")
         return parse_weight_version(reply["weight_version"] if isinstance(reply, dict) else reply)
@@ -203,6 +208,13 @@ class SGLangClient(InferenceClient):
             body["weight_version"] = str(weight_version)
         reply = await self.http.request("POST", "/update_weights_from_distributed", body)
         _check_success("/update_weights_from_distributed", reply)
+
+    async def begin_weight_update(self) -> None:
+        _check_success("/begin_weight_update", await self.http.request("POST", "/begin_weight_update", {}))
+
+    async def end_weight_update(self, weight_version: int | None = None) -> None:
+        """SGLang records the version with each bucket; `weight_version` is not sent here."""
+        _check_success("/end_weight_update", await self.http.request("POST", "/end_weight_update", {}))
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
         body: dict[str, Any] = {"model_path": model_path}

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentrl.inference.base import GenerateResult, InferenceClient, InferenceError, parse_weight_version
+from agentrl.inference.base import (
+    GenerateResult,
+    InferenceClient,
+    InferenceError,
+    WeightUpdateClient,
+    parse_weight_version,
+)
 from agentrl.inference.sglang import HTTPClient
 
 # SGLang sampling names → vLLM CompletionRequest names.
@@ -40,7 +46,7 @@ _PASS = {
 }
 
 
-class VLLMClient(InferenceClient):
+class VLLMClient(InferenceClient, WeightUpdateClient):
     """vLLM's OpenAI-compatible server driven token-in / token-out."""
 
     def __init__(
@@ -132,6 +138,9 @@ class VLLMClient(InferenceClient):
         except InferenceError:
             return False
 
+    async def alive(self) -> bool:
+        return await self.health()
+
     async def get_weight_version(self) -> int:
         reply = await self.http.request("GET", "/weight_info")
         return parse_weight_version(reply.get("weight_version") if isinstance(reply, dict) else None)
@@ -169,6 +178,13 @@ class VLLMClient(InferenceClient):
         await self.http.request("POST", "/update_weights", {"update_info": update_info})
         body = {} if weight_version is None else {"weight_version": str(weight_version)}
         await self.http.request("POST", "/finish_weight_update", body)
+
+    async def begin_weight_update(self) -> None:
+        """Nothing to send: `update_weights_from_distributed` opens and closes vLLM's update itself
+        (`/start_weight_update` … `/finish_weight_update` per bucket)."""
+
+    async def end_weight_update(self, weight_version: int | None = None) -> None:
+        """Nothing to send (see `begin_weight_update`)."""
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
         raise InferenceError(

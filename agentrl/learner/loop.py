@@ -20,8 +20,10 @@ so tests drive the loop with an in-process source and the real queue plugs in un
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,9 +55,10 @@ class Consumer(Protocol):
 
 
 class WeightSync(Protocol):
-    """Hands new weights to inference servers (issue #7); see `fsdp.iter_full_tensors`."""
+    """Hands new weights to inference servers (issue #7): `weights()` yields `(HF name, full
+    tensor)` (here `fsdp.iter_full_tensors(model)`, a collective every rank runs)."""
 
-    def push(self, model: nn.Module, version: int) -> None: ...
+    def push(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], version: int) -> None: ...
 
     # optional: `behind(version) -> list[str]`, servers up but not at `version` (pushed to at once)
 
@@ -128,7 +131,7 @@ def _next_batch(
         if not late:
             return groups, stats
         log.info("servers %s are behind version %d: pushing the current weights now", late, learner.version)
-        weight_sync.push(learner.model, learner.version)
+        weight_sync.push(functools.partial(fsdp.iter_full_tensors, learner.model), learner.version)
 
 
 def _wait_for_groups(
@@ -266,7 +269,9 @@ def run(
             learner.version += 1
             skips_in_a_row = 0
             if weight_sync is not None:
-                pushed = weight_sync.push(learner.model, learner.version)
+                pushed = weight_sync.push(
+                    functools.partial(fsdp.iter_full_tensors, learner.model), learner.version
+                )
             if learner.rank == 0 and consumer is not None:
                 consumer.publish_version(learner.version)
         else:

@@ -2,13 +2,16 @@
 
     engine = create(config.weight_sync, config.inference, rank=rank, run_dir=run_dir)
     engine.init()                      # rendezvous (broadcast) or directory set-up (disk)
-    engine.push(model, version)        # on every learner rank, after each optimizer step
+    engine.push(weights, version)      # on every learner rank, after each optimizer step
     engine.close()
 
-`push` is called on every learner rank because gathering full tensors from an FSDP2
-model is a collective; only rank 0 talks to the servers. Servers are driven through the
-inference clients (`agentrl.inference`), so the embedded server, SGLang and vLLM are
-updated through the same engine. The learner loop is synchronous; the engine runs the
+`weights` is a `WeightSource`: a function returning an iterator of `(HF name, full tensor)`,
+e.g. `functools.partial(learner.fsdp.iter_full_tensors, model)` or `model.named_parameters`,
+so any training backend can feed any engine. `push` is called on every learner rank because
+gathering full tensors from an FSDP2 model is a collective; only rank 0 talks to the servers.
+Servers are driven through their weight-update clients (`agentrl.inference.base.
+WeightUpdateClient`), so the embedded server, SGLang and vLLM are updated through the same
+engine. The learner loop is synchronous; the engine runs the
 clients' HTTP calls on its own event-loop thread (`AsyncBridge`).
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,12 +28,17 @@ from typing import TYPE_CHECKING, Any
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
-    from torch import nn
+    import torch
 
     from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
-    from agentrl.inference.base import InferenceClient
+    from agentrl.inference.base import WeightUpdateClient
 
 logger = get_logger(__name__)
+
+WeightSource = Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
+"""What `push` takes: a function that returns the `(HF name, full tensor)` pairs to push, tied
+weights once. It is called once per attempt (a push redone without a failed server calls it
+again) and on every learner rank in step, since it may run collectives (FSDP2 gathers)."""
 
 
 class AsyncBridge:
@@ -85,22 +93,22 @@ class WeightSyncEngine(abc.ABC):
         self.rank = rank
         self.last: PushStats | None = None
         self._bridge: AsyncBridge | None = None
-        self.clients: dict[str, InferenceClient] = {}
+        self.clients: dict[str, WeightUpdateClient] = {}
 
     def init(self) -> None:
         if self.rank == 0:
-            from agentrl.inference.base import create as create_client
+            from agentrl.inference.base import create_weight_updater
 
             self._bridge = AsyncBridge()
-            self.clients = {url: create_client(self.inference, [url]) for url in self.urls}
+            self.clients = {url: create_weight_updater(self.inference, url) for url in self.urls}
             self._init_servers()
 
     @abc.abstractmethod
     def _init_servers(self) -> None: ...
 
     @abc.abstractmethod
-    def push(self, model: nn.Module, version: int) -> PushStats | None:
-        """Make every server generate with `model`'s weights, tagged `version`."""
+    def push(self, weights: WeightSource, version: int) -> PushStats | None:
+        """Make every server generate with the tensors `weights()` yields, tagged `version`."""
 
     def _all(self, method: str, urls: list[str], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> dict:
         """Call `method` on the clients of `urls` concurrently; {url: exception or None}."""

@@ -6,7 +6,7 @@ separate from the training group; NCCL on GPUs, gloo on CPU.
 
 A push, on rank 0 (other learner ranks only join the FSDP gathers):
 1. pause generation on every server (in-flight requests come back aborted; rollers resume);
-2. a gather thread pulls full tensors layer by layer from FSDP2 and packs them into
+2. a gather thread pulls full tensors from `weights()` (layer by layer from FSDP2) and packs them into
    buckets of about `bucket_mb`, at most one bucket ahead — so bucket i+1 is gathered
    while bucket i is broadcast, and peak extra memory is about two buckets;
 3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`),
@@ -35,7 +35,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,12 +45,10 @@ import torch.distributed as dist
 from agentrl.inference.weight_group import WeightGroup, dtype_name, join_group
 from agentrl.log import get_logger
 from agentrl.net import free_port
-from agentrl.weight_sync.base import PushStats, WeightSyncEngine
+from agentrl.weight_sync.base import PushStats, WeightSource, WeightSyncEngine
 from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from agentrl.config import BroadcastSyncConfig, InferenceConfig
 
 logger = get_logger(__name__)
@@ -63,7 +61,7 @@ class Bucket:
     nbytes: int = 0
 
 
-def iter_buckets(named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
     """Group tensors into buckets of about `bucket_bytes`; a larger tensor travels alone."""
     bucket = Bucket()
     for name, tensor in named_tensors:
@@ -265,14 +263,12 @@ class BroadcastEngine(WeightSyncEngine):
             self._build_group([u for u in self.members if u not in dead])
 
     async def _healthy(self, urls: list[str]) -> list[str]:
-        answers = await asyncio.gather(*(self.clients[u].health() for u in urls))  # at once, not in turn
+        answers = await asyncio.gather(*(self.clients[u].alive() for u in urls))  # at once, not in turn
         return [url for url, ok in zip(urls, answers, strict=True) if ok]
 
     # ------------------------------------------------------------------ push
 
-    def push(self, model: nn.Module, version: int) -> PushStats | None:
-        from agentrl.learner.fsdp import iter_full_tensors
-
+    def push(self, weights: WeightSource, version: int) -> PushStats | None:
         stats = PushStats(version) if self.rank == 0 else None
         start = time.perf_counter()
         if self.rank == 0:
@@ -282,7 +278,7 @@ class BroadcastEngine(WeightSyncEngine):
         while True:
             attempt += 1
             failed: list[str] = []
-            buckets = iter_buckets(iter_full_tensors(model), self.config.bucket_mb << 20)
+            buckets = iter_buckets(weights(), self.config.bucket_mb << 20)
             for bucket in _prefetch(buckets):
                 if self.rank == 0 and not failed and self.members:
                     failed = self._send_bucket(bucket, version, stats)

@@ -15,11 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentrl.log import get_logger
-from agentrl.weight_sync.base import PushStats, WeightSyncEngine
+from agentrl.weight_sync.base import PushStats, WeightSource, WeightSyncEngine
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from agentrl.config import DiskSyncConfig, InferenceConfig
 
 logger = get_logger(__name__)
@@ -36,13 +34,11 @@ class DiskEngine(WeightSyncEngine):
     def _init_servers(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
 
-    def push(self, model: nn.Module, version: int) -> PushStats | None:
+    def push(self, weights: WeightSource, version: int) -> PushStats | None:
         from safetensors.torch import save_file
 
-        from agentrl.learner.fsdp import iter_full_tensors
-
         start = time.perf_counter()
-        tensors = {name: t.detach().cpu().contiguous() for name, t in iter_full_tensors(model)}
+        tensors = {name: t.detach().cpu().contiguous() for name, t in weights()}
         if self.rank != 0:
             return None
         out = self.directory / f"v{version}"

@@ -4,7 +4,7 @@ A weight push must not wait on a server that is gone or silent, and a server tha
 back (restarted on the same address, or back after a partition) must be brought to the
 learner's version before rollers use it again, without waiting for the next trained step.
 `ServerWatch` probes every server concurrently on the weight-sync engine's event loop
-(`AsyncBridge`), each probe bounded by `timeout_s` (`/health`, then the weight version),
+(`AsyncBridge`), each probe bounded by `timeout_s` (alive, then the weight version),
 one round every `interval_s`, and keeps the last answers. `fresh(since)` returns what the
 probes started after `since` saw, without blocking; `probe_now(urls)` asks again at once
 and waits, but never for a server whose last probe timed out.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
-    from agentrl.inference.base import InferenceClient
+    from agentrl.inference.base import WeightUpdateClient
     from agentrl.weight_sync.base import AsyncBridge
 
 logger = get_logger(__name__)
@@ -37,7 +37,7 @@ class ServerWatch:
 
     def __init__(
         self,
-        clients: dict[str, InferenceClient],
+        clients: dict[str, WeightUpdateClient],
         bridge: AsyncBridge,
         interval_s: float = 2.0,
         timeout_s: float = 2.0,
@@ -78,7 +78,7 @@ class ServerWatch:
     async def _probe(self, url: str) -> int:
         client = self.clients[url]
         try:
-            if not await asyncio.wait_for(client.health(), self.timeout_s):
+            if not await asyncio.wait_for(client.alive(), self.timeout_s):
                 version = DOWN
             else:
                 version = await asyncio.wait_for(client.get_weight_version(), self.timeout_s)

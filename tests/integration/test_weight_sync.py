@@ -101,7 +101,7 @@ def test_broadcast_push_updates_every_server_and_survives_a_dead_one(
     engine.init()
     try:
         perturb(model, 1)
-        stats = engine.push(model, 1)
+        stats = engine.push(model.named_parameters, 1)
         assert stats.servers_updated == 2 and stats.buckets >= 1
         assert stats.peak_bucket_bytes <= max(1 << 20, max(p.numel() * 4 for p in model.parameters()))
         assert_in_sync(model, urls, 1)
@@ -110,7 +110,7 @@ def test_broadcast_push_updates_every_server_and_survives_a_dead_one(
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait()
         perturb(model, 2)
-        stats = engine.push(model, 2)
+        stats = engine.push(model.named_parameters, 2)
         assert stats.servers_updated == 1 and stats.servers_dropped == [urls[1]]
         assert_in_sync(model, urls[:1], 2)
 
@@ -118,7 +118,7 @@ def test_broadcast_push_updates_every_server_and_survives_a_dead_one(
         start_server(processes, tiny_model, ports[1])
         wait_healthy(urls[1:])
         perturb(model, 3)
-        stats = engine.push(model, 3)
+        stats = engine.push(model.named_parameters, 3)
         assert stats.servers_updated == 2 and stats.servers_dropped == []
         assert_in_sync(model, urls, 3)
     finally:
@@ -133,7 +133,7 @@ def test_disk_push_updates_every_server(tiny_model, two_servers, tmp_path: Path)
     try:
         for version in (1, 2):
             perturb(model, version)
-            stats = engine.push(model, version)
+            stats = engine.push(model.named_parameters, version)
             assert stats.servers_updated == 2
             assert_in_sync(model, urls, version)
         assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2"]  # keep_last=1

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agentrl.config import LearnerConfig
-from agentrl.learner.fsdp import full_state_dict, iter_full_tensors
+from agentrl.learner.fsdp import full_state_dict
 from agentrl.learner.loop import build_learner, run
 from agentrl.log import MetricsLogger, read_metrics
 from tests.unit.learner.source import ListSource, make_groups
@@ -30,9 +30,9 @@ class Pushes:
     def __init__(self):
         self.versions, self.names = [], []
 
-    def push(self, model, version):
+    def push(self, weights, version):
         self.versions.append(version)
-        self.names = [name for name, _ in iter_full_tensors(model)]
+        self.names = [name for name, _ in weights()]
 
 
 def test_loop_trains_publishes_acks_logs_and_exports(tiny_model, tmp_path):
