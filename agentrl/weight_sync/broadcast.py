@@ -132,11 +132,16 @@ class BroadcastEngine(WeightSyncEngine):
     # ------------------------------------------------------------------ group set-up
 
     def _init_servers(self) -> None:
-        self._build_group(list(self.urls))
+        """Probe every server first and invite only those that answer: one that is down, or accepts
+        TCP but never answers, would hold the rendezvous until every server's join timed out."""
         interval = min(2.0, self.inference.health_check_interval_s)
         self.watch = ServerWatch(
             self.clients, self._bridge, interval, min(self.inference.connect_timeout_s, 2.0)
         )
+        self.watch.probe_now(list(self.urls))
+        seen = self.watch.fresh(0.0)
+        self._drop([u for u in self.urls if seen.get(u, DOWN) == DOWN])
+        self._build_group([u for u in self.urls if u not in self.dropped])
         self.watch.start()
 
     def _build_group(self, urls: list[str]) -> None:
