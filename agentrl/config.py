@@ -168,6 +168,10 @@ class RollerConfig(Section):
     """On stop, how long in-flight groups may take to finish and be put before they are abandoned."""
     seed: int = 0
     """Random seed of task order and sampling seeds."""
+    index: int | None = Field(None, ge=0)
+    """This roller's number among the run's rollers (default: `$AGENTRL_ROLLER_INDEX`, which
+    `agentrl run` sets, else 0). It names the roller's queue lease and its metrics and group files;
+    which tasks it runs comes from the queue's shared task cursor, not from the index."""
 
 
 # --------------------------------------------------------------------------- queue
@@ -206,6 +210,38 @@ class ZmqQueueConfig(Section):
     holds back on top of its capacity)."""
     nixl: bool = False
     """Move array payloads over NIXL (RDMA/UCX) with ZeroMQ as the control plane."""
+    standalone: bool = False
+    """The queue runs on its own (`agentrl queue --bind ...`) at `address`: the learner connects to
+    it as a consumer instead of hosting (binding) one, so a durable queue outlives the learner."""
+    run_id: str | None = None
+    """The run this queue serves; producers and consumers naming another run are refused. None: a
+    hosted queue takes the learner's run id (kept in `<run_dir>/run_id` across `--resume`), a
+    standalone one its WAL's (durable) or a fresh one; clients adopt the first run id they hear."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Seconds between a producer's heartbeats, which renew its lease and detect a restarted server."""
+    roller_lease_s: float = Field(10.0, gt=0)
+    """Seconds without a message after which a producer's lease lapses: the queue takes back the
+    admission credits of the groups it started and had not put (counted `admission_reclaimed`)."""
+    connect_timeout_s: float = Field(30.0, gt=0)
+    """A client that has heard nothing from the queue for this long after starting gives up with
+    an error naming the address, the secret and the run to check."""
+    silent_timeout_s: float = Field(120.0, gt=0)
+    """A producer whose queue has gone silent for this long (learner gone for good) gives up; keep
+    it above the time a learner takes to restart with `--resume`."""
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> ZmqQueueConfig:
+        if self.roller_lease_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"queue.roller_lease_s: must be at least 2 x queue.heartbeat_s ({2 * self.heartbeat_s}s); "
+                "a lease shorter than two heartbeats lapses on one late message"
+            )
+        if self.standalone and any(h in self.address for h in ("*", "0.0.0.0", "[::]")):
+            raise ValueError(
+                f"queue.address: {self.address!r} is a bind address; with queue.standalone the learner "
+                "connects to the standalone queue, so give its host (e.g. tcp://queue-host:5555)"
+            )
+        return self
 
 
 class RedisQueueConfig(Section):

@@ -11,8 +11,12 @@
     3. pack into token-budget micro-batches balanced across ranks; recompute frozen log-probs
     4. forward/backward over the micro-batches, clip, AdamW step (skipped if non-finite)
     5. version += 1; publish it; hand the weights to weight sync
-    6. ack the groups; log metrics
+    6. ack the groups; record their ids (`<run_dir>/learner_groups.jsonl`); log metrics
     7. checkpoint and export every N steps (and at the end)
+
+A stop request (`stop.set()`, from SIGTERM / SIGINT in `learner.main`) is honoured between
+steps and while waiting for a batch: the loop saves its final checkpoint and returns, never
+mid-step. Rank 0 decides, so every rank stops at the same step.
 
 The queue consumer and the weight-sync engine are reached through the small protocols below,
 so tests drive the loop with an in-process source and the real queue plugs in unchanged.
@@ -21,7 +25,9 @@ so tests drive the loop with an in-process source and the real queue plugs in un
 from __future__ import annotations
 
 import functools
+import json
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -120,14 +126,40 @@ def build_learner(cfg: LearnerConfig, run_dir: str | Path) -> Learner:
                    model.config.vocab_size, pad)  # fmt: skip
 
 
+WAIT_POLL_S = 1.0  # a wait for a batch is cut into polls this long, so a stop request is seen
+
+
+def why_waiting(before: dict[str, Any], now: dict[str, Any], max_staleness: int) -> str:
+    """Why no admissible batch came, from two snapshots of the queue's metrics."""
+    arrived = now.get("groups_in", 0) - before.get("groups_in", 0)
+    stale = now.get("dropped_stale", 0) - before.get("dropped_stale", 0)
+    leases, leased = now.get("leases"), now.get("leased", 0)
+    if leases == 0:
+        return "no roller holds a lease: none has connected, or all are gone (start rollers on this queue)"
+    if arrived and stale:
+        return (f"{arrived} groups arrived and {stale} were dropped as stale (max_staleness={max_staleness}): "
+                "rollers generate with old weights; check that weight sync reaches every server")  # fmt: skip
+    if arrived:
+        return f"{arrived} groups arrived, {now.get('depth', 0)} queued: not yet a full batch"
+    who = f"{leases} roller(s) hold {leased} admitted groups" if leases is not None else "no group arrived"
+    return f"nothing arrived: {who} (slow episodes, or servers unreachable?)"
+
+
 def _next_batch(
-    learner: Learner, consumer: Consumer | None, max_staleness: int, weight_sync: WeightSync | None
-) -> tuple[list[Group], dict]:
-    """The next batch; while waiting for it, a server that came back behind the current version
-    (restarted, or dropped and up again) gets the current weights at once, every rank joining
-    that push as after a step (it does not wait for the next trained step)."""
+    learner: Learner,
+    consumer: Consumer | None,
+    max_staleness: int,
+    weight_sync: WeightSync | None,
+    stop: threading.Event | None = None,
+) -> tuple[list[Group], dict] | None:
+    """The next batch (None when a stop was requested); while waiting for it, a server that came
+    back behind the current version (restarted, or dropped and up again) gets the current weights
+    at once, every rank joining that push as after a step (it does not wait for the next step)."""
     while True:
-        groups, stats, late = _wait_for_groups(learner, consumer, max_staleness, weight_sync)
+        waited = _wait_for_groups(learner, consumer, max_staleness, stop, weight_sync)
+        if waited is None:
+            return None
+        groups, stats, late = waited
         if not late:
             return groups, stats
         log.info("servers %s are behind version %d: pushing the current weights now", late, learner.version)
@@ -135,26 +167,38 @@ def _next_batch(
 
 
 def _wait_for_groups(
-    learner: Learner, consumer: Consumer | None, max_staleness: int, weight_sync: WeightSync | None = None
-) -> tuple[list[Group], dict, list[str]]:
+    learner: Learner,
+    consumer: Consumer | None,
+    max_staleness: int,
+    stop: threading.Event | None = None,
+    weight_sync: WeightSync | None = None,
+) -> tuple[list[Group], dict, list[str]] | None:
     """Rank 0 blocks on the queue until groups arrive, or until weight sync names servers behind
-    the current version; every rank returns the same (groups, stats, servers behind)."""
+    the current version; every rank returns the same (groups, stats, servers behind), or None
+    when a stop was requested while waiting."""
     payload: list[Any] = [None]
     behind = getattr(weight_sync, "behind", None)
     if learner.rank == 0:
         cfg, groups, stats, late = learner.cfg, [], {}, []
-        while not groups:
+        waited, before = 0.0, None
+        while not groups and not (stop is not None and stop.is_set()):
             if behind is not None and (late := behind(learner.version)):
                 break
+            poll = min(WAIT_POLL_S, cfg.batch_timeout_s) if stop is not None else cfg.batch_timeout_s
             try:
-                batch = consumer.get_batch(
-                    cfg.groups_per_step, learner.version, max_staleness, cfg.batch_timeout_s
-                )
+                batch = consumer.get_batch(cfg.groups_per_step, learner.version, max_staleness, poll)
             except TimeoutError:
                 batch = None
             groups = list(getattr(batch, "groups", None) or [])
             if not groups:
-                log.info("waiting for an admissible batch at version %d", learner.version)
+                waited += poll
+                if before is None:
+                    before = consumer.metrics()
+                if waited >= cfg.batch_timeout_s:
+                    now = consumer.metrics()
+                    log.info("waiting for an admissible batch at version %d: %s", learner.version,
+                             why_waiting(before, now, max_staleness))  # fmt: skip
+                    waited, before = 0.0, now
             else:
                 stats = {
                     f"queue/{k}": v
@@ -165,10 +209,18 @@ def _wait_for_groups(
                 if ages:
                     stats["queue/age_s_mean"] = sum(ages) / len(ages)
                     stats["queue/age_s_max"] = max(ages)
-        payload = [(groups, stats, late)]
+        payload = [(groups, stats, late) if groups or late else None]
     if learner.world_size > 1:
         dist.broadcast_object_list(payload, src=0)
     return payload[0]
+
+
+def _record_groups(learner: Learner, groups: list[Group], applied: bool) -> None:
+    """Append the step's group ids to `learner_groups.jsonl` (the account of what was trained)."""
+    line = {"v": learner.version, "trained" if applied else "skipped": [g.group_id for g in groups]}
+    learner.run_dir.mkdir(parents=True, exist_ok=True)
+    with open(learner.run_dir / "learner_groups.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def _save(learner: Learner, consumer: Consumer | None) -> None:
@@ -212,10 +264,11 @@ def run(
     weight_sync: WeightSync | None = None,
     metrics: MetricsLogger | None = None,
     resume_from_checkpoint: bool = False,
+    stop: threading.Event | None = None,
 ) -> int:
-    """Train until `cfg.max_steps` versions exist; returns the final version. `consumer` is
-    needed on rank 0 only; `weight_sync.push` and `metrics.log` are called on every rank /
-    rank 0 respectively."""
+    """Train until `cfg.max_steps` versions exist or `stop` is set; returns the final version.
+    `consumer` is needed on rank 0 only; `weight_sync.push` and `metrics.log` are called on every
+    rank / rank 0 respectively."""
     cfg = learner.cfg
     if resume_from_checkpoint:
         resume(learner, consumer)
@@ -225,9 +278,13 @@ def run(
     total_skipped: dict[str, int] = {}
     progress = ConsoleProgress(cfg.max_steps, learner.version, enabled=learner.rank == 0)
     while learner.version < cfg.max_steps:
-        # 1. wait for a batch admissible at the current version
+        # 1. wait for a batch admissible at the current version (or stop)
         t0 = time.perf_counter()
-        groups, queue_stats = _next_batch(learner, consumer, max_staleness, weight_sync)
+        waited = _next_batch(learner, consumer, max_staleness, weight_sync, stop)
+        if waited is None:
+            log.warning("stop requested at version %d: saving the final checkpoint", learner.version)
+            break
+        groups, queue_stats = waited
         t_wait = time.perf_counter() - t0
         learner.consumed_groups += len(groups)
 
@@ -286,6 +343,7 @@ def run(
                 # a skipped step returns its groups' admission, or the rollers would wait for a
                 # version that only new groups can bring (a livelock when every step is skipped)
                 consumer.ack([g.group_id for g in groups], dropped=None if applied else "skipped")
+            _record_groups(learner, groups, bool(applied))
             if metrics is not None:
                 m = _step_metrics(learner, steps, batch, plans, queue_stats, total_skipped, t_wait, t_train)
                 if pushed is not None:
@@ -314,7 +372,8 @@ def run(
 
     progress.close()
     _save(learner, consumer)
-    export(learner)
+    if stop is None or not stop.is_set():
+        export(learner)
     return learner.version
 
 

@@ -1,23 +1,35 @@
 """Entry point of `agentrl learner`: one process, or one rank of a torchrun job.
 
     agentrl learner --config recipes/quickstart.yaml
+    agentrl learner --config recipes/quickstart.yaml --queue.standalone true --queue.address tcp://q:5555
     torchrun --nproc_per_node 2 -m agentrl learner --config learner.yaml --resume
 
 Start-up order: process group and FSDP2 model (every rank) → on rank 0 the TransferQueue
-(hosted in-process for `queue.type: zmq`, as DESIGN.md's default; Redis needs no server) and
-its consumer, the metrics sinks and the resolved config → the loop. Rank 0 alone reads the
-queue and broadcasts each batch to the other ranks, which then balance it by tokens; so the
-ranks always train on one batch in step. Shutdown: the loop's final checkpoint and export,
-then consumer and queue server closed, the process group destroyed, output flushed and the
-process ended with os._exit (gloo processes can abort in interpreter teardown after all their
-work is done).
+(hosted in-process for `queue.type: zmq`, as DESIGN.md's default; with `queue.standalone` a
+consumer of the `agentrl queue` at `queue.address`; Redis needs no server) and its consumer,
+the metrics sinks and the resolved config → the loop. Rank 0 alone reads the queue and
+broadcasts each batch to the other ranks, which then balance it by tokens; so the ranks
+always train on one batch in step.
+
+The run has an id (`<run_dir>/run_id`, made on the first start and kept across `--resume`); a
+hosted queue serves it, so a roller left over from another run is refused.
+
+Shutdown: SIGTERM and SIGINT ask the loop to stop at the next step boundary (a second signal
+interrupts at once); the loop saves its final checkpoint. A finished run then tells the queue
+(`finish`: rollers exit cleanly) and waits a little for the rollers to leave. Then the queue's
+final account (`queue_final.json`), consumer and queue server closed, the process group
+destroyed, output flushed and the process ended with os._exit (gloo processes can abort in
+interpreter teardown after all their work is done).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +39,44 @@ from agentrl.log import MetricsLogger, get_logger
 log = get_logger("learner.main")
 
 
-def open_queue(cfg: AgentRLConfig) -> tuple[Any, Any]:
+def run_id(cfg: AgentRLConfig, resume: bool) -> str:
+    """`queue.run_id`, else the id kept in `<run_dir>/run_id` (a fresh start makes a new one)."""
+    if cfg.queue.type == "zmq" and cfg.queue.run_id:
+        return cfg.queue.run_id
+    path = Path(cfg.run_dir) / "run_id"
+    if resume and path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = os.urandom(6).hex()
+    path.write_text(new + "\n")
+    return new
+
+
+def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
     """(consumer, hosted server or None) for rank 0."""
     from agentrl.queue.base import create
 
     backend = create(cfg.queue)
     server = None
-    if cfg.queue.type == "zmq":
-        wal_dir = cfg.queue.wal_dir or str(Path(cfg.run_dir) / "queue_wal")
-        server = backend.server(
-            groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.max_staleness, wal_dir=wal_dir
-        )
-        server.start()
-        log.info("TransferQueue listening on %s", cfg.queue.address)
-    return backend.consumer("rank0", server=server), server
+    if cfg.queue.type != "zmq":
+        return backend.consumer("rank0"), None
+    hello = {"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness}
+    if cfg.queue.standalone:
+        consumer = backend.consumer("rank0", hello=hello)
+        log.info("TransferQueue: consuming from the standalone queue at %s (run %s)", cfg.queue.address,
+                 consumer.run_id)  # fmt: skip
+        return consumer, None
+    wal_dir = cfg.queue.wal_dir or str(Path(cfg.run_dir) / "queue_wal")
+    server = backend.server(
+        groups_per_step=cfg.learner.groups_per_step,
+        max_staleness=cfg.max_staleness,
+        wal_dir=wal_dir,
+        run_id=run_id(cfg, resume),
+        ledger=Path(cfg.run_dir) / "queue_ledger.jsonl",
+    )
+    server.start()
+    log.info("TransferQueue listening on %s (run %s)", cfg.queue.address, server.run_id)
+    return backend.consumer("rank0", server=server, hello=hello), server
 
 
 def open_weight_sync(cfg: AgentRLConfig, rank: int) -> Any:
@@ -52,16 +88,50 @@ def open_weight_sync(cfg: AgentRLConfig, rank: int) -> Any:
     return engine
 
 
+def _stop_on_signals() -> tuple[threading.Event, list[int]]:
+    """SIGTERM / SIGINT set the returned event (the loop stops at a step boundary); a second one
+    raises KeyboardInterrupt. The list receives the signal numbers."""
+    stop, received = threading.Event(), []
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+        if stop.is_set():
+            raise KeyboardInterrupt
+        log.warning("%s: stopping after the current step (again to interrupt at once)",
+                    signal.Signals(signum).name)  # fmt: skip
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return stop, received
+
+
+def _finish_run(cfg: AgentRLConfig, consumer: Any, server: Any) -> None:
+    """Tell the queue the run is over, and give the rollers a moment to hear it and leave."""
+    consumer.finish()
+    if server is None:
+        return
+    q = cfg.queue
+    deadline = time.monotonic() + q.roller_lease_s + 2 * q.heartbeat_s
+    while server.live_leases() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if server.live_leases():
+        log.warning("%d roller(s) did not leave within %.0fs of the run's end", server.live_leases(),
+                    q.roller_lease_s + 2 * q.heartbeat_s)  # fmt: skip
+
+
 def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> int:
     """Train until `learner.max_steps`; returns a process exit code."""
     import torch.distributed as dist
 
     from agentrl.config import save_resolved
     from agentrl.learner.loop import build_learner, run
+    from agentrl.queue.base import QueueError
 
+    stop, received = _stop_on_signals()
     learner = build_learner(cfg.learner, cfg.run_dir)
     consumer = server = metrics = None
-    code = 0
+    code, final = 0, None
     if weight_sync is None and cfg.inference.servers:
         weight_sync = open_weight_sync(cfg, learner.rank)
     try:
@@ -69,16 +139,33 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
             log.info("learner: %d FSDP2 rank(s) on %s, model %s", learner.world_size, learner.device,
                      cfg.learner.model_path)  # fmt: skip
             save_resolved(cfg)
-            consumer, server = open_queue(cfg)
+            consumer, server = open_queue(cfg, resume)
             metrics = MetricsLogger(
                 cfg.run_dir, "learner", cfg.learner.tensorboard, cfg.learner.wandb_project
             )
         version = run(
-            learner, consumer, cfg.max_staleness, weight_sync, metrics, resume_from_checkpoint=resume
+            learner,
+            consumer,
+            cfg.max_staleness,
+            weight_sync,
+            metrics,
+            resume_from_checkpoint=resume,
+            stop=stop,
         )
-        log.info(
-            "learner done at version %d; HF checkpoint in %s", version, Path(cfg.run_dir) / "hf" / "latest"
-        )
+        if stop.is_set():
+            log.warning("stopped at version %d by %s; resumable with --resume", version,
+                        signal.Signals(received[0]).name)  # fmt: skip
+            code = 128 + received[0]
+        else:
+            log.info("learner done at version %d; HF checkpoint in %s", version,
+                     Path(cfg.run_dir) / "hf" / "latest")  # fmt: skip
+            if consumer is not None:
+                _finish_run(cfg, consumer, server)
+        if consumer is not None:
+            final = server.metrics() if server is not None else consumer.metrics()
+    except QueueError as exc:
+        log.error("%s", exc)
+        code = 1
     except KeyboardInterrupt:
         log.warning("interrupted; the latest checkpoint is resumable with --resume")
         code = 130
@@ -88,9 +175,10 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
                 closeable.close()
         if server is not None:
             server.stop()
+            final = server.metrics()
+        if final is not None:
             # the queue's final account: every group put is trained on, dropped (counted) or left queued
-            final = Path(cfg.run_dir) / "queue_final.json"
-            final.write_text(json.dumps(server.metrics(), indent=1, default=str))
+            (Path(cfg.run_dir) / "queue_final.json").write_text(json.dumps(final, indent=1, default=str))
     if dist.is_initialized():
         dist.destroy_process_group()
     return code

@@ -2,7 +2,9 @@
 
 Rollers hold a `Producer` (asyncio): `put(group)` returns once the queue has taken the
 group (after its write-ahead-log write when durable) and waits while the queue is full;
-`acquire_start(n)` is the admission gate of DESIGN.md "Versions and staleness".
+`acquire_start(n)` is the admission gate of DESIGN.md "Versions and staleness" and hands out
+the next `n` numbers of the run's shared task cursor. The zmq backend keeps a producer's
+admitted-but-unput groups under a lease that its heartbeat renews (see `zmq_admission.py`).
 Learner ranks hold a `Consumer` (blocking, usable from a torch loop): `get_batch` hands
 out whole groups admissible at the learner's version, `ack` removes them once trained on,
 `publish_version` tells admission and staleness the learner's real version.
@@ -45,6 +47,30 @@ class QueueError(RuntimeError):
     """The queue refused a request or could not be reached."""
 
 
+class QueueUnavailable(QueueError):
+    """The queue cannot be reached, refuses this client's credentials or run, or went silent:
+    the message names what to check. A producer that raised it raises it for every later call."""
+
+
+class RunOver(QueueError):
+    """The learner finished the run this queue serves: a roller exits cleanly."""
+
+
+class LeaseLapsed(QueueError):
+    """This producer's lease lapsed (no heartbeat within the lease; e.g. a network partition):
+    the queue took its admission credits back, so groups admitted under it are refused. The
+    producer has already started a fresh lease; admissions from now on are valid."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What `acquire_start(n)` grants: the learner version at the time, and tasks
+    `first_task .. first_task + n - 1` of the run's shared task cursor (-1: the backend has none)."""
+
+    version: int
+    first_task: int = -1
+
+
 @dataclass
 class Batch:
     """Whole groups admissible at the requested learner version, plus what happened on the way."""
@@ -74,8 +100,8 @@ class Producer(abc.ABC):
         """Hand one group to the queue; returns once acknowledged, waits while the queue is full."""
 
     @abc.abstractmethod
-    async def acquire_start(self, n: int = 1) -> int:
-        """Wait for permission to start `n` new groups; returns the current learner version."""
+    async def acquire_start(self, n: int = 1) -> Admission:
+        """Wait for permission to start `n` new groups; returns the version and the tasks granted."""
 
     @abc.abstractmethod
     async def release_start(self, n: int = 1) -> None:
@@ -114,6 +140,11 @@ class Consumer(abc.ABC):
     @abc.abstractmethod
     def metrics(self) -> dict[str, Any]:
         """Queue depth, bytes, groups in/out, dropped for staleness, ages at consumption."""
+
+    def finish(self) -> None:  # noqa: B027 - a no-op is the right default, not a missing override
+        """The run is over: tell the producers (the zmq queue answers them `RunOver`). Backends
+        with no channel back to the producers (Redis) do nothing; their rollers stop on `max_groups`
+        or a signal."""
 
     @abc.abstractmethod
     def close(self) -> None:

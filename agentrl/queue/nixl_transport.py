@@ -52,8 +52,10 @@ def _address(frame: Any) -> tuple[int, int]:
 class NixlProducer(ZmqProducer):
     """A `ZmqProducer` whose large groups' arrays are read by the server over NIXL."""
 
-    def __init__(self, address: str, auth: Authenticator, window_bytes: int = 256 << 20) -> None:
-        super().__init__(address, auth, window_bytes)
+    def __init__(
+        self, address: str, auth: Authenticator, window_bytes: int = 256 << 20, **kwargs: Any
+    ) -> None:
+        super().__init__(address, auth, window_bytes, **kwargs)
         self.agent_name = f"roller-{os.getpid()}-{os.urandom(4).hex()}"
         self._agent = _agent(self.agent_name)
 

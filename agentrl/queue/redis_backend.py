@@ -13,7 +13,9 @@ so a producer retrying a put never creates a second entry. Flow control: a produ
 waits while `XLEN` (queued + handed out, not yet acked) is at `capacity_groups`; several
 producers can overshoot by one group each. Admission: `<stream>:state` holds the learner
 version, `groups_per_step`, `max_staleness` and the started count, and a Lua script
-grants `acquire_start` atomically. Durability is Redis's own (AOF/RDB); the MAC of the
+grants `acquire_start` atomically, with the next numbers of a shared task cursor (`tasks`).
+There are no roller leases here (a killed roller's admitted groups are not reclaimed; that would
+take a per-producer key with a TTL and a reaper): use the zmq backend where rollers may die. Durability is Redis's own (AOF/RDB); the MAC of the
 zmq backend is replaced by Redis AUTH/TLS in the URL. The ids set grows with the run.
 """
 
@@ -27,7 +29,7 @@ from typing import Any
 
 import msgpack
 
-from agentrl.queue.base import Backend, Batch, Consumer, Producer, check_drop_reason
+from agentrl.queue.base import Admission, Backend, Batch, Consumer, Producer, check_drop_reason
 from agentrl.types import Group, decode_group, encode_group
 
 POLL_S = 0.02
@@ -75,9 +77,10 @@ if not s[3] then return {0, -1} end
 local v, started, gps, k = tonumber(s[1] or 0), tonumber(s[2] or 0), tonumber(s[3]), tonumber(s[4])
 if started + tonumber(ARGV[1]) <= (v + k + 1) * gps then
   redis.call('HINCRBY', KEYS[1], 'started', ARGV[1])
-  return {1, v}
+  local tasks = redis.call('HINCRBY', KEYS[1], 'tasks', ARGV[1])
+  return {1, v, tasks - tonumber(ARGV[1])}
 end
-return {0, v}
+return {0, v, -1}
 """
 
 
@@ -111,11 +114,11 @@ class RedisProducer(Producer):
         keys = [self.stream, f"{self.stream}:ids", f"{self.stream}:state"]
         await self._put(keys=keys, args=[group.group_id, group.min_version, lens, b"".join(frames)])
 
-    async def acquire_start(self, n: int = 1) -> int:
+    async def acquire_start(self, n: int = 1) -> Admission:
         while True:
-            granted, version = await self._acquire(keys=[f"{self.stream}:state"], args=[n])
+            granted, version, first_task = await self._acquire(keys=[f"{self.stream}:state"], args=[n])
             if granted:
-                return int(version)
+                return Admission(int(version), int(first_task))
             await _poll_pause()
 
     async def release_start(self, n: int = 1) -> None:

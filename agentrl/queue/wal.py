@@ -11,7 +11,7 @@ fsyncs each batch of writes, which survives a machine crash at a cost per batch.
 Layout: `wal-<n>.log` segments of records `[kind u8][length u64][crc32 u32][body]`.
 A torn record at the tail (crash mid-write) fails its length or CRC and the log is
 truncated there. Segments roll at `segment_bytes`; the new segment starts with a
-snapshot (learner version, started groups, recent acked ids) and the oldest segments
+snapshot (learner version, the task cursor, recent acked ids) and the oldest segments
 are deleted once every group they hold is acked.
 """
 
@@ -45,7 +45,8 @@ class Recovered:
     groups: dict[str, list[bytes]] = field(default_factory=dict)  # gid -> frames, in put order
     acked: OrderedDict[str, None] = field(default_factory=OrderedDict)
     version: int = 0
-    started: int = 0
+    tasks: int = 0
+    """The task cursor (tasks handed out with admission so far)."""
 
 
 def _frames_body(gid: str, frames: Sequence[Any]) -> list[Any]:
@@ -123,10 +124,10 @@ class WriteAheadLog:
                 self._untrack(gid)
                 out.acked[gid] = None
         elif kind == META:
-            out.version, out.started = msgpack.unpackb(body)
+            out.version, out.tasks = msgpack.unpackb(body)
         elif kind == SNAPSHOT:
             snap = msgpack.unpackb(body)
-            out.version, out.started = snap["version"], snap["started"]
+            out.version, out.tasks = snap["version"], snap.get("tasks", snap.get("started", 0))
             out.acked.update((gid, None) for gid in snap["acked"])
         while len(out.acked) > MAX_REMEMBERED_ACKS:
             out.acked.popitem(last=False)
@@ -162,8 +163,8 @@ class WriteAheadLog:
         for gid in gids:
             self._untrack(gid)
 
-    def append_meta(self, version: int, started: int) -> None:
-        self._write(META, [msgpack.packb([version, started])])
+    def append_meta(self, version: int, tasks: int) -> None:
+        self._write(META, [msgpack.packb([version, tasks])])
 
     def commit(self) -> None:
         """Make the appends so far durable (page cache, plus fsync when asked)."""
@@ -174,14 +175,14 @@ class WriteAheadLog:
             os.fsync(self._file.fileno())
         self._dirty = False
 
-    def maybe_roll(self, version: int, started: int, acked: Iterable[str]) -> None:
+    def maybe_roll(self, version: int, tasks: int, acked: Iterable[str]) -> None:
         """Start a new segment when this one is full; delete leading segments with no live group."""
         if self._file.tell() >= self.segment_bytes:
             self.commit()
             self._file.close()
             self._segment += 1
             self._file = open(self._path(self._segment), "ab")  # noqa: SIM115
-            snap = {"version": version, "started": started, "acked": list(acked)[-MAX_REMEMBERED_ACKS:]}
+            snap = {"version": version, "tasks": tasks, "acked": list(acked)[-MAX_REMEMBERED_ACKS:]}
             self._write(SNAPSHOT, [msgpack.packb(snap)])
             self.commit()
             self._older.append(self._segment - 1)

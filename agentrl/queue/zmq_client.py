@@ -11,11 +11,20 @@ waiting in `get_batch` or `ack`.
 The producer coalesces puts that are waiting to be sent into one message (up to
 `COALESCE_BYTES`), which is what makes small groups cheap; a large group goes alone.
 Arrays are sent with `copy=False`: do not modify a group's arrays after `put`.
+
+Every producer message carries its lease (`l`), the admission credits it holds (`h`), who it
+is (`w`) and, once known, the run (`r`); its heartbeat (`_ping_loop`, every `heartbeat_s`)
+keeps the lease alive (see `zmq_admission.py`). Nobody waits in silence: a producer that hears
+nothing within `connect_timeout_s` (a wrong address, or a wrong secret: the server answers no
+message whose MAC fails, and logs it at WARNING), that belongs to another run, or whose queue stays silent for `silent_timeout_s` fails every call with
+`QueueUnavailable` naming what to check; a finished run fails them with `RunOver`; a lapsed
+lease fails the puts admitted under it with `LeaseLapsed` and starts a fresh lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -28,7 +37,18 @@ import zmq.asyncio
 
 from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
-from agentrl.queue.base import Backend, Batch, Consumer, Producer, QueueError, check_drop_reason
+from agentrl.queue.base import (
+    Admission,
+    Backend,
+    Batch,
+    Consumer,
+    LeaseLapsed,
+    Producer,
+    QueueError,
+    QueueUnavailable,
+    RunOver,
+    check_drop_reason,
+)
 from agentrl.queue.frames import pack, unpack
 from agentrl.types import Group, decode_group, encode_group
 
@@ -82,9 +102,30 @@ class ByteWindow:
 class ZmqProducer(Producer):
     """Sends groups to the queue server; one per roller process, shared by its coroutines."""
 
-    def __init__(self, address: str, auth: Authenticator, window_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        address: str,
+        auth: Authenticator,
+        window_bytes: int = 256 << 20,
+        heartbeat_s: float = 2.0,
+        connect_timeout_s: float = 30.0,
+        silent_timeout_s: float = 120.0,
+        run_id: str | None = None,
+        name: str = "producer",
+        secret_env: str = "AGENTRL_QUEUE_SECRET",
+    ) -> None:
         self.address = address
         self.auth = auth
+        self.name = name
+        self.heartbeat_s = heartbeat_s
+        self.connect_timeout_s = connect_timeout_s
+        self.silent_timeout_s = silent_timeout_s
+        self.run_id = run_id
+        self.secret_env = secret_env
+        self.lease = self._new_lease()
+        self.held = 0  # admission credits granted and not yet spent by a put or given back
+        self.fatal: QueueError | None = None
+        self.lapses = 0
         self._window = ByteWindow(window_bytes)
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[dict, list, asyncio.Future]] = {}  # rid -> (ctl, frames, future)
@@ -93,8 +134,15 @@ class ZmqProducer(Producer):
         self._version = 0
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
+        self._t0 = self._last_heard = 0.0
+        self._heard = False
+
+    def _new_lease(self) -> str:
+        return f"{self.name}-{os.getpid()}-{os.urandom(3).hex()}"
 
     def _ensure_started(self) -> None:
+        if self.fatal is not None:
+            raise self.fatal
         if self._sock is not None:
             return
         self._ctx = zmq.asyncio.Context()
@@ -102,6 +150,7 @@ class ZmqProducer(Producer):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)
         self._wake = asyncio.Event()
+        self._t0 = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._send_loop(), name="queue-producer-send"),
             asyncio.create_task(self._recv_loop(), name="queue-producer-recv"),
@@ -134,14 +183,15 @@ class ZmqProducer(Producer):
     async def _send_group(self, group: Group, frames: list) -> None:
         await self._call({"k": "put", "gid": group.group_id}, frames)
 
-    async def acquire_start(self, n: int = 1) -> int:
+    async def acquire_start(self, n: int = 1) -> Admission:
         ctl = {"k": "acq", "n": n}
         try:
-            return (await self._call(ctl))["v"]
+            reply = await self._call(ctl)
         except asyncio.CancelledError:  # withdraw the request, or give back what was granted
-            if self._sock is not None:
-                await self._send(msgpack.packb({"k": "cancel", "rid": ctl["rid"], "n": n}), [])
+            if self._sock is not None and self.fatal is None:
+                await self._send({"k": "cancel", "rid": ctl["rid"], "n": n}, [])
             raise
+        return Admission(reply["v"], reply.get("t", -1))
 
     async def release_start(self, n: int = 1) -> None:
         await self._call({"k": "rel", "n": n})
@@ -159,7 +209,7 @@ class ZmqProducer(Producer):
                     continue
                 ctl, frames, _ = self._pending[rid]
                 if ctl["k"] != "put":
-                    await self._send(msgpack.packb(ctl), frames)
+                    await self._send(ctl, frames)
                     continue
                 items, payload, size = [[rid, ctl["gid"], len(frames)]], list(frames), sum(map(len, frames))
                 while self._outbox and size < COALESCE_BYTES and len(items) < COALESCE_GROUPS:
@@ -171,10 +221,18 @@ class ZmqProducer(Producer):
                     payload.extend(nxt[1])
                     size += sum(map(len, nxt[1]))
                 lens, counts, segments = pack(payload)
-                control = {"k": "put", "items": items, "lens": lens, "segs": counts}
-                await self._send(msgpack.packb(control), segments)
+                await self._send({"k": "put", "items": items, "lens": lens, "segs": counts}, segments)
 
-    async def _send(self, control: bytes, payload: list) -> None:
+    def _stamp(self, ctl: dict) -> bytes:
+        """The control frame with this producer's lease, credits, name and run (read at send time,
+        so a restarted server learns what the producer holds now)."""
+        ctl = {**ctl, "l": self.lease, "h": self.held, "w": self.name}
+        if self.run_id is not None:
+            ctl["r"] = self.run_id
+        return msgpack.packb(ctl)
+
+    async def _send(self, ctl: dict, payload: list) -> None:
+        control = self._stamp(ctl)
         await self._sock.send_multipart([self.auth.sign(control, payload), control, *payload], copy=False)
 
     async def _recv_loop(self) -> None:
@@ -186,37 +244,131 @@ class ZmqProducer(Producer):
             except (AuthError, ValueError, IndexError) as exc:
                 log.warning("producer ignored a reply that failed its check: %s", exc)
                 continue
+            self._heard, self._last_heard = True, time.monotonic()
+            if self._check_run(ctl):
+                return
             self._version = ctl.get("v", self._version)
             if self._epoch is not None and ctl.get("e") != self._epoch:
                 log.warning(
-                    "queue server restarted (epoch %s -> %s): re-sending %d requests",
+                    "queue server restarted (epoch %s -> %s): re-sending %d requests under lease %s "
+                    "(%d credits held)",
                     self._epoch,
                     ctl.get("e"),
                     len(self._pending),
+                    self.lease,
+                    self.held,
                 )
                 self._outbox.extend(sorted(self._pending))
                 self._wake.set()
             self._epoch = ctl.get("e")
+            if ctl.get("code") == "lapsed":
+                self._lapsed()
+                continue
             for rid in ctl.get("rids", [ctl.get("rid")]):
                 waiting = self._pending.get(rid)
                 if waiting is None or waiting[2].done():
                     continue
-                if ctl["k"] == "err":
-                    waiting[2].set_exception(QueueError(f"queue server refused the request: {ctl['msg']}"))
-                else:
-                    waiting[2].set_result(ctl)
+                self._settle(waiting[0], waiting[2], ctl)
+
+    def _settle(self, request: dict, future: asyncio.Future, reply: dict) -> None:
+        kind = request["k"]
+        if kind in ("put", "nput"):
+            self.held = max(0, self.held - 1)  # stored, deduplicated or refused: the credit is spent
+        elif kind == "acq" and reply["k"] == "ok":
+            self.held += int(request["n"])
+        elif kind == "rel":
+            self.held = max(0, self.held - int(request["n"]))
+        if reply["k"] != "err":
+            future.set_result(reply)
+        elif reply.get("code") == "finished":
+            future.set_exception(RunOver(f"the run is over (learner finished at version {reply.get('v')})"))
+        else:
+            future.set_exception(QueueError(f"queue server refused the request: {reply['msg']}"))
+
+    def _check_run(self, ctl: dict) -> bool:
+        """Adopt the server's run id, or fail on another run's queue / a finished run; True: stop."""
+        run = ctl.get("r")
+        if self.run_id is None and run is not None:
+            self.run_id = run
+            log.info("joined run %s on the queue at %s", run, self.address)
+        if ctl.get("code") == "run" or (run is not None and run != self.run_id):
+            self._fail(
+                QueueUnavailable(
+                    f"the queue at {self.address} now serves run {run!r}, not this roller's run {self.run_id!r}: "
+                    "the run it joined is over (or queue.run_id differs); not joining another run"
+                )
+            )
+            return True
+        if ctl.get("fin"):
+            self._fail(RunOver(f"the run is over: the learner finished at version {ctl.get('v')}"))
+            return True
+        return False
+
+    def _lapsed(self) -> None:
+        """The queue reclaimed our lease: puts admitted under it are refused, and we start afresh."""
+        old, self.lease, self.held = self.lease, self._new_lease(), 0
+        self.lapses += 1
+        failed = 0
+        for ctl, _, future in list(self._pending.values()):
+            if ctl["k"] in ("put", "nput") and not future.done():
+                future.set_exception(LeaseLapsed(f"lease {old} lapsed; group {ctl['gid']} was not taken"))
+                failed += 1
+            elif ctl["k"] == "rel" and not future.done():
+                future.set_result({"k": "ok", "v": self._version})  # nothing left to give back
+        log.warning(
+            "queue says lease %s lapsed (no message reached it within queue.roller_lease_s; a partition or "
+            "a stall): %d puts under it refused; continuing under lease %s",
+            old,
+            failed,
+            self.lease,
+        )
+        self._outbox.extend(sorted(rid for rid, p in self._pending.items() if not p[2].done()))
+        self._wake.set()
+
+    def _fail(self, exc: QueueError) -> None:
+        """Every pending and later call raises `exc`."""
+        if self.fatal is not None:
+            return
+        self.fatal = exc
+        log.error("%s", exc) if not isinstance(exc, RunOver) else log.info("%s", exc)
+        for _, _, future in self._pending.values():
+            if not future.done():
+                future.set_exception(exc)
 
     async def _ping_loop(self) -> None:
-        ping = {"k": "ping", "rid": 0}
-        while True:
-            await asyncio.sleep(PING_S)
-            await self._send(msgpack.packb(ping), [])
+        """The heartbeat: renews the lease, detects a restarted server, and times the silences."""
+        while self.fatal is None:
+            await self._send({"k": "ping", "rid": 0}, [])
+            await asyncio.sleep(self.heartbeat_s)
+            now = time.monotonic()
+            if not self._heard and now - self._t0 > self.connect_timeout_s:
+                self._fail(
+                    QueueUnavailable(
+                        f"no answer from the queue at {self.address} within queue.connect_timeout_s="
+                        f"{self.connect_timeout_s:g}s: check the address (the learner's queue.address, or "
+                        "`agentrl queue --bind`), that the learner or queue is running and reachable from "
+                        f"here, and that ${self.secret_env} holds the queue's secret (a message with a wrong "
+                        "MAC is never answered; the queue logs it)"
+                    )
+                )
+            elif self._heard and now - self._last_heard > self.silent_timeout_s:
+                self._fail(
+                    QueueUnavailable(
+                        f"the queue at {self.address} has been silent for {now - self._last_heard:.0f}s "
+                        f"(queue.silent_timeout_s={self.silent_timeout_s:g}): the learner or queue is gone"
+                    )
+                )
 
     def close(self) -> None:
+        """Give back the credits still held (a `bye`, best effort) and release the socket."""
         for task in self._tasks:
             task.cancel()
         if self._sock is not None:
-            self._sock.close(linger=0)
+            if self.fatal is None or isinstance(self.fatal, RunOver):
+                control = self._stamp({"k": "bye", "rid": 0})
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.send_multipart([self.auth.sign(control, []), control], flags=zmq.NOBLOCK)
+            self._sock.close(linger=500)
             self._ctx.term()
             self._sock = None
 
@@ -224,10 +376,21 @@ class ZmqProducer(Producer):
 class ZmqConsumer(Consumer):
     """A learner rank's handle on the queue; blocking calls, one rank per `name`."""
 
-    def __init__(self, address: str, name: str, auth: Authenticator, server: Any = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        name: str,
+        auth: Authenticator,
+        server: Any = None,
+        hello: dict | None = None,
+        connect_timeout_s: float = 30.0,
+    ) -> None:
         """With `server` (a `QueueServer` in this process) batches come as the server's already
-        validated `Group` objects over its inproc socket: no frames copied, nothing decoded twice."""
+        validated `Group` objects over its inproc socket: no frames copied, nothing decoded twice.
+        `hello`: what the queue checks this learner against (groups per step and
+        staleness as `gps`, `ms`; `r`: run id); no answer within `connect_timeout_s` raises `QueueUnavailable`."""
         self.name = name
+        self.address = address
         self._server = server
         context = server.context if server is not None else None
         self.auth = auth
@@ -240,7 +403,20 @@ class ZmqConsumer(Consumer):
         self._epoch: str | None = None
         self._buffer: list[tuple[Group, float, int]] = []  # delivered, not yet returned
         self._held: set[str] = set()  # delivered to this consumer and not acked
-        self._call({"k": "hello", "c": name})
+        self._resume_tasks = 0
+        try:
+            reply, _ = self._call({"k": "hello", "c": name, **(hello or {})}, timeout_s=connect_timeout_s)
+        except TimeoutError:
+            self.close()
+            raise QueueUnavailable(
+                f"no answer from the queue at {address} within queue.connect_timeout_s={connect_timeout_s:g}s: "
+                "check queue.address, that `agentrl queue` is running there, and the secret in "
+                "queue.secret_env"
+            ) from None
+        except QueueError:
+            self.close()
+            raise
+        self.run_id = reply.get("r")
 
     def _send(self, ctl: dict) -> None:
         body = msgpack.packb(ctl)
@@ -283,7 +459,8 @@ class ZmqConsumer(Consumer):
                 self._take(reply, msg[2:])  # answer to an earlier request that timed out
             elif reply.get("rid") == ctl["rid"] and reply["rid"] != 0:
                 if reply["k"] == "err":
-                    raise QueueError(f"queue server refused {ctl['k']!r}: {reply['msg']}")
+                    cls = QueueUnavailable if reply.get("code") in ("run", "config") else QueueError
+                    raise cls(f"queue server refused {ctl['k']!r}: {reply['msg']}")
                 return reply, msg[2:]
 
     def _take(self, reply: dict, segments: list) -> None:
@@ -343,7 +520,18 @@ class ZmqConsumer(Consumer):
             self._held.difference_update(group_ids)
 
     def publish_version(self, version: int) -> None:
-        self._call({"k": "pub", "v": int(version)})
+        """The learner's version, and a resumed learner's task cursor (the queue keeps the larger)."""
+        self._call({"k": "pub", "v": int(version), "t": self._resume_tasks})
+
+    def finish(self) -> None:
+        self._call({"k": "fin"}, timeout_s=10.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the queue: its task cursor (so a resumed run does not replay tasks)."""
+        return {"tasks_issued": int(self.metrics().get("tasks_issued", 0))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume_tasks = int(state.get("tasks_issued", 0))
 
     def metrics(self) -> dict[str, Any]:
         return self._call({"k": "stats"})[0]["m"]
@@ -365,17 +553,36 @@ class ZmqBackend(Backend):
 
         return QueueServer(self.config, groups_per_step, max_staleness, **kwargs)
 
-    def producer(self, address: str | None = None, **kwargs: Any) -> ZmqProducer:
+    def producer(self, address: str | None = None, name: str = "producer", **kwargs: Any) -> ZmqProducer:
+        """`name` (e.g. `roller-3`) names the producer's lease in the queue's logs."""
         cls = ZmqProducer
         if self.config.nixl:
             from agentrl.queue.nixl_transport import NixlProducer as cls
-        return cls(address or self.config.address, _auth_for(self.config), self.config.producer_window_bytes)
+        c = self.config
+        return cls(
+            address or c.address,
+            _auth_for(c),
+            c.producer_window_bytes,
+            heartbeat_s=c.heartbeat_s,
+            connect_timeout_s=c.connect_timeout_s,
+            silent_timeout_s=c.silent_timeout_s,
+            run_id=c.run_id,
+            name=name,
+            secret_env=c.secret_env,
+        )
 
-    def consumer(self, name: str = "rank0", server: Any = None, address: str | None = None) -> ZmqConsumer:
-        """With `server` (hosted in this process) the consumer uses its inproc socket: no MAC, no copy."""
+    def consumer(
+        self, name: str = "rank0", server: Any = None, address: str | None = None, hello: dict | None = None
+    ) -> ZmqConsumer:
+        """With `server` (hosted in this process) the consumer uses its inproc socket: no MAC, no copy.
+        `hello` (see `ZmqConsumer`) is checked by the queue; `queue.run_id`, when set, is added to it."""
+        hello = {**(hello or {}), **({"r": self.config.run_id} if self.config.run_id else {})}
         if server is not None:
-            return ZmqConsumer(server.inproc_address, name, Authenticator(None), server=server)
-        return ZmqConsumer(address or self.config.address, name, _auth_for(self.config))
+            return ZmqConsumer(server.inproc_address, name, Authenticator(None), server=server, hello=hello)
+        return ZmqConsumer(
+            address or self.config.address, name, _auth_for(self.config), hello=hello,
+            connect_timeout_s=self.config.connect_timeout_s,
+        )  # fmt: skip
 
 
 def unique_name(prefix: str = "consumer") -> str:

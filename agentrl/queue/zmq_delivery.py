@@ -8,8 +8,11 @@ mixin holds what the learner ranks and the admission gate ask of it:
   request waits, up to its deadline, until n are queued; FIFO or oldest-first;
 - `ack`: trained on; forgotten (and an ack record in the WAL); acks with `drop` = stale / skipped count as drops and return admission;
 - `hello`: a rank (re)started under its name gets back what it held and had not acked;
-- `pub`: the learner's version; `acq` / `rel` / `cancel`: admission of new groups, granted
-  while `started + n <= (v + max_staleness + 1) * groups_per_step`.
+- `pub`: the learner's version (admission, in `zmq_admission.py`, follows it).
+
+Every group put ends in exactly one of: trained (`trained`), dropped (`dropped_stale`,
+`dropped_skipped`), still queued (`depth`) or handed out (`inflight`):
+`groups_in == trained + dropped_stale + dropped_skipped + depth + inflight`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import zmq
 
 from agentrl.queue.base import DROP_REASONS
 from agentrl.queue.frames import pack
+from agentrl.queue.zmq_admission import PeerRefused
 from agentrl.types import Group
 
 
@@ -37,6 +41,7 @@ class _Entry:
     group: Group | None = None  # decoded (validated) views of `frames`
     holder: str | None = None
     lease_until: float = 0.0
+    handed_version: int = -1  # the learner version it was last handed out for
 
 
 @dataclass
@@ -56,7 +61,7 @@ _NO_VERSION = np.iinfo(np.int32).max
 
 
 class Delivery:
-    """Mixin of `QueueServer`: get / ack / hello / pub / acq handlers (its state lives there)."""
+    """Mixin of `QueueServer`: get / ack / hello / pub / stats handlers (its state lives there)."""
 
     def _drop_stale(self, version: int, max_staleness: int) -> int:
         if self._low_version >= version - max_staleness:  # nothing queued can be stale: skip the scan
@@ -73,10 +78,9 @@ class Delivery:
             self._forget(entry)
         if stale:
             self.counters["dropped_stale"] += len(stale)
-            self.started = max(0, self.started - len(stale))  # admission replaces them
+            self._ledger("dropped_stale", [e.gid for e in stale])
             if self.wal is not None:
                 self.wal.append_ack([e.gid for e in stale])
-                self.wal.append_meta(self.version, self.started)
             self._admit_parked()
             self._grant_acqs()
         return len(stale)
@@ -84,6 +88,16 @@ class Delivery:
     # ---------------------------------------------------------------- consumers
 
     def _on_hello(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        for key, mine, field in (
+            ("gps", self.groups_per_step, "learner.groups_per_step"),
+            ("ms", self.max_staleness, "max_staleness"),
+        ):
+            if ctl.get(key) is not None and int(ctl[key]) != mine:
+                raise PeerRefused(
+                    "config",
+                    f"{field}: the learner has {ctl[key]} but this queue was started with {mine}; "
+                    "start `agentrl queue` with the learner's config",
+                )
         held = [e for e in self._inflight.values() if e.holder == ctl["c"]]
         self._requeue(held)
         self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"], "requeued": len(held)})
@@ -111,7 +125,7 @@ class Delivery:
             raise ValueError(f"get: num_groups must be 1..capacity_groups={self.config.capacity_groups}")
         timeout = ctl.get("t")
         deadline = None if timeout is None else time.monotonic() + float(timeout)
-        self.version = max(self.version, int(ctl["v"]))
+        self._set_version(max(self.version, int(ctl["v"])))
         self._gets[ident] = _Get(sock, ident, rid, n, int(ctl["v"]), int(ctl["s"]), deadline, ctl["c"])
         self._serve_gets()
 
@@ -128,7 +142,7 @@ class Delivery:
             now, lease = time.time(), time.monotonic() + self.config.lease_s
             for entry in chosen:
                 del self._queued[entry.gid]
-                entry.holder, entry.lease_until = get.name, lease
+                entry.holder, entry.lease_until, entry.handed_version = get.name, lease, get.version
                 self._inflight[entry.gid] = entry
                 self._ages.append(now - entry.t_in)
             self.counters["groups_out"] += len(chosen)
@@ -155,16 +169,18 @@ class Delivery:
             return {e.gid: e.group for e in entries if e is not None}
 
     def _on_ack(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
-        done = []
+        done, reason = [], ctl.get("drop")
         for gid in ctl["ids"]:
             entry = self._inflight.pop(gid, None) or self._queued.pop(gid, None)
             if entry is not None:
                 self._forget(entry)
                 done.append(gid)
-        reason = ctl.get("drop")
-        if done and reason is not None and reason in DROP_REASONS:
-            self.counters[f"dropped_{reason}"] += len(done)
-            self.started = max(0, self.started - len(done))
+                if reason is None:
+                    self._trained(entry.handed_version)
+        if done and reason in DROP_REASONS:
+            counter = "trained" if reason is None else f"dropped_{reason}"
+            self.counters[counter] += len(done)
+            self._ledger(counter, done)
             self._grant_acqs()
         if done and self.wal is not None:
             self.wal.append_ack(done)
@@ -173,9 +189,10 @@ class Delivery:
         self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"], "acked": len(done)})
 
     def _on_pub(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
-        self.version = int(ctl["v"])
+        self._set_version(int(ctl["v"]))
+        self.tasks_issued = max(self.tasks_issued, int(ctl.get("t", 0)))  # a resumed learner's cursor
         if self.wal is not None:
-            self.wal.append_meta(self.version, self.started)
+            self.wal.append_meta(self.version, self.tasks_issued)
         self._drop_stale(self.version, self.max_staleness)
         self._grant_acqs()
         self._serve_gets()
@@ -186,36 +203,3 @@ class Delivery:
 
     def _on_ping(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
         self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"]})
-
-    # ---------------------------------------------------------------- admission
-
-    def _on_acq(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
-        n = int(ctl["n"])
-        if not 1 <= n <= self.groups_per_step * (self.max_staleness + 1):
-            raise ValueError(f"acq: n must be 1..{self.groups_per_step * (self.max_staleness + 1)}")
-        self._acqs.append((sock, ident, ctl["rid"], n))
-        self._grant_acqs()
-
-    def _on_cancel(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
-        for i, (_, who, rid, _) in enumerate(self._acqs):
-            if who == ident and rid == ctl["rid"]:
-                del self._acqs[i]
-                return
-        self.started = max(0, self.started - int(ctl["n"]))  # it had been granted already
-        self._grant_acqs()
-
-    def _on_rel(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
-        self.started = max(0, self.started - int(ctl["n"]))
-        self._grant_acqs()
-        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"]})
-
-    def _grant_acqs(self) -> None:
-        limit = (self.version + self.max_staleness + 1) * self.groups_per_step
-        granted = False
-        while self._acqs and self.started + self._acqs[0][3] <= limit:
-            sock, ident, rid, n = self._acqs.popleft()
-            self.started += n
-            granted = True
-            self._reply(sock, ident, {"k": "ok", "rid": rid})
-        if granted and self.wal is not None:
-            self.wal.append_meta(self.version, self.started)

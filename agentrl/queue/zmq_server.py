@@ -11,12 +11,14 @@ groups may share one message). Payload frames are received with `copy=False`, ke
 they arrived and forwarded to the consumer as the same buffers.
 
 This file holds the sockets, the loop, puts, capacity and the WAL; handing groups out
-(get / ack / versions / admission) is the `Delivery` mixin in `zmq_delivery.py`.
+(get / ack / versions) is the `Delivery` mixin in `zmq_delivery.py`, and admission under
+rollers' leases (acq / rel / heartbeats / run id / finish) the `Admission` mixin in
+`zmq_admission.py`. Every message is first checked against the run and the sender's lease.
 
 What the loop does each turn (`_loop`):
 1. receive what is waiting on both sockets and handle each message (`_handle`);
-2. expire leases (unacked groups go back to the queue) and answer `get`s whose deadline
-   passed;
+2. expire leases (unacked groups go back to the queue; lapsed rollers' admission credits are
+   reclaimed) and answer `get`s whose deadline passed;
 3. commit the write-ahead log, then send the replies — so a producer's ack always
    follows the WAL write of its group. Without fsync, puts are acked after each message
    instead (commit, then send), so a producer refills its window while the next message is
@@ -25,14 +27,18 @@ What the loop does each turn (`_loop`):
 
 Flow control: queued plus handed-out groups stay within `capacity_groups` and
 `capacity_bytes`; a put that does not fit is held unanswered until room frees up, so
-`Producer.put` waits (each producer also bounds its unacknowledged bytes). Admission:
-`acq` requests are granted while `started + n <= (v + max_staleness + 1) * groups_per_step`;
-groups dropped as stale (or in a step the learner skipped) give their admission back so rollers
-replace them.
+`Producer.put` waits (each producer also bounds its unacknowledged bytes). Admission is
+derived from what is in flight (see `zmq_admission.py`), so groups dropped as stale (or in a
+step the learner skipped) give their admission back by leaving, and rollers replace them.
+
+With a `ledger` path the server appends one JSON line per trained / dropped batch of group
+ids, and at `stop()` the ids still held: the per-group account of `tests/integration/faults_account.py`.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import signal
 import threading
@@ -46,14 +52,17 @@ import zmq
 
 from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
+from agentrl.queue.base import QueueError
 from agentrl.queue.frames import unpack
 from agentrl.queue.wal import MAX_REMEMBERED_ACKS, WriteAheadLog
+from agentrl.queue.zmq_admission import Admission, PeerRefused
 from agentrl.queue.zmq_delivery import _NO_VERSION, Delivery, _Entry, _Get
 from agentrl.types import Group, WireError, decode_groups
 
 log = get_logger("queue.server")
 
 COALESCE_SLACK = 8 << 20  # a put message may carry several small groups beyond one group's limit
+REFUSAL_LOG_S = 10.0  # refusals are logged at WARNING at most this often (with the count since)
 
 
 def _recv(sock: zmq.Socket) -> list[zmq.Frame]:
@@ -65,7 +74,22 @@ def _recv(sock: zmq.Socket) -> list[zmq.Frame]:
     return msg
 
 
-class QueueServer(Delivery):
+def _run_id(given: str | None, wal_dir: Path | None) -> str:
+    """The given run id, else the one a durable queue recorded in its WAL folder, else a new one."""
+    if given:
+        return given
+    if wal_dir is None:
+        return os.urandom(6).hex()
+    path = wal_dir / "run_id"
+    if path.exists():
+        return path.read_text().strip()
+    wal_dir.mkdir(parents=True, exist_ok=True)
+    run_id = os.urandom(6).hex()
+    path.write_text(run_id + "\n")
+    return run_id
+
+
+class QueueServer(Admission, Delivery):
     """The queue's state machine and its socket thread. `start()`, `stop()`, `metrics()`."""
 
     def __init__(
@@ -75,7 +99,11 @@ class QueueServer(Delivery):
         max_staleness: int,
         bind: str | None = None,
         wal_dir: str | Path | None = None,
+        run_id: str | None = None,
+        ledger: str | Path | None = None,
     ) -> None:
+        """`run_id`: the run this queue serves (else `config.run_id`, else the WAL's, else new).
+        `ledger`: a JSONL file of trained / dropped group ids (see the module docstring)."""
         self.config = config
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
@@ -87,8 +115,13 @@ class QueueServer(Delivery):
         self.epoch = os.urandom(4).hex()
         self.endpoint: str | None = None
         self.wal: WriteAheadLog | None = None
-        if config.durable:
-            self.wal = WriteAheadLog(wal_dir or config.wal_dir or "runs/default/queue_wal", config.wal_fsync)
+        wal_path = Path(wal_dir or config.wal_dir or "runs/default/queue_wal") if config.durable else None
+        if wal_path is not None:
+            self.wal = WriteAheadLog(wal_path, config.wal_fsync)
+        self._ledger_file = None
+        if ledger is not None:
+            Path(ledger).parent.mkdir(parents=True, exist_ok=True)
+            self._ledger_file = open(ledger, "a", buffering=1)  # noqa: SIM115 - closed in stop()
         self._queued: dict[str, _Entry] = {}
         self._inflight: dict[str, _Entry] = {}
         self._acked: OrderedDict[str, None] = OrderedDict()
@@ -96,11 +129,9 @@ class QueueServer(Delivery):
         self._parked_ids: set[str] = set()
         self._gets: dict[bytes, _Get] = {}
         self._last_batch: dict[bytes, tuple[int, list[str]]] = {}
-        self._acqs: deque[tuple[zmq.Socket, bytes, int, int]] = deque()
         self._replies: list[tuple[zmq.Socket, bytes, dict, list]] = []
         self._put_acks: dict[tuple[zmq.Socket, bytes], list[int]] = {}
         self.version = 0
-        self.started = 0
         self._low_version = _NO_VERSION  # lower bound of min_version over queued groups
         self._next_lease_check = 0.0
         self._seq = 0
@@ -110,6 +141,7 @@ class QueueServer(Delivery):
             (
                 "groups_in",
                 "groups_out",
+                "trained",
                 "bytes_in",
                 "dropped_stale",
                 "dropped_skipped",
@@ -122,6 +154,8 @@ class QueueServer(Delivery):
             ),
             0,
         )
+        self._init_admission(_run_id(run_id or config.run_id, wal_path))
+        self._refusals: dict[str, list[float]] = {}  # kind -> [count since logged, last logged]
         self._nixl: Any = None
         self._nixl_busy: set[str] = set()
         if getattr(config, "nixl", False):
@@ -145,7 +179,13 @@ class QueueServer(Delivery):
         self._ready.wait()
         if self._error is not None:
             raise self._error
-        log.info("queue server on %s (epoch %s, durable=%s)", self.endpoint, self.epoch, self.wal is not None)
+        log.info(
+            "queue server on %s (run %s, epoch %s, durable=%s)",
+            self.endpoint,
+            self.run_id,
+            self.epoch,
+            self.wal is not None,
+        )
         return self
 
     def stop(self) -> None:
@@ -156,6 +196,10 @@ class QueueServer(Delivery):
         with self._lock:
             if self.wal is not None:
                 self.wal.close()
+            if self._ledger_file is not None and not self._ledger_file.closed:
+                held = [*self._queued, *self._inflight, *self._parked_ids]
+                self._ledger_file.write(json.dumps({"remaining": held}) + "\n")
+                self._ledger_file.close()
         if not self.context.closed:
             self.context.term()
 
@@ -167,7 +211,7 @@ class QueueServer(Delivery):
     def _recover(self) -> None:
         found = self.wal.recover()
         self._acked = found.acked
-        self.version, self.started = found.version, found.started
+        self.version, self.tasks_issued = found.version, found.tasks
         decoded = decode_groups(list(found.groups.values()), max_bytes=self.config.max_message_bytes)
         for (gid, frames), result in zip(found.groups.items(), decoded, strict=True):
             if isinstance(result, WireError):  # the WAL checksums records, so this is a version skew
@@ -184,6 +228,16 @@ class QueueServer(Delivery):
             public = self._socket(self.bind)
             local = self._socket(self.inproc_address)
             self.endpoint = public.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                exc = QueueError(
+                    f"queue.address {self.bind}: address already in use (another learner or `agentrl queue` "
+                    "is bound there). To consume from that standalone queue, run the learner with "
+                    "--queue.standalone true; otherwise pick a free port"
+                )
+            self._error = exc
+            self._ready.set()
+            return
         except Exception as exc:
             self._error = exc
             self._ready.set()
@@ -223,7 +277,7 @@ class QueueServer(Delivery):
                 self._tick()
                 if self.wal is not None:
                     self.wal.commit()
-                    self.wal.maybe_roll(self.version, self.started, self._acked)
+                    self.wal.maybe_roll(self.version, self.tasks_issued, self._acked)
             self._flush()
 
     def _socket(self, address: str) -> zmq.Socket:
@@ -250,7 +304,10 @@ class QueueServer(Delivery):
             self._auth[self._names[sock]].verify(mac, control, payload)
         except AuthError as exc:
             self.counters["refused_auth"] += 1
-            log.debug("refused message: %s", exc)
+            # never answered (an unauthenticated peer learns nothing); the client times out and says
+            # to check the secret, and this WARNING says who is knocking
+            self._log_refusal("auth", f"refused a message that failed its MAC ({exc}): a client with another "
+                              f"secret than ${self.config.secret_env}, or not an agentrl client")  # fmt: skip
             return
         ctl: Any = None
         try:
@@ -263,7 +320,12 @@ class QueueServer(Delivery):
             handler = getattr(self, f"_on_{ctl['k']}", None)
             if handler is None:
                 raise WireError(f"unknown message kind {ctl['k']!r}")
+            self._check_peer(ctl)
             handler(sock, ident, ctl, payload)
+        except PeerRefused as exc:
+            self.counters[f"refused_{exc.code}"] += 1
+            self._log_refusal(exc.code, str(exc))
+            self._reply(sock, ident, {"k": "err", "rid": ctl.get("rid"), "code": exc.code, "msg": str(exc)})
         except Exception as exc:  # whatever an authenticated peer sent, the server keeps serving
             self.counters["refused_corrupt"] += 1
             log.warning("refused corrupt message: %s: %s", type(exc).__name__, exc)
@@ -273,9 +335,24 @@ class QueueServer(Delivery):
                 {"k": "err", "rid": ctl.get("rid") if isinstance(ctl, dict) else None, "msg": str(exc)},
             )
 
+    def _log_refusal(self, kind: str, message: str) -> None:
+        """WARNING for the first refusal of a kind and then at most every REFUSAL_LOG_S, with the count."""
+        count_last = self._refusals.setdefault(kind, [0, -REFUSAL_LOG_S])
+        count_last[0] += 1
+        now = time.monotonic()
+        if now - count_last[1] >= REFUSAL_LOG_S:
+            log.warning("%s (%d such refusal(s) since the last report)", message, count_last[0])
+            count_last[:] = [0, now]
+
     def _reply(self, sock: zmq.Socket, ident: bytes, ctl: dict, frames: list | None = None) -> None:
-        ctl["e"], ctl["v"] = self.epoch, self.version
+        ctl["e"], ctl["v"], ctl["r"] = self.epoch, self.version, self.run_id
+        if self.finished:
+            ctl["fin"] = 1
         self._replies.append((sock, ident, ctl, frames or []))
+
+    def _ledger(self, kind: str, gids: list[str]) -> None:
+        if self._ledger_file is not None and gids:
+            self._ledger_file.write(json.dumps({kind: gids, "v": self.version}) + "\n")
 
     def _commit_and_flush(self) -> None:
         if self.wal is not None:
@@ -302,18 +379,19 @@ class QueueServer(Delivery):
         payload = unpack(ctl["lens"], ctl["segs"], payload)
         if sum(int(item[2]) for item in items) != len(payload):
             raise WireError("put: frame counts do not add up to the payload")
-        todo, pos = [], 0
+        todo, pos, lease = [], 0, ctl.get("l")
         for rid, gid, nframes in items:
             frames = payload[pos : pos + nframes]
             pos += nframes
             nbytes = sum(map(len, frames[1:]))
             if self._is_known(gid):
+                self._spend(lease)
                 self._duplicate(sock, ident, rid)
-            elif self._fits(sock, ident, rid, nbytes):
+            elif self._fits(sock, ident, rid, nbytes, lease):
                 todo.append((rid, gid, frames, nbytes))
         decoded = decode_groups([t[2] for t in todo], max_bytes=self.config.max_message_bytes)
         for (rid, gid, frames, nbytes), result in zip(todo, decoded, strict=True):
-            self._put_one(sock, ident, rid, gid, frames, nbytes, result)
+            self._put_one(sock, ident, rid, gid, frames, nbytes, result, lease)
         self._serve_gets()
 
     def _is_known(self, gid: str) -> bool:
@@ -323,10 +401,11 @@ class QueueServer(Delivery):
         self.counters["duplicates"] += 1
         self._put_acks.setdefault((sock, ident), []).append(rid)
 
-    def _fits(self, sock: zmq.Socket, ident: bytes, rid: int, nbytes: int) -> bool:
+    def _fits(self, sock: zmq.Socket, ident: bytes, rid: int, nbytes: int, lease: str | None) -> bool:
         """A group of `nbytes` array bytes is within `max_message_bytes`, or it is refused."""
         if nbytes <= self.config.max_message_bytes:
             return True
+        self._spend(lease)
         self.counters["refused_oversize"] += 1
         msg = f"group of {nbytes} bytes exceeds queue.max_message_bytes={self.config.max_message_bytes}"
         self._reply(sock, ident, {"k": "err", "rid": rid, "msg": msg})
@@ -341,8 +420,11 @@ class QueueServer(Delivery):
         frames: list[Any],
         nbytes: int,
         decoded: tuple[Group, int] | WireError,
+        lease: str | None,
     ) -> None:
-        """Store one decoded group, hold it back while full, or refuse it with a reason."""
+        """Store one decoded group, hold it back while full, or refuse it with a reason; each spends
+        one admission credit of the sender's lease."""
+        self._spend(lease)
         if self._is_known(gid):  # e.g. twice in one message
             self._duplicate(sock, ident, rid)
             return
@@ -370,7 +452,7 @@ class QueueServer(Delivery):
                 return  # a re-send while its read is under way: the read's ack answers it
             self._duplicate(sock, ident, ctl["rid"])
             return
-        if not self._fits(sock, ident, ctl["rid"], sum(int(n) for _, n in ctl["descs"])):
+        if not self._fits(sock, ident, ctl["rid"], sum(int(n) for _, n in ctl["descs"]), ctl.get("l")):
             return
         self._nixl_busy.add(ctl["gid"])
         self._nixl.start(ctl, payload[0], (sock, ident))
@@ -385,7 +467,7 @@ class QueueServer(Delivery):
                 self.counters["nixl_reads"] += 1  # of the lengths `_on_nput` checked against the limit
                 (decoded,) = decode_groups([frames], max_bytes=self.config.max_message_bytes)
                 nbytes = sum(map(len, frames[1:]))
-                self._put_one(sock, ident, ctl["rid"], ctl["gid"], frames, nbytes, decoded)
+                self._put_one(sock, ident, ctl["rid"], ctl["gid"], frames, nbytes, decoded, ctl.get("l"))
         self._serve_gets()
 
     def _has_room(self, nbytes: int) -> bool:
@@ -435,6 +517,7 @@ class QueueServer(Delivery):
                 self.config.lease_s,
             )
             self._requeue(expired)
+        self._expire_leases()
         for ident, get in list(self._gets.items()):
             if get.deadline is not None and get.deadline < now:
                 del self._gets[ident]
@@ -451,7 +534,8 @@ class QueueServer(Delivery):
             "bytes": self._bytes,
             "parked_puts": len(self._parked),
             "version": self.version,
-            "started": self.started,
+            "run_id": self.run_id,
+            **self._admission_metrics(),
             "age_s_mean": sum(ages) / len(ages) if ages else 0.0,
             "age_s_p50": ages[len(ages) // 2] if ages else 0.0,
             "age_s_max": ages[-1] if ages else 0.0,

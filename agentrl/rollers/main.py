@@ -5,11 +5,18 @@
 The roller needs its own section plus the env, inference and queue sections; each
 component is built from its own section. SIGINT/SIGTERM stop admitting new groups and
 let in-flight groups finish and be put, so no admitted work is lost.
+
+The roller's identity is `roller.index` (else `$AGENTRL_ROLLER_INDEX`, else 0): its lease in
+the queue is named `roller-<index>` and the ids of the groups the queue acknowledged go to
+`<run_dir>/roller-<index>.groups` (metrics to `roller.jsonl`, as before). Its tasks come from the queue's
+shared cursor (`tasks.TaskSource`). Exit codes: 0 when done or when the queue says the run is
+over; 1 when the queue is unreachable, refuses it, goes silent, or too many groups failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 from agentrl.config import AgentRLConfig
@@ -23,6 +30,18 @@ def tokenizer_path(config: AgentRLConfig) -> str:
     return config.roller.tokenizer_path or config.inference.model_path or config.learner.model_path
 
 
+def roller_index(config: AgentRLConfig) -> int:
+    """`roller.index`, else `$AGENTRL_ROLLER_INDEX` (set by `agentrl run`), else 0."""
+    if config.roller.index is not None:
+        return config.roller.index
+    raw = os.environ.get("AGENTRL_ROLLER_INDEX", "0")
+    if not raw.isdigit():
+        raise ValueError(
+            f"AGENTRL_ROLLER_INDEX={raw!r}: must be a non-negative integer (or set --roller.index)"
+        )
+    return int(raw)
+
+
 async def run_roller(config: AgentRLConfig) -> int:
     from transformers import AutoTokenizer
 
@@ -31,25 +50,30 @@ async def run_roller(config: AgentRLConfig) -> int:
     from agentrl.queue.base import create as create_queue
     from agentrl.rollers.chat import ChatRenderer
     from agentrl.rollers.roller import Roller
-    from agentrl.rollers.tasks import task_stream
+    from agentrl.rollers.tasks import TaskSource
 
+    index = roller_index(config)
+    name = f"roller-{index}"
     make_env = env_factory(config.env)
     env_cls = load_env_class(config.env.name)
-    tasks = task_stream(config.roller.tasks, env_cls, config.roller.seed, **config.roller.task_kwargs)
+    tasks = TaskSource(config.roller.tasks, env_cls, config.roller.seed, **config.roller.task_kwargs)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(config))
     renderer = ChatRenderer(tokenizer, make_env().tool_schemas or None)
     # a router even over one server: requests wait out a server's restart (inference.server_wait_s)
     # and skip servers behind the admissible window (run-wide max_staleness, as the learner's)
     client = create_router(config.inference, config.max_staleness)
-    producer = create_queue(config.queue).producer()
+    backend = create_queue(config.queue)
+    producer = backend.producer(name=name) if config.queue.type == "zmq" else backend.producer()
     metrics = MetricsLogger(config.run_dir, name="roller")
-    roller = Roller(config.roller, make_env, tasks, client, renderer, producer, metrics)
+    groups_file = os.path.join(config.run_dir, f"{name}.groups")
+    roller = Roller(config.roller, make_env, tasks, client, renderer, producer, metrics, groups_file)
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, roller.stop)
     logger.info(
-        "roller: %s episodes × %d per group, servers %s, queue %s",
+        "%s: %s episodes × %d per group, servers %s, queue %s",
+        name,
         config.env.name,
         config.roller.group_size,
         client.url,
@@ -68,6 +92,8 @@ async def run_roller(config: AgentRLConfig) -> int:
         stats.groups_failed,
     )
     if roller.fatal:
-        logger.error("roller gave up: %s (roller.max_consecutive_failures)", roller.fatal)
+        logger.error("roller gave up: %s", roller.fatal)
         return 1
+    if roller.finished:
+        logger.info("roller exits: %s", roller.finished)
     return 0

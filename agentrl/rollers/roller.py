@@ -8,7 +8,15 @@ admission, not by discarding work: before starting a group the roller asks the q
 (`producer.acquire_start`), which grants it only while
 `started_groups ≤ (v + max_staleness + 1) × groups_per_step` across *all* rollers, with
 `v` the learner's published version. Groups the roller drops itself (dynamic sampling,
-failures) give their admission back, so they never hold up the learner.
+failures) give their admission back, so they never hold up the learner. Each admission also
+names the task to run: the next number of the run's task cursor, held by the queue, so the
+rollers of a run split one task stream (`tasks.TaskSource`); given a plain iterator instead
+(tests, benches), the roller takes its next item.
+
+How it ends: `max_groups` put, `stop()`, or the queue saying so — the run is over (`RunOver`:
+`finished` is set, a clean exit) or the queue is unreachable, refuses this roller, or went
+silent (`QueueUnavailable`: `fatal` is set, with the message to show). A group whose lease
+lapsed (`LeaseLapsed`) was not taken by the queue; it is counted and the roller goes on.
 
 Named loops, started by `run()` in this order and stopped in reverse:
 - `_report_loop`: a progress line and a metrics record every `log_every_s`;
@@ -34,9 +42,10 @@ from agentrl.config import RollerConfig
 from agentrl.envs.base import Env
 from agentrl.inference.base import InferenceClient
 from agentrl.log import MetricsLogger, get_logger
-from agentrl.queue.base import Producer
+from agentrl.queue.base import LeaseLapsed, Producer, QueueError, QueueUnavailable, RunOver
 from agentrl.rollers.agent_loop import run_episode
 from agentrl.rollers.chat import ChatRenderer
+from agentrl.rollers.tasks import TaskSource
 from agentrl.types import Episode, Group
 
 logger = get_logger(__name__)
@@ -51,6 +60,7 @@ class RollerStats:
     groups_dropped_uniform: int = 0
     groups_failed: int = 0
     groups_abandoned: int = 0
+    groups_lease_lapsed: int = 0
     episodes_overlong_masked: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -73,6 +83,7 @@ class RollerStats:
             "roller/groups_dropped_uniform": self.groups_dropped_uniform,
             "roller/groups_failed": self.groups_failed,
             "roller/groups_abandoned": self.groups_abandoned,
+            "roller/groups_lease_lapsed": self.groups_lease_lapsed,
             "roller/episodes_overlong_masked": self.episodes_overlong_masked,
             "roller/reward_mean": float(np.mean(recent)) if recent else 0.0,
             "roller/tool_calls": self.tool_calls,
@@ -89,12 +100,14 @@ class Roller:
         self,
         config: RollerConfig,
         make_env: Callable[[], Env],
-        tasks: Iterator[dict[str, Any]],
+        tasks: TaskSource | Iterator[dict[str, Any]],
         client: InferenceClient,
         renderer: ChatRenderer,
         producer: Producer,
         metrics: MetricsLogger | None = None,
+        groups_file: str | None = None,
     ) -> None:
+        """`groups_file`: append the id of every group the queue acknowledged (the run's account)."""
         self.config = config
         self.make_env = make_env
         self.tasks = tasks
@@ -111,6 +124,8 @@ class Roller:
         self._admitted = 0
         self._failures_in_a_row = 0
         self.fatal: str | None = None  # why the roller gave up, if it did
+        self.finished: str | None = None  # why the run is over, if the queue said so
+        self._groups_file = open(groups_file, "a", buffering=1) if groups_file else None  # noqa: SIM115
 
     def stop(self) -> None:
         """Stop admitting new groups; `run()` returns once in-flight groups are put."""
@@ -132,7 +147,17 @@ class Roller:
             for task in self._groups:
                 task.cancel()
             self._report()
+            if self._groups_file is not None:
+                self._groups_file.close()
         return self.stats
+
+    def _queue_ended(self, exc: QueueError) -> None:
+        """The queue ended this roller's part: the run is over, or the queue cannot be used."""
+        if isinstance(exc, RunOver):
+            self.finished = self.finished or str(exc)
+        elif self.fatal is None:
+            self.fatal = str(exc)
+        self.stop()
 
     async def _admit_loop(self) -> None:
         limit = self.config.max_groups
@@ -143,13 +168,22 @@ class Roller:
                 await asyncio.wait(set(self._groups), return_when=asyncio.FIRST_COMPLETED)
                 continue  # a dropped or failed group frees its place for a new one
             await self._group_slots.acquire()
-            version = await self._wait_or_stop(self.producer.acquire_start(1))
-            if version is None:
+            try:
+                admission = await self._wait_or_stop(self.producer.acquire_start(1))
+            except (RunOver, QueueUnavailable) as exc:
+                admission = None
+                self._queue_ended(exc)
+            if admission is None:
                 self._group_slots.release()
                 return
             self._admitted += 1
-            metrics = {"admitted_version": version, "admitted_index": self._admitted}
-            group_task = asyncio.create_task(self._run_group(next(self.tasks), metrics), name="_run_group")
+            metrics = {"admitted_version": admission.version, "admitted_index": self._admitted}
+            if isinstance(self.tasks, TaskSource) and admission.first_task >= 0:
+                task = self.tasks[admission.first_task]
+                metrics["task_index"] = admission.first_task
+            else:
+                task = next(self.tasks)
+            group_task = asyncio.create_task(self._run_group(task, metrics), name="_run_group")
             self._groups.add(group_task)
             group_task.add_done_callback(self._groups.discard)
 
@@ -175,23 +209,41 @@ class Roller:
             self._failures_in_a_row += 1
             log = logger.exception if self.stats.groups_failed <= 3 else logger.warning
             log("group for task %s failed and was dropped (counted): %s", task.get("id", "?"), exc)
-            await self.producer.release_start(1)
+            try:
+                await self.producer.release_start(1)
+            except QueueError as queue_exc:  # the queue is gone too; its lease will lapse
+                self._queue_ended(queue_exc)
+                return
             limit = self.config.max_consecutive_failures
             if limit and self._failures_in_a_row >= limit and self.fatal is None:
-                self.fatal = f"{self._failures_in_a_row} groups in a row failed; last error: {exc}"
+                self.fatal = (f"{self._failures_in_a_row} groups in a row failed (roller.max_consecutive_failures); "
+                              f"last error: {exc}")  # fmt: skip
                 self.stop()
             return
         finally:
             self._group_slots.release()
         group = Group(list(episodes), prompt_id=str(task.get("id", "")), metrics=admission)
-        if self.config.drop_uniform_reward_groups and len(set(group.rewards.tolist())) == 1:
-            self.stats.groups_dropped_uniform += 1
-            await self.producer.release_start(1)
+        try:
+            if self.config.drop_uniform_reward_groups and len(set(group.rewards.tolist())) == 1:
+                self.stats.groups_dropped_uniform += 1
+                await self.producer.release_start(1)
+                return
+            await self.producer.put(group)
+        except LeaseLapsed:
+            self.stats.groups_lease_lapsed += 1  # the queue reclaimed its credit; not taken, not lost
             return
-        await self.producer.put(group)
+        except (RunOver, QueueUnavailable) as exc:
+            self._queue_ended(exc)
+            return
         self.stats.groups_put += 1
+        if self._groups_file is not None:
+            self._groups_file.write(group.group_id + "\n")
         self._failures_in_a_row = 0
-        current = await self.producer.current_version()
+        try:
+            current = await self.producer.current_version()
+        except (RunOver, QueueUnavailable) as exc:
+            self._queue_ended(exc)
+            return
         self.stats.staleness_at_put.append(group.staleness(current))
         if self.config.max_groups is not None and self.stats.groups_put >= self.config.max_groups:
             self.stop()

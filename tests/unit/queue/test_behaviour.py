@@ -65,15 +65,23 @@ def test_admission_waits_for_the_learner_version(queue: Harness) -> None:
             first = await producer.acquire_start(2)  # (0 + 0 + 1) * 2 groups may start at v=0
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(producer.acquire_start(1), timeout=0.7)
-            publisher = threading.Timer(0.3, consumer.publish_version, args=(1,))
-            publisher.start()
+            await producer.put(make_group(version=0, seed=1))
+            await producer.put(make_group(version=0, seed=2))
+
+            def train_one_step() -> None:  # take both groups, step to version 1, ack them trained
+                batch = consumer.get_batch(2, 0, 0, 10)
+                consumer.publish_version(1)
+                consumer.ack(batch.group_ids)
+
+            trainer = threading.Timer(0.3, train_one_step)
+            trainer.start()
             second = await asyncio.wait_for(producer.acquire_start(2), timeout=10)
-            publisher.join()
-            return [first, second, await producer.current_version()]
+            trainer.join()
+            return [first.version, second.version, await producer.current_version(), second.first_task]
         finally:
             producer.close()
 
-    assert asyncio.run(roller()) == [0, 1, 1]
+    assert asyncio.run(roller()) == [0, 1, 1, 2]  # the second grant gets the next tasks of the cursor
 
 
 def test_groups_of_a_skipped_step_return_their_admission(queue: Harness) -> None:
@@ -94,7 +102,7 @@ def test_groups_of_a_skipped_step_return_their_admission(queue: Harness) -> None
             with pytest.raises(ValueError, match="dropped must be one of"):
                 consumer.ack(batch.group_ids, dropped="boring")
             await asyncio.to_thread(consumer.ack, batch.group_ids, "skipped")
-            assert await asyncio.wait_for(producer.acquire_start(2), timeout=10) == 0  # still version 0
+            assert (await asyncio.wait_for(producer.acquire_start(2), timeout=10)).version == 0  # still v0
         finally:
             producer.close()
 

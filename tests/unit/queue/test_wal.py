@@ -23,12 +23,12 @@ def test_replay_restores_unacked_groups_and_remembers_acks(tmp_path: Path, fsync
     for g in groups:
         wal.append_put(g.group_id, encode_group(g))
     wal.append_ack([groups[1].group_id])
-    wal.append_meta(version=4, started=12)
+    wal.append_meta(version=4, tasks=12)
     wal.close()
     found = WriteAheadLog(tmp_path).recover()
     assert list(found.groups) == [groups[0].group_id, groups[2].group_id]
     assert groups[1].group_id in found.acked
-    assert (found.version, found.started) == (4, 12)
+    assert (found.version, found.tasks) == (4, 12)
     back = decode_group(found.groups[groups[2].group_id])
     assert (
         back.group_id == groups[2].group_id
