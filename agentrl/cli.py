@@ -57,6 +57,7 @@ BENCHMARKS = {
     "learner": ("train step vs bare HF, packed vs padded", 6),
     "sync": ("weight push vs raw gloo broadcast and disk", 7),
     "async": ("samples/s at max_staleness 0, 1, 2, 4", 7),
+    "faults": ("seconds from a kill -9 to the next trained step, and the group account", 14),
 }
 
 
@@ -224,8 +225,15 @@ def queue(
 
 
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
-def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
-    """Run learner, queue, inference servers and rollers on this machine as one job."""
+def run(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    resume: Annotated[
+        bool, typer.Option(help="Continue the run from the learner's latest checkpoint.")
+    ] = False,
+) -> None:
+    """Run learner, queue, inference servers and rollers on this machine as one job; servers and
+    rollers that die are restarted (launcher.max_restarts), the learner's death ends the run."""
     cfg = load(config, ctx)
     if cfg.inference.type == "sglang":
         raise _fail(
@@ -235,7 +243,7 @@ def run(ctx: typer.Context, config: ConfigOpt = None) -> None:
     check_model_path("learner.model_path", cfg.learner.model_path)
     from agentrl.launcher import run as launch
 
-    raise typer.Exit(launch(cfg))
+    raise typer.Exit(launch(cfg, resume=resume))
 
 
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)

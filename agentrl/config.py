@@ -368,6 +368,9 @@ class InferenceConfig(Section):
     """Times the router retries a failed request on another server before counting it lost."""
     health_check_interval_s: float = Field(5.0, gt=0)
     """Seconds between the router's health checks of each server."""
+    server_wait_s: float = Field(120.0, ge=0)
+    """How long a roller's request waits for a usable server (up, and at a weight version inside the
+    admissible window) when none is, e.g. while the only server restarts, before it is counted lost."""
     context_length: int | None = Field(None, ge=16)
     """Longest prompt + output an embedded server accepts; defaults to the model's max positions."""
     served_model_name: str | None = None
@@ -377,6 +380,16 @@ class InferenceConfig(Section):
     CPU next to other processes (more threads thrash on a busy machine); null keeps torch's default."""
     vllm: VLLMLaunchConfig = VLLMLaunchConfig()
     """How vLLM servers are started when agentrl starts them (`inference.type: vllm` without `servers`)."""
+
+
+class LauncherConfig(Section):
+    """How `agentrl run` supervises its children."""
+
+    max_restarts: int = Field(3, ge=0)
+    """Restarts of one roller or server child after it dies, before the run stops; the learner is
+    never restarted (its death ends the run; `agentrl run --resume` continues it)."""
+    restart_backoff_s: float = Field(1.0, ge=0)
+    """Wait before a child's first restart; doubled for each further restart of that child."""
 
 
 # --------------------------------------------------------------------------- weight sync
@@ -544,6 +557,7 @@ class AgentRLConfig(Section):
     inference: InferenceConfig = InferenceConfig()
     weight_sync: WeightSyncConfig = BroadcastSyncConfig()
     env: EnvConfig = EnvConfig()
+    launcher: LauncherConfig = LauncherConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -12,16 +12,26 @@ Start-up order (each step waits for the previous one to be ready):
 4. the learner (`agentrl learner`, under torchrun when `learner.num_processes > 1`), which
    hosts the TransferQueue and pushes weights to the servers;
 5. `roller.num_processes` rollers (`agentrl roller`).
-Every child is told the others' addresses on its command line (the same flags a user
-passes when starting them by hand on separate nodes). Children run in their own process
-groups; shutdown stops them by PID in reverse order — on completion (the learner exits
-0), on Ctrl-C, and as soon as any child dies (exit non-zero, naming it). A live view shows
-step, version, reward, staleness, episodes/s, queue depth and weight-push time.
+Steps 3-5 are a plan (`plan_children`: one `ChildSpec` per process, with its command line
+and whether it is restarted) computed before anything starts, then executed. Every child is
+told the others' addresses on its command line (the same flags a user passes when starting
+them by hand on separate nodes). Children run in their own process groups.
+
+Supervision (`_watch`): a server or roller that dies (exit non-zero, kill -9) is restarted
+with the same command line — a server on the same port — after `launcher.restart_backoff_s`,
+doubled per restart of that child, at most `launcher.max_restarts` times; each restart is
+logged and appended to `<run_dir>/launcher.jsonl`. The learner brings a restarted server to
+its version before rollers use it (weight_sync `behind`, the router's version window). Only
+the learner's death ends the run (exit 1, naming it); `agentrl run --resume` continues from
+its last checkpoint. Shutdown stops every child by PID in reverse order — on completion (the
+learner exits 0), on Ctrl-C / SIGTERM, or when a child has used up its restarts. A live view
+shows step, version, reward, staleness, episodes/s, queue depth, weight-push time, restarts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -30,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.config import AgentRLConfig, save_resolved
@@ -41,10 +51,24 @@ logger = get_logger(__name__)
 
 
 @dataclass
+class ChildSpec:
+    """One process of the plan: what to run, and whether it is restarted when it dies."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    restart: bool = False
+    health_url: str | None = None  # start-up waits until it answers /health
+
+
+@dataclass
 class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    spec: ChildSpec | None = None
+    restarts: int = 0
+    restart_at: float | None = None  # when a dead restartable child is started again
 
 
 class Supervisor:
@@ -61,6 +85,11 @@ class Supervisor:
     ) -> Child:
         """Start a child; `threads` caps its intra-op threads (servers and learner share the cores,
         and oversubscribed OpenMP threads slow small models several-fold). None: the default."""
+        child = Child(name, self._spawn(name, args, env, threads), self.run_dir / "logs" / f"{name}.log")
+        self.children.append(child)
+        return child
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None, threads: int | None = 1):
         log_path = self.run_dir / "logs" / f"{name}.log"
         if threads is not None and "OMP_NUM_THREADS" not in os.environ:
             env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {})}
@@ -73,10 +102,20 @@ class Supervisor:
             env={**os.environ, **(env or {})},
         )
         log_file.close()
-        child = Child(name, proc, log_path)
-        self.children.append(child)
         logger.info("started %s (pid %d), log: %s", name, proc.pid, log_path)
+        return proc
+
+    def run(self, spec: ChildSpec) -> Child:
+        """Start the child a plan entry describes."""
+        child = self.start(spec.name, spec.args, env=spec.env)
+        child.spec = spec
         return child
+
+    def restart(self, child: Child) -> None:
+        """Start a dead child again with the same command line (a server on the same port)."""
+        assert child.spec is not None and child.proc.poll() is not None
+        child.proc = self._spawn(child.name, child.spec.args, child.spec.env)
+        child.restarts, child.restart_at = child.restarts + 1, None
 
     def failed(self) -> Child | None:
         """The first child that exited with an error, if any."""
@@ -201,8 +240,57 @@ def serve_for(config: AgentRLConfig, model: str | None = None) -> Iterator[Agent
         supervisor.stop_all()
 
 
-def launch(config: AgentRLConfig, config_path: Path) -> int:
-    """Run the job described by `config` (already validated, saved at `config_path`)."""
+def plan_children(
+    config: AgentRLConfig, config_path: Path, model: str, service_overrides: list[str], resume: bool = False
+) -> list[ChildSpec]:
+    """Servers on free loopback ports, the learner (torchrun for several ranks), the rollers: each
+    with the flags a user would give it on its own node. Servers and rollers are restarted when
+    they die; the learner is not."""
+    ports = [free_port() for _ in range(config.inference.num_servers)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    common = [
+        "--config",
+        str(config_path),
+        f"--learner.model_path={model}",
+        f"--inference.model_path={model}",
+        "--inference.servers",
+        "[" + ", ".join(urls) + "]",
+        *service_overrides,
+    ]
+    backend = ["--backend", "vllm"] if config.inference.type == "vllm" else []  # inference/vllm_launch.py
+    servers = [
+        ChildSpec(
+            f"server{i}",
+            _agentrl("serve", "--port", str(port), *backend, *common),
+            restart=True,
+            health_url=url,
+        )
+        for i, (port, url) in enumerate(zip(ports, urls, strict=True))
+    ]
+    n = config.learner.num_processes
+    learner_args = ["learner", *common, *(["--resume"] if resume else [])]
+    learner_cmd = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+         "-m", "agentrl", *learner_args]
+        if n > 1
+        else _agentrl(*learner_args)
+    )  # fmt: skip
+    rollers = [
+        ChildSpec(f"roller{i}", _agentrl("roller", *common), {"AGENTRL_ROLLER_INDEX": str(i)}, restart=True)
+        for i in range(config.roller.num_processes)
+    ]
+    return [*servers, ChildSpec("learner", learner_cmd), *rollers]
+
+
+def _warm_model(run_dir: Path) -> Path | None:
+    """The warm start a previous attempt of this run finished, if any (resume skips redoing it)."""
+    path = run_dir / "warmstart"
+    return path if (path / "config.json").exists() and any(path.glob("*.safetensors")) else None
+
+
+def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
+    """Run the job described by `config` (already validated, saved at `config_path`); with
+    `resume` the learner continues from its latest checkpoint and a finished warm start is kept."""
     run_dir = Path(config.run_dir)
     supervisor = Supervisor(run_dir)
     model = config.learner.model_path
@@ -212,59 +300,30 @@ def launch(config: AgentRLConfig, config_path: Path) -> int:
         os.environ[secret_env] = secrets.token_hex(32)
     try:
         if config.learner.warmstart_steps > 0:
-            warm = supervisor.start(
-                "warmstart", _agentrl("warmstart", "--config", str(config_path)), threads=None
-            )
-            if warm.proc.wait() != 0:
-                raise RuntimeError(
-                    f"warmstart exited with code {warm.proc.returncode}:\n{supervisor.tail(warm)}"
+            warm = _warm_model(run_dir) if resume else None
+            if warm is None:
+                child = supervisor.start(
+                    "warmstart", _agentrl("warmstart", "--config", str(config_path)), threads=None
                 )
+                if child.proc.wait() != 0:
+                    raise RuntimeError(
+                        f"warmstart exited with code {child.proc.returncode}:\n{supervisor.tail(child)}"
+                    )
             model = str(run_dir / "warmstart")
 
         service_overrides = [f"--env.kwargs.{k}={v}" for k, v in start_services(config, supervisor).items()]
-        ports = [free_port() for _ in range(config.inference.num_servers)]
-        urls = [f"http://127.0.0.1:{p}" for p in ports]
-        common = [
-            "--config",
-            str(config_path),
-            f"--learner.model_path={model}",
-            f"--inference.model_path={model}",
-            "--inference.servers",
-            "[" + ", ".join(urls) + "]",
-            *service_overrides,
-        ]
-        vllm = config.inference.type == "vllm"  # inference/vllm_launch.py
-        backend = ["--backend", "vllm"] if vllm else []
-        servers = [
-            supervisor.start(f"server{i}", _agentrl("serve", "--port", str(port), *backend, *common))
-            for i, port in enumerate(ports)
-        ]
+        specs = plan_children(config, config_path, model, service_overrides, resume)
+        servers = [supervisor.run(s) for s in specs if s.health_url]
         try:
-            timeout_s = config.inference.vllm.startup_timeout_s if vllm else 300
-            wait_healthy(urls, [c.proc for c in servers], timeout_s=timeout_s)
+            timeout_s = config.inference.vllm.startup_timeout_s if config.inference.type == "vllm" else 300
+            wait_healthy(
+                [s.health_url for s in specs if s.health_url], [c.proc for c in servers], timeout_s=timeout_s
+            )
         except RuntimeError:
             failed = supervisor.failed()
             raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None
-
-        n = config.learner.num_processes
-        learner_cmd = (
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={n}",
-                "-m",
-                "agentrl",
-                "learner",
-                *common,
-            ]
-            if n > 1
-            else _agentrl("learner", *common)
-        )
-        learner = supervisor.start("learner", learner_cmd)
-        for i in range(config.roller.num_processes):
-            supervisor.start(f"roller{i}", _agentrl("roller", *common), env={"AGENTRL_ROLLER_INDEX": str(i)})
+        children = [supervisor.run(s) for s in specs if not s.health_url]
+        learner = next(c for c in children if c.name == "learner")
         return _watch(config, supervisor, learner)
     except KeyboardInterrupt:
         logger.warning("interrupted: stopping every process")
@@ -276,34 +335,68 @@ def launch(config: AgentRLConfig, config_path: Path) -> int:
         supervisor.stop_all()
 
 
+def supervise(supervisor: Supervisor, learner: Child, max_restarts: int, backoff_s: float) -> str | None:
+    """One round of supervision: restart dead servers and rollers (with backoff, bounded). Returns
+    "done" when the learner finished, "failed" when the run must stop, None to go on."""
+    code = learner.proc.poll()
+    if code is not None:
+        if code == 0:
+            return "done"
+        _log_exit(supervisor, learner, "its death ends the run (continue it with agentrl run --resume)")
+        return "failed"
+    now = time.monotonic()
+    for child in supervisor.children:
+        code = child.proc.poll()
+        if child is learner or code in (None, 0) or child.spec is None:
+            continue
+        if not child.spec.restart or child.restarts >= max_restarts:
+            _log_exit(
+                supervisor, child, f"restarted {child.restarts} time(s) already (launcher.max_restarts)"
+            )
+            return "failed"
+        if child.restart_at is None:
+            child.restart_at = now + backoff_s * 2**child.restarts
+            logger.warning(
+                "%s exited with code %d; restart %d/%d in %.1fs. Last lines of %s:\n%s", child.name, code,
+                child.restarts + 1, max_restarts, child.restart_at - now, child.log_path, supervisor.tail(child),
+            )  # fmt: skip
+        elif now >= child.restart_at:
+            supervisor.restart(child)
+            logger.warning("restarted %s (pid %d), restart %d/%d", child.name, child.proc.pid,
+                           child.restarts, max_restarts)  # fmt: skip
+            record = {"time": time.time(), "child": child.name, "exit_code": code, "restart": child.restarts}
+            with (supervisor.run_dir / "launcher.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+    return None
+
+
+def _log_exit(supervisor: Supervisor, child: Child, why: str) -> None:
+    logger.error("%s exited with code %d; %s; stopping the run. Last lines of %s:\n%s", child.name,
+                 child.proc.returncode, why, child.log_path, supervisor.tail(child))  # fmt: skip
+
+
 def _watch(config: AgentRLConfig, supervisor: Supervisor, learner: Child) -> int:
-    """Show live progress until the learner finishes or any child fails."""
+    """Show live progress and supervise until the learner finishes or the run must stop."""
     from rich.live import Live
 
     run_dir = Path(config.run_dir)
     with Live(progress_table(run_dir, config), refresh_per_second=1, transient=False) as live:
         while True:
-            failed = supervisor.failed()
-            if failed is not None:
+            outcome = supervise(
+                supervisor, learner, config.launcher.max_restarts, config.launcher.restart_backoff_s
+            )
+            live.update(progress_table(run_dir, config, sum(c.restarts for c in supervisor.children)))
+            if outcome == "failed":
                 live.stop()
-                logger.error(
-                    "%s exited with code %d; stopping the run. Last lines of %s:\n%s",
-                    failed.name,
-                    failed.proc.returncode,
-                    failed.log_path,
-                    supervisor.tail(failed),
-                )
                 return 1
-            if learner.proc.poll() == 0:
-                live.update(progress_table(run_dir, config))
+            if outcome == "done":
                 break
-            live.update(progress_table(run_dir, config))
-            time.sleep(1)
+            time.sleep(0.5)
     finish(run_dir)
     return 0
 
 
-def progress_table(run_dir: Path, config: AgentRLConfig):
+def progress_table(run_dir: Path, config: AgentRLConfig, restarts: int = 0):
     """One table from the learner's and rollers' metrics records."""
     from rich.table import Table
 
@@ -317,6 +410,7 @@ def progress_table(run_dir: Path, config: AgentRLConfig):
     table.add_row("episodes/s (all rollers)", _fmt(sum(r.get("roller/episodes_per_s", 0.0) for r in rollers)))
     table.add_row("queue depth", _fmt(learner.get("queue/depth")))
     table.add_row("weight push (s)", _fmt(learner.get("sync/push_s")))
+    table.add_row("restarts (servers, rollers)", str(restarts))
     return table
 
 
@@ -383,11 +477,11 @@ def finish(run_dir: Path) -> Path | None:
     return plot
 
 
-def run(config: AgentRLConfig) -> int:
+def run(config: AgentRLConfig, resume: bool = False) -> int:
     config_path = save_resolved(config)
 
     def _terminate(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the children like Ctrl-C: no orphans
 
     signal.signal(signal.SIGTERM, _terminate)
-    return launch(config, config_path)
+    return launch(config, config_path, resume)

@@ -1,17 +1,28 @@
 """A router over many inference servers with the same interface as one client.
 
 Rollers generate through it without knowing how many servers exist. It sends each request
-to the healthy server with the fewest outstanding requests, except that the turns of one
+to the usable server with the fewest outstanding requests, except that the turns of one
 episode (`session_id`) stay on the server that served its previous turn (its prefix cache
-holds the conversation so far) while that server is healthy. A request that fails because
-its server is unreachable, times out or errors (5xx) is retried on another server; after
-`max_retries` retries it raises `RequestLostError`, counted in `stats["lost"]` — a request
-is never dropped silently and never waits without a timeout. A background `_health_loop`
-marks servers down and up again. Admin calls (weight updates, pause, abort) fan out to
+holds the conversation so far) while that server is usable. A server is usable when it is
+healthy and its weight version is inside the admissible window: at least the newest version
+any server reported minus `max_staleness` (servers are updated together by the learner's
+push, so the newest version seen never exceeds the learner's and the window is never
+stricter than the learner's own). A server restarted at an old version therefore gets no
+work until the learner has pushed the current weights to it.
+
+A request that fails because its server is unreachable, times out or errors (5xx) is
+retried on another server. When no server is usable (all down, or all behind the window)
+the request waits for one — probing every `probe_interval_s`, shared by all waiting
+requests — for at most `server_wait_s`, instead of burning its retries on a server that is
+restarting. After `max_retries + 1` failures, or that long without a usable server, it
+raises `RequestLostError`, counted in `stats["lost"]` — a request is never dropped silently
+and never waits without a bound. A background `_health_loop` marks servers down and up
+again and reads their versions. Admin calls (weight updates, pause, abort) fan out to
 every server.
 
-Start-up: `Router(clients)`; the health loop starts on first use (or `await start()`).
-Shutdown: `await close()` cancels the loop and closes every client.
+Start-up: `Router(clients)` or `from_config(inference, max_staleness)` (a router even over
+one server, so a roller waits out a restart); the health loop starts on first use (or
+`await start()`). Shutdown: `await close()` cancels the loop and closes every client.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.inference.base import (
     BadRequestError,
@@ -31,11 +42,30 @@ from agentrl.inference.base import (
 )
 from agentrl.log import get_logger
 
+if TYPE_CHECKING:
+    from agentrl.config import InferenceConfig
+
 logger = get_logger(__name__)
 
 
+def from_config(config: InferenceConfig, max_staleness: int | None = None) -> Router:
+    """A router over `config.servers` (even one), waiting up to `config.server_wait_s` for a server."""
+    from agentrl.inference.base import create
+
+    if not config.servers:
+        raise ValueError("inference: no server URLs given (set inference.servers)")
+    return Router(
+        [create(config, [url]) for url in config.servers],
+        max_retries=config.max_retries,
+        request_timeout_s=config.request_timeout_s,
+        health_interval_s=config.health_check_interval_s,
+        server_wait_s=config.server_wait_s,
+        max_staleness=max_staleness,
+    )
+
+
 class Router(InferenceClient):
-    """Least-outstanding-requests routing, sticky sessions, health checks and failover."""
+    """Least-outstanding-requests routing, sticky sessions, health and version checks, failover."""
 
     def __init__(
         self,
@@ -44,6 +74,9 @@ class Router(InferenceClient):
         request_timeout_s: float = 300.0,
         health_interval_s: float = 5.0,
         max_sessions: int = 100_000,
+        server_wait_s: float = 0.0,
+        max_staleness: int | None = None,
+        probe_interval_s: float = 0.5,
     ) -> None:
         if not clients:
             raise ValueError("Router needs at least one client")
@@ -52,24 +85,46 @@ class Router(InferenceClient):
         self.request_timeout_s = request_timeout_s
         self.health_interval_s = health_interval_s
         self.max_sessions = max_sessions
+        self.server_wait_s = server_wait_s
+        self.max_staleness = max_staleness
+        self.probe_interval_s = probe_interval_s
         self.outstanding = [0] * len(clients)
         self.healthy = [True] * len(clients)
+        self.versions: list[int | None] = [None] * len(clients)  # last version each reported
+        self.newest = -1  # the newest version any server reported
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._health_task: asyncio.Task | None = None
-        self.stats = {"requests": 0, "completed": 0, "retries": 0, "lost": 0, "bad_requests": 0}
+        self._probe_lock = asyncio.Lock()
+        self._last_probe = float("-inf")
+        self._last_wait_log = float("-inf")
+        self.stats = {"requests": 0, "completed": 0, "retries": 0, "lost": 0, "bad_requests": 0,
+                      "waits": 0, "waited_s": 0.0}  # fmt: skip
         self.url = ",".join(c.url for c in clients)
 
     # ------------------------------------------------------------------ routing
 
+    def floor(self) -> int | None:
+        """The oldest weight version a server may generate with (None: no bound)."""
+        if self.max_staleness is None or self.newest < 0:
+            return None
+        return self.newest - self.max_staleness
+
+    def _usable(self, i: int) -> bool:
+        floor, version = self.floor(), self.versions[i]
+        return self.healthy[i] and (floor is None or version is None or version >= floor)
+
+    def _seen_version(self, i: int, version: int | None) -> None:
+        self.versions[i] = version
+        if version is not None:
+            self.newest = max(self.newest, version)
+
     def _pick(self, session_id: str | None, tried: set[int]) -> int | None:
         if session_id is not None:
             idx = self._sessions.get(session_id)
-            if idx is not None and idx not in tried and self.healthy[idx]:
+            if idx is not None and idx not in tried and self._usable(idx):
                 self._sessions.move_to_end(session_id)
                 return idx
-        candidates = [i for i in range(len(self.clients)) if i not in tried and self.healthy[i]]
-        if not candidates:  # every untried server looks down: try one anyway rather than give up early
-            candidates = [i for i in range(len(self.clients)) if i not in tried]
+        candidates = [i for i in range(len(self.clients)) if i not in tried and self._usable(i)]
         if not candidates:
             return None
         return min(candidates, key=lambda i: (self.outstanding[i], i))
@@ -93,10 +148,17 @@ class Router(InferenceClient):
         self.stats["requests"] += 1
         tried: set[int] = set()
         errors: list[str] = []
-        for attempt in range(self.max_retries + 1):
+        failures, deadline = 0, None
+        while failures <= self.max_retries:
             idx = self._pick(session_id, tried)
-            if idx is None:
-                break
+            if idx is None:  # no usable server left to try: wait (bounded) for one to come back
+                loop = asyncio.get_running_loop()
+                deadline = deadline if deadline is not None else loop.time() + self.server_wait_s
+                if not await self._wait_usable(deadline):
+                    errors.append(self._unusable_reason())
+                    break
+                tried.clear()
+                continue
             tried.add(idx)
             client = self.clients[idx]
             self.outstanding[idx] += 1
@@ -111,25 +173,69 @@ class Router(InferenceClient):
             except (ServerUnavailableError, asyncio.TimeoutError, InferenceError) as exc:
                 errors.append(f"{client.url}: {type(exc).__name__}: {exc}")
                 self.healthy[idx] = False
-                if attempt < self.max_retries:
+                failures += 1
+                if failures <= self.max_retries:
                     self.stats["retries"] += 1
                 logger.warning(
                     "request failed on %s (%s); %s",
                     client.url,
                     exc,
-                    "retrying" if attempt < self.max_retries else "giving up",
+                    "retrying" if failures <= self.max_retries else "giving up",
                 )
                 continue
             finally:
                 self.outstanding[idx] -= 1
             self._remember(session_id, idx)
+            self._seen_version(idx, result.weight_version)
             self.stats["completed"] += 1
             result.server = client.url
             return result
         self.stats["lost"] += 1
         raise RequestLostError(
-            f"request lost after {len(tried)} server(s): {'; '.join(errors) or 'no server'}"
+            f"request lost after {failures} failure(s) on {len(self.clients)} server(s): "
+            f"{'; '.join(errors) or 'no server'}"
         )
+
+    async def _wait_usable(self, deadline: float) -> bool:
+        """Probe (at most every `probe_interval_s`, one probe shared by every waiting request) until
+        a server is usable or `deadline` passes; True when one is."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            while True:
+                async with self._probe_lock:
+                    if loop.time() - self._last_probe >= self.probe_interval_s:
+                        await self.check_health()
+                        self._last_probe = loop.time()
+                if any(self._usable(i) for i in range(len(self.clients))):
+                    return True
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return False
+                if loop.time() - self._last_wait_log >= 10:
+                    self._last_wait_log = loop.time()
+                    logger.warning("%s; waiting up to %.0fs for one (inference.server_wait_s)",
+                                   self._unusable_reason(), remaining)  # fmt: skip
+                await asyncio.sleep(min(self.probe_interval_s, remaining))
+        finally:
+            waited = loop.time() - started
+            if waited > 0.01:
+                self.stats["waits"] += 1
+                self.stats["waited_s"] += waited
+
+    def _unusable_reason(self) -> str:
+        down = [c.url for c, ok in zip(self.clients, self.healthy, strict=True) if not ok]
+        behind = [
+            f"{c.url} at version {v}"
+            for i, (c, v) in enumerate(zip(self.clients, self.versions, strict=True))
+            if self.healthy[i] and not self._usable(i)
+        ]
+        parts = ([f"down: {', '.join(down)}"] if down else []) + (
+            [f"behind the admissible window (>= version {self.floor()}): {', '.join(behind)}"]
+            if behind
+            else []
+        )
+        return "no usable inference server (" + "; ".join(parts or ["none configured"]) + ")"
 
     # ------------------------------------------------------------------ health
 
@@ -143,20 +249,31 @@ class Router(InferenceClient):
         self._ensure_health_loop()
 
     async def check_health(self) -> list[bool]:
-        """Probe every server once (bounded by its connect timeout) and update `healthy`."""
+        """Probe every server once (health, then weight version; each bounded) and update `healthy`
+        and `versions`."""
+        timeout = max(1.0, self.health_interval_s)
 
-        async def probe(c: InferenceClient) -> bool:
+        async def probe(c: InferenceClient) -> tuple[bool, int | None]:
             try:
-                return await asyncio.wait_for(c.health(), max(1.0, self.health_interval_s))
+                if not await asyncio.wait_for(c.health(), timeout):
+                    return False, None
             except (asyncio.TimeoutError, InferenceError):
-                return False
+                return False, None
+            try:
+                return True, await asyncio.wait_for(c.get_weight_version(), timeout)
+            except (asyncio.TimeoutError, InferenceError, KeyError, TypeError):
+                return True, None  # up, version unknown: not held back by the window
 
         results = await asyncio.gather(*(probe(c) for c in self.clients))
-        for i, ok in enumerate(results):
+        for i, (ok, version) in enumerate(results):
             if ok != self.healthy[i]:
-                logger.info("server %s is %s", self.clients[i].url, "up" if ok else "down")
+                logger.info(
+                    "server %s is %s", self.clients[i].url, f"up at version {version}" if ok else "down"
+                )
             self.healthy[i] = ok
-        return list(results)
+            if ok:
+                self._seen_version(i, version)
+        return [ok for ok, _ in results]
 
     async def _health_loop(self) -> None:
         while True:

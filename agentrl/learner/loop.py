@@ -66,6 +66,8 @@ class WeightSync(Protocol):
 
     def push(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], version: int) -> None: ...
 
+    # optional: `behind(version) -> list[str]`, servers up but not at `version` (pushed to at once)
+
 
 @dataclass
 class Learner:
@@ -143,16 +145,45 @@ def why_waiting(before: dict[str, Any], now: dict[str, Any], max_staleness: int)
     return f"nothing arrived: {who} (slow episodes, or servers unreachable?)"
 
 
-def _wait_for_groups(
-    learner: Learner, consumer: Consumer | None, max_staleness: int, stop: threading.Event | None = None
+def _next_batch(
+    learner: Learner,
+    consumer: Consumer | None,
+    max_staleness: int,
+    weight_sync: WeightSync | None,
+    stop: threading.Event | None = None,
 ) -> tuple[list[Group], dict] | None:
-    """Rank 0 blocks on the queue until groups arrive; every rank returns the same groups, or
-    None when a stop was requested while waiting."""
+    """The next batch (None when a stop was requested); while waiting for it, a server that came
+    back behind the current version (restarted, or dropped and up again) gets the current weights
+    at once, every rank joining that push as after a step (it does not wait for the next step)."""
+    while True:
+        waited = _wait_for_groups(learner, consumer, max_staleness, stop, weight_sync)
+        if waited is None:
+            return None
+        groups, stats, late = waited
+        if not late:
+            return groups, stats
+        log.info("servers %s are behind version %d: pushing the current weights now", late, learner.version)
+        weight_sync.push(functools.partial(fsdp.iter_full_tensors, learner.model), learner.version)
+
+
+def _wait_for_groups(
+    learner: Learner,
+    consumer: Consumer | None,
+    max_staleness: int,
+    stop: threading.Event | None = None,
+    weight_sync: WeightSync | None = None,
+) -> tuple[list[Group], dict, list[str]] | None:
+    """Rank 0 blocks on the queue until groups arrive, or until weight sync names servers behind
+    the current version; every rank returns the same (groups, stats, servers behind), or None
+    when a stop was requested while waiting."""
     payload: list[Any] = [None]
+    behind = getattr(weight_sync, "behind", None)
     if learner.rank == 0:
-        cfg, groups, stats = learner.cfg, [], {}
+        cfg, groups, stats, late = learner.cfg, [], {}, []
         waited, before = 0.0, None
         while not groups and not (stop is not None and stop.is_set()):
+            if behind is not None and (late := behind(learner.version)):
+                break
             poll = min(WAIT_POLL_S, cfg.batch_timeout_s) if stop is not None else cfg.batch_timeout_s
             try:
                 batch = consumer.get_batch(cfg.groups_per_step, learner.version, max_staleness, poll)
@@ -178,7 +209,7 @@ def _wait_for_groups(
                 if ages:
                     stats["queue/age_s_mean"] = sum(ages) / len(ages)
                     stats["queue/age_s_max"] = max(ages)
-        payload = [(groups, stats) if groups else None]
+        payload = [(groups, stats, late) if groups or late else None]
     if learner.world_size > 1:
         dist.broadcast_object_list(payload, src=0)
     return payload[0]
@@ -250,7 +281,7 @@ def run(
     while learner.version < cfg.max_steps:
         # 1. wait for a batch admissible at the current version (or stop)
         t0 = time.perf_counter()
-        waited = _wait_for_groups(learner, consumer, max_staleness, stop)
+        waited = _next_batch(learner, consumer, max_staleness, weight_sync, stop)
         if waited is None:
             log.warning("stop requested at version %d: saving the final checkpoint", learner.version)
             break

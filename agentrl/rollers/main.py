@@ -47,7 +47,7 @@ async def run_roller(config: AgentRLConfig) -> int:
     from transformers import AutoTokenizer
 
     from agentrl.envs.registry import env_factory, load_env_class
-    from agentrl.inference.base import create as create_client
+    from agentrl.inference.router import from_config as create_router
     from agentrl.queue.base import create as create_queue
     from agentrl.rollers.chat import ChatRenderer
     from agentrl.rollers.roller import Roller
@@ -60,7 +60,9 @@ async def run_roller(config: AgentRLConfig) -> int:
     tasks = TaskSource(config.roller.tasks, env_cls, config.roller.seed, **config.roller.task_kwargs)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(config))
     renderer = ChatRenderer(tokenizer, make_env().tool_schemas or None)
-    client = create_client(config.inference)
+    # a router even over one server: requests wait out a server's restart (inference.server_wait_s)
+    # and skip servers behind the admissible window (run-wide max_staleness, as the learner's)
+    client = create_router(config.inference, config.max_staleness)
     backend = create_queue(config.queue)
     producer = backend.producer(name=name) if config.queue.type == "zmq" else backend.producer()
     metrics = MetricsLogger(config.run_dir, name="roller")

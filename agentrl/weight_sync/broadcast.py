@@ -21,12 +21,24 @@ push is redone for the others (every learner rank repeats the gathers in step); 
 whose bucket failed is kept for one redo and dropped only if it fails again. A dropped
 server stays paused (its weights may be a mix) and rejoins at a later push once it answers
 its liveness check (`alive`) again.
+
+Servers are probed in the background (`watch.ServerWatch`: health and weight version, each
+probe bounded), so no push waits on a dead or silent server. Before each push, members
+probed down leave the group, and servers back up — dropped ones that answer again, members
+restarted on the same address (their version is not the last pushed) — join it. `behind(v)`
+names the servers up but not at `v`; the learner loop asks it while it waits for data and
+pushes the current weights at once (`push(model, v)` again), so a restarted server does not
+wait for the next trained step. A server whose rejoin fails is retried with backoff. Group
+names carry a per-process tag, so a learner that restarts never collides with the names a
+surviving server still holds from its predecessor.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -40,6 +52,7 @@ from agentrl.inference.weight_group import WeightGroup, dtype_name, join_group
 from agentrl.log import get_logger
 from agentrl.net import free_port
 from agentrl.weight_sync.base import PushStats, WeightSource, WeightSyncEngine
+from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
     from agentrl.config import BroadcastSyncConfig, InferenceConfig
@@ -115,17 +128,33 @@ class BroadcastEngine(WeightSyncEngine):
         self.dropped: list[str] = []
         self.group: WeightGroup | None = None
         self._generation = 0
+        self._tag = secrets.token_hex(3)  # group names unique to this learner process
+        self.watch: ServerWatch | None = None
+        self._pushed_version: int | None = None
+        self._pushed_at = 0.0  # time.monotonic() at the end of the last push
+        self._attempts: dict[str, int] = {}  # rejoin attempts in a row, per server
+        self._retry_at: dict[str, float] = {}
 
     # ------------------------------------------------------------------ group set-up
 
     def _init_servers(self) -> None:
-        self._build_group(list(self.urls))
+        """Probe every server first and invite only those that answer: one that is down, or accepts
+        TCP but never answers, would hold the rendezvous until every server's join timed out."""
+        interval = min(2.0, self.inference.health_check_interval_s)
+        self.watch = ServerWatch(
+            self.clients, self._bridge, interval, min(self.inference.connect_timeout_s, 2.0)
+        )
+        self.watch.probe_now(list(self.urls))
+        seen = self.watch.fresh(0.0)
+        self._drop([u for u in self.urls if seen.get(u, DOWN) == DOWN])
+        self._build_group([u for u in self.urls if u not in self.dropped])
+        self.watch.start()
 
     def _build_group(self, urls: list[str]) -> None:
         """(Re)create the group with `urls`; servers that fail to join are dropped."""
         self._leave_group()
         self._generation += 1
-        name = f"agentrl_weights_{self._generation}"
+        name = f"agentrl_weights_{self._tag}_{self._generation}"
         port = self.config.master_port or free_port(self.config.master_address)
         if self.config.master_port and self._generation > 1:
             port = free_port(self.config.master_address)  # the fixed port may still be held
@@ -194,14 +223,50 @@ class BroadcastEngine(WeightSyncEngine):
         self.group.close()
         self.group = None
 
-    def _rejoin_healthy(self) -> None:
-        if not self.dropped:
+    def behind(self, version: int) -> list[str]:
+        """Servers probed up since the last push that do not hold `version` (restarted, or dropped
+        and back), outside their retry backoff. Never blocks."""
+        if self.rank != 0 or self.watch is None:
+            return []
+        now = time.monotonic()
+        return [
+            url
+            for url, v in self.watch.fresh(self._pushed_at).items()
+            if v != DOWN and (v != version or url not in self.members) and self._retry_at.get(url, 0.0) <= now
+        ]
+
+    def _regroup(self) -> None:
+        """Before a push: members probed down leave the group; servers back up join it (dropped
+        ones, and members restarted in place, whose version is not the one last pushed)."""
+        if self.watch is None:
             return
-        healthy = self._bridge.run(self._healthy(self.dropped), timeout_s=30)
-        if healthy:
-            logger.info("servers %s are healthy again: rebuilding the weight group with them", healthy)
-            self.dropped = [u for u in self.dropped if u not in healthy]
-            self._build_group([u for u in self.urls if u not in self.dropped])
+        self.watch.probe_now([u for u in self.urls if u not in self.members])  # not the silent ones
+        fresh = self.watch.fresh(self._pushed_at)
+        now = time.monotonic()
+        dead = [u for u in self.members if fresh.get(u) == DOWN]
+        back = []
+        for url, v in fresh.items():
+            restarted = url in self.members and self._pushed_version is not None and v != self._pushed_version
+            if v == DOWN or self._retry_at.get(url, 0.0) > now:
+                continue
+            if url not in self.members or restarted:
+                back.append(url)
+            else:
+                self._attempts.pop(url, None)  # a member at the pushed version: its rejoin worked
+        if not dead and not back:
+            return
+        if dead:
+            logger.error("servers %s stopped answering: leaving them out of this push", dead)
+            self._drop(dead)
+        if back:
+            logger.info("servers %s are up again: rebuilding the weight group with them", back)
+            self.dropped = [u for u in self.dropped if u not in back]
+            for url in back:  # retried with backoff should this rejoin not bring it to the version
+                self._attempts[url] = self._attempts.get(url, 0) + 1
+                self._retry_at[url] = now + min(60.0, 2.0 ** self._attempts[url])
+        # a restarted member holds no group: it is not asked to destroy the old one
+        self.members = [u for u in self.members if u not in dead and u not in back]
+        self._build_group([u for u in self.urls if u in self.members or u in back])
 
     def _pause_members(self) -> None:
         """Pause every member; one that cannot be paused is dead: rebuild the group without it
@@ -215,7 +280,8 @@ class BroadcastEngine(WeightSyncEngine):
             self._build_group([u for u in self.members if u not in dead])
 
     async def _healthy(self, urls: list[str]) -> list[str]:
-        return [url for url in urls if await self.clients[url].alive()]
+        answers = await asyncio.gather(*(self.clients[u].alive() for u in urls))  # at once, not in turn
+        return [url for url, ok in zip(urls, answers, strict=True) if ok]
 
     # ------------------------------------------------------------------ push
 
@@ -240,9 +306,9 @@ class BroadcastEngine(WeightSyncEngine):
                 logger.error("server %s: /end_weight_update failed: %s", url, exc)
 
     def _start_push(self) -> None:
-        """Rank 0: rejoin healthy dropped servers, pause every member, open their sessions; a member
+        """Rank 0: regroup (members probed down leave, servers back up join), pause every member, open their sessions; a member
         that fails either is dropped before anything is broadcast."""
-        self._rejoin_healthy()
+        self._regroup()
         self._pause_members()
         refused = self._begin(self.members)
         if refused:
@@ -291,6 +357,7 @@ class BroadcastEngine(WeightSyncEngine):
             stats.servers_dropped = list(self.dropped)
             stats.attempts = attempt
             self.last = stats
+            self._pushed_version, self._pushed_at = version, time.monotonic()
             logger.info(
                 "pushed version %d: %.1f MB in %.2fs to %d server(s)",
                 version,
@@ -354,6 +421,8 @@ class BroadcastEngine(WeightSyncEngine):
         return failed
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
         if self.rank == 0 and self._bridge is not None:
             self._leave_group()
         super().close()

@@ -125,3 +125,45 @@ def test_factory_picks_client_by_type():
     assert all(isinstance(c, VLLMClient) for c in many.clients)
     embedded = create(InferenceConfig(), ["http://127.0.0.1:3"])
     assert isinstance(embedded, SGLangClient)
+
+
+async def test_a_request_waits_for_the_only_server_to_come_back(tiny_model: Path):
+    # the only server is down when the request arrives (killed, restarting on the same port)
+    late = ServerThread(tiny_model)
+    late.port, late.url = (port := find_free_port()), f"http://127.0.0.1:{port}"
+    async with Router([SGLangClient(late.url, connect_timeout_s=1)], server_wait_s=60) as router:
+        request = asyncio.create_task(router.generate(PROMPT, PARAMS))
+        await asyncio.sleep(1.5)
+        assert not request.done()  # waiting, not lost after a burst of fast failures
+        await asyncio.to_thread(late.start)
+        try:
+            result = await asyncio.wait_for(request, 60)
+        finally:
+            late.stop()
+        assert result.server == late.url and len(result.output_ids) == 6
+        assert router.stats["lost"] == 0 and router.stats["waits"] >= 1
+
+
+async def test_a_server_behind_the_admissible_window_gets_no_work(server: ServerThread, second: ServerThread):
+    second.engine.weight_version = "5"  # the learner pushed 5; `server` came back at 0
+    try:
+        async with Router([SGLangClient(server.url), SGLangClient(second.url)], max_staleness=1) as router:
+            await router.check_health()
+            assert router.versions == [0, 5] and router.floor() == 4
+            results = await asyncio.gather(*(router.generate(PROMPT, PARAMS) for _ in range(8)))
+            assert {r.server for r in results} == {second.url}
+        async with Router([SGLangClient(server.url), SGLangClient(second.url)], max_staleness=5) as router:
+            await router.check_health()  # at k=5, version 0 is still admissible
+            results = await asyncio.gather(*(router.generate(PROMPT, PARAMS) for _ in range(8)))
+            assert {r.server for r in results} == {server.url, second.url}
+    finally:
+        second.engine.weight_version = "0"
+
+
+async def test_no_server_inside_the_window_is_a_counted_loss_after_server_wait_s(server: ServerThread):
+    async with Router([SGLangClient(server.url)], max_staleness=1, server_wait_s=1.0) as router:
+        router.newest = 5  # it saw version 5 before the server came back at 0
+        await router.check_health()
+        with pytest.raises(RequestLostError, match="behind the admissible window"):
+            await asyncio.wait_for(router.generate(PROMPT, PARAMS), 20)
+        assert router.stats["lost"] == 1 and router.stats["completed"] == 0

@@ -1,0 +1,226 @@
+"""Fault injection on real processes: kill -9 of a roller or a server under `agentrl run`, and a
+weight-sync peer that accepts TCP but never answers.
+
+Each `agentrl run` scenario trains the tiny model (groups_per_step 4, group_size 4) for a few
+steps, kills one child with SIGKILL once training is under way, and checks that the launcher
+restarted it, that the learner trained after the restart, that the run completed, and the
+per-group-id account of the run (tests/integration/faults_account.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from agentrl.config import BroadcastSyncConfig, InferenceConfig
+from agentrl.log import read_metrics
+from agentrl.weight_sync.base import create
+from tests.conftest import REPO, find_free_port, pid_alive
+from tests.integration.faults_account import account
+from tests.integration.test_weight_sync import assert_in_sync, perturb, start_server, wait_healthy
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+STEPS = 6
+
+
+def _pids(log: Path) -> dict[str, int]:
+    """The newest pid of each child the launcher logged as started."""
+    return {
+        m[1]: int(m[2]) for m in re.finditer(r"started (\S+) \(pid (\d+)\)", log.read_text(errors="replace"))
+    }
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "learner.jsonl"
+    return [r["step"] for r in read_metrics(path)] if path.exists() else []
+
+
+def run_with_fault(
+    tmp_path: Path, tiny_model: Path, k: int, victim: str, *args: str, steps: int = STEPS, until=None
+) -> tuple[Path, int]:
+    """`agentrl run` with `victim` killed (SIGKILL) after the learner's 2nd step; returns the run
+    directory and the learner version at the kill once the run has completed — or, given
+    `until(run_dir, at_kill)`, once that holds (bounded), after a SIGTERM stopped the run."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
+             f"--max_staleness={k}", f"--learner.model_path={tiny_model}", f"--learner.max_steps={steps}",
+             "--learner.groups_per_step=4", "--learner.warmstart_steps=0", "--learner.batch_timeout_s=1",
+             "--roller.group_size=4", "--roller.max_turns=2", "--roller.max_concurrent_episodes=16",
+             "--inference.health_check_interval_s=1", "--launcher.restart_backoff_s=0.5",
+             f"--queue.address=tcp://127.0.0.1:{find_free_port()}", *args],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while len(_steps(run_dir)) < 2:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        at_kill = _steps(run_dir)[-1]
+        assert at_kill < steps - 1, "the run got too far before the fault to test recovery"
+        victim_pid = _pids(log)[victim]
+        os.kill(victim_pid, signal.SIGKILL)
+        if until is not None:
+            deadline = time.monotonic() + 400
+            while not until(run_dir, at_kill):
+                assert proc.poll() is None, log.read_text()[-6000:]
+                assert time.monotonic() < deadline, "the recovery did not happen"
+                time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)  # stopped as an operator would: final checkpoint, account
+            assert proc.wait(timeout=300) == 130, log.read_text()[-6000:]
+        else:
+            assert proc.wait(timeout=400) == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not any(pid_alive(pid) for pid in _pids(log).values())  # no orphans, restarted ones included
+    return run_dir, at_kill
+
+
+def assert_account(run_dir: Path) -> None:
+    """Per group id: 0 acknowledged groups lost, 0 trained twice, 0 admission credits leaked; and the
+    queue's credit and group invariants hold at every step."""
+    acct = account(run_dir)
+    assert acct.put, "no group was acknowledged to a roller"
+    assert (acct.lost, acct.duplicated, acct.leaked_credits) == (0, 0, 0), acct.summary()
+    assert acct.step_residuals and all(r == (0, 0) for r in acct.step_residuals), acct.step_residuals
+
+
+def restarts(run_dir: Path) -> list[dict]:
+    path = run_dir / "launcher.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_kill_9_of_the_only_server_it_restarts_on_its_port_and_rejoins_at_the_current_version(
+    tiny_model: Path, tmp_path: Path, k: int
+) -> None:
+    # the livelock row: before, the roller gave up within 1 s and the restarted server stayed at
+    # version 0 (the learner pushed only after a step, which stale groups could never bring)
+    run_dir, _ = run_with_fault(tmp_path, tiny_model, k, "server0")
+    assert [(r["child"], r["exit_code"]) for r in restarts(run_dir)] == [("server0", -signal.SIGKILL)]
+    records = read_metrics(run_dir / "learner.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # trained after the restart
+    assert records[-1]["sync/servers_updated"] == 1  # the restarted server is in the group again
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert re.search(r"are behind version \d+: pushing the current weights now", learner_log)
+    roller = (run_dir / "logs" / "roller0.log").read_text()
+    assert "roller gave up" not in roller
+    assert_account(run_dir)
+
+
+def _rejoined(run_dir: Path, at_kill: int) -> bool:
+    """A push after the kill reached both servers again (the restarted one is back in the group)."""
+    after = [r for r in read_metrics(run_dir / "learner.jsonl") if r["step"] > at_kill]
+    return any(r["sync/servers_updated"] == 1 for r in after) and after[-1]["sync/servers_updated"] == 2
+
+
+def test_kill_9_of_one_of_two_servers_fails_over_and_it_rejoins(tiny_model: Path, tmp_path: Path) -> None:
+    # training goes on with the other server while this one restarts (a model load on a busy
+    # machine can outlast a short run), so the run is long and stopped once the server is back
+    run_dir, _ = run_with_fault(
+        tmp_path, tiny_model, 1, "server1", "--inference.num_servers=2", steps=1000, until=_rejoined
+    )
+    assert [r["child"] for r in restarts(run_dir)] == ["server1"]
+    records = read_metrics(run_dir / "learner.jsonl")
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    assert records[-1]["sync/servers_dropped"] == 0  # pushes went on with one server, then with both
+    assert_account(run_dir)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_kill_9_of_a_roller_under_agentrl_run_it_is_restarted_and_the_run_completes(
+    tiny_model: Path, tmp_path: Path, k: int
+) -> None:
+    # before, the launcher stopped the whole run ~1 s after the kill
+    run_dir, _ = run_with_fault(tmp_path, tiny_model, k, "roller0")
+    assert [(r["child"], r["exit_code"]) for r in restarts(run_dir)] == [("roller0", -signal.SIGKILL)]
+    assert _steps(run_dir) == list(range(1, STEPS + 1))
+    assert_account(run_dir)
+
+
+class SilentPeer:
+    """A TCP server that accepts connections and never answers (a wedged process); counts them."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+def test_a_silent_weight_sync_peer_is_dropped_and_later_pushes_never_wait_on_it(processes, tiny_model: Path):
+    port = find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    start_server(processes, tiny_model, port)
+    wait_healthy([url])
+    silent = SilentPeer()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    weights = model.named_parameters
+    # background probes once a minute: a push that contacted the silent peer would open a connection
+    inference = InferenceConfig(servers=[url, silent.url], health_check_interval_s=60)
+    engine = create(BroadcastSyncConfig(bucket_mb=1, timeout_s=5), inference)
+    try:
+        engine.init()  # the silent peer never joins: dropped at set-up, after the timeout
+        assert engine.members == [url] and engine.dropped == [silent.url]
+        perturb(model, 1)
+        first = engine.push(weights, 1)
+        assert first.servers_updated == 1 and first.servers_dropped == [silent.url]
+        assert silent.url in engine.watch._silent  # its probe timed out: left to the background
+        contacts = len(silent.accepted)
+        for version in (2, 3, 4):
+            perturb(model, version)
+            stats = engine.push(weights, version)
+            assert stats.servers_updated == 1 and stats.servers_dropped == [silent.url]
+        assert len(silent.accepted) == contacts  # no later push waited on (or even called) it
+        assert engine.behind(4) == []
+        assert_in_sync(model, [url], 4)
+    finally:
+        engine.close()
+        silent.close()
+
+
+def test_bench_faults_kills_the_learner_resumes_and_ends_with_its_json_line(processes) -> None:
+    # the learner scenario: agentrl run stops when its learner is killed, agentrl run --resume
+    # continues from the last checkpoint; the account spans both lives of the run
+    from tests.integration.test_benchmarks import _bench
+
+    stdout, line = _bench(
+        processes, "faults", "--scenarios", "learner", "--steps", "4", "--model", "tiny", timeout=900
+    )
+    assert "kill -9, then recovery" in stdout and "learner" in stdout  # the table (rich wraps it)
+    assert line["ratios"] == {}
+    metrics = line["metrics"]
+    assert set(metrics) == {"recovery_s_learner", "lost", "duplicated", "leaked_credits"}
+    assert metrics["recovery_s_learner"] > 0  # a step was trained after the kill (by the resumed run)
+    assert (metrics["lost"], metrics["duplicated"], metrics["leaked_credits"]) == (0, 0, 0)
