@@ -16,7 +16,7 @@ has trained `--kill-after` steps, and lets the run finish:
 
 Printed per scenario: seconds from the kill to the next trained step (`recovery_s`: the first
 learner record written after the kill) and the run's per-group-id account, as the fault suite
-computes it (`tests/integration/faults_account.py`, read from the ledgers the queue, learner
+computes it (`agentrl/queue/account.py`, read from the ledgers the queue, learner
 and rollers write): `lost` (acknowledged to a roller, yet neither trained, nor dropped and
 counted, nor still held by the queue), `duplicated` (trained more than once) and
 `leaked_credits` (admission credits the queue cannot account for at the end). The account
@@ -83,11 +83,8 @@ def _finish(proc: subprocess.Popen, timeout_s: float) -> int:
 
 def account(run_dir: Path) -> dict[str, int]:
     """lost / duplicated / leaked_credits of a finished run (see the module docstring)."""
-    sys.path.insert(0, str(REPO))
-    try:
-        from tests.integration.faults_account import account as group_account
-    finally:
-        sys.path.remove(str(REPO))
+    from agentrl.queue.account import account as group_account
+
     acct = group_account(run_dir)
     return {"lost": acct.lost, "duplicated": acct.duplicated, "leaked_credits": acct.leaked_credits}
 

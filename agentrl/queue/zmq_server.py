@@ -32,7 +32,7 @@ derived from what is in flight (see `zmq_admission.py`), so groups dropped as st
 step the learner skipped) give their admission back by leaving, and rollers replace them.
 
 With a `ledger` path the server appends one JSON line per trained / dropped batch of group
-ids, and at `stop()` the ids still held: the per-group account of `tests/integration/faults_account.py`.
+ids, and at `stop()` the ids still held: the per-group account of `agentrl/queue/account.py`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fault injection for the queue / roller / learner-lifetime rows of issue 14, with real processes
 started by hand as on separate nodes (`agentrl serve`, `learner`, `queue`, `roller`), the tiny
 model, groups_per_step 4, group_size 4 and a few steps. Every scenario ends with the per-group
-account of `faults_account.py` (lost / duplicated / leaked credits), not only exit codes, and
+account of `agentrl/queue/account.py` (lost / duplicated / leaked credits), not only exit codes, and
 checks the queue's two invariants in every step the learner logged.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest tests/integration/test_faults_queue.py -q
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from agentrl.launcher import wait_healthy
+from agentrl.queue.account import account, read_jsonl
 from tests.conftest import Processes, find_free_port
-from tests.integration.faults_account import account, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(420)]
 

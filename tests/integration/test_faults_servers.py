@@ -4,7 +4,7 @@ weight-sync peer that accepts TCP but never answers.
 Each `agentrl run` scenario trains the tiny model (groups_per_step 4, group_size 4) for a few
 steps, kills one child with SIGKILL once training is under way, and checks that the launcher
 restarted it, that the learner trained after the restart, that the run completed, and the
-per-group-id account of the run (tests/integration/faults_account.py)."""
+per-group-id account of the run (agentrl/queue/account.py)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.config import BroadcastSyncConfig, InferenceConfig
 from agentrl.log import read_metrics
+from agentrl.queue.account import account
 from agentrl.weight_sync.base import create
 from tests.conftest import REPO, find_free_port, pid_alive
-from tests.integration.faults_account import account
 from tests.integration.test_weight_sync import assert_in_sync, perturb, start_server, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

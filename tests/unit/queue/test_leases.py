@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.queue.account import invariant_residuals
 from agentrl.queue.base import LeaseLapsed, QueueError, QueueUnavailable, RunOver
-from tests.integration.faults_account import invariant_residuals
 from tests.unit.queue.conftest import Harness, make_group
 
 pytestmark = pytest.mark.timeout(90)
