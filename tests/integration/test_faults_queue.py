@@ -183,7 +183,13 @@ def test_wrong_address_or_secret_is_reported_not_waited_on(
     the queue logs the refused MACs at WARNING."""
     run = Run(processes, tiny_model, tmp_path, k=0, steps=1)
     fast = ["--queue.connect_timeout_s=3", "--servers", "http://127.0.0.1:9"]
-    nowhere = run.roller(0, *fast)
+    # an address nothing ever binds (the run's own address gets a queue below: a roller started
+    # before it binds could reach it within its connect timeout on a quick machine)
+    elsewhere = f"tcp://127.0.0.1:{find_free_port()}"
+    nowhere = processes.agentrl(
+        "roller", *[f"--queue.address={elsewhere}" if a.startswith("--queue.address=") else a for a in run.common],
+        *fast, env=run.env, stdout=run._log("nowhere"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
     queue = processes.agentrl("queue", "--bind", run.address, *run.common, env=run.env,
                               stdout=run._log("queue"), stderr=subprocess.STDOUT)  # fmt: skip
     wrong = dict(run.env, AGENTRL_QUEUE_SECRET="another-secret-entirely-0000000000")
