@@ -245,6 +245,9 @@ class ZmqProducer(Producer):
                 log.warning("producer ignored a reply that failed its check: %s", exc)
                 continue
             self._heard, self._last_heard = True, time.monotonic()
+            if ctl.get("fin") and ctl.get("k") == "ok" and ctl.get("r") == self.run_id:
+                # what the server did before the run ended still happened: a put it stored is put
+                self._settle_reply(ctl)
             if self._check_run(ctl):
                 return
             self._version = ctl.get("v", self._version)
@@ -265,11 +268,14 @@ class ZmqProducer(Producer):
             if ctl.get("code") == "lapsed":
                 self._lapsed()
                 continue
-            for rid in ctl.get("rids", [ctl.get("rid")]):
-                waiting = self._pending.get(rid)
-                if waiting is None or waiting[2].done():
-                    continue
-                self._settle(waiting[0], waiting[2], ctl)
+            self._settle_reply(ctl)
+
+    def _settle_reply(self, ctl: dict) -> None:
+        for rid in ctl.get("rids", [ctl.get("rid")]):
+            waiting = self._pending.get(rid)
+            if waiting is None or waiting[2].done():
+                continue
+            self._settle(waiting[0], waiting[2], ctl)
 
     def _settle(self, request: dict, future: asyncio.Future, reply: dict) -> None:
         kind = request["k"]

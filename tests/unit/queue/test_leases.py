@@ -208,6 +208,26 @@ def test_a_roller_of_another_run_is_refused_and_a_finished_run_ends_its_rollers(
     assert m["refused_run"] >= 1 and m["finished"]
 
 
+def test_a_put_the_queue_stored_as_the_run_ended_counts_as_put(zmq_queue: Harness) -> None:
+    """The queue stores a put that arrives after the learner finished and acks it in a reply that
+    also says the run is over: the producer must see the put succeed (the queue holds the group),
+    and only its later calls fail with RunOver."""
+    zmq_queue.start(groups_per_step=2, max_staleness=0)
+    consumer = zmq_queue.consumer()
+
+    async def go() -> None:
+        producer = zmq_queue.producer()
+        await producer.acquire_start(1)
+        await asyncio.to_thread(consumer.finish)
+        await asyncio.wait_for(producer.put(make_group(seed=3)), timeout=10)
+        with pytest.raises(RunOver):
+            await asyncio.wait_for(producer.acquire_start(1), timeout=10)
+        producer.close()
+
+    asyncio.run(go())
+    assert zmq_queue.server.metrics()["groups_in"] == 1
+
+
 def test_a_learner_with_another_config_is_refused(zmq_queue: Harness) -> None:
     zmq_queue.start(groups_per_step=4, max_staleness=1)
     with pytest.raises(QueueUnavailable, match=r"learner\.groups_per_step: the learner has 8"):
