@@ -245,12 +245,15 @@ class DockerSandbox(Sandbox):
                 raise IsADirectoryError(full)
             if stat.get("size", 0) > limit:
                 raise PermissionError(f"{full}: larger than the {limit}-byte read limit")
-            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
-                member = tar.next()
-                extracted = tar.extractfile(member) if member else None
-                if extracted is None:
-                    raise FileNotFoundError(f"{full}: not a regular file")
-                return extracted.read()
+            try:
+                with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+                    member = tar.next()
+                    extracted = tar.extractfile(member) if member else None
+                    if extracted is None:
+                        raise FileNotFoundError(f"{full}: not a regular file")
+                    return extracted.read()
+            except tarfile.TarError as exc:  # the engine's stream was cut: the path vanished mid-read
+                raise FileNotFoundError(f"{full}: changed while it was read ({exc})") from None
 
         return await asyncio.to_thread(read)
 
