@@ -58,6 +58,7 @@ BENCHMARKS = {
     "sync": ("weight push vs raw gloo broadcast and disk", 7),
     "async": ("samples/s at max_staleness 0, 1, 2, 4", 7),
     "faults": ("seconds from a kill -9 to the next trained step, and the group account", 14),
+    "launch": ("the Ray launcher vs the local one: seconds to the first step, episodes/s", 20),
 }
 
 
@@ -231,9 +232,18 @@ def run(
     resume: Annotated[
         bool, typer.Option(help="Continue the run from the learner's latest checkpoint.")
     ] = False,
+    launcher: Annotated[
+        str | None,
+        typer.Option(help="local (this machine) or ray (a running Ray cluster); default: launcher.type."),
+    ] = None,
 ) -> None:
-    """Run learner, queue, inference servers and rollers on this machine as one job; servers and
-    rollers that die are restarted (launcher.max_restarts), the learner's death ends the run."""
+    """Run learner, queue, inference servers and rollers as one job, on this machine or placed by
+    Ray (--launcher ray); servers and rollers that die are restarted (launcher.max_restarts), the
+    learner's death ends the run. `agentrl scale` and `agentrl status` reach it by its run_dir."""
+    if launcher is not None:
+        if launcher not in ("local", "ray"):
+            raise _fail(f"--launcher: choose local or ray, not {launcher!r}")
+        ctx.args.append(f"--launcher.type={launcher}")
     cfg = load(config, ctx)
     if cfg.inference.type == "sglang":
         raise _fail(
@@ -244,6 +254,50 @@ def run(
     from agentrl.launcher import run as launch
 
     raise typer.Exit(launch(cfg, resume=resume))
+
+
+RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="The running job's run_dir.")]
+
+
+@app.command()
+def scale(
+    run_dir: RunDirOpt,
+    rollers: Annotated[int | None, typer.Option(help="Roller processes to run.")] = None,
+    servers: Annotated[
+        int | None, typer.Option(help="Inference servers to run (at most the inference.num_servers slots).")
+    ] = None,
+) -> None:
+    """Start or stop rollers and servers of a running `agentrl run` (local or Ray), learner untouched."""
+    import time
+
+    from agentrl.launch.control import read_state, request_scale
+
+    try:
+        request = request_scale(run_dir, rollers, servers)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        raise _fail(str(exc)) from None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state = read_state(run_dir)
+        if state.get("scale_id") == request["id"]:
+            typer.echo(f"agentrl scale: {state.get('scale')}")
+            return
+        time.sleep(0.5)
+    raise _fail(f"the launcher of {run_dir} did not apply the request in 60 s (see its output)", code=1)
+
+
+@app.command()
+def status(run_dir: RunDirOpt) -> None:
+    """Each process of a running (or the last) `agentrl run`: node, state, restarts; the learner's
+    version and the queue's counts."""
+    from rich.console import Console
+
+    from agentrl.launch.control import status_table
+
+    try:
+        Console().print(status_table(run_dir))
+    except FileNotFoundError as exc:
+        raise _fail(str(exc)) from None
 
 
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)

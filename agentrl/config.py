@@ -390,6 +390,16 @@ class LauncherConfig(Section):
     never restarted (its death ends the run; `agentrl run --resume` continues it)."""
     restart_backoff_s: float = Field(1.0, ge=0)
     """Wait before a child's first restart; doubled for each further restart of that child."""
+    type: Literal["local", "ray"] = "local"
+    """`local`: every process on this machine; `ray`: placed by Ray on a running cluster."""
+    address: str = "auto"
+    """Ray only: the cluster to join (`auto`: the one `ray start` runs on this node, or HOST:PORT)."""
+    resources: dict[Literal["learner", "server", "roller", "service"], dict[str, float]] = {}
+    """Ray only: resources each role asks for, e.g. `{server: {GPU: 1}, roller: {CPU: 2, sandbox: 1}}`
+    (`CPU`, `GPU` and custom resources of `ray start --resources`); the learner's are per rank."""
+    forward_env: list[str] = ["HF_TOKEN", "WANDB_API_KEY", "OPENAI_API_KEY"]
+    """Ray only: environment variables (API keys) handed to every process by an actor method call,
+    with the queue's secret; never on a command line or in the actors' runtime_env."""
 
 
 # --------------------------------------------------------------------------- weight sync

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.config import AgentRLConfig, save_resolved
+from agentrl.launch.control import ScaleWatch, write_state
+from agentrl.launch.plan import Addresses, Role, plan, render, server_url
 from agentrl.log import get_logger, read_metrics
 from agentrl.net import free_port
 
@@ -243,43 +245,32 @@ def serve_for(config: AgentRLConfig, model: str | None = None) -> Iterator[Agent
 def plan_children(
     config: AgentRLConfig, config_path: Path, model: str, service_overrides: list[str], resume: bool = False
 ) -> list[ChildSpec]:
-    """Servers on free loopback ports, the learner (torchrun for several ranks), the rollers: each
-    with the flags a user would give it on its own node. Servers and rollers are restarted when
-    they die; the learner is not."""
-    ports = [free_port() for _ in range(config.inference.num_servers)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    common = [
-        "--config",
-        str(config_path),
-        f"--learner.model_path={model}",
-        f"--inference.model_path={model}",
-        "--inference.servers",
-        "[" + ", ".join(urls) + "]",
-        *service_overrides,
-    ]
-    backend = ["--backend", "vllm"] if config.inference.type == "vllm" else []  # inference/vllm_launch.py
-    servers = [
-        ChildSpec(
-            f"server{i}",
-            _agentrl("serve", "--port", str(port), *backend, *common),
-            restart=True,
-            health_url=url,
-        )
-        for i, (port, url) in enumerate(zip(ports, urls, strict=True))
-    ]
-    n = config.learner.num_processes
-    learner_args = ["learner", *common, *(["--resume"] if resume else [])]
-    learner_cmd = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-         "-m", "agentrl", *learner_args]
-        if n > 1
-        else _agentrl(*learner_args)
-    )  # fmt: skip
-    rollers = [
-        ChildSpec(f"roller{i}", _agentrl("roller", *common), {"AGENTRL_ROLLER_INDEX": str(i)}, restart=True)
-        for i in range(config.roller.num_processes)
-    ]
-    return [*servers, ChildSpec("learner", learner_cmd), *rollers]
+    """The shared plan (`launch/plan.py`) on this machine: servers on free loopback ports, the
+    learner (torchrun for several ranks), the rollers, each with the flags a user would give it on
+    its own node. Servers and rollers are restarted when they die; the learner is not."""
+    roles = plan(config, config_path, model, service_overrides, resume)
+    ports = [free_port() for r in roles if r.kind == "server"]
+    addrs = Addresses([server_url("127.0.0.1", p) for p in ports])
+    return [local_spec(role, addrs, ports) for role in roles]
+
+
+def local_spec(role: Role, addrs: Addresses, ports: list[int]) -> ChildSpec:
+    """One role as a child of this machine's Supervisor; server i binds `ports[i]`."""
+    if role.kind == "server":
+        i = int(role.name.removeprefix("server"))
+        args = render(role, addrs, ("127.0.0.1", ports[i]))
+        return ChildSpec(role.name, _agentrl(*args), role.env, True, addrs.servers[i])
+    args = render(role, addrs)
+    if role.kind == "learner" and role.ranks > 1:
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={role.ranks}",
+        ]
+        return ChildSpec(role.name, [*torchrun, "-m", "agentrl", *args], role.env, role.restart)
+    return ChildSpec(role.name, _agentrl(*args), role.env, role.restart)
 
 
 def _warm_model(run_dir: Path) -> Path | None:
@@ -290,7 +281,12 @@ def _warm_model(run_dir: Path) -> Path | None:
 
 def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
     """Run the job described by `config` (already validated, saved at `config_path`); with
-    `resume` the learner continues from its latest checkpoint and a finished warm start is kept."""
+    `resume` the learner continues from its latest checkpoint and a finished warm start is kept.
+    `launcher.type: ray` hands the same plan to the Ray launcher (`launch/ray.py`)."""
+    if config.launcher.type == "ray":
+        from agentrl.launch.ray import launch_ray
+
+        return launch_ray(config, config_path, resume)
     run_dir = Path(config.run_dir)
     supervisor = Supervisor(run_dir)
     model = config.learner.model_path
@@ -324,7 +320,8 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
             raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None
         children = [supervisor.run(s) for s in specs if not s.health_url]
         learner = next(c for c in children if c.name == "learner")
-        return _watch(config, supervisor, learner)
+        roller_args = next(s.args for s in specs if s.name.startswith("roller"))
+        return _watch(config, supervisor, learner, LocalScaler(supervisor, roller_args))
     except KeyboardInterrupt:
         logger.warning("interrupted: stopping every process")
         return 130
@@ -375,16 +372,81 @@ def _log_exit(supervisor: Supervisor, child: Child, why: str) -> None:
                  child.proc.returncode, why, child.log_path, supervisor.tail(child))  # fmt: skip
 
 
-def _watch(config: AgentRLConfig, supervisor: Supervisor, learner: Child) -> int:
-    """Show live progress and supervise until the learner finishes or the run must stop."""
+class LocalScaler:
+    """`agentrl scale` on this machine: rollers are started (with the next index) or stopped
+    (highest index first, SIGTERM: in-flight groups are finished and put); server slots are stopped
+    and started again on their port (the learner and rollers know only the planned slots)."""
+
+    def __init__(self, supervisor: Supervisor, roller_args: list[str]) -> None:
+        self.supervisor = supervisor
+        self.roller_args = roller_args  # every roller runs the same command line, told its index by env
+        self.parked: dict[str, ChildSpec] = {}  # server slots stopped by a scale-down
+
+    def _of(self, prefix: str) -> list[Child]:
+        found = [
+            c
+            for c in self.supervisor.children
+            if c.name.startswith(prefix) and c.name[len(prefix) :].isdigit()
+        ]
+        return sorted(found, key=lambda c: int(c.name[len(prefix) :]))
+
+    def apply(self, request: dict) -> str:
+        done = []
+        if "rollers" in request:
+            rollers = self._of("roller")
+            for child in rollers[request["rollers"] :][::-1]:
+                self._remove(child)
+            next_index = int(rollers[-1].name[6:]) + 1 if rollers else 0
+            for i in range(next_index, next_index + request["rollers"] - len(rollers)):
+                spec = ChildSpec(f"roller{i}", self.roller_args, {"AGENTRL_ROLLER_INDEX": str(i)}, True)
+                self.supervisor.run(spec)
+            done.append(f"rollers {len(self._of('roller'))}")
+        if "servers" in request:
+            servers = self._of("server")
+            for child in servers[request["servers"] :][::-1]:
+                self.parked[child.name] = child.spec
+                self._remove(child)
+            for name in sorted(self.parked, key=lambda n: int(n[6:]))[
+                : max(0, request["servers"] - len(servers))
+            ]:
+                self.supervisor.run(self.parked.pop(name))
+            n = len(self._of("server"))
+            done.append(f"servers {n}" + (f" (all {n} planned slots)" if n < request["servers"] else ""))
+        logger.warning("scaled: %s", ", ".join(done))
+        return ", ".join(done)
+
+    def _remove(self, child: Child) -> None:
+        self.supervisor.stop(child)
+        self.supervisor.children.remove(child)
+
+    def processes(self) -> list[dict]:
+        rows = []
+        for c in self.supervisor.children:
+            code = c.proc.poll()
+            state = "running" if code is None else ("restarting" if c.restart_at else f"exited {code}")
+            rows.append({"name": c.name, "kind": c.name.rstrip("0123456789"), "node": "localhost",
+                         "pid": c.proc.pid, "state": state, "restarts": c.restarts})  # fmt: skip
+        rows += [{"name": n, "kind": "server", "node": "-", "pid": None, "state": "scaled down", "restarts": 0}
+                 for n in self.parked]  # fmt: skip
+        return rows
+
+
+def _watch(config: AgentRLConfig, supervisor: Supervisor, learner: Child, scaler: LocalScaler) -> int:
+    """Show live progress, supervise and apply `agentrl scale` until the learner finishes or the
+    run must stop; the state `agentrl status` shows is rewritten each round."""
     from rich.live import Live
 
     run_dir = Path(config.run_dir)
+    scale, last = ScaleWatch(run_dir), None
     with Live(progress_table(run_dir, config), refresh_per_second=1, transient=False) as live:
         while True:
             outcome = supervise(
                 supervisor, learner, config.launcher.max_restarts, config.launcher.restart_backoff_s
             )
+            request = scale.poll()
+            if request is not None and outcome is None:
+                last = scaler.apply(request)
+            write_state(run_dir, "local", scaler.processes(), scale=last, scale_id=scale.last_id)
             live.update(progress_table(run_dir, config, sum(c.restarts for c in supervisor.children)))
             if outcome == "failed":
                 live.stop()

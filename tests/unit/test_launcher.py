@@ -3,6 +3,7 @@ cleanup kills what is left instead of abandoning it (no orphans either way)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -108,3 +109,131 @@ def test_the_learner_finishing_or_dying_ends_supervision(tmp_path: Path) -> None
     dead = supervisor.run(ChildSpec("learner", [sys.executable, "-c", "exit(1)"]))
     dead.proc.wait()
     assert supervise(supervisor, dead, 3, 0.0) == "failed"
+
+
+def _config(tmp_path: Path, **launcher):
+    from agentrl.config import AgentRLConfig
+
+    return AgentRLConfig.model_validate(
+        {"run_dir": str(tmp_path), "inference": {"num_servers": 2}, "roller": {"num_processes": 2},
+         "learner": {"num_processes": 2}, "launcher": launcher}
+    )  # fmt: skip
+
+
+def test_one_plan_rendered_with_discovered_addresses_for_ray_and_loopback_ones_locally(
+    tmp_path: Path,
+) -> None:
+    from agentrl.launch.plan import Addresses, plan, render
+    from agentrl.launcher import plan_children
+
+    resources = {"learner": {"GPU": 1}, "server": {"GPU": 1, "CPU": 2}, "roller": {"sandbox": 1}}
+    config = _config(tmp_path, type="ray", resources=resources)
+    roles = plan(config, tmp_path / "c.yaml", "m", ["--env.kwargs.url=http://h:1"])
+    assert [(r.name, r.kind, r.restart) for r in roles] == [
+        ("server0", "server", True), ("server1", "server", True), ("learner", "learner", False),
+        ("roller0", "roller", True), ("roller1", "roller", True),
+    ]  # fmt: skip
+    assert roles[0].resources == {"GPU": 1, "CPU": 2} and roles[2].resources == {"GPU": 1}
+    assert roles[2].ranks == 2 and roles[4].resources == {"sandbox": 1}
+    # what the actors reported: the hosts and ports they bound on their nodes
+    addrs = Addresses(["http://10.0.0.2:4001", "http://10.0.0.3:4002"], "tcp://10.0.0.1:5001", "10.0.0.1")
+    server = render(roles[1], addrs, ("10.0.0.3", 4002))
+    assert server[:5] == ["serve", "--host", "10.0.0.3", "--port", "4002"]
+    assert "--inference.servers" not in server  # a server needs nobody's address
+    learner = render(roles[2], addrs)
+    assert learner[learner.index("--inference.servers") + 1] == "[http://10.0.0.2:4001, http://10.0.0.3:4002]"
+    assert "--queue.address=tcp://10.0.0.1:5001" in learner
+    assert "--weight_sync.master_address=10.0.0.1" in learner
+    roller = render(roles[3], addrs)
+    assert "--queue.address=tcp://10.0.0.1:5001" in roller and "--env.kwargs.url=http://h:1" in roller
+    assert not any("master_address" in a for a in roller)
+    assert roles[4].env == {"AGENTRL_ROLLER_INDEX": "1"}
+    # the local launcher renders the same plan: loopback ports, the config's queue address, torchrun
+    local = {
+        s.name: s for s in plan_children(config, tmp_path / "c.yaml", "m", ["--env.kwargs.url=http://h:1"])
+    }
+    assert local["learner"].args[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert local["learner"].args[7:] == render(
+        roles[2], Addresses([s.health_url for s in local.values() if s.health_url])
+    )
+    assert local["roller1"].args[3:] == render(
+        roles[4], Addresses([local["server0"].health_url, local["server1"].health_url])
+    )
+
+
+def test_ray_actor_options_carry_cpu_gpu_and_custom_resources() -> None:
+    from agentrl.launch.ray import actor_options
+
+    assert actor_options({"GPU": 1, "CPU": 2, "sandbox": 1}) == {
+        "num_cpus": 2,
+        "num_gpus": 1,
+        "resources": {"sandbox": 1},
+    }
+    assert actor_options({}) == {"num_cpus": 0, "num_gpus": 0, "resources": {}}
+
+
+def test_unknown_launcher_roles_and_types_are_config_errors(tmp_path: Path) -> None:
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="resources"):
+        _config(tmp_path, resources={"trainer": {"GPU": 1}})
+    with pytest.raises(pydantic.ValidationError, match="type"):
+        _config(tmp_path, type="slurm")
+
+
+def test_a_scale_request_is_seen_once_and_refused_without_a_live_launcher(tmp_path: Path) -> None:
+    from agentrl.launch.control import ScaleWatch, request_scale, write_state
+
+    with pytest.raises(FileNotFoundError, match="no launcher state"):
+        request_scale(tmp_path, 2, None)
+    write_state(tmp_path, "local", [])
+    watch = ScaleWatch(tmp_path)
+    assert watch.poll() is None
+    with pytest.raises(ValueError, match="--rollers"):
+        request_scale(tmp_path, -1, None)
+    request = request_scale(tmp_path, 3, 1)
+    assert watch.poll() == request and request["rollers"] == 3 and request["servers"] == 1
+    assert watch.poll() is None  # applied once
+    state = json.loads((tmp_path / "launcher_state.json").read_text())
+    write_state(tmp_path, "local", [])
+    (tmp_path / "launcher_state.json").write_text(json.dumps({**state, "pid": 2**22 + 7}))  # no such process
+    with pytest.raises(RuntimeError, match="not running"):
+        request_scale(tmp_path, 1, None)
+
+
+@pytest.mark.timeout(60)
+def test_local_scaling_starts_and_stops_rollers_and_server_slots_and_status_lists_them(
+    tmp_path: Path,
+) -> None:
+    from rich.console import Console
+
+    from agentrl.launch.control import status_table, write_state
+    from agentrl.launcher import ChildSpec, LocalScaler
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    supervisor = Supervisor(tmp_path, stop_timeout_s=5)
+    try:
+        supervisor.run(ChildSpec("server0", sleep, restart=True))
+        server1 = supervisor.run(ChildSpec("server1", sleep, restart=True))
+        supervisor.run(ChildSpec("learner", sleep))
+        roller0 = supervisor.run(ChildSpec("roller0", sleep, {"AGENTRL_ROLLER_INDEX": "0"}, restart=True))
+        scaler = LocalScaler(supervisor, sleep)
+        assert scaler.apply({"rollers": 3, "servers": 1}) == "rollers 3, servers 1"
+        names = [c.name for c in supervisor.children]
+        assert names == ["server0", "learner", "roller0", "roller1", "roller2"]
+        assert supervisor.children[-1].spec.env == {"AGENTRL_ROLLER_INDEX": "2"}
+        assert server1.proc.poll() is not None  # stopped by PID
+        assert scaler.apply({"rollers": 1, "servers": 5}) == "rollers 1, servers 2 (all 2 planned slots)"
+        assert [c.name for c in supervisor.children] == ["server0", "learner", "roller0", "server1"]
+        assert roller0.proc.poll() is None
+        write_state(tmp_path, "local", scaler.processes())
+        (tmp_path / "learner.jsonl").write_text(
+            json.dumps({"step": 7, "queue/depth": 3, "queue/groups_in": 20}) + "\n"
+        )
+        console = Console(width=200, record=True)
+        console.print(status_table(tmp_path))
+        text = console.export_text()
+        assert "learner version 7" in text and "depth 3" in text and "groups_in 20" in text
+        assert all(n in text for n in ("server0", "server1", "roller0", "learner", "localhost", "running"))
+    finally:
+        supervisor.stop_all()

@@ -1,0 +1,116 @@
+"""How `agentrl scale` and `agentrl status` reach a running `agentrl run` (local or Ray): files in
+its run directory, so they work from any shell that sees the run directory.
+
+- The launcher rewrites `<run_dir>/launcher_state.json` about once a second: its own PID and
+  kind, and per process its role, node, PID, state and restarts.
+- `agentrl scale` writes `<run_dir>/launcher_scale.json` (`{"rollers": N, "servers": M}`); the
+  launcher reads it on its next round, starts or stops rollers, and stops or starts server slots
+  (up to the `inference.num_servers` slots the learner was told about), without touching the
+  learner, then records what it did under `scale` in its state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+STATE = "launcher_state.json"
+SCALE = "launcher_scale.json"
+
+
+def write_state(run_dir: Path, launcher: str, processes: list[dict[str, Any]], **extra: Any) -> None:
+    state = {"launcher": launcher, "pid": os.getpid(), "time": time.time(), "processes": processes, **extra}
+    tmp = run_dir / f".{STATE}.tmp"
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(run_dir / STATE)
+
+
+def read_state(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / STATE
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path}: no launcher state (is `agentrl run` running with run_dir {run_dir}?)"
+        )
+    return json.loads(path.read_text())
+
+
+def launcher_alive(state: dict[str, Any]) -> bool:
+    try:
+        os.kill(int(state["pid"]), 0)
+    except (ProcessLookupError, PermissionError, KeyError, ValueError):
+        return False
+    return True
+
+
+def request_scale(run_dir: Path, rollers: int | None, servers: int | None) -> dict[str, Any]:
+    """Ask the running launcher of `run_dir` for `rollers` rollers and `servers` servers."""
+    if rollers is None and servers is None:
+        raise ValueError("give --rollers N and/or --servers M")
+    for name, n in (("--rollers", rollers), ("--servers", servers)):
+        if n is not None and n < 0:
+            raise ValueError(f"{name}: must be >= 0, not {n}")
+    state = read_state(run_dir)
+    if not launcher_alive(state):
+        raise RuntimeError(f"the launcher of {run_dir} (pid {state.get('pid')}) is not running")
+    request = {k: v for k, v in (("rollers", rollers), ("servers", servers)) if v is not None}
+    request["id"] = time.time_ns()
+    tmp = run_dir / f".{SCALE}.tmp"
+    tmp.write_text(json.dumps(request))
+    tmp.replace(run_dir / SCALE)
+    return request
+
+
+class ScaleWatch:
+    """The launcher's side: `poll()` returns a new scale request once, else None."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / SCALE
+        self.path.unlink(missing_ok=True)  # a request left by an earlier life of the run is not ours
+        self.last_id: int | None = None
+
+    def poll(self) -> dict[str, Any] | None:
+        try:
+            request = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        if request.get("id") == self.last_id:
+            return None
+        self.last_id = request.get("id")
+        return request
+
+
+def status_table(run_dir: Path):
+    """Each process (role, node, PID, state, restarts), the learner's version, the queue's counts."""
+    from rich.table import Table
+
+    from agentrl.launcher import _last
+
+    state = read_state(run_dir)
+    alive = launcher_alive(state)
+    learner = _last(run_dir / "learner.jsonl")
+    title = (
+        f"agentrl status — {run_dir} ({state['launcher']} launcher, pid {state['pid']}, "
+        f"{'running' if alive else 'not running'})"
+    )
+    table = Table(title=title)
+    for col in ("process", "kind", "node", "pid", "state", "restarts"):
+        table.add_column(col)
+    for p in state["processes"]:
+        state_ = p.get("state", "?") if alive else f"{p.get('state', '?')} (at last record)"
+        row = (
+            p["name"],
+            p["kind"],
+            p.get("node", "-"),
+            str(p.get("pid") or "-"),
+            state_,
+            str(p.get("restarts", 0)),
+        )
+        table.add_row(*row)
+    queue = {k[6:]: v for k, v in learner.items() if k.startswith("queue/")}
+    summary = [f"learner version {learner.get('step', 0)}"]
+    summary += [f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(queue.items())]
+    table.caption = " · ".join(summary)
+    return table

@@ -1,0 +1,516 @@
+"""`agentrl run` with `launcher.type: ray`: the plan of `launch/plan.py` placed by Ray on a cluster.
+
+    ray start --head --resources '{"learner": 1}'          # node A
+    ray start --address A:6379 --resources '{"gpu": 1}'    # node B, C, ...
+    agentrl run --config recipes/quickstart.yaml --launcher.type ray
+
+Every process of the plan runs as a child of one `ProcessActor` (the same `agentrl serve |
+learner | roller` command line a user would type on that node), in its own process group and
+killed with the actor (PR_SET_PDEATHSIG). Addresses are discovered, never assumed: each actor
+reports its node's IP and binds a free port there, and the driver renders the others' command
+lines with what was reported. Start-up order: env services, servers (until each answers /health),
+the learner's ranks in one placement group (PACK; rank 0's node address and a port it bound are
+the torch.distributed rendezvous, the TransferQueue and the weight-sync master), the rollers.
+
+Secrets (the queue's `secret_env` and `launcher.forward_env`) go to each actor as an argument
+of its `start` call and into its child's environment only: not in argv, not in a runtime_env
+(the dashboard shows those), not logged.
+
+Failures: server, roller and service actors have `max_restarts = launcher.max_restarts`; when one
+dies (ray.kill, its node removed) Ray restarts it on a node that fits, the driver sees a fresh
+actor and starts its process again with the current addresses (a server on its old port; the
+learner's ServerWatch brings it to the current version, a roller opens a new queue lease). A child
+that exits while its actor lives is restarted in the same actor after `launcher.restart_backoff_s`
+(doubled each time); one budget of `max_restarts` covers both. A learner rank is never
+restarted: its loss ends the run with its last checkpoint; `agentrl run --launcher.type ray
+--resume` continues it. `agentrl scale` / `agentrl status` work as for the local launcher
+(`launch/control.py`). Shutdown stops every child by PID (SIGTERM, then SIGKILL), then kills
+the actors and removes the placement group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.config import AgentRLConfig
+from agentrl.launch.control import ScaleWatch, write_state
+from agentrl.launch.plan import Addresses, Role, plan, render, roller_role, server_url
+from agentrl.log import get_logger
+
+logger = get_logger(__name__)
+
+
+def ray_namespace(run_dir: str | Path) -> str:
+    """The Ray namespace of a run's actors (named after their roles): one per run directory."""
+    return "agentrl-" + hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
+
+
+class _ProcessActor:
+    """One process of the run, on whatever node Ray placed this actor."""
+
+    def __init__(self, name: str, log_path: str, cwd: str) -> None:
+        self.name, self.log_path, self.cwd = name, log_path, cwd
+        self.proc = None
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "actor_pid": os.getpid()}
+
+    def bind_port(self, prefer: int = 0) -> int:
+        """A port free on this node's address (`prefer` when it is free)."""
+        import socket
+
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        for port in (prefer, 0) if prefer else (0,):
+            with socket.socket() as s:
+                s.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+                )  # as servers bind: TIME_WAIT is no conflict
+                try:
+                    s.bind((ip, port))
+                except OSError:
+                    continue
+                return s.getsockname()[1]
+        raise OSError(f"no free port on {ip}")
+
+    def start(self, args: list[str], env: dict[str, str]) -> int:
+        """Start `python -m agentrl *args` with `env` added (secrets arrive here, by call)."""
+        import subprocess
+
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "agentrl", *args], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env={**os.environ, **env}, cwd=self.cwd, preexec_fn=_die_with_parent,
+            )  # fmt: skip
+        return self.proc.pid
+
+    def poll(self) -> dict[str, Any]:
+        if self.proc is None:
+            return {"started": False, "code": None, "pid": None}
+        return {"started": True, "code": self.proc.poll(), "pid": self.proc.pid}
+
+    def stop(self, timeout_s: float = 30) -> int | None:
+        """SIGTERM the child's process group, SIGKILL it after `timeout_s`; its exit code."""
+        import signal
+        import subprocess
+
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait()
+        except ProcessLookupError:
+            return self.proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the actor process dies (ray.kill, node lost), so none is left."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
+def actor_options(resources: dict[str, float]) -> dict[str, Any]:
+    """Ray actor options of a role's `launcher.resources` entry (CPU, GPU and custom resources)."""
+    res = dict(resources)
+    return {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res}
+
+
+@dataclass
+class Member:
+    """One actor of the run, as the driver tracks it."""
+
+    role: Role
+    name: str
+    actor: Any
+    env: dict[str, str]
+    rank: int = 0
+    node: str = "-"
+    node_id: str = ""
+    pid: int | None = None
+    state: str = "starting"
+    restarts: int = 0
+    port: int = 0  # a server's bound port
+    restart_at: float | None = None
+    pending: Any = None  # the poll in flight
+    pending_since: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class RayRun:
+    """The driver: places the plan, supervises it, applies `agentrl scale`, stops it."""
+
+    def __init__(self, config: AgentRLConfig, config_path: Path, resume: bool) -> None:
+        import ray
+
+        self.ray, self.config, self.config_path, self.resume = ray, config, config_path, resume
+        self.run_dir = Path(config.run_dir).resolve()
+        self.lc = config.launcher
+        self.members: list[Member] = []
+        self.parked: dict[str, Member] = {}
+        self.pg = None
+        self.addrs = Addresses([])
+        self.secrets = _secrets(config)
+        self.actor_cls = ray.remote(_ProcessActor)
+
+    # -------------------------------------------------------------- starting
+    def _actor(self, role: Role, name: str, restarts: int, **options: Any) -> Any:
+        log = self.run_dir / "logs" / f"{name}.log"
+        opts = {**actor_options(role.resources), **options}
+        return self.actor_cls.options(
+            name=name,
+            namespace=ray_namespace(self.run_dir),
+            max_restarts=restarts,
+            max_task_retries=0,
+            **opts,
+        ).remote(name, str(log), os.getcwd())
+
+    def _get(self, ref: Any, what: str, timeout_s: float = 120) -> Any:
+        try:
+            return self.ray.get(ref, timeout=timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"{what}: no answer from its Ray actor in {timeout_s:.0f}s; does a node have the resources "
+                "launcher.resources asks for? (ray status shows what each node offers)"
+            ) from None
+
+    def _start(self, m: Member, args: list[str], env: dict[str, str] | None = None) -> None:
+        m.info = self._get(m.actor.where.remote(), m.name)
+        m.node, m.node_id = m.info["ip"], m.info["node_id"]
+        m.pid = self._get(m.actor.start.remote(args, {**self.secrets, **m.role.env, **(env or {})}), m.name)
+        m.state = "running"
+        logger.info("started %s on %s (node %s, pid %d)", m.name, m.node, m.node_id[:8], m.pid)
+
+    def _start_server(self, m: Member) -> str:
+        ip = self._get(m.actor.where.remote(), m.name)["ip"]
+        m.port = self._get(m.actor.bind_port.remote(m.port), m.name)
+        self._start(m, render(m.role, self.addrs, (ip, m.port)))
+        return server_url(ip, m.port)
+
+    def run_warmstart(self) -> None:
+        role = Role("warmstart", "learner", [], self.lc.resources.get("learner", {}))
+        m = Member(role, "warmstart", self._actor(role, "warmstart", 0), {})
+        self._start(m, ["warmstart", "--config", str(self.config_path)])
+        while (code := self._get(m.actor.poll.remote(), "warmstart")["code"]) is None:
+            time.sleep(1)
+        self.ray.kill(m.actor)
+        if code != 0:
+            raise RuntimeError(
+                f"warmstart exited with code {code}; see {self.run_dir / 'logs' / 'warmstart.log'}"
+            )
+
+    def start_services(self) -> list[str]:
+        """The env's helper services (`Env.services`) as actors; the flags pointing at them."""
+        from agentrl.envs.registry import load_env_class
+
+        cfg = self.config
+        overrides = []
+        env_cls = load_env_class(cfg.env.name)
+        for service in env_cls.services(dict(cfg.env.kwargs), dict(cfg.roller.task_kwargs), cfg.run_dir):
+            role = Role(service.name, "server", [], self.lc.resources.get("service", {}), restart=True)
+            m = Member(role, service.name, self._actor(role, service.name, self.lc.max_restarts), {})
+            ip = self._get(m.actor.where.remote(), m.name)["ip"]
+            m.port = self._get(m.actor.bind_port.remote(), m.name)
+            m.role.args = [a.replace("{port}", str(m.port)) for a in service.args]
+            self._start(m, [*m.role.args, *(["--host", ip] if "--host" not in service.args else [])])
+            _wait_healthy([server_url(ip, m.port)], service.health_path)
+            m.role.kind = "service"  # type: ignore[assignment]
+            self.members.append(m)
+            overrides.append(f"--env.kwargs.{service.kwarg}={server_url(ip, m.port)}{service.url_path}")
+        return overrides
+
+    def start_plan(self, model: str, overrides: list[str]) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        roles = plan(self.config, self.config_path, model, overrides, self.resume)
+        self.common = roles[-1].args[1:] if roles[-1].kind == "roller" else []
+        servers = [
+            Member(r, r.name, self._actor(r, r.name, self.lc.max_restarts), {})
+            for r in roles
+            if r.kind == "server"
+        ]
+        self.addrs.servers = [self._start_server(m) for m in servers]
+        self.members += servers
+        _wait_healthy(self.addrs.servers, "/health", self._startup_timeout())
+
+        learner = next(r for r in roles if r.kind == "learner")
+        bundle = dict(learner.resources) or {"CPU": 1}
+        self.pg = placement_group(
+            [bundle] * learner.ranks, strategy="PACK", name=f"{ray_namespace(self.run_dir)}-learner"
+        )
+        self._get(self.pg.ready(), "the learner's placement group", 300)
+        ranks = []
+        for rank in range(learner.ranks):
+            name = "learner" if rank == 0 else f"learner-rank{rank}"
+            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
+            ranks.append(
+                Member(learner, name, self._actor(learner, name, 0, scheduling_strategy=strategy), {}, rank)
+            )
+        head = self._get(ranks[0].actor.where.remote(), "learner rank 0")
+        if not getattr(self.config.queue, "standalone", True):  # hosted: the learner binds it on its node
+            self.addrs.queue = f"tcp://{head['ip']}:{self._get(ranks[0].actor.bind_port.remote(), 'learner')}"
+        if self.config.weight_sync.type == "broadcast":
+            self.addrs.master_address = head["ip"]
+        dist_env = {}
+        if learner.ranks > 1:
+            port = self._get(ranks[0].actor.bind_port.remote(), "learner rank 0")
+            nodes = [self._get(m.actor.where.remote(), m.name)["node_id"] for m in ranks]
+            dist_env = {"MASTER_ADDR": head["ip"], "MASTER_PORT": str(port), "WORLD_SIZE": str(learner.ranks)}
+        for m in ranks:
+            m.env = dist_env and {**dist_env, "RANK": str(m.rank), "LOCAL_RANK": str(nodes[: m.rank].count(nodes[m.rank])),
+                                  "LOCAL_WORLD_SIZE": str(nodes.count(nodes[m.rank]))}  # fmt: skip
+            self._start(m, render(learner, self.addrs), m.env)
+        self.members += ranks
+        for r in roles:
+            if r.kind == "roller":
+                self.add_roller(r)
+
+    def add_roller(self, role: Role) -> None:
+        m = Member(role, role.name, self._actor(role, role.name, self.lc.max_restarts), {})
+        self._start(m, render(role, self.addrs))
+        self.members.append(m)
+
+    def _startup_timeout(self) -> float:
+        return self.config.inference.vllm.startup_timeout_s if self.config.inference.type == "vllm" else 300
+
+    # -------------------------------------------------------------- supervision
+    def supervise(self) -> str | None:
+        """One round: poll every actor; restart what died. "done" / "failed" / None as local's."""
+        exc = self.ray.exceptions
+        now = time.monotonic()
+        for m in list(self.members):
+            if m.pending is None:
+                m.pending, m.pending_since = m.actor.poll.remote(), now
+            ready, _ = self.ray.wait([m.pending], timeout=0.2)
+            if not ready:
+                if now - m.pending_since > 5:
+                    m.state = "unreachable (restarting?)"
+                continue
+                m.state = (
+                    "unreachable (restarting?)"
+                    if m.state != "running" or now - m.restart_at_s() > 5
+                    else m.state
+                )
+                continue
+            ref, m.pending = m.pending, None
+            try:
+                answer = self.ray.get(ref)
+            except exc.ActorDiedError:
+                m.state = "dead"
+                if m.role.kind == "learner":
+                    logger.error("%s's actor died (its node lost?): the run ends with its last checkpoint; "
+                                 "continue it with agentrl run --launcher.type ray --resume", m.name)  # fmt: skip
+                    return "failed"
+                logger.error(
+                    "%s died and Ray used up its %d restarts (launcher.max_restarts)",
+                    m.name,
+                    self.lc.max_restarts,
+                )
+                return "failed"
+            except (exc.ActorUnavailableError, exc.RayActorError):
+                m.state = "restarting"
+                continue
+            if not answer["started"]:  # a fresh actor: Ray restarted it after it or its node died
+                self._rejoin(m, "actor restarted by Ray")
+            elif answer["code"] is None:
+                m.state, m.pid = "running", answer["pid"]
+            elif m.role.kind == "learner":
+                if answer["code"] == 0 and m.rank == 0:
+                    return "done"
+                if answer["code"] != 0:
+                    logger.error(
+                        "%s exited with code %d; see %s", m.name, answer["code"], self.run_dir / "logs"
+                    )
+                    return "failed"
+            elif m.restarts >= self.lc.max_restarts:
+                logger.error("%s exited with code %d after %d restart(s) (launcher.max_restarts)", m.name,
+                             answer["code"], m.restarts)  # fmt: skip
+                return "failed"
+            elif m.restart_at is None:
+                m.state = f"exited {answer['code']}"
+                m.restart_at = now + self.lc.restart_backoff_s * 2**m.restarts
+            elif now >= m.restart_at:
+                self._rejoin(m, f"exit code {answer['code']}")
+        return None
+
+    def _rejoin(self, m: Member, why: str) -> None:
+        m.restarts += 1
+        m.restart_at = None
+        old = server_url(m.node, m.port) if m.role.kind == "server" else None
+        if m.role.kind == "server":
+            url = self._start_server(m)
+            if url != old:
+                logger.warning("%s came back at %s, not %s: the learner and rollers still use the old "
+                               "address (a server slot's address is fixed when the learner starts)", m.name, url, old)  # fmt: skip
+        elif m.role.kind == "roller":
+            self._start(m, render(m.role, self.addrs))
+        else:
+            self._start(m, m.role.args)
+        logger.warning(
+            "restarted %s (%s) on %s, restart %d/%d", m.name, why, m.node, m.restarts, self.lc.max_restarts
+        )
+        record = {
+            "time": time.time(),
+            "child": m.name,
+            "why": why,
+            "node_id": m.node_id,
+            "restart": m.restarts,
+        }
+        with (self.run_dir / "launcher.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # -------------------------------------------------------------- scale, state, stop
+    def scale(self, request: dict) -> str:
+        done = []
+        if "rollers" in request:
+            rollers = sorted(
+                (m for m in self.members if m.role.kind == "roller"), key=lambda m: int(m.name[6:])
+            )
+            for m in rollers[request["rollers"] :][::-1]:
+                self._stop(m)
+            nxt = int(rollers[-1].name[6:]) + 1 if rollers else 0
+            for i in range(nxt, nxt + request["rollers"] - len(rollers)):
+                self.add_roller(roller_role(self.config, self.common, i))
+            done.append(f"rollers {sum(m.role.kind == 'roller' for m in self.members)}")
+        if "servers" in request:
+            servers = [m for m in self.members if m.role.kind == "server"]
+            for m in servers[request["servers"] :][::-1]:
+                self._stop(m)
+                self.parked[m.name] = m
+            for name in sorted(self.parked)[: max(0, request["servers"] - len(servers))]:
+                old = self.parked.pop(name)
+                m = Member(
+                    old.role, name, self._actor(old.role, name, self.lc.max_restarts), {}, port=old.port
+                )
+                self._start_server(m)
+                self.members.append(m)
+            done.append(f"servers {sum(m.role.kind == 'server' for m in self.members)}")
+        logger.warning("scaled: %s", ", ".join(done))
+        return ", ".join(done)
+
+    def processes(self) -> list[dict[str, Any]]:
+        rows = [{"name": m.name, "kind": m.role.kind, "node": f"{m.node} ({m.node_id[:8]})", "node_id": m.node_id,
+                 "pid": m.pid, "state": m.state, "restarts": m.restarts} for m in self.members]  # fmt: skip
+        rows += [{"name": n, "kind": "server", "node": "-", "pid": None, "state": "scaled down", "restarts": 0}
+                 for n in self.parked]  # fmt: skip
+        return rows
+
+    def _stop(self, m: Member) -> None:
+        try:
+            self.ray.get(m.actor.stop.remote(), timeout=60)
+        except Exception as e:  # an actor already gone has nothing to stop
+            logger.info("stopping %s: %s", m.name, type(e).__name__)
+        self.ray.kill(m.actor, no_restart=True)
+        if m in self.members:
+            self.members.remove(m)
+
+    def stop_all(self) -> None:
+        for m in reversed(self.members):
+            self._stop(m)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+
+
+def _secrets(config: AgentRLConfig) -> dict[str, str]:
+    """The environment every process gets by call: the queue's secret (a fresh one if unset) and
+    the API keys of `launcher.forward_env` that this shell has."""
+    out = {k: os.environ[k] for k in config.launcher.forward_env if os.environ.get(k)}
+    secret_env = getattr(config.queue, "secret_env", None)
+    if secret_env:
+        out[secret_env] = os.environ.get(secret_env) or secrets.token_hex(32)
+    return out
+
+
+def _wait_healthy(urls: list[str], path: str, timeout_s: float = 300) -> None:
+    deadline, pending = time.monotonic() + timeout_s, list(urls)
+    while pending:
+        for url in list(pending):
+            try:
+                with urllib.request.urlopen(f"{url}{path}", timeout=2) as resp:
+                    if resp.status == 200:
+                        pending.remove(url)
+            except OSError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"{pending} not healthy after {timeout_s:.0f}s (their logs are in logs/)")
+        time.sleep(0.3)
+
+
+def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
+    """Run the job on the Ray cluster at `launcher.address`; like `launcher.launch`."""
+    import ray
+    from rich.live import Live
+
+    from agentrl.launcher import _warm_model, finish, progress_table
+
+    run_dir = Path(config.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    config_path = config_path.resolve()
+    ray.init(address=config.launcher.address, namespace=ray_namespace(run_dir), log_to_driver=False,
+             logging_level="WARNING", configure_logging=True)  # fmt: skip
+    job = RayRun(config, config_path, resume)
+    try:
+        model = (
+            str(Path(config.learner.model_path).resolve())
+            if Path(config.learner.model_path).exists()
+            else config.learner.model_path
+        )
+        if config.learner.warmstart_steps > 0:
+            if (_warm_model(run_dir) if resume else None) is None:
+                job.run_warmstart()
+            model = str((run_dir / "warmstart").resolve())
+        job.start_plan(model, job.start_services())
+        scale, last = ScaleWatch(run_dir), None
+        with Live(progress_table(run_dir, config), refresh_per_second=1, transient=False) as live:
+            while True:
+                outcome = job.supervise()
+                request = scale.poll()
+                if request is not None and outcome is None:
+                    last = job.scale(request)
+                write_state(
+                    run_dir,
+                    "ray",
+                    job.processes(),
+                    scale=last,
+                    scale_id=scale.last_id,
+                    namespace=ray_namespace(run_dir),
+                )
+                live.update(progress_table(run_dir, config, sum(m.restarts for m in job.members)))
+                if outcome == "failed":
+                    live.stop()
+                    return 1
+                if outcome == "done":
+                    break
+                time.sleep(0.5)
+        finish(run_dir)
+        return 0
+    except KeyboardInterrupt:
+        logger.warning("interrupted: stopping every process")
+        return 130
+    except (RuntimeError, TimeoutError) as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        write_state(run_dir, "ray", job.processes(), namespace=ray_namespace(run_dir))
+        job.stop_all()
+        ray.shutdown()
