@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 STATE = "launcher_state.json"
+QUEUE_COUNTS = ("depth", "inflight", "groups_in", "trained", "dropped_stale", "admitted", "leased", "leases",
+                "admission_reclaimed")  # fmt: skip
+"""The queue's counts `agentrl status` shows (from the learner's last `queue/*` metrics)."""
 SCALE = "launcher_scale.json"
 
 
@@ -37,12 +40,10 @@ def read_state(run_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def launcher_alive(state: dict[str, Any]) -> bool:
-    try:
-        os.kill(int(state["pid"]), 0)
-    except (ProcessLookupError, PermissionError, KeyError, ValueError):
-        return False
-    return True
+def launcher_alive(state: dict[str, Any], fresh_s: float = 10.0) -> bool:
+    """Whether the launcher still runs: it rewrote its state in the last `fresh_s` seconds (its
+    PID alone is no proof from another PID namespace or node)."""
+    return time.time() - float(state.get("time", 0)) < fresh_s
 
 
 def request_scale(run_dir: Path, rollers: int | None, servers: int | None) -> dict[str, Any]:
@@ -109,8 +110,8 @@ def status_table(run_dir: Path):
             str(p.get("restarts", 0)),
         )
         table.add_row(*row)
-    queue = {k[6:]: v for k, v in learner.items() if k.startswith("queue/")}
+    queue = {k: learner[f"queue/{k}"] for k in QUEUE_COUNTS if f"queue/{k}" in learner}
     summary = [f"learner version {learner.get('step', 0)}"]
-    summary += [f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(queue.items())]
+    summary += [f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in queue.items()]
     table.caption = " · ".join(summary)
     return table

@@ -48,6 +48,9 @@ from agentrl.log import get_logger
 
 logger = get_logger(__name__)
 
+DEAD_AFTER_S = 20.0
+"""A restartable actor whose calls fail as dead for this long is dead for good (restarts used up)."""
+
 
 def ray_namespace(run_dir: str | Path) -> str:
     """The Ray namespace of a run's actors (named after their roles): one per run directory."""
@@ -151,6 +154,7 @@ class Member:
     restart_at: float | None = None
     pending: Any = None  # the poll in flight
     pending_since: float = 0.0
+    died_since: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -314,7 +318,14 @@ class RayRun:
             try:
                 answer = self.ray.get(ref)
             except exc.ActorDiedError:
-                m.state = "dead"
+                # a call in flight when the actor died fails so even if Ray restarts it; calls to an
+                # actor that is dead for good keep failing so: give Ray `DEAD_AFTER_S` to restart it
+                m.died_since = m.died_since or now
+                m.state = (
+                    "dead" if m.role.kind == "learner" or now - m.died_since > DEAD_AFTER_S else "restarting"
+                )
+                if m.state != "dead":
+                    continue
                 if m.role.kind == "learner":
                     logger.error("%s's actor died (its node lost?): the run ends with its last checkpoint; "
                                  "continue it with agentrl run --launcher.type ray --resume", m.name)  # fmt: skip
@@ -328,6 +339,7 @@ class RayRun:
             except (exc.ActorUnavailableError, exc.RayActorError):
                 m.state = "restarting"
                 continue
+            m.died_since = None
             if not answer["started"]:  # a fresh actor: Ray restarted it after it or its node died
                 self._rejoin(m, "actor restarted by Ray")
             elif answer["code"] is None:

@@ -196,7 +196,9 @@ def test_a_scale_request_is_seen_once_and_refused_without_a_live_launcher(tmp_pa
     assert watch.poll() is None  # applied once
     state = json.loads((tmp_path / "launcher_state.json").read_text())
     write_state(tmp_path, "local", [])
-    (tmp_path / "launcher_state.json").write_text(json.dumps({**state, "pid": 2**22 + 7}))  # no such process
+    (tmp_path / "launcher_state.json").write_text(
+        json.dumps({**state, "time": state["time"] - 60})
+    )  # a stale state
     with pytest.raises(RuntimeError, match="not running"):
         request_scale(tmp_path, 1, None)
 
