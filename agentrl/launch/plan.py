@@ -81,14 +81,6 @@ def roller_role(config: AgentRLConfig, common: list[str], index: int) -> Role:
     )
 
 
-def common_args(role: Role) -> list[str]:
-    """The flags every process of the plan shares (a role's args after its subcommand)."""
-    args = role.args[1:]
-    if args[:2] == ["--backend", "vllm"]:
-        args = args[2:]
-    return [a for a in args if a != "--resume"]
-
-
 def render(role: Role, addrs: Addresses, bind: tuple[str, int] | None = None) -> list[str]:
     """The role's `agentrl` arguments with the addresses filled in; a server binds `bind`."""
     args = list(role.args)

@@ -2,11 +2,12 @@
 
     python tests/integration/ray_netns.py ... python tests/integration/ray_scenario.py MODEL RUN_DIR
 
-1. a 3-node `ray.cluster_utils.Cluster`: head `learner`, a `gpu`-like node, a `cpu` node;
+1. a `ray.cluster_utils.Cluster`: head `learner`, a `gpu`-like node, two `cpu` nodes;
 2. `agentrl run --launcher.type ray` of the quickstart on the tiny model, each role asking for
    its node's custom resource; once it trains, where each actor ran is read from Ray's state API;
-3. faults mid-run: ray.kill of the roller actor, then of the server actor, then the rollers'
-   node is removed (a fresh `cpu` node joins for the roller to restart on);
+3. faults mid-run: ray.kill of the roller actor, then the node it came back on is removed (it
+   restarts on the other `cpu` node); `agentrl scale --rollers 2` adds a roller and `agentrl
+   status` shows the processes; then ray.kill of the server actor;
 4. after the run: what Ray's state API (the dashboard's source) and every command line showed,
    searched for the queue's secret; Ray stopped, then every process left in the namespace stopped
    by PID and counted.
@@ -17,10 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -66,11 +69,12 @@ def main(model: str, run_dir: Path) -> dict:
     t0 = time.monotonic()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"learner": 1}})
     gpu = cluster.add_node(num_cpus=1, resources={"gpu": 1})
-    cpu = cluster.add_node(num_cpus=1, resources={"cpu": 1})
+    cpus = [cluster.add_node(num_cpus=1, resources={"cpu": 2}) for _ in range(2)]  # rollers' nodes
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     out["cluster_start_s"] = time.monotonic() - t0
-    node_of = {"learner": cluster.head_node.node_id, "gpu": gpu.node_id, "cpu": cpu.node_id}
+    node_of = {"learner": cluster.head_node.node_id, "gpu": gpu.node_id, "cpu": cpus[0].node_id}
+    node_of["cpu2"] = cpus[1].node_id
     secret = secrets.token_hex(32)
     resources = "{learner: {learner: 1}, server: {gpu: 1}, roller: {cpu: 1}}"
     argv = [
@@ -94,18 +98,42 @@ def main(model: str, run_dir: Path) -> dict:
         out["placement"] = {
             name: next((k for k, v in node_of.items() if v == nid), nid) for name, nid in actors.items()
         }
+        out["steps_at_faults"] = [_steps(run_dir)]
 
         ray.kill(ray.get_actor("roller0", namespace=ns), no_restart=False)
         _wait("roller0's restart", lambda: len(_restarts(run_dir, "roller0")) >= 1, proc)
+        # the rollers' node is lost: roller0 comes back on the other node that offers `cpu`
+        lost = next(n for n in cpus if n.node_id == _restarts(run_dir, "roller0")[-1]["node_id"])
+        other = next(n for n in cpus if n is not lost)
+        out["steps_at_faults"].append(_steps(run_dir))
+        cluster.remove_node(lost)
+        _wait("roller0 on the other cpu node", lambda: len(_restarts(run_dir, "roller0")) >= 2, proc)
+        out["roller_restart_node"] = (
+            "other" if _restarts(run_dir, "roller0")[-1]["node_id"] == other.node_id else "same"
+        )
+        # elastic: a second roller while the run goes on (the learner is not restarted)
+        agentrl = [sys.executable, "-m", "agentrl"]
+        scaled = subprocess.run(
+            [*agentrl, "scale", "--run-dir", str(run_dir), "--rollers", "2"], capture_output=True, text=True
+        )
+        out["scale"] = scaled.stdout.strip() + scaled.stderr.strip()[-500:]
+        wide = {**os.environ, "COLUMNS": "200"}
+        status = subprocess.run(
+            [*agentrl, "status", "--run-dir", str(run_dir)], capture_output=True, text=True, env=wide
+        )
+        out["status"] = status.stdout
+        state = json.loads((run_dir / "launcher_state.json").read_text())
+        out["scaled_nodes"] = {
+            p["name"]: "other" if p.get("node_id") == other.node_id else p.get("node_id")
+            for p in state["processes"]
+        }
+        out["steps_at_faults"].append(_steps(run_dir))
         ray.kill(ray.get_actor("server0", namespace=ns), no_restart=False)
         _wait("server0's restart", lambda: len(_restarts(run_dir, "server0")) >= 1, proc)
-        out["steps_before_node_loss"] = _steps(run_dir)
-        spare = cluster.add_node(num_cpus=1, resources={"cpu": 1})
-        cluster.remove_node(cpu)
-        _wait("roller0 on the spare node", lambda: len(_restarts(run_dir, "roller0")) >= 2, proc)
-        out["roller_restart_node"] = (
-            "spare" if _restarts(run_dir, "roller0")[-1]["node_id"] == spare.node_id else "other"
-        )
+        # the processes of the killed actors died with them (PR_SET_PDEATHSIG), by the PIDs the driver logged
+        started = re.findall(r"started (\S+) on .* pid (\d+)\)", (run_dir / "driver.log").read_text())
+        latest = {name: pid for name, pid in started}
+        out["orphans"] = [f"{n} {p}" for n, p in started if latest[n] != p and _running(int(p))]
         out["returncode"] = proc.wait(timeout=300)
         text = json.dumps([a.__dict__ for a in list_actors(detail=True)], default=str)
         text += json.dumps([t.__dict__ for t in list_tasks(detail=True, limit=10000)], default=str)
@@ -120,9 +148,21 @@ def main(model: str, run_dir: Path) -> dict:
             proc.wait(timeout=120)
         log.close()
         ray.shutdown()
-        cluster.shutdown()
+        # bounded: what Ray's own shutdown leaves (or does not stop in time) is stopped by PID below
+        stopper = threading.Thread(target=cluster.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(timeout=90)
+        out["cluster_shutdown_hung"] = stopper.is_alive()
     out["left_after_shutdown"], out["left_after_kill"] = _stop_the_rest()
     return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dead process nobody reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _pids() -> list[int]:
