@@ -16,6 +16,7 @@ Prints one JSON line of findings for `test_ray_launcher.py` to check.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,9 +27,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-
-os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")  # a loaded 2-core machine: nodes start slowly
-import contextlib
 
 import ray
 from ray.cluster_utils import Cluster
@@ -64,13 +62,31 @@ def _restarts(run_dir: Path, name: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["child"] == name]
 
 
+def _start_cluster(tries: int = 3):
+    """Head `learner`, a `gpu` node, two `cpu` nodes. Ray gives a raylet 30 s (hard-coded in
+    ray/_private/node.py) to register, which a loaded machine can miss: then every process of
+    the attempt is stopped by PID and the cluster started afresh."""
+    for attempt in range(tries):
+        try:
+            cluster = Cluster(
+                initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"learner": 1}}
+            )
+            gpu = cluster.add_node(num_cpus=1, resources={"gpu": 1})
+            cpus = [cluster.add_node(num_cpus=1, resources={"cpu": 2}) for _ in range(2)]  # rollers' nodes
+            cluster.wait_for_nodes()
+            return cluster, gpu, cpus
+        except Exception as exc:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(exc) or attempt == tries - 1:
+                raise
+            print(f"cluster start {attempt + 1} timed out; again", file=sys.stderr)
+            _stop_the_rest()
+    raise AssertionError("unreachable")
+
+
 def main(model: str, run_dir: Path) -> dict:
     out: dict = {}
     t0 = time.monotonic()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"learner": 1}})
-    gpu = cluster.add_node(num_cpus=1, resources={"gpu": 1})
-    cpus = [cluster.add_node(num_cpus=1, resources={"cpu": 2}) for _ in range(2)]  # rollers' nodes
-    cluster.wait_for_nodes()
+    cluster, gpu, cpus = _start_cluster()
     ray.init(address=cluster.address)
     out["cluster_start_s"] = time.monotonic() - t0
     node_of = {"learner": cluster.head_node.node_id, "gpu": gpu.node_id, "cpu": cpus[0].node_id}
