@@ -22,7 +22,7 @@ from tests.conftest import REPO
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_ray_launcher_places_by_resources_survives_actor_and_node_loss(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -37,7 +37,7 @@ def test_ray_launcher_places_by_resources_survives_actor_and_node_loss(
         str(tiny_model),
         str(run_dir),
     ]
-    result = subprocess.run(netns_argv(scenario), capture_output=True, text=True, timeout=580, cwd=REPO)
+    result = subprocess.run(netns_argv(scenario), capture_output=True, text=True, timeout=840, cwd=REPO)
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
     driver = (
         (run_dir / "driver.log").read_text(errors="replace")[-4000:]
