@@ -198,7 +198,10 @@ class RayRun:
     def _start(self, m: Member, args: list[str], env: dict[str, str] | None = None) -> None:
         m.info = self._get(m.actor.where.remote(), m.name)
         m.node, m.node_id = m.info["ip"], m.info["node_id"]
-        m.pid = self._get(m.actor.start.remote(args, {**self.secrets, **m.role.env, **(env or {})}), m.name)
+        threads = {} if "OMP_NUM_THREADS" in os.environ else _threads(m.role.resources)
+        m.pid = self._get(
+            m.actor.start.remote(args, {**threads, **self.secrets, **m.role.env, **(env or {})}), m.name
+        )
         m.state = "running"
         logger.info("started %s on %s (node %s, pid %d)", m.name, m.node, m.node_id[:8], m.pid)
 
@@ -441,6 +444,13 @@ class RayRun:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.pg)
+
+
+def _threads(resources: dict[str, float]) -> dict[str, str]:
+    """Intra-op threads of a process: the CPUs its role asks for, else 1, as the local launcher
+    caps its children (oversubscribed OpenMP threads slow small models several-fold)."""
+    n = str(max(1, int(resources.get("CPU", 1))))
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 
 def _secrets(config: AgentRLConfig) -> dict[str, str]:
