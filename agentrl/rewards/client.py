@@ -59,12 +59,12 @@ class RewardModelClient:
                     return await resp.json(content_type=None)
                 except ValueError:
                     raise RewardModelError(f"{where}: answer is not JSON: {text[:200]!r}") from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise RewardModelError(f"{where}: cannot reach it ({type(exc).__name__}: {exc})") from None
-        except TimeoutError:
+        except TimeoutError:  # before ClientError: aiohttp's ServerTimeoutError is both
             raise RewardModelError(
                 f"{where}: no answer within reward.timeout_s={self.config.timeout_s}"
             ) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise RewardModelError(f"{where}: cannot reach it ({type(exc).__name__}: {exc})") from None
 
     async def check(self) -> dict[str, Any]:
         """The scorer's `/model_info`; `RewardModelError` if it is unreachable or of another kind."""
