@@ -13,6 +13,7 @@ address, which fails the episode's group (the roller counts it and goes on).
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
@@ -66,9 +67,19 @@ class RewardModelClient:
         except (aiohttp.ClientError, OSError) as exc:
             raise RewardModelError(f"{where}: cannot reach it ({type(exc).__name__}: {exc})") from None
 
-    async def check(self) -> dict[str, Any]:
-        """The scorer's `/model_info`; `RewardModelError` if it is unreachable or of another kind."""
-        info = await self._request("GET", "/model_info")
+    async def check(self, wait_s: float | None = None) -> dict[str, Any]:
+        """The scorer's `/model_info`; `RewardModelError` if it is of another kind, or still
+        unreachable after `wait_s` (default `reward.timeout_s`: a scorer started beside the
+        roller may still be loading its model)."""
+        deadline = time.monotonic() + (self.config.timeout_s if wait_s is None else wait_s)
+        while True:
+            try:
+                info = await self._request("GET", "/model_info")
+                break
+            except RewardModelError as exc:
+                if "cannot reach it" not in str(exc) or time.monotonic() + 0.5 > deadline:
+                    raise
+                await asyncio.sleep(0.5)
         if not isinstance(info, dict) or info.get("kind") != self.config.kind:
             raise RewardModelError(
                 f"reward model at {self.url} serves kind {info.get('kind') if isinstance(info, dict) else info!r}, "

@@ -78,7 +78,7 @@ async def test_an_unreachable_or_silent_scorer_fails_in_bounded_time() -> None:
     client = RewardModelClient(RewardConfig(url=f"http://127.0.0.1:{port}", timeout_s=2))
     try:
         with pytest.raises(RewardModelError, match=rf"127.0.0.1:{port}/model_info: cannot reach it"):
-            await asyncio.wait_for(client.check(), 10)
+            await asyncio.wait_for(client.check(wait_s=1), 10)
     finally:
         await client.close()
 
