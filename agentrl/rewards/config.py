@@ -18,8 +18,10 @@ DEFAULT_JUDGE_PROMPT = (
 
 
 class RewardConfig(BaseModel):
-    """A served reward model (`agentrl serve-reward`): each episode's reward becomes
-    `env reward + weight × score`, the score coming from the model at `url`."""
+    """A served reward model (`agentrl serve-reward`) that scores every episode.
+
+    An episode's reward becomes `env reward + weight × score`, the score coming from the model
+    at `url`."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
