@@ -33,14 +33,15 @@ app = typer.Typer(
 
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 CONFIG_HELP = (
-    "Config sections: learner, roller, queue, inference, weight_sync, env (with env.sandbox), plus "
+    "Config sections: learner, roller, queue, inference, weight_sync, env (with env.sandbox), reward, plus "
     "run_dir, seed, max_staleness. Override any field with --section.field VALUE (or "
     "--section.field=VALUE). Every field with its doc and default: agentrl config show [--config C] [SECTION]."
 )
 # what each command reads of the run config: cross-section checks run only over these
 USES = {
     "learner": ("learner", "queue", "weight_sync", "inference"),
-    "roller": ("roller", "env", "inference", "queue"),
+    "roller": ("roller", "env", "inference", "queue", "reward"),
+    "serve-reward": ("reward",),
     "serve": ("inference", "learner"),
     "queue": ("queue", "learner"),
     "warmstart": ("learner", "roller", "env"),
@@ -182,6 +183,33 @@ def serve(
     from agentrl.inference.server import run_server
 
     run_server(model_path, host, port, cfg.inference)
+
+
+@app.command("serve-reward", context_settings=OVERRIDES, epilog=CONFIG_HELP)
+def serve_reward(
+    ctx: typer.Context,
+    model: Annotated[
+        str | None, typer.Option(help="Reward model checkpoint (default: reward.model).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 30100,
+    device: Annotated[str, typer.Option(help="torch device of the reward model.")] = "cpu",
+    config: ConfigOpt = None,
+) -> None:
+    """Serve a reward model (reward.kind: classifier or judge) behind a batched POST /score."""
+    cfg = load(config, ctx)
+    model_path = model or cfg.reward.model
+    if not model_path:
+        raise _fail("--model: give the reward model's checkpoint (or set reward.model)")
+    check_model_path("--model", model_path)
+    from agentrl.rewards.scorer import WrongModelType, load_scorer
+    from agentrl.rewards.server import run_server
+
+    try:
+        scorer = load_scorer(model_path, cfg.reward, device)
+    except WrongModelType as exc:
+        raise _fail(str(exc)) from None
+    run_server(scorer, host, port)
 
 
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
@@ -361,7 +389,7 @@ def init_model(
         typer.Argument(
             help="Model size: "
             + ", ".join(MODEL_PRESETS)
-            + " (tiny ~0.2M parameters, mini ~1M, small ~13M, base100m ~100M)."
+            + " (tiny ~0.2M parameters, mini ~1M, small ~13M, base100m ~100M; tiny-rm: a tiny reward model)."
         ),
     ],
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],

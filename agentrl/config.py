@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
+from agentrl.rewards.config import RewardConfig
+
 
 class ConfigError(ValueError):
     """A preset or override that does not describe a valid run."""
@@ -205,6 +207,9 @@ class RollerConfig(Section):
     """Dynamic sampling: drop groups whose episodes all have the same reward (counted)."""
     drop_overlong: bool = False
     """Overlong filtering: mask out episodes that ended by running out of context."""
+    greedy_baseline: bool = False
+    """ReMax: each group also runs one greedy episode (temperature 0, top-k 1) of its task, not trained
+    on; its reward travels as the group's `metrics["greedy_reward"]`, the baseline of `remax`."""
     log_every_s: float = Field(10.0, gt=0)
     """Seconds between progress lines and metrics records."""
     num_processes: int = Field(1, ge=1)
@@ -568,6 +573,7 @@ class AgentRLConfig(Section):
     weight_sync: WeightSyncConfig = BroadcastSyncConfig()
     env: EnvConfig = EnvConfig()
     launcher: LauncherConfig = LauncherConfig()
+    reward: RewardConfig = RewardConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -625,7 +631,7 @@ class AgentRLConfig(Section):
         return self
 
 
-SECTIONS = ("learner", "roller", "queue", "inference", "weight_sync", "env")
+SECTIONS = ("learner", "roller", "queue", "inference", "weight_sync", "env", "reward")
 """The component sections of `AgentRLConfig`, in the order `agentrl config show` prints them."""
 
 

@@ -6,9 +6,12 @@ tokenizer whose special tokens and chat template follow the Qwen2.5 layout (syst
 turn with `<tools>`, `<tool_call>` blocks, tool results merged into a user turn as
 `<tool_response>` blocks). The result loads with the ordinary
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` calls that
-users make with real Qwen checkpoints, so every code path stays the real one.
+users make with real Qwen checkpoints, so every code path stays the real one. The `-rm`
+presets write a reward model instead: a `Qwen2ForSequenceClassification` with one scalar head
+(`num_labels=1`, random weights), loaded by `AutoModelForSequenceClassification.from_pretrained`.
 
     agentrl init-model tiny /tmp/tiny
+    agentrl init-model tiny-rm /tmp/tiny-rm
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ class ModelPreset:
     num_key_value_heads: int
     intermediate_size: int
     vocab_size: int  # total, including merges and added tokens (rounded up)
+    classifier: bool = False  # a sequence classifier with a scalar head (a reward model)
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -110,6 +114,8 @@ PRESETS: dict[str, ModelPreset] = {
     "small": ModelPreset(384, 8, 6, 2, 1024, 2048),
     # ~100M parameters: the size `agentrl bench sync` pushes.
     "base100m": ModelPreset(768, 12, 12, 4, 2048, 32768),
+    # the tiny shape as a reward model (scalar head): `agentrl serve-reward` serves it in tests.
+    "tiny-rm": ModelPreset(64, 2, 4, 2, 192, 1024, classifier=True),
 }
 
 
@@ -196,7 +202,12 @@ def _make_tokenizer_portable(out: Path) -> None:
 def init_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write a random-weight Qwen2 checkpoint and its tokenizer to `out_dir`."""
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen2ForSequenceClassification,
+    )
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -233,10 +244,16 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        **({"num_labels": 1} if shape.classifier else {}),
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = [config.eos_token_id, config.bos_token_id]
+    if shape.classifier:
+        model = Qwen2ForSequenceClassification(config)
+        with torch.no_grad():  # a random head at the init scale gives scores ~1e-2 apart; spread them
+            model.score.weight.normal_(0.0, 1.0)
+    else:
+        model = Qwen2ForCausalLM(config)
+        model.generation_config.eos_token_id = [config.eos_token_id, config.bos_token_id]
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     _make_tokenizer_portable(out)

@@ -17,7 +17,11 @@ Steps of an episode:
 5. `env.reward(transcript)` (plus any per-step rewards) is the episode's reward. Each
    turn's step reward is also kept per turn, on the last generated token of its turn, and
    the final reward is added on the episode's last generated token (`Episode.reward_pos`,
-   `Episode.turn_rewards`).
+   `Episode.turn_rewards`). With a reward model (`reward.url`), its score of the transcript's
+   messages, times `reward.weight`, is added to the final reward; the episode's metrics keep
+   `rule_reward` (the env's part), `reward_model_score` and `reward_model_s` (the wait).
+
+A greedy episode (`greedy=True`, ReMax's baseline) samples with temperature 0 and top-k 1.
 
 The roller runs thousands of episodes on one event loop, so no step of one episode may hold
 the loop for long: work that grows with what the model wrote (decoding a turn, rendering and
@@ -33,13 +37,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentrl.config import RollerConfig
 from agentrl.envs.base import Env, Transcript, as_step_result, resolve
 from agentrl.inference.base import GenerateResult, InferenceClient
 from agentrl.rollers.chat import ChatRenderer
 from agentrl.types import Episode
+
+if TYPE_CHECKING:
+    from agentrl.rewards.client import RewardModelClient
 
 OFF_LOOP_ITEMS = 1 << 15
 """Tokens (or characters) beyond which a step's work moves off the event loop."""
@@ -100,12 +107,15 @@ class _Trace:
             self.turn_rewards.append(reward)
 
 
-def sampling_params(config: RollerConfig, max_new_tokens: int, stop: list[str]) -> dict[str, Any]:
+def sampling_params(
+    config: RollerConfig, max_new_tokens: int, stop: list[str], greedy: bool = False
+) -> dict[str, Any]:
+    """SGLang sampling params of one turn; `greedy`: argmax decoding (SGLang's temperature 0)."""
     params: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
-        "temperature": config.temperature,
-        "top_p": config.top_p,
-        "top_k": config.top_k,
+        "temperature": 0.0 if greedy else config.temperature,
+        "top_p": 1.0 if greedy else config.top_p,
+        "top_k": 1 if greedy else config.top_k,
     }
     if stop:
         params["stop"] = list(stop)
@@ -142,6 +152,7 @@ async def _run_turns(
     renderer: ChatRenderer,
     config: RollerConfig,
     session_id: str,
+    greedy: bool = False,
 ) -> None:
     stop = list(getattr(env, "stop", ()) or ())
     for _ in range(config.max_turns):
@@ -149,7 +160,7 @@ async def _run_turns(
         if budget <= 0:
             trace.finish_reason = "context"
             return
-        params = sampling_params(config, min(config.max_new_tokens, budget), stop)
+        params = sampling_params(config, min(config.max_new_tokens, budget), stop, greedy)
         t0 = time.perf_counter()
         result = await _generate_turn(client, trace, params, session_id)
         trace.gen_time += time.perf_counter() - t0
@@ -195,9 +206,13 @@ async def run_episode(
     client: InferenceClient,
     renderer: ChatRenderer,
     config: RollerConfig,
+    reward_model: RewardModelClient | None = None,
+    greedy: bool = False,
 ) -> Episode:
-    """Run one episode to its end and return it; env errors propagate, limits do not."""
+    """Run one episode to its end and return it; env errors propagate, limits do not, and a
+    reward model that cannot score raises its `RewardModelError`."""
     trace = _Trace()
+    scored: dict[str, float] = {}
     start = time.perf_counter()
     try:
         opening = await resolve(env.reset(task))
@@ -209,7 +224,7 @@ async def run_episode(
             trace.add_context(renderer.prompt_ids(opening))
         try:
             await asyncio.wait_for(
-                _run_turns(env, trace, client, renderer, config, session_id=uuid.uuid4().hex),
+                _run_turns(env, trace, client, renderer, config, uuid.uuid4().hex, greedy),
                 config.episode_timeout_s,
             )
         except TimeoutError:
@@ -218,6 +233,12 @@ async def run_episode(
             task, trace.messages, trace.final_text, trace.turns, trace.finish_reason, dict(env.metrics)
         )
         final = float(await resolve(env.reward(transcript)))
+        if reward_model is not None:
+            t0 = time.perf_counter()
+            score = await reward_model.score(trace.messages)
+            scored = {"rule_reward": final + sum(trace.step_rewards), "reward_model_score": score,
+                      "reward_model_s": round(time.perf_counter() - t0, 6)}  # fmt: skip
+            final += reward_model.config.weight * score
         reward = final + sum(trace.step_rewards)
         last_generated = len(trace.mask) - 1 - trace.mask[::-1].index(1) if 1 in trace.mask else -1
         trace.add_turn_reward(last_generated, final)
@@ -230,6 +251,7 @@ async def run_episode(
         "env_s": round(trace.env_time, 6),
         "episode_s": round(time.perf_counter() - start, 6),
         "prompt_tokens": trace.mask.index(1) if 1 in trace.mask else len(trace.mask),
+        **scored,
     }
     # the arrays are built (and checked) from Python lists: ~0.3 s per million tokens
     return await off_loop(

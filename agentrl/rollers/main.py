@@ -10,8 +10,11 @@ The roller's identity is `roller.index` (else `$AGENTRL_ROLLER_INDEX`, else 0): 
 the queue is named `roller-<index>` and the ids (and task numbers) of the groups the queue
 acknowledged go to
 `<run_dir>/roller-<index>.groups` (metrics to `roller.jsonl`, as before). Its tasks come from the queue's
-shared cursor (`tasks.TaskSource`). Exit codes: 0 when done or when the queue says the run is
-over; 1 when the queue is unreachable, refuses it, goes silent, or too many groups failed.
+shared cursor (`tasks.TaskSource`). With `reward.url` set, episodes are also scored by that
+`agentrl serve-reward`, which is checked (reachable, and of `reward.kind`) before the first
+group. Exit codes: 0 when done or when the queue says the run is over; 1 when the queue is
+unreachable, refuses it, goes silent, or too many groups failed, or the reward model is
+unreachable or of the wrong kind at start.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ async def run_roller(config: AgentRLConfig) -> int:
     from agentrl.envs.registry import env_factory, load_env_class
     from agentrl.inference.router import from_config as create_router
     from agentrl.queue.base import create as create_queue
+    from agentrl.rewards.client import RewardModelClient, RewardModelError
     from agentrl.rollers.chat import ChatRenderer
     from agentrl.rollers.roller import Roller
     from agentrl.rollers.tasks import TaskSource
@@ -62,12 +66,24 @@ async def run_roller(config: AgentRLConfig) -> int:
     renderer = ChatRenderer(tokenizer, make_env().tool_schemas or None)
     # a router even over one server: requests wait out a server's restart (inference.server_wait_s)
     # and skip servers behind the admissible window (run-wide max_staleness, as the learner's)
+    reward_model = RewardModelClient(config.reward) if config.reward.url else None
+    if reward_model is not None:
+        try:
+            info = await reward_model.check()
+        except RewardModelError as exc:
+            await reward_model.close()
+            logger.error("%s", exc)
+            return 1
+        logger.info("reward model: %s (%s) at %s, weight %g", info.get("model_path"), info.get("kind"),
+                    reward_model.url, config.reward.weight)  # fmt: skip
     client = create_router(config.inference, config.max_staleness)
     backend = create_queue(config.queue)
     producer = backend.producer(name=name) if config.queue.type == "zmq" else backend.producer()
     metrics = MetricsLogger(config.run_dir, name="roller")
     groups_file = os.path.join(config.run_dir, f"{name}.groups")
-    roller = Roller(config.roller, make_env, tasks, client, renderer, producer, metrics, groups_file)
+    roller = Roller(
+        config.roller, make_env, tasks, client, renderer, producer, metrics, groups_file, reward_model
+    )
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -84,6 +100,8 @@ async def run_roller(config: AgentRLConfig) -> int:
         stats = await roller.run()
     finally:
         await client.close()
+        if reward_model is not None:
+            await reward_model.close()
         producer.close()
         metrics.close()
     logger.info(

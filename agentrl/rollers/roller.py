@@ -25,6 +25,11 @@ Named loops, started by `run()` in this order and stopped in reverse:
   filters, and `put`s the group (waiting while the queue is full).
 `run()` returns when `max_groups` groups were put or `stop()` was called; in-flight
 groups finish first, so no admitted work is lost.
+
+With `roller.greedy_baseline` (ReMax), `_run_group` also runs one greedy episode of the task
+beside its sampled ones; it is not put (not trained on), and its reward becomes the group's
+`metrics["greedy_reward"]`. With a reward model (`reward_model`), every episode, greedy ones
+too, is scored by it (`agent_loop`), and its client's counters join the metrics record.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from agentrl.envs.base import Env
 from agentrl.inference.base import InferenceClient
 from agentrl.log import MetricsLogger, get_logger
 from agentrl.queue.base import LeaseLapsed, Producer, QueueError, QueueUnavailable, RunOver
+from agentrl.rewards.client import RewardModelClient
 from agentrl.rollers.agent_loop import run_episode
 from agentrl.rollers.chat import ChatRenderer
 from agentrl.rollers.tasks import TaskSource
@@ -62,6 +68,7 @@ class RollerStats:
     groups_failed: int = 0
     groups_abandoned: int = 0
     groups_lease_lapsed: int = 0
+    greedy_episodes: int = 0
     episodes_overlong_masked: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -85,6 +92,7 @@ class RollerStats:
             "roller/groups_failed": self.groups_failed,
             "roller/groups_abandoned": self.groups_abandoned,
             "roller/groups_lease_lapsed": self.groups_lease_lapsed,
+            "roller/greedy_episodes": self.greedy_episodes,
             "roller/episodes_overlong_masked": self.episodes_overlong_masked,
             "roller/reward_mean": float(np.mean(recent)) if recent else 0.0,
             "roller/tool_calls": self.tool_calls,
@@ -107,9 +115,10 @@ class Roller:
         producer: Producer,
         metrics: MetricsLogger | None = None,
         groups_file: str | None = None,
+        reward_model: RewardModelClient | None = None,
     ) -> None:
         """`groups_file`: append `{"id", "task"}` (JSON lines) for every group the queue acknowledged,
-        the roller's side of the run's account."""
+        the roller's side of the run's account. `reward_model`: scores every episode (`reward.url`)."""
         self.config = config
         self.make_env = make_env
         self.tasks = tasks
@@ -117,6 +126,7 @@ class Roller:
         self.renderer = renderer
         self.producer = producer
         self.metrics = metrics
+        self.reward_model = reward_model
         self.stats = RollerStats()
         self._episode_slots = asyncio.Semaphore(config.max_concurrent_episodes)
         # never admit more groups than can run at once: admission stays meaningful
@@ -202,6 +212,8 @@ class Roller:
 
     async def _run_group(self, task: dict[str, Any], admission: dict[str, int]) -> None:
         runs = [asyncio.create_task(self._run_one(task)) for _ in range(self.config.group_size)]
+        if self.config.greedy_baseline:
+            runs.append(asyncio.create_task(self._run_one(task, greedy=True)))
         try:
             episodes = await asyncio.gather(*runs)
         except Exception as exc:  # a lost request or a bug in user env code: count it, keep rolling
@@ -224,7 +236,10 @@ class Roller:
             return
         finally:
             self._group_slots.release()
-        group = Group(list(episodes), prompt_id=str(task.get("id", "")), metrics=admission)
+        episodes = list(episodes)
+        if self.config.greedy_baseline:
+            admission = {**admission, "greedy_reward": episodes.pop().reward}
+        group = Group(episodes, prompt_id=str(task.get("id", "")), metrics=admission)
         try:
             if self.config.drop_uniform_reward_groups and len(set(group.rewards.tolist())) == 1:
                 self.stats.groups_dropped_uniform += 1
@@ -251,17 +266,22 @@ class Roller:
         if self.config.max_groups is not None and self.stats.groups_put >= self.config.max_groups:
             self.stop()
 
-    async def _run_one(self, task: dict[str, Any]) -> Episode:
+    async def _run_one(self, task: dict[str, Any], greedy: bool = False) -> Episode:
         async with self._episode_slots:
             self.stats.in_flight_episodes += 1
             self.stats.peak_in_flight_episodes = max(
                 self.stats.peak_in_flight_episodes, self.stats.in_flight_episodes
             )
             try:
-                episode = await run_episode(self.make_env(), task, self.client, self.renderer, self.config)
+                episode = await run_episode(
+                    self.make_env(), task, self.client, self.renderer, self.config, self.reward_model, greedy
+                )
             finally:
                 self.stats.in_flight_episodes -= 1
-        self._account(episode)
+        if greedy:
+            self.stats.greedy_episodes += 1
+        else:
+            self._account(episode)
         return episode
 
     def _account(self, episode: Episode) -> None:
@@ -289,6 +309,8 @@ class Roller:
 
     def _report(self) -> None:
         snap = self.stats.snapshot()
+        if self.reward_model is not None:
+            snap.update(self.reward_model.metrics())
         logger.info(
             "episodes %d (%.1f/s)  groups put %d  reward %.3f  tool errors %d/%d  in flight %d  staleness ≤ %d",
             snap["roller/episodes"],
