@@ -73,14 +73,14 @@ return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[4], 'ST
 
 _ACQUIRE = """
 local s = redis.call('HMGET', KEYS[1], 'version', 'started', 'groups_per_step', 'max_staleness')
-if not s[3] then return {0, -1} end
+if not s[3] then return {0, -1, -1, -1} end
 local v, started, gps, k = tonumber(s[1] or 0), tonumber(s[2] or 0), tonumber(s[3]), tonumber(s[4])
 if started + tonumber(ARGV[1]) <= (v + k + 1) * gps then
   redis.call('HINCRBY', KEYS[1], 'started', ARGV[1])
   local tasks = redis.call('HINCRBY', KEYS[1], 'tasks', ARGV[1])
-  return {1, v, tasks - tonumber(ARGV[1])}
+  return {1, v, tasks - tonumber(ARGV[1]), k}
 end
-return {0, v, -1}
+return {0, v, -1, k}
 """
 
 
@@ -116,7 +116,11 @@ class RedisProducer(Producer):
 
     async def acquire_start(self, n: int = 1) -> Admission:
         while True:
-            granted, version, first_task = await self._acquire(keys=[f"{self.stream}:state"], args=[n])
+            granted, version, first_task, k = await self._acquire(keys=[f"{self.stream}:state"], args=[n])
+            if int(k) >= 0 and int(k) != self.max_staleness:
+                self.max_staleness = int(k)
+                if self.on_max_staleness is not None:
+                    self.on_max_staleness(self.max_staleness)
             if granted:
                 return Admission(int(version), int(first_task))
             await _poll_pause()

@@ -348,7 +348,9 @@ class QueueServer(Admission, Delivery):
             count_last[:] = [0, now]
 
     def _reply(self, sock: zmq.Socket, ident: bytes, ctl: dict, frames: list | None = None) -> None:
-        ctl["e"], ctl["v"], ctl["r"] = self.epoch, self.version, self.run_id
+        # every reply carries the run's identity and its admissible window (`ms`): a producer
+        # learns the run's max_staleness from the queue, not from its own config
+        ctl["e"], ctl["v"], ctl["r"], ctl["ms"] = self.epoch, self.version, self.run_id, self.max_staleness
         if self.finished:
             ctl["fin"] = 1
         self._replies.append((sock, ident, ctl, frames or []))

@@ -17,6 +17,7 @@ over; 1 when the queue is unreachable, refuses it, goes silent, or too many grou
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 
@@ -61,10 +62,12 @@ async def run_roller(config: AgentRLConfig) -> int:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(config))
     renderer = ChatRenderer(tokenizer, make_env().tool_schemas or None)
     # a router even over one server: requests wait out a server's restart (inference.server_wait_s)
-    # and skip servers behind the admissible window (run-wide max_staleness, as the learner's)
+    # and skip servers behind the admissible window: the run's max_staleness as the queue tells it
+    # (this roller's own config until the queue's first reply)
     client = create_router(config.inference, config.max_staleness)
     backend = create_queue(config.queue)
     producer = backend.producer(name=name) if config.queue.type == "zmq" else backend.producer()
+    producer.on_max_staleness = functools.partial(setattr, client, "max_staleness")
     metrics = MetricsLogger(config.run_dir, name="roller")
     groups_file = os.path.join(config.run_dir, f"{name}.groups")
     roller = Roller(config.roller, make_env, tasks, client, renderer, producer, metrics, groups_file)
