@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentrl.config import BroadcastSyncConfig, InferenceConfig
+from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
 from agentrl.log import read_metrics
 from agentrl.queue.account import account
 from agentrl.weight_sync.base import create
@@ -208,6 +208,45 @@ def test_a_silent_weight_sync_peer_is_dropped_and_later_pushes_never_wait_on_it(
     finally:
         engine.close()
         silent.close()
+
+
+def test_disk_weight_sync_a_restarted_server_gets_the_current_checkpoint(
+    processes, tiny_model: Path, tmp_path
+):
+    # the disk engine watches its servers as the broadcast one does: a server restarted on its port
+    # is named behind, and a push of the version on disk only has it load the file (no gather)
+    port = find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(processes, tiny_model, port)
+    wait_healthy([url])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    inference = InferenceConfig(servers=[url], health_check_interval_s=0.5)
+    engine = create(DiskSyncConfig(keep_last=1), inference, run_dir=tmp_path)
+    engine.init()
+
+    def no_gather():
+        raise AssertionError("the version on disk was gathered again")
+
+    try:
+        perturb(model, 1)
+        assert engine.push(model.named_parameters, 1).servers_updated == 1
+        assert engine.behind(1) == []
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        perturb(model, 2)
+        assert engine.push(model.named_parameters, 2).servers_updated == 0  # down: left out
+        start_server(processes, tiny_model, port)
+        wait_healthy([url])
+        deadline = time.monotonic() + 30
+        while engine.behind(2) != [url]:  # probed up, at the base model's version
+            assert time.monotonic() < deadline, engine.watch.fresh(0.0)
+            time.sleep(0.2)
+        stats = engine.push(no_gather, 2)
+        assert stats.servers_updated == 1 and stats.servers_dropped == []
+        assert_in_sync(model, [url], 2)
+        assert engine.behind(2) == []
+    finally:
+        engine.close()
 
 
 def test_bench_faults_kills_the_learner_resumes_and_ends_with_its_json_line(processes) -> None:
