@@ -308,6 +308,11 @@ class RedisQueueConfig(Section):
     """Order in which admissible groups are handed to the learner."""
     lease_s: float = Field(600.0, gt=0)
     """Seconds a learner rank may hold groups without acking before another rank claims them."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Seconds between a producer's heartbeats, which renew its lease on its admission credits."""
+    roller_lease_s: float = Field(10.0, gt=0)
+    """Seconds without a heartbeat after which a producer's admission credits are reclaimed
+    (`admission_reclaimed`) and its lease is refused (it starts a fresh one)."""
 
 
 QueueConfig = Annotated[ZmqQueueConfig | RedisQueueConfig, Field(discriminator="type")]

@@ -66,7 +66,7 @@ async def run_roller(config: AgentRLConfig) -> int:
     # (this roller's own config until the queue's first reply)
     client = create_router(config.inference, config.max_staleness)
     backend = create_queue(config.queue)
-    producer = backend.producer(name=name) if config.queue.type == "zmq" else backend.producer()
+    producer = backend.producer(name=name)
     producer.on_max_staleness = functools.partial(setattr, client, "max_staleness")
     metrics = MetricsLogger(config.run_dir, name="roller")
     groups_file = os.path.join(config.run_dir, f"{name}.groups")
