@@ -38,149 +38,21 @@ import msgpack
 
 from agentrl.log import get_logger
 from agentrl.queue.base import Admission, Backend, Batch, Consumer, LeaseLapsed, Producer, check_drop_reason
+from agentrl.queue.redis_scripts import (
+    ACQUIRE,
+    BYE,
+    GIVE_BACK,
+    PING,
+    PUT,
+    REAP_ONLY,
+    RELEASE,
+    TAKE,
+)
 from agentrl.types import Group, decode_group, encode_group
 
 log = get_logger("queue.redis")
 
 POLL_S = 0.02
-
-# Leases. KEYS (after the script's own): state, leases, held, lapsed. `_REAP` moves the credits of
-# every lease past its deadline back out of `started`; `_TOUCH` refuses a lapsed lease (-1) or
-# renews it. ARGV of the caller: ..., lease, ttl_ms.
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-_REAP = """
-local function reap(state, leases, held, lapsed)
-  for _, l in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now)) do
-    local c = tonumber(redis.call('HGET', held, l) or 0)
-    redis.call('HINCRBY', state, 'started', -c)
-    redis.call('HINCRBY', state, 'admission_reclaimed', c)
-    redis.call('HINCRBY', state, 'leases_lapsed', 1)
-    redis.call('HDEL', held, l)
-    redis.call('ZREM', leases, l)
-    redis.call('SADD', lapsed, l)
-  end
-end
-local function touch(leases, lapsed, lease, ttl)
-  if redis.call('SISMEMBER', lapsed, lease) == 1 then return -1 end
-  redis.call('ZADD', leases, now + tonumber(ttl), lease)
-  return 1
-end
-"""
-
-_PING = (
-    _NOW
-    + _REAP
-    + """
-reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-return touch(KEYS[2], KEYS[4], ARGV[1], ARGV[2])
-"""
-)
-
-_REAP_ONLY = (
-    _NOW
-    + _REAP
-    + """
-reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-return 1
-"""
-)
-
-_BYE = """
-local c = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or 0)
-redis.call('HINCRBY', KEYS[1], 'started', -c)
-redis.call('HINCRBY', KEYS[1], 'admission_released', c)
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-return c
-"""
-
-_RELEASE = (
-    _NOW
-    + _REAP
-    + """
-if touch(KEYS[2], KEYS[4], ARGV[2], ARGV[3]) < 0 then return -1 end
-local c = math.min(tonumber(ARGV[1]), tonumber(redis.call('HGET', KEYS[3], ARGV[2]) or 0))
-redis.call('HINCRBY', KEYS[3], ARGV[2], -c)
-redis.call('HINCRBY', KEYS[1], 'started', -c)
-redis.call('HINCRBY', KEYS[1], 'admission_released', c)
-return c
-"""
-)
-
-# KEYS: stream, ids, state, leases, held, lapsed; ARGV: gid, minv, lens, data, lease, ttl_ms.
-# -1: the lease lapsed (not taken); 0: a duplicate; 1: added. Either of the last spends a credit.
-_PUT = (
-    _NOW
-    + _REAP
-    + """
-if touch(KEYS[4], KEYS[6], ARGV[5], ARGV[6]) < 0 then return -1 end
-if tonumber(redis.call('HGET', KEYS[5], ARGV[5]) or 0) > 0 then
-  redis.call('HINCRBY', KEYS[5], ARGV[5], -1)
-  redis.call('HINCRBY', KEYS[3], 'admission_spent', 1)
-else
-  redis.call('HINCRBY', KEYS[3], 'put_unleased', 1)
-end
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('XADD', KEYS[1], '*', 'gid', ARGV[1], 'minv', ARGV[2], 'lens', ARGV[3], 'data', ARGV[4])
-redis.call('HINCRBY', KEYS[3], 'groups_in', 1)
-redis.call('HINCRBY', KEYS[3], 'bytes_in', string.len(ARGV[4]))
-return 1
-"""
-)
-
-_GIVE_BACK = """
-for i = 2, #ARGV do
-  local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
-  if #e > 0 then
-    redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
-    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
-    redis.call('XDEL', KEYS[1], ARGV[i])
-  end
-end
-return 1
-"""
-
-# Claim exactly `need` entries for this consumer, or none: a rank never sits on part of a batch.
-# (ARGV: group, consumer, need, count; count > need lets oldest_first choose among more.)
-_TAKE = """
-local last = nil
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-  local name, id
-  for i = 1, #g, 2 do
-    if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then id = g[i + 1] end
-  end
-  if name == ARGV[1] then last = id end
-end
-if not last then return {} end
-local ready = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', ARGV[3])
-if #ready < tonumber(ARGV[3]) then return {} end
-return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[4], 'STREAMS', KEYS[1], '>')
-"""
-
-# KEYS: state, leases, held, lapsed; ARGV: n, lease, ttl_ms. {granted, version, first task, k};
-# granted -1: the lease lapsed.
-_ACQUIRE = (
-    _NOW
-    + _REAP
-    + """
-reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-local s = redis.call('HMGET', KEYS[1], 'version', 'started', 'groups_per_step', 'max_staleness')
-if not s[3] then return {0, -1, -1, -1} end
-local v, started, gps, k = tonumber(s[1] or 0), tonumber(s[2] or 0), tonumber(s[3]), tonumber(s[4])
-if touch(KEYS[2], KEYS[4], ARGV[2], ARGV[3]) < 0 then return {-1, v, -1, k} end
-if started + tonumber(ARGV[1]) <= (v + k + 1) * gps then
-  redis.call('HINCRBY', KEYS[1], 'started', ARGV[1])
-  redis.call('HINCRBY', KEYS[1], 'admitted', ARGV[1])
-  redis.call('HINCRBY', KEYS[3], ARGV[2], ARGV[1])
-  local tasks = redis.call('HINCRBY', KEYS[1], 'tasks', ARGV[1])
-  return {1, v, tasks - tonumber(ARGV[1]), k}
-end
-return {0, v, -1, k}
-"""
-)
 
 
 async def _poll_pause() -> None:
@@ -211,10 +83,10 @@ class RedisProducer(Producer):
         self.lease = self._new_lease()
         self.lapses = 0
         self._lease_keys = [f"{stream}:state", f"{stream}:leases", f"{stream}:held", f"{stream}:lapsed"]
-        self._put = self._redis.register_script(_PUT)
-        self._acquire = self._redis.register_script(_ACQUIRE)
-        self._release = self._redis.register_script(_RELEASE)
-        self._ping = self._redis.register_script(_PING)
+        self._put = self._redis.register_script(PUT)
+        self._acquire = self._redis.register_script(ACQUIRE)
+        self._release = self._redis.register_script(RELEASE)
+        self._ping = self._redis.register_script(PING)
         self._heartbeat: asyncio.Task | None = None
 
     def _new_lease(self) -> str:
@@ -285,7 +157,7 @@ class RedisProducer(Producer):
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         with contextlib.suppress(redis.RedisError), redis.Redis.from_url(self.url) as client:
-            client.register_script(_BYE)(keys=self._lease_keys, args=[self.lease])
+            client.register_script(BYE)(keys=self._lease_keys, args=[self.lease])
         with contextlib.suppress(RuntimeError):  # without a running loop the client is just dropped
             asyncio.get_running_loop().create_task(self._redis.aclose())
 
@@ -329,8 +201,8 @@ class RedisConsumer(Consumer):
         self._entry_of: dict[str, bytes] = {}  # gid -> stream entry id, for ack
         self._buffer: list[tuple[Group, float]] = []
         self._ages: deque[float] = deque(maxlen=4096)  # seconds in the stream, of groups handed out
-        self._take_script = self._redis.register_script(_TAKE)
-        self._reap = self._redis.register_script(_REAP_ONLY)
+        self._take_script = self._redis.register_script(TAKE)
+        self._reap = self._redis.register_script(REAP_ONLY)
         self._lease_keys = [
             self.state,
             f"{self.stream}:leases",
@@ -426,7 +298,7 @@ class RedisConsumer(Consumer):
             return
         entries = [self._entry_of.pop(g.group_id) for g, _ in self._buffer]
         self._buffer = []
-        self._redis.register_script(_GIVE_BACK)(
+        self._redis.register_script(GIVE_BACK)(
             keys=[self.stream], args=[self.config.consumer_group, *entries]
         )
 
