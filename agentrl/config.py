@@ -238,7 +238,10 @@ class ZmqQueueConfig(Section):
     max_message_bytes: int = Field(256 << 20, ge=1 << 12)
     """Largest group accepted on the wire; larger ones are refused and counted."""
     durable: bool = False
-    """Write each accepted group to a write-ahead log before acknowledging it."""
+    """Write each accepted group to a write-ahead log before acknowledging it, so a restarted queue
+    (or the hosted queue of a resumed learner) delivers it. Off: the groups the queue held when it
+    died (kill -9 of the learner hosting it) are lost, counted as `lost_undurable` (ledger, metric,
+    WARNING at the next start), and rollers regenerate them."""
     wal_dir: str | None = None
     """Directory of the write-ahead log (defaults to `<run_dir>/queue_wal` when durable)."""
     selection: Literal["fifo", "oldest_first"] = "fifo"
