@@ -15,7 +15,7 @@ REAP = """
 local function reap(state, leases, held, lapsed)
   for _, l in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now)) do
     local c = tonumber(redis.call('HGET', held, l) or 0)
-    redis.call('HINCRBY', state, 'started', -c)
+    redis.call('HINCRBY', state, 'started', 0 - c)
     redis.call('HINCRBY', state, 'admission_reclaimed', c)
     redis.call('HINCRBY', state, 'leases_lapsed', 1)
     redis.call('HDEL', held, l)
@@ -50,7 +50,7 @@ return 1
 
 BYE = """
 local c = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or 0)
-redis.call('HINCRBY', KEYS[1], 'started', -c)
+redis.call('HINCRBY', KEYS[1], 'started', 0 - c)
 redis.call('HINCRBY', KEYS[1], 'admission_released', c)
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
@@ -63,8 +63,8 @@ RELEASE = (
     + """
 if touch(KEYS[2], KEYS[4], ARGV[2], ARGV[3]) < 0 then return -1 end
 local c = math.min(tonumber(ARGV[1]), tonumber(redis.call('HGET', KEYS[3], ARGV[2]) or 0))
-redis.call('HINCRBY', KEYS[3], ARGV[2], -c)
-redis.call('HINCRBY', KEYS[1], 'started', -c)
+redis.call('HINCRBY', KEYS[3], ARGV[2], 0 - c)
+redis.call('HINCRBY', KEYS[1], 'started', 0 - c)
 redis.call('HINCRBY', KEYS[1], 'admission_released', c)
 return c
 """
