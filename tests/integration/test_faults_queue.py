@@ -67,7 +67,8 @@ class Run:
 
     def roller(self, index: int, *extra: str, url: str | None = None) -> subprocess.Popen:
         return self.procs.agentrl(
-            "roller", *self.common, "--servers", url or self.url, "--roller.max_turns=2",
+            # started with the learner: on a loaded machine its queue can take over 30 s to bind
+            "roller", *self.common, "--queue.connect_timeout_s=120", "--servers", url or self.url, "--roller.max_turns=2",
             "--roller.max_concurrent_episodes=8", f"--roller.index={index}", *extra,
             env=self.env, stdout=self._log(f"roller{index}"), stderr=subprocess.STDOUT,
         )  # fmt: skip
