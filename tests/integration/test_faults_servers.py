@@ -195,7 +195,7 @@ def test_a_silent_weight_sync_peer_is_dropped_and_later_pushes_never_wait_on_it(
     port = find_free_port()
     url = f"http://127.0.0.1:{port}"
     start_server(processes, tiny_model, port)
-    wait_healthy([url])
+    wait_healthy([url], timeout_s=180)  # a loaded machine took over 60 s
     silent = SilentPeer()
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     weights = model.named_parameters
@@ -230,7 +230,7 @@ def test_disk_weight_sync_a_restarted_server_gets_the_current_checkpoint(
     port = find_free_port()
     url = f"http://127.0.0.1:{port}"
     server = start_server(processes, tiny_model, port)
-    wait_healthy([url])
+    wait_healthy([url], timeout_s=180)  # a loaded machine took over 60 s
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     inference = InferenceConfig(servers=[url], health_check_interval_s=0.5)
     engine = create(DiskSyncConfig(keep_last=1), inference, run_dir=tmp_path)
@@ -248,7 +248,7 @@ def test_disk_weight_sync_a_restarted_server_gets_the_current_checkpoint(
         perturb(model, 2)
         assert engine.push(model.named_parameters, 2).servers_updated == 0  # down: left out
         start_server(processes, tiny_model, port)
-        wait_healthy([url])
+        wait_healthy([url], timeout_s=180)  # a loaded machine took over 60 s
         deadline = time.monotonic() + 30
         while engine.behind(2) != [url]:  # probed up, at the base model's version
             assert time.monotonic() < deadline, engine.watch.fresh(0.0)
