@@ -243,7 +243,10 @@ class ZmqQueueConfig(Section):
     max_message_bytes: int = Field(256 << 20, ge=1 << 12)
     """Largest group accepted on the wire; larger ones are refused and counted."""
     durable: bool = False
-    """Write each accepted group to a write-ahead log before acknowledging it."""
+    """Write each accepted group to a write-ahead log before acknowledging it, so a restarted queue
+    (or the hosted queue of a resumed learner) delivers it. Off: the groups the queue held when it
+    died (kill -9 of the learner hosting it) are lost, counted as `lost_undurable` (ledger, metric,
+    WARNING at the next start), and rollers regenerate them."""
     wal_dir: str | None = None
     """Directory of the write-ahead log (defaults to `<run_dir>/queue_wal` when durable)."""
     selection: Literal["fifo", "oldest_first"] = "fifo"
@@ -313,6 +316,11 @@ class RedisQueueConfig(Section):
     """Order in which admissible groups are handed to the learner."""
     lease_s: float = Field(600.0, gt=0)
     """Seconds a learner rank may hold groups without acking before another rank claims them."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Seconds between a producer's heartbeats, which renew its lease on its admission credits."""
+    roller_lease_s: float = Field(10.0, gt=0)
+    """Seconds without a heartbeat after which a producer's admission credits are reclaimed
+    (`admission_reclaimed`) and its lease is refused (it starts a fresh one)."""
 
 
 QueueConfig = Annotated[ZmqQueueConfig | RedisQueueConfig, Field(discriminator="type")]

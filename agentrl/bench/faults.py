@@ -19,9 +19,10 @@ learner record written after the kill) and the run's per-group-id account, as th
 computes it (`agentrl/queue/account.py`, read from the ledgers the queue, learner
 and rollers write): `lost` (acknowledged to a roller, yet neither trained, nor dropped and
 counted, nor still held by the queue), `duplicated` (trained more than once) and
-`leaked_credits` (admission credits the queue cannot account for at the end). The account
-module ships with the repository's tests, so the bench runs from a checkout (as it does for
-`recipes/quickstart.yaml`). There is no baseline to compare with in one run: `ratios` is empty.
+`leaked_credits` (admission credits the queue cannot account for at the end). The learner
+scenario's queue is durable, so no group is lost with durability off (`lost_undurable`) either.
+The bench runs from a checkout (it reads `recipes/quickstart.yaml`). There is no baseline to
+compare with in one run: `ratios` is empty.
 """
 
 from __future__ import annotations

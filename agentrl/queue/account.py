@@ -12,7 +12,9 @@ Sources, all under the run directory (several lives of a resumed learner append 
 - `learner.jsonl`: per step, the queue's metrics as the learner saw them (`queue/*`).
 
 lost: acknowledged to a roller, yet neither trained, nor dropped (counted), nor still held by the
-queue at the end. duplicated: trained more than once. leaked_credits: admission credits the
+queue at the end, nor lost with durability off. lost_undurable: acknowledged by a queue with
+`queue.durable: false` that died holding them (kill -9 of the learner hosting it; see `ledger.py`):
+the documented loss window of a non-durable queue, counted apart from `lost` (which is a bug). duplicated: trained more than once. leaked_credits: admission credits the
 queue cannot account for at the end (the credit invariant's residual) plus credits still held
 under leases when the queue stopped (every roller had left or lapsed by then).
 
@@ -28,6 +30,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from agentrl.queue.ledger import read_rows, undurable_losses
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -70,11 +74,20 @@ class Account:
     final: dict[str, Any] = field(default_factory=dict)
     step_residuals: list[tuple[float, float]] = field(default_factory=list)
     tasks: dict[str, list[int | None]] = field(default_factory=dict)  # roller -> task numbers it put
+    undurable: set[str] = field(default_factory=set)  # held by a durability-off queue that died
+
+    @property
+    def unaccounted(self) -> set[str]:
+        dropped = set().union(*self.dropped.values()) if self.dropped else set()
+        return self.put - set(self.trained) - dropped - self.remaining
 
     @property
     def lost_ids(self) -> set[str]:
-        dropped = set().union(*self.dropped.values()) if self.dropped else set()
-        return self.put - set(self.trained) - dropped - self.remaining
+        return self.unaccounted - self.undurable
+
+    @property
+    def lost_undurable(self) -> int:
+        return len(self.unaccounted & self.undurable)
 
     @property
     def lost(self) -> int:
@@ -98,6 +111,7 @@ class Account:
             "dropped": {k: len(v) for k, v in self.dropped.items()},
             "remaining": len(self.remaining),
             "lost": self.lost,
+            "lost_undurable": self.lost_undurable,
             "duplicated": self.duplicated,
             "leaked_credits": self.leaked_credits,
             "reclaimed": self.final.get("admission_reclaimed", 0),
@@ -115,7 +129,9 @@ def account(run_dir: Path | str) -> Account:
         acct.trained.update(row.get("trained", []))
         acct.dropped.setdefault("skipped", set()).update(row.get("skipped", []))
     remaining: set[str] = set()
-    for row in read_jsonl(run_dir / "queue_ledger.jsonl"):
+    ledger = read_rows(run_dir / "queue_ledger.jsonl")
+    acct.undurable = undurable_losses(ledger)
+    for row in ledger:
         for key in ("dropped_stale", "dropped_skipped"):
             acct.dropped.setdefault(key.removeprefix("dropped_"), set()).update(row.get(key, []))
         if "remaining" in row:

@@ -24,6 +24,7 @@ name gets back the groups it held and had not acked.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -93,7 +94,14 @@ class Batch:
 
 
 class Producer(abc.ABC):
-    """Roller side (asyncio)."""
+    """Roller side (asyncio).
+
+    `max_staleness`: the run's, as the queue told this producer (None until it has), so a roller
+    knows the admissible window without its own config; `on_max_staleness(k)` is called when it
+    learns (or the queue changes) it."""
+
+    max_staleness: int | None = None
+    on_max_staleness: Callable[[int], None] | None = None
 
     @abc.abstractmethod
     async def put(self, group: Group) -> None:

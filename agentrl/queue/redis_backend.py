@@ -14,8 +14,14 @@ waits while `XLEN` (queued + handed out, not yet acked) is at `capacity_groups`;
 producers can overshoot by one group each. Admission: `<stream>:state` holds the learner
 version, `groups_per_step`, `max_staleness` and the started count, and a Lua script
 grants `acquire_start` atomically, with the next numbers of a shared task cursor (`tasks`).
-There are no roller leases here (a killed roller's admitted groups are not reclaimed; that would
-take a per-producer key with a TTL and a reaper): use the zmq backend where rollers may die. Durability is Redis's own (AOF/RDB); the MAC of the
+
+Leases, as in the zmq backend: each producer holds its admitted-but-unput credits under a lease
+(`<stream>:held` lease -> credits; `<stream>:leases`, a sorted set of lease -> deadline on
+Redis's clock). Every acquire / put / release and the producer's heartbeat (every
+`heartbeat_s`) renews it for `roller_lease_s`; the scripts (and the learner's polls) reap lapsed
+leases: their credits leave `started` (`admission_reclaimed`) and the lease id joins
+`<stream>:lapsed`, so a late producer's put under it raises `LeaseLapsed` and it starts a fresh
+lease. A closing producer gives back what it holds. Durability is Redis's own (AOF/RDB); the MAC of the
 zmq backend is replaced by Redis AUTH/TLS in the URL. The ids set grows with the run.
 """
 
@@ -23,65 +29,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import deque
 from typing import Any
 
 import msgpack
 
-from agentrl.queue.base import Admission, Backend, Batch, Consumer, Producer, check_drop_reason
+from agentrl.log import get_logger
+from agentrl.queue.base import Admission, Backend, Batch, Consumer, LeaseLapsed, Producer, check_drop_reason
+from agentrl.queue.redis_scripts import (
+    ACQUIRE,
+    BYE,
+    GIVE_BACK,
+    PING,
+    PUT,
+    REAP_ONLY,
+    RELEASE,
+    TAKE,
+)
 from agentrl.types import Group, decode_group, encode_group
 
+log = get_logger("queue.redis")
+
 POLL_S = 0.02
-
-_PUT = """
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('XADD', KEYS[1], '*', 'gid', ARGV[1], 'minv', ARGV[2], 'lens', ARGV[3], 'data', ARGV[4])
-redis.call('HINCRBY', KEYS[3], 'groups_in', 1)
-redis.call('HINCRBY', KEYS[3], 'bytes_in', string.len(ARGV[4]))
-return 1
-"""
-
-_GIVE_BACK = """
-for i = 2, #ARGV do
-  local e = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
-  if #e > 0 then
-    redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
-    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
-    redis.call('XDEL', KEYS[1], ARGV[i])
-  end
-end
-return 1
-"""
-
-# Claim exactly `need` entries for this consumer, or none: a rank never sits on part of a batch.
-# (ARGV: group, consumer, need, count; count > need lets oldest_first choose among more.)
-_TAKE = """
-local last = nil
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-  local name, id
-  for i = 1, #g, 2 do
-    if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then id = g[i + 1] end
-  end
-  if name == ARGV[1] then last = id end
-end
-if not last then return {} end
-local ready = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', ARGV[3])
-if #ready < tonumber(ARGV[3]) then return {} end
-return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[4], 'STREAMS', KEYS[1], '>')
-"""
-
-_ACQUIRE = """
-local s = redis.call('HMGET', KEYS[1], 'version', 'started', 'groups_per_step', 'max_staleness')
-if not s[3] then return {0, -1} end
-local v, started, gps, k = tonumber(s[1] or 0), tonumber(s[2] or 0), tonumber(s[3]), tonumber(s[4])
-if started + tonumber(ARGV[1]) <= (v + k + 1) * gps then
-  redis.call('HINCRBY', KEYS[1], 'started', ARGV[1])
-  local tasks = redis.call('HINCRBY', KEYS[1], 'tasks', ARGV[1])
-  return {1, v, tasks - tonumber(ARGV[1])}
-end
-return {0, v, -1}
-"""
 
 
 async def _poll_pause() -> None:
@@ -94,40 +65,99 @@ async def _poll_pause() -> None:
 
 
 class RedisProducer(Producer):
-    """Roller side over `redis.asyncio`."""
+    """Roller side over `redis.asyncio`; holds its admission credits under a lease (see the module
+    docstring) renewed by every call and by a heartbeat task started with the first call."""
 
-    def __init__(self, url: str, stream: str, capacity_groups: int) -> None:
+    def __init__(
+        self, url: str, stream: str, capacity_groups: int, heartbeat_s: float = 2.0, lease_s: float = 10.0,
+        name: str = "producer",
+    ) -> None:  # fmt: skip
         import redis.asyncio
 
         # concurrent puts queue for a bounded set of connections instead of failing
         pool = redis.asyncio.BlockingConnectionPool.from_url(url, max_connections=32, timeout=None)
         self._redis = redis.asyncio.Redis(connection_pool=pool)
-        self.stream, self.capacity = stream, capacity_groups
-        self._put = self._redis.register_script(_PUT)
-        self._acquire = self._redis.register_script(_ACQUIRE)
+        self.url, self.stream, self.capacity = url, stream, capacity_groups
+        self.heartbeat_s, self.ttl_ms = heartbeat_s, int(lease_s * 1000)
+        self.name = name
+        self.lease = self._new_lease()
+        self.lapses = 0
+        self._lease_keys = [f"{stream}:state", f"{stream}:leases", f"{stream}:held", f"{stream}:lapsed"]
+        self._put = self._redis.register_script(PUT)
+        self._acquire = self._redis.register_script(ACQUIRE)
+        self._release = self._redis.register_script(RELEASE)
+        self._ping = self._redis.register_script(PING)
+        self._heartbeat: asyncio.Task | None = None
+
+    def _new_lease(self) -> str:
+        return f"{self.name}-{os.getpid()}-{os.urandom(3).hex()}"
+
+    def _start(self) -> None:
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.get_running_loop().create_task(
+                self._heartbeat_loop(), name="redis-heartbeat"
+            )
+
+    async def _heartbeat_loop(self) -> None:
+        """Renews the lease; a lapsed one (a stall longer than the lease) is replaced by a fresh one."""
+        while True:
+            if await self._ping(keys=self._lease_keys, args=[self.lease, self.ttl_ms]) < 0:
+                self._lapsed()
+            await asyncio.sleep(self.heartbeat_s)
+
+    def _lapsed(self) -> str:
+        old, self.lease = self.lease, self._new_lease()
+        self.lapses += 1
+        log.warning(
+            "lease %s lapsed (its credits were reclaimed); continuing under lease %s", old, self.lease
+        )
+        return old
 
     async def put(self, group: Group) -> None:
+        self._start()
         frames = encode_group(group)
         while await self._redis.xlen(self.stream) >= self.capacity:
             await _poll_pause()
         lens = msgpack.packb([len(f) for f in frames])
-        keys = [self.stream, f"{self.stream}:ids", f"{self.stream}:state"]
-        await self._put(keys=keys, args=[group.group_id, group.min_version, lens, b"".join(frames)])
+        keys = [self.stream, f"{self.stream}:ids", *self._lease_keys]
+        args = [group.group_id, group.min_version, lens, b"".join(frames), self.lease, self.ttl_ms]
+        if await self._put(keys=keys, args=args) < 0:
+            old = self._lapsed()
+            raise LeaseLapsed(f"lease {old} lapsed; group {group.group_id} was not taken")
 
     async def acquire_start(self, n: int = 1) -> Admission:
+        self._start()
         while True:
-            granted, version, first_task = await self._acquire(keys=[f"{self.stream}:state"], args=[n])
-            if granted:
+            granted, version, first_task, k = await self._acquire(
+                keys=self._lease_keys, args=[n, self.lease, self.ttl_ms]
+            )
+            if int(k) >= 0 and int(k) != self.max_staleness:
+                self.max_staleness = int(k)
+                if self.on_max_staleness is not None:
+                    self.on_max_staleness(self.max_staleness)
+            if granted == 1:
                 return Admission(int(version), int(first_task))
+            if granted < 0:
+                self._lapsed()
             await _poll_pause()
 
     async def release_start(self, n: int = 1) -> None:
-        await self._redis.hincrby(f"{self.stream}:state", "started", -n)
+        self._start()
+        if await self._release(keys=self._lease_keys, args=[n, self.lease, self.ttl_ms]) < 0:
+            self._lapsed()  # nothing left to give back: the queue reclaimed it
 
     async def current_version(self) -> int:
         return int(await self._redis.hget(f"{self.stream}:state", "version") or 0)
 
     def close(self) -> None:
+        """Give back the credits still held (the lease ends; best effort, as the zmq `bye`) and
+        drop the client."""
+        import redis
+
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        with contextlib.suppress(redis.RedisError), redis.Redis.from_url(self.url) as client:
+            client.register_script(BYE)(keys=self._lease_keys, args=[self.lease])
         with contextlib.suppress(RuntimeError):  # without a running loop the client is just dropped
             asyncio.get_running_loop().create_task(self._redis.aclose())
 
@@ -171,7 +201,14 @@ class RedisConsumer(Consumer):
         self._entry_of: dict[str, bytes] = {}  # gid -> stream entry id, for ack
         self._buffer: list[tuple[Group, float]] = []
         self._ages: deque[float] = deque(maxlen=4096)  # seconds in the stream, of groups handed out
-        self._take_script = self._redis.register_script(_TAKE)
+        self._take_script = self._redis.register_script(TAKE)
+        self._reap = self._redis.register_script(REAP_ONLY)
+        self._lease_keys = [
+            self.state,
+            f"{self.stream}:leases",
+            f"{self.stream}:held",
+            f"{self.stream}:lapsed",
+        ]
         self._next_claim = 0.0
         self._read_pending()  # what this name held and had not acked
 
@@ -184,6 +221,7 @@ class RedisConsumer(Consumer):
         if time.monotonic() < self._next_claim:
             return
         self._next_claim = time.monotonic() + 1.0
+        self._reap(keys=self._lease_keys)  # lapsed rollers' credits come back while the learner waits
         reply = self._redis.xautoclaim(
             self.stream, self.config.consumer_group, self.name, int(self.config.lease_s * 1000), count=256
         )
@@ -260,7 +298,7 @@ class RedisConsumer(Consumer):
             return
         entries = [self._entry_of.pop(g.group_id) for g, _ in self._buffer]
         self._buffer = []
-        self._redis.register_script(_GIVE_BACK)(
+        self._redis.register_script(GIVE_BACK)(
             keys=[self.stream], args=[self.config.consumer_group, *entries]
         )
 
@@ -288,8 +326,11 @@ class RedisConsumer(Consumer):
         pending = self._redis.xpending(self.stream, self.config.consumer_group)["pending"]
         depth = self._redis.xlen(self.stream) - pending
         ages = sorted(self._ages)
+        held = [int(v) for v in self._redis.hvals(f"{self.stream}:held")]
         return {
             **state,
+            "leased": sum(held),
+            "leases": self._redis.zcard(f"{self.stream}:leases"),
             "depth": depth,
             "inflight": pending,
             "age_s_mean": sum(ages) / len(ages) if ages else 0.0,
@@ -310,8 +351,9 @@ class RedisBackend(Backend):
     def server(self, groups_per_step: int, max_staleness: int, **kwargs: Any) -> RedisAdmission:
         return RedisAdmission(self.config, groups_per_step, max_staleness)
 
-    def producer(self, **kwargs: Any) -> RedisProducer:
-        return RedisProducer(self.config.url, self.config.stream, self.config.capacity_groups)
+    def producer(self, name: str = "producer", **kwargs: Any) -> RedisProducer:
+        c = self.config
+        return RedisProducer(c.url, c.stream, c.capacity_groups, c.heartbeat_s, c.roller_lease_s, name)
 
     def consumer(self, name: str = "rank0", **kwargs: Any) -> RedisConsumer:
         return RedisConsumer(self.config, name)

@@ -29,6 +29,7 @@ import itertools
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -136,6 +137,8 @@ class ZmqProducer(Producer):
         self._tasks: list[asyncio.Task] = []
         self._t0 = self._last_heard = 0.0
         self._heard = False
+        self.max_staleness: int | None = None  # the run's, as the queue says in every reply
+        self.on_max_staleness: Callable[[int], None] | None = None
 
     def _new_lease(self) -> str:
         return f"{self.name}-{os.getpid()}-{os.urandom(3).hex()}"
@@ -251,6 +254,7 @@ class ZmqProducer(Producer):
             if self._check_run(ctl):
                 return
             self._version = ctl.get("v", self._version)
+            self._told_max_staleness(ctl.get("ms"))
             if self._epoch is not None and ctl.get("e") != self._epoch:
                 log.warning(
                     "queue server restarted (epoch %s -> %s): re-sending %d requests under lease %s "
@@ -291,6 +295,15 @@ class ZmqProducer(Producer):
             future.set_exception(RunOver(f"the run is over (learner finished at version {reply.get('v')})"))
         else:
             future.set_exception(QueueError(f"queue server refused the request: {reply['msg']}"))
+
+    def _told_max_staleness(self, ms: int | None) -> None:
+        if ms is None or ms == self.max_staleness:
+            return
+        if self.max_staleness is not None:
+            log.warning("the queue's max_staleness changed from %d to %d", self.max_staleness, ms)
+        self.max_staleness = int(ms)
+        if self.on_max_staleness is not None:
+            self.on_max_staleness(self.max_staleness)
 
     def _check_run(self, ctl: dict) -> bool:
         """Adopt the server's run id, or fail on another run's queue / a finished run; True: stop."""

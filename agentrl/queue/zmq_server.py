@@ -31,14 +31,15 @@ Flow control: queued plus handed-out groups stay within `capacity_groups` and
 derived from what is in flight (see `zmq_admission.py`), so groups dropped as stale (or in a
 step the learner skipped) give their admission back by leaving, and rollers replace them.
 
-With a `ledger` path the server appends one JSON line per trained / dropped batch of group
-ids, and at `stop()` the ids still held: the per-group account of `agentrl/queue/account.py`.
+With a `ledger` path the server keeps `ledger.py`'s ledger (what it took with durability off,
+what was trained or dropped, what it still held at `stop()`): the per-group account of
+`agentrl/queue/account.py`, and the count of groups a previous durability-off life died holding
+(`lost_undurable`).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import threading
@@ -54,6 +55,7 @@ from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
 from agentrl.queue.base import QueueError
 from agentrl.queue.frames import unpack
+from agentrl.queue.ledger import Ledger
 from agentrl.queue.wal import MAX_REMEMBERED_ACKS, WriteAheadLog
 from agentrl.queue.zmq_admission import Admission, PeerRefused
 from agentrl.queue.zmq_delivery import _NO_VERSION, Delivery, _Entry, _Get
@@ -118,10 +120,8 @@ class QueueServer(Admission, Delivery):
         wal_path = Path(wal_dir or config.wal_dir or "runs/default/queue_wal") if config.durable else None
         if wal_path is not None:
             self.wal = WriteAheadLog(wal_path, config.wal_fsync)
-        self._ledger_file = None
-        if ledger is not None:
-            Path(ledger).parent.mkdir(parents=True, exist_ok=True)
-            self._ledger_file = open(ledger, "a", buffering=1)  # noqa: SIM115 - closed in stop()
+        self._ledger_path = Path(ledger) if ledger is not None else None
+        self.ledger: Ledger | None = None
         self._queued: dict[str, _Entry] = {}
         self._inflight: dict[str, _Entry] = {}
         self._acked: OrderedDict[str, None] = OrderedDict()
@@ -152,6 +152,7 @@ class QueueServer(Admission, Delivery):
                 "refused_corrupt",
                 "refused_oversize",
                 "nixl_reads",
+                "lost_undurable",
             ),
             0,
         )
@@ -175,6 +176,9 @@ class QueueServer(Admission, Delivery):
         """Recover the WAL, bind, and serve in a daemon thread; raises if binding fails."""
         if self.wal is not None:
             self._recover()
+        if self._ledger_path is not None:
+            self.ledger = Ledger(self._ledger_path, self.epoch, self.wal is not None, self.version)
+            self.counters["lost_undurable"] = self.ledger.lost_before
         self._thread = threading.Thread(target=self._run, name="agentrl-queue-server", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -197,10 +201,8 @@ class QueueServer(Admission, Delivery):
         with self._lock:
             if self.wal is not None:
                 self.wal.close()
-            if self._ledger_file is not None and not self._ledger_file.closed:
-                held = [*self._queued, *self._inflight, *self._parked_ids]
-                self._ledger_file.write(json.dumps({"remaining": held}) + "\n")
-                self._ledger_file.close()
+            if self.ledger is not None:
+                self.ledger.close([*self._queued, *self._inflight, *self._parked_ids])
         if not self.context.closed:
             self.context.term()
 
@@ -348,14 +350,16 @@ class QueueServer(Admission, Delivery):
             count_last[:] = [0, now]
 
     def _reply(self, sock: zmq.Socket, ident: bytes, ctl: dict, frames: list | None = None) -> None:
-        ctl["e"], ctl["v"], ctl["r"] = self.epoch, self.version, self.run_id
+        # every reply carries the run's identity and its admissible window (`ms`): a producer
+        # learns the run's max_staleness from the queue, not from its own config
+        ctl["e"], ctl["v"], ctl["r"], ctl["ms"] = self.epoch, self.version, self.run_id, self.max_staleness
         if self.finished:
             ctl["fin"] = 1
         self._replies.append((sock, ident, ctl, frames or []))
 
     def _ledger(self, kind: str, gids: list[str]) -> None:
-        if self._ledger_file is not None and gids:
-            self._ledger_file.write(json.dumps({kind: gids, "v": self.version}) + "\n")
+        if self.ledger is not None and gids:
+            self.ledger.write({kind: gids, "v": self.version})
 
     def _commit_and_flush(self) -> None:
         if self.wal is not None:
@@ -365,6 +369,8 @@ class QueueServer(Admission, Delivery):
 
     def _flush(self) -> None:
         with self._lock:
+            if self.ledger is not None:
+                self.ledger.flush_held()  # before the acks of what it names go out
             for (sock, ident), rids in self._put_acks.items():
                 self._reply(sock, ident, {"k": "ok", "rids": rids})
             self._put_acks.clear()
@@ -483,6 +489,8 @@ class QueueServer(Admission, Delivery):
         if self.wal is not None:
             self.wal.append_put(entry.gid, entry.frames)
         self._store(entry)
+        if self.ledger is not None:
+            self.ledger.held(entry.gid)
         self.counters["groups_in"] += 1
         self.counters["bytes_in"] += entry.nbytes
         self._put_acks.setdefault((sock, ident), []).append(rid)

@@ -20,6 +20,7 @@ unreachable or of the wrong kind at start.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 
@@ -64,8 +65,6 @@ async def run_roller(config: AgentRLConfig) -> int:
     tasks = TaskSource(config.roller.tasks, env_cls, config.roller.seed, **config.roller.task_kwargs)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(config))
     renderer = ChatRenderer(tokenizer, make_env().tool_schemas or None)
-    # a router even over one server: requests wait out a server's restart (inference.server_wait_s)
-    # and skip servers behind the admissible window (run-wide max_staleness, as the learner's)
     reward_model = RewardModelClient(config.reward) if config.reward.url else None
     if reward_model is not None:
         try:
@@ -76,9 +75,13 @@ async def run_roller(config: AgentRLConfig) -> int:
             return 1
         logger.info("reward model: %s (%s) at %s, weight %g", info.get("model_path"), info.get("kind"),
                     reward_model.url, config.reward.weight)  # fmt: skip
+    # a router even over one server: requests wait out a server's restart (inference.server_wait_s)
+    # and skip servers behind the admissible window: the run's max_staleness as the queue tells it
+    # (this roller's own config until the queue's first reply)
     client = create_router(config.inference, config.max_staleness)
     backend = create_queue(config.queue)
-    producer = backend.producer(name=name) if config.queue.type == "zmq" else backend.producer()
+    producer = backend.producer(name=name)
+    producer.on_max_staleness = functools.partial(setattr, client, "max_staleness")
     metrics = MetricsLogger(config.run_dir, name="roller")
     groups_file = os.path.join(config.run_dir, f"{name}.groups")
     roller = Roller(

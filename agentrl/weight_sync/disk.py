@@ -5,6 +5,12 @@ ranks take part in the gathers), then asks every server to load them with
 `/update_weights_from_disk`, between `/pause_generation` and `/continue_generation`.
 Only the last `keep_last` versions stay on disk. Slower than a broadcast (a write and a
 read of the whole model per step) but needs nothing but a directory every node can read.
+
+Servers are probed in the background (`watch.ServerWatch`, as for the broadcast engine): a push
+leaves out a server probed down or silent (it would cost the push its timeout), and `behind(v)`
+names the servers up but not at v — restarted on their address, or back after a partition —
+so the learner pushes to them at once, while it waits for data. A push of the version already
+on disk skips the gather and the write: the servers behind only load the file.
 """
 
 from __future__ import annotations
@@ -16,11 +22,15 @@ from typing import TYPE_CHECKING
 
 from agentrl.log import get_logger
 from agentrl.weight_sync.base import PushStats, WeightSource, WeightSyncEngine
+from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
     from agentrl.config import DiskSyncConfig, InferenceConfig
 
 logger = get_logger(__name__)
+
+RETRY_S = 5.0
+"""A server that failed to load a version is not named behind again for this long."""
 
 
 class DiskEngine(WeightSyncEngine):
@@ -30,46 +40,84 @@ class DiskEngine(WeightSyncEngine):
         super().__init__(urls, inference, rank)
         self.config = config
         self.directory = directory
+        self.watch: ServerWatch | None = None
+        self._written: int | None = None  # the version on disk (every rank tracks it: same gathers)
+        self._pushed_at = 0.0  # time.monotonic() at the end of the last push
+        self._retry_at: dict[str, float] = {}
 
     def _init_servers(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
+        interval = min(2.0, self.inference.health_check_interval_s)
+        self.watch = ServerWatch(
+            self.clients, self._bridge, interval, min(self.inference.connect_timeout_s, 2.0)
+        )
+        self.watch.probe_now(list(self.urls))
+        self.watch.start()
+
+    def behind(self, version: int) -> list[str]:
+        """Servers probed up since the last push that do not hold `version`, outside their retry
+        backoff. Never blocks."""
+        if self.rank != 0 or self.watch is None:
+            return []
+        now = time.monotonic()
+        return [
+            url
+            for url, v in self.watch.fresh(self._pushed_at).items()
+            if v != DOWN and v != version and self._retry_at.get(url, 0.0) <= now
+        ]
 
     def push(self, weights: WeightSource, version: int) -> PushStats | None:
+        start = time.perf_counter()
+        out = self.directory / f"v{version}"
+        new = version != self._written
+        if not new:  # already on disk: a server behind loads it, nothing is gathered
+            stats = PushStats(version)
+            if self.rank != 0:
+                return None
+            targets = self.behind(version)
+        else:
+            stats = self._write(weights, version, out)
+            if stats is None:
+                return None
+            targets = [u for u in self.urls if self.watch is None or self.watch.last(u) != DOWN]
+        left_out = [u for u in self.urls if u not in targets]
+        timeout = self.config.timeout_s
+        self._all("pause_generation", targets, timeout_s=timeout)
+        errors = self._all("update_weights_from_disk", targets, str(out), version, timeout_s=timeout)
+        self._all("continue_generation", targets, timeout_s=timeout)
+        failed = [url for url, exc in errors.items() if exc is not None]
+        for url in failed:
+            logger.error("server %s did not load version %d from disk: %s", url, version, errors[url])
+            self._retry_at[url] = time.monotonic() + RETRY_S
+        if left_out and new:
+            logger.warning(
+                "servers %s are down: left out of version %d (loaded when back)", left_out, version
+            )
+        stats.servers_updated = len(targets) - len(failed)
+        stats.servers_dropped = failed + (left_out if new else [])
+        stats.seconds = time.perf_counter() - start
+        self._written, self._pushed_at = version, time.monotonic()
+        self.last = stats
+        self._prune(version)
+        logger.info("pushed version %d via disk in %.2fs to %d server(s)", version, stats.seconds,
+                    stats.servers_updated)  # fmt: skip
+        return stats
+
+    def _write(self, weights: WeightSource, version: int, out: Path) -> PushStats | None:
+        """Gather (every rank) and, on rank 0, write version `version`; None on the other ranks."""
         from safetensors.torch import save_file
 
-        start = time.perf_counter()
         tensors = {name: t.detach().cpu().contiguous() for name, t in weights()}
         if self.rank != 0:
+            self._written = version
             return None
-        out = self.directory / f"v{version}"
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "model.safetensors.tmp"))
         (out / "model.safetensors.tmp").rename(out / "model.safetensors")  # readers never see a partial file
         stats = PushStats(
-            version,
-            bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-            tensors=len(tensors),
+            version, bytes=sum(t.numel() * t.element_size() for t in tensors.values()), tensors=len(tensors),
             buckets=1,
-        )
-        del tensors
-        timeout = self.config.timeout_s
-        self._all("pause_generation", self.urls, timeout_s=timeout)
-        errors = self._all("update_weights_from_disk", self.urls, str(out), version, timeout_s=timeout)
-        self._all("continue_generation", self.urls, timeout_s=timeout)
-        failed = [url for url, exc in errors.items() if exc is not None]
-        for url in failed:
-            logger.error("server %s did not load version %d from disk: %s", url, version, errors[url])
-        stats.servers_updated = len(self.urls) - len(failed)
-        stats.servers_dropped = failed
-        stats.seconds = time.perf_counter() - start
-        self.last = stats
-        self._prune(version)
-        logger.info(
-            "pushed version %d via disk in %.2fs to %d server(s)",
-            version,
-            stats.seconds,
-            stats.servers_updated,
-        )
+        )  # fmt: skip
         return stats
 
     def _prune(self, version: int) -> None:
@@ -77,3 +125,8 @@ class DiskEngine(WeightSyncEngine):
             suffix = old.name[1:]
             if suffix.isdigit() and int(suffix) <= version - self.config.keep_last:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+        super().close()

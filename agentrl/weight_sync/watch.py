@@ -62,6 +62,11 @@ class ServerWatch:
         """{url: version, or DOWN} from probe rounds that started after `since` (time.monotonic)."""
         return {url: v for url, (at, v) in dict(self._seen).items() if at > since}
 
+    def last(self, url: str) -> int | None:
+        """The version (or DOWN) of `url`'s last probe; None before its first."""
+        seen = self._seen.get(url)
+        return None if seen is None else seen[1]
+
     def probe_now(self, urls: list[str]) -> None:
         """Probe `urls` at once and wait for the answers, except those whose last probe timed out
         (silent servers are left to the background: they would cost this caller the timeout)."""

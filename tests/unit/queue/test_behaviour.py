@@ -165,3 +165,18 @@ def test_groups_held_past_their_lease_go_to_another_rank(queue: Harness) -> None
     assert sorted(other.group_ids) == sorted(stuck.group_ids)
     if queue.kind == "zmq":
         assert queue.server.metrics()["redelivered"] == 2
+
+
+def test_a_producer_learns_the_runs_max_staleness_from_the_queue(queue: Harness) -> None:
+    # the roller's router takes its version window from this, not from the roller's own config
+    queue.start(groups_per_step=2, max_staleness=3)
+
+    async def go() -> tuple[int | None, list[int]]:
+        producer, told = queue.producer(), []
+        producer.on_max_staleness = told.append
+        assert producer.max_staleness is None  # nothing heard yet
+        await producer.acquire_start(1)
+        producer.close()
+        return producer.max_staleness, told
+
+    assert asyncio.run(go()) == (3, [3])

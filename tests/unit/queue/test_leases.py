@@ -257,3 +257,48 @@ def test_a_roller_whose_queue_goes_silent_gives_up_saying_so(zmq_queue: Harness)
         producer.close()
 
     asyncio.run(go())
+
+
+@pytest.fixture
+def redis_queue(tmp_path: Path, secret: str, redis_url: str):
+    harness = Harness("redis", tmp_path, redis_url)
+    yield harness
+    harness.close()
+
+
+def test_redis_a_dead_rollers_credits_come_back_and_a_late_one_starts_a_fresh_lease(
+    redis_queue: Harness,
+) -> None:
+    """The Redis backend's leases: a producer whose heartbeat stops (kill -9: no `bye`) has its
+    credits reclaimed, a replacement is admitted, and the late producer's put is refused."""
+    redis_queue.start(groups_per_step=2, max_staleness=0, **FAST)
+    consumer = redis_queue.consumer()
+
+    async def go() -> None:
+        dead, replacement = redis_queue.producer(), redis_queue.producer()
+        await dead.acquire_start(2)  # the whole window at version 0
+        await dead.put(make_group(seed=1))  # one put, one credit still held
+        m = consumer.metrics()
+        assert (m["started"], m["leased"], m["admission_spent"]) == (2, 1, 1)
+        idle = redis_queue.producer()  # a lease holding nothing: reaping it gives back 0 (not "-0")
+        await idle.release_start(1)
+        dead._heartbeat.cancel()  # what kill -9 (or a partition) does to its heartbeat
+        idle._heartbeat.cancel()
+        waiter = asyncio.ensure_future(replacement.acquire_start(1))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()  # the window is full while the lease lives
+        admission = await asyncio.wait_for(waiter, timeout=20)  # after the lapse (the script reaps)
+        assert admission.version == 0 and admission.first_task == 2  # the cursor moves on
+        assert await asyncio.to_thread(_wait, lambda: consumer.metrics()["leases_lapsed"] == 2)
+        assert consumer.metrics()["admission_reclaimed"] == 1
+        old_lease = dead.lease
+        with pytest.raises(LeaseLapsed):  # the late producer's group is not taken
+            await dead.put(make_group(seed=2))
+        assert dead.lease != old_lease and dead.lapses == 1  # it goes on under a fresh lease
+        replacement.close()
+        dead.close()
+
+    asyncio.run(go())
+    m = consumer.metrics()
+    assert m["groups_in"] == 1 and m["leased"] == 0  # closes gave back what they held
+    assert m["admitted"] == m["admission_spent"] + m["admission_released"] + m["admission_reclaimed"]
