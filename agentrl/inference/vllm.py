@@ -117,6 +117,12 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         self._pending_version: int | None = None  # the version the staged buckets were announced with
         self._scale_out: bool | None = None  # whether /inference/v1/generate answers (None: not yet tried)
 
+    @property
+    def exact_versions(self) -> bool | None:
+        """Whether this server's replies label their tokens with weight versions (the generate route
+        answered); False: the `/v1/completions` fallback; None: nothing generated yet."""
+        return self._scale_out
+
     def completion_payload(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None, session_id: str | None
     ) -> dict[str, Any]:

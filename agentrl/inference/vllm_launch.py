@@ -216,6 +216,9 @@ class VLLMServer:
         except (RuntimeError, TimeoutError) as exc:
             self.stop()
             raise RuntimeError(f"{exc}{self._tail()}") from None
+        except BaseException:  # interrupted while waiting (Ctrl-C, a test's timeout): no orphan server
+            self.stop()
+            raise
         logger.info("vLLM (pid %d) serving %s at %s", self.proc.pid, self.model, self.url)
         return self
 

@@ -331,6 +331,7 @@ async def test_generate_route_reports_the_version_of_the_first_token(vllm):
         assert (sp["top_p"], sp["min_p"], sp["repetition_penalty"]) == (1.0, 0.0, 1.0)
         assert res.output_ids == [11, 12, 13] and res.logprobs == [-0.5, -1.0, -1.5]
         assert (res.finish_reason, res.weight_version, res.prompt_tokens) == ("length", 4, 3)
+        assert client.exact_versions is True
         fake.spans = [{"version": "6", "start": 0, "end": 1}, {"version": "7", "start": 1, "end": 3}]
         assert (await client.generate([5], {"max_new_tokens": 3})).weight_version == 6
         fake.spans = [{"version": "default", "start": 0, "end": 3}]
@@ -358,7 +359,7 @@ async def test_a_server_without_the_generate_route_is_driven_through_completions
             res = await client.generate([5], {"max_new_tokens": 2})
             assert (res.weight_version, res.output_ids) == (3, [6, 7])
         paths = [p for p, _ in fake.calls]
-        assert paths.count("/v1/completions") == 2
+        assert client.exact_versions is False and paths.count("/v1/completions") == 2
         assert paths.count("/inference/v1/generate") == (1 if route == "disabled" else 0)  # asked once
         await client.abort_request(rid="r9")
         assert fake.calls[-1] == ("/abort_requests", {"request_ids": ["cmpl-r9-0"]})
