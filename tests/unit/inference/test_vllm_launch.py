@@ -30,6 +30,7 @@ def test_command_carries_the_rl_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (flag(argv, "--model"), flag(argv, "--port"), flag(argv, "--dtype")) == ("/m", "8123", "float32")
     assert (flag(argv, "--max-model-len"), flag(argv, "--served-model-name")) == ("2048", "policy")
     assert "--enforce-eager" in argv and argv[-2:] == ["--seed", "5"]
+    assert "--enable-scale-out" in argv  # /inference/v1/generate: per-token weight versions
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["VLLM_API_KEY"] == "sekret" and "sekret" not in " ".join(argv)
     assert env["PYTHONPATH"].split(":")[0] == str(vllm_launch._ROOT)
