@@ -291,6 +291,10 @@ def _warm_model(run_dir: Path) -> Path | None:
 def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
     """Run the job described by `config` (already validated, saved at `config_path`); with
     `resume` the learner continues from its latest checkpoint and a finished warm start is kept."""
+    if config.mode == "colocated":  # no servers, rollers or queue: ranks that generate and train
+        from agentrl.colocated.launch import launch as launch_colocated
+
+        return launch_colocated(config, config_path)
     run_dir = Path(config.run_dir)
     supervisor = Supervisor(run_dir)
     model = config.learner.model_path

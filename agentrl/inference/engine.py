@@ -334,8 +334,10 @@ class Engine:
     def released(self) -> bool:
         return self._offloaded is not None
 
-    def release(self) -> int:
-        """Drop the KV cache and give the parameters' memory back; returns the bytes released. On
+    def release(self, params: bool = True) -> int:
+        """Drop the KV cache and (with `params`) give the parameters' memory back; returns the
+        parameter bytes released. `params=False` suits buffers someone else frees and refills (the
+        HybridEngine's generation buffers, agentrl/hybrid/reshard.py). On
         CUDA each storage is first copied to pinned CPU memory (`rebuild()` copies it back); on CPU
         the storage is freed (`UntypedStorage.resize_(0)`, as FSDP2 frees unsharded parameters) and
         `rebuild(weights)` must refill it. Only between phases: nothing may be running or held."""
@@ -344,6 +346,8 @@ class Engine:
         if self._offloaded is not None:
             return 0
         self._batch = None
+        if not params:
+            return 0
         self._offloaded = []
         for local in self._param_storages():
             copy = None
