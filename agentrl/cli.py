@@ -58,6 +58,7 @@ BENCHMARKS = {
     "sync": ("weight push vs raw gloo broadcast and disk", 7),
     "async": ("samples/s at max_staleness 0, 1, 2, 4", 7),
     "faults": ("seconds from a kill -9 to the next trained step, and the group account", 14),
+    "peer": ("TRL GRPOTrainer vs agentrl colocated and decoupled (k=0, k=2) samples/s", 19),
 }
 
 
