@@ -60,6 +60,7 @@ BENCHMARKS = {
     "async": ("samples/s at max_staleness 0, 1, 2, 4", 7),
     "faults": ("seconds from a kill -9 to the next trained step, and the group account", 14),
     "launch": ("the Ray launcher vs the local one: seconds to the first step, episodes/s", 20),
+    "peer": ("TRL GRPOTrainer vs agentrl colocated and decoupled (k=0, k=2) samples/s", 19),
 }
 
 

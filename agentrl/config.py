@@ -563,6 +563,17 @@ class EnvConfig(Section):
 # --------------------------------------------------------------------------- the run
 
 
+class ColocatedConfig(Section):
+    """`mode: colocated`: generation and training alternate on the same ranks (agentrl/colocated)."""
+
+    num_processes: int = Field(2, ge=1)
+    """Ranks (torchrun processes on this machine); the learner trains FSDP2 over all of them."""
+    tg: int = Field(1, ge=1)
+    """Tensor-parallel degree of one generation engine replica; there are num_processes/tg replicas."""
+    max_batch_size: int = Field(64, ge=1)
+    """Sequences one replica decodes together."""
+
+
 class AgentRLConfig(Section):
     """A whole run. Each component receives only its own section."""
 
@@ -582,6 +593,10 @@ class AgentRLConfig(Section):
     env: EnvConfig = EnvConfig()
     launcher: LauncherConfig = LauncherConfig()
     reward: RewardConfig = RewardConfig()
+    mode: Literal["decoupled", "colocated"] = "decoupled"
+    """decoupled: learner, servers and rollers are separate processes; colocated: `colocated.num_processes`
+    ranks each generate, reshard and train in turn (on-policy: max_staleness is not used)."""
+    colocated: ColocatedConfig = ColocatedConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -282,7 +282,12 @@ def _warm_model(run_dir: Path) -> Path | None:
 def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
     """Run the job described by `config` (already validated, saved at `config_path`); with
     `resume` the learner continues from its latest checkpoint and a finished warm start is kept.
-    `launcher.type: ray` hands the same plan to the Ray launcher (`launch/ray.py`)."""
+    `launcher.type: ray` hands the same plan to the Ray launcher (`launch/ray.py`); `mode: colocated`
+    starts ranks that generate and train in turn instead (`colocated/launch.py`)."""
+    if config.mode == "colocated":  # no servers, rollers or queue: ranks that generate and train
+        from agentrl.colocated.launch import launch as launch_colocated
+
+        return launch_colocated(config, config_path)
     if config.launcher.type == "ray":
         from agentrl.launch.ray import launch_ray
 

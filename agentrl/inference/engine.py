@@ -15,6 +15,14 @@ land inside a step. The loop here is compact:
   the log-prob of the sampled token under the distribution actually sampled from (tempered
   and truncated), taken from the same forward pass;
 * commands (weight loads, abort, pause, continue) run between steps, in arrival order.
+
+Colocated mode (agentrl/colocated) builds the engine on a module it already holds (`model=`:
+its parameters are the generation buffers the reshard fills, no second `from_pretrained`) and
+between phases calls `release()` (KV cache dropped; parameter storage freed on CPU, offloaded to
+pinned CPU memory on CUDA) and `rebuild()`. With a `replica` (agentrl/colocated/lockstep.py) the
+model is one tensor-parallel shard: this engine, the replica's leader, broadcasts every change
+of the running batch (prefill inputs, the sampled tokens of each decode step, the rows kept) so
+the followers run the identical forward on their shards; only the leader samples.
 """
 
 from __future__ import annotations
@@ -71,6 +79,11 @@ class _Batch:
         return self.mask.shape[1]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (sharing its storage), the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     missing = length - t.shape[dim]
     if missing <= 0:
@@ -124,16 +137,24 @@ class Engine:
 
     def __init__(
         self,
-        model_path: str,
+        model_path: str | None,
         device: str = "cpu",
         dtype: str = "float32",
         max_batch_size: int = 32,
         context_length: int | None = None,
         cpu_threads: int | None = 1,
         logprobs: str = "full",
+        model: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+        replica: Any = None,
     ) -> None:
+        """`model_path` is loaded with `from_pretrained` unless `model` is given: then that module
+        (already on `device`, in `dtype`) is served as it is, and `model_path`, if set, only names
+        where the tokenizer is (or pass `tokenizer`). `replica`: see the module docstring."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if model is None and model_path is None:
+            raise ValueError("Engine needs model_path or model")
         if cpu_threads is not None and not device.startswith("cuda"):
             torch.set_num_threads(cpu_threads)  # process-wide; see InferenceConfig.cpu_threads
         if logprobs not in ("full", "truncated"):
@@ -142,12 +163,18 @@ class Engine:
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        except Exception as exc:  # a weights-only directory still serves input_ids requests
-            logger.warning("no tokenizer in %s (%s): text in/out disabled", model_path, exc)
-            self.tokenizer = None
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        if tokenizer is None and model_path is not None:
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            except Exception as exc:  # a weights-only directory still serves input_ids requests
+                logger.warning("no tokenizer in %s (%s): text in/out disabled", model_path, exc)
+        self.replica = replica
+        self._offloaded: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._offloaded_bytes: list[int] = []
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
         self.context_length = int(context_length or getattr(config, "max_position_embeddings", 4096))
@@ -226,7 +253,7 @@ class Engine:
                     count += 1
                 else:
                     keep.append(i)
-            self._batch = _select(self._batch, keep)
+            self._keep(keep)
         return count
 
     def pause(self, mode: str = "abort") -> int:
@@ -250,13 +277,14 @@ class Engine:
     # ------------------------------------------------------------------ weights (engine thread)
 
     def check_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Raise ValueError naming every name the model lacks and every shape that differs."""
+        """Raise ValueError naming every name the model lacks and every shape that differs (a
+        tensor-parallel shard takes its full tensor or its local shard)."""
         state = self.model.state_dict()
         unknown = [n for n in tensors if n not in state]
         wrong = [
             f"{n}: got {list(t.shape)}, model has {list(state[n].shape)}"
             for n, t in tensors.items()
-            if n in state and tuple(t.shape) != tuple(state[n].shape)
+            if n in state and tuple(t.shape) not in (tuple(state[n].shape), tuple(_local(state[n]).shape))
         ]
         problems = []
         if unknown:
@@ -267,15 +295,102 @@ class Engine:
             raise ValueError("; ".join(problems))
 
     def load_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
-        """Copy `tensors` into the model in place (checked first, so a bad update changes nothing)."""
+        """Copy `tensors` into the model in place (checked first, so a bad update changes nothing).
+        A DTensor parameter given its full tensor keeps its own slice (no communication)."""
+        if self._offloaded is not None:
+            raise RuntimeError("load_weights on released buffers: call rebuild() first")
         self.check_weights(tensors)
         state = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in tensors.items():
-                state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
+                target = _local(state[name])
+                if tuple(tensor.shape) != tuple(target.shape):  # a full tensor for a TP shard
+                    from torch.distributed.tensor import distribute_tensor
+
+                    dt = state[name]
+                    tensor = distribute_tensor(tensor, dt.device_mesh, dt.placements, src_data_rank=None)
+                    tensor = tensor.to_local()
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         if weight_version is not None:
             self.weight_version = str(weight_version)
         logger.info("loaded %d tensors; weight_version=%s", len(tensors), self.weight_version)
+
+    # ------------------------------------------------------------------ buffers between phases
+
+    def _param_storages(self) -> list[torch.Tensor]:
+        """The local tensor of each parameter, one per storage (tied weights appear once)."""
+        seen, out = set(), []
+        for param in self.model.parameters():
+            if not hasattr(param, "to_local") and not param.untyped_storage().resizable():
+                param.data = param.data.clone()  # from_pretrained's mmapped storage cannot be freed in place
+            local = _local(param.data)
+            key = local.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                out.append(local)
+        return out
+
+    @property
+    def released(self) -> bool:
+        return self._offloaded is not None
+
+    def release(self, params: bool = True) -> int:
+        """Drop the KV cache and (with `params`) give the parameters' memory back; returns the
+        parameter bytes released. `params=False` suits buffers someone else frees and refills (the
+        HybridEngine's generation buffers, agentrl/hybrid/reshard.py). On
+        CUDA each storage is first copied to pinned CPU memory (`rebuild()` copies it back); on CPU
+        the storage is freed (`UntypedStorage.resize_(0)`, as FSDP2 frees unsharded parameters) and
+        `rebuild(weights)` must refill it. Only between phases: nothing may be running or held."""
+        if self.num_running or self._held or not self._waiting.empty():
+            raise RuntimeError("release() with requests in flight: finish or abort them first")
+        if self._offloaded is not None:
+            return 0
+        self._batch = None
+        if not params:
+            return 0
+        self._offloaded = []
+        for local in self._param_storages():
+            copy = None
+            if local.is_cuda:
+                copy = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+                copy.copy_(local, non_blocking=True)
+            self._offloaded.append((local, copy))
+        if any(copy is not None for _, copy in self._offloaded):
+            torch.cuda.current_stream().synchronize()  # the copies land before the storage goes
+        self._offloaded_bytes = [local.untyped_storage().nbytes() for local, _ in self._offloaded]
+        for local, _ in self._offloaded:
+            local.untyped_storage().resize_(0)
+        total = sum(self._offloaded_bytes)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return total
+
+    def rebuild(
+        self, weights: dict[str, torch.Tensor] | None = None, weight_version: str | None = None
+    ) -> None:
+        """Re-allocate the parameters released by `release()`: restored from the CPU copies (CUDA),
+        then overwritten by `weights` if given; on CPU, where nothing was kept, `weights` must
+        cover every parameter."""
+        if self._offloaded is None:
+            if weights is not None:
+                self.load_weights(weights, weight_version)
+            return
+        kept = all(copy is not None for _, copy in self._offloaded)
+        if weights is None and not kept:
+            raise ValueError("rebuild() after a CPU release needs the weights (the storage was freed)")
+        if not kept:
+            missing = [n for n, _ in self.model.named_parameters() if n not in weights]
+            if missing:
+                raise ValueError(f"rebuild() weights lack parameters {missing[:5]}")
+        for (local, copy), nbytes in zip(self._offloaded, self._offloaded_bytes, strict=True):
+            local.untyped_storage().resize_(nbytes)
+            if copy is not None:
+                local.copy_(copy, non_blocking=True)
+        self._offloaded = None
+        if weights is not None:
+            self.load_weights(weights, weight_version)
+        elif weight_version is not None:
+            self.weight_version = str(weight_version)
 
     # ------------------------------------------------------------------ the loop
 
@@ -295,7 +410,7 @@ class Engine:
                 for req in admitted + (self._batch.reqs if self._batch else []):
                     if req.finish_reason is None:
                         self._finish(req, {"type": "abort", "message": f"engine error: {exc}"})
-                self._batch = None
+                self._keep([])
             if (self._batch is None or self._paused) and not admitted and self._commands.empty():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -360,6 +475,12 @@ class Engine:
             mask[i, length - len(r.input_ids) :] = 1
         for r in reqs:
             r.weight_version = self.weight_version
+        self._publish(("prefill", ids, mask))
+        logits = self._prefill_rows(ids, mask, reqs)
+        self._sample_and_advance(logits, first=len(self._batch.reqs) - len(reqs))
+
+    def _prefill_rows(self, ids: torch.Tensor, mask: torch.Tensor, reqs: list) -> torch.Tensor:
+        """Prefill left-padded `ids` and append the rows to the running batch; their last logits."""
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         logits, keys, values = self._forward(ids, mask, positions)
@@ -368,16 +489,60 @@ class Engine:
         values = [v.masked_fill(pad, 0) for v in values]
         new = _Batch(reqs, keys, values, mask, mask.sum(1), torch.zeros(len(reqs), dtype=torch.long))
         self._batch = _merge(self._batch, new)
-        self._sample_and_advance(logits, first=len(self._batch.reqs) - len(reqs))
+        return logits
 
     def _decode_step(self) -> None:
+        self._publish(("decode", self._batch.last.cpu()))
+        logits = self._decode_rows()
+        self.steps += 1
+        self._sample_and_advance(logits, first=0)
+
+    def _decode_rows(self) -> torch.Tensor:
         b = self._batch
         ones = torch.ones(len(b.reqs), 1, dtype=b.mask.dtype, device=b.mask.device)
         mask = torch.cat([b.mask, ones], dim=1)
         logits, keys, values = self._forward(b.last[:, None], mask, b.positions[:, None], b.keys, b.values)
         b.keys, b.values, b.mask, b.positions = keys, values, mask, b.positions + 1
-        self.steps += 1
-        self._sample_and_advance(logits, first=0)
+        return logits
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only rows `keep` of the running batch (on every rank of a replica)."""
+        if self._batch is not None and len(keep) < len(self._batch.reqs):
+            self._publish(("keep", keep))
+            self._batch = _select(self._batch, keep)
+
+    # ------------------------------------------------------------------ tensor-parallel replica
+
+    def _publish(self, op: tuple) -> None:
+        if self.replica is not None and self.replica.size > 1:
+            self.replica.publish(op)
+
+    def end_phase(self) -> None:
+        """(any thread, leader) Release the followers' `follow()` after what is queued before it."""
+        self.call(lambda: self._publish(("end",))).result()
+
+    def follow(self) -> int:
+        """(a follower rank of a replica, its own thread) Mirror the leader's running batch — the
+        same prefill inputs, the leader's sampled tokens, the same rows kept — so every TP collective
+        inside the forward meets its peers; returns the decode steps run when the leader ends the
+        phase. Followers never sample and never see requests."""
+        steps = 0
+        with torch.no_grad():
+            while True:
+                op = self.replica.receive()
+                if op[0] == "prefill":
+                    self._prefill_rows(op[1], op[2], [None] * len(op[1]))
+                elif op[0] == "decode":
+                    self._batch.last = op[1].to(self.device)
+                    self._decode_rows()
+                    steps += 1
+                elif op[0] == "keep":
+                    self._batch = _select(self._batch, op[1])
+                elif op[0] == "end":
+                    self._batch = None
+                    return steps
+                else:
+                    raise RuntimeError(f"unknown lock-step op {op[0]!r} from the replica's leader")
 
     def _sample_and_advance(self, logits: torch.Tensor, first: int) -> None:
         """Sample rows `first…` of the batch from `logits`, append, and retire finished rows."""
@@ -397,8 +562,7 @@ class Engine:
                 keep.append(first + j)
             else:
                 self._finish(req, reason)
-        if len(keep) < len(b.reqs):
-            self._batch = _select(b, keep)
+        self._keep(keep)
 
     def _finish_reason(self, req: Request, token: int) -> dict[str, Any] | None:
         p = req.params

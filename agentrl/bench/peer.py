@@ -1,0 +1,176 @@
+"""`agentrl bench peer`: TRL's GRPOTrainer against agentrl, colocated and decoupled, head to head.
+
+    agentrl bench peer [--steps 8] [--prompts-per-step 4] [--completions 8] [--length 32]
+
+One run, one after the other, on the same machine: TRL 1.16 `GRPOTrainer` (in this process, CPU,
+no vLLM), then `agentrl run` in `mode: colocated` (2 ranks) and decoupled at max_staleness 0 and
+2. All four train the same fresh tiny model (`init-model tiny`) on the same single-turn task
+(`ColourEcho`: name the colour the prompt gives) with the same reward (`colour_reward`), the same
+prompts per step, completions per prompt, completion length, learning rate and steps, GRPO
+advantages and no KL term. Samples/s is completions trained on per second between the first and
+the last step (start-up excluded, for all four alike); the final-reward window is the mean reward
+of the last quarter of the steps. Ratios: `colocated_vs_trl`, `async_vs_trl` (k=2), `sync_vs_trl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from agentrl.bench.async_ import _run
+from agentrl.bench.common import emit, print_table
+from agentrl.envs.base import Env, StepResult, Transcript
+from agentrl.log import read_metrics
+from agentrl.net import free_port
+
+COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"]
+
+
+def colour_reward(text: str, colour: str) -> float:
+    """1 when the completion names the colour; else the share of the colour's letters it uses
+    (a random model gets a graded signal, so both trainers have something to climb)."""
+    text = text.lower()
+    if colour in text:
+        return 1.0
+    letters = set(colour)
+    return 0.5 * len(letters & set(text)) / len(letters)
+
+
+def _question(colour: str) -> str:
+    return f"Say the colour {colour}."
+
+
+class ColourEcho(Env):
+    """Single turn: the prompt names a colour; the reward is `colour_reward` of the answer."""
+
+    def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        self.task = task
+        return [{"role": "user", "content": _question(task["answer"])}]
+
+    def step(self, action_text: str) -> StepResult:
+        return StepResult(None, 0.0, True, {})
+
+    def reward(self, transcript: Transcript) -> float:
+        return colour_reward(transcript.final_text, self.task["answer"])
+
+    @classmethod
+    def generate_tasks(cls, num: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
+        rng = random.Random(seed)
+        return [{"id": f"colour-{seed}-{i}", "answer": rng.choice(COLOURS)} for i in range(num)]
+
+
+def _window(values: list[float]) -> float:
+    tail = values[-max(1, len(values) // 4) :]
+    return sum(tail) / len(tail) if tail else 0.0
+
+
+def _trl(model_dir: str, out: Path, opts: argparse.Namespace) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tasks = ColourEcho.generate_tasks(opts.steps * opts.prompts_per_step + 64, seed=1)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": _question(t["answer"])}],
+                               "answer": t["answer"]} for t in tasks])  # fmt: skip
+
+    def reward(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
+        return [colour_reward(c[0]["content"], a) for c, a in zip(completions, answer, strict=True)]
+
+    stamps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.time())
+
+    args = GRPOConfig(output_dir=str(out), num_generations=opts.completions,
+                      per_device_train_batch_size=opts.prompts_per_step * opts.completions,
+                      max_completion_length=opts.length, max_steps=opts.steps, learning_rate=opts.lr,
+                      beta=0.0, temperature=1.0, logging_steps=1, report_to="none", use_cpu=True,
+                      save_strategy="no", disable_tqdm=True, seed=0, bf16=False)  # fmt: skip
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reward, args=args,
+                          train_dataset=data, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                          callbacks=[Clock()])  # fmt: skip
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    samples = opts.prompts_per_step * opts.completions * (len(stamps) - 1)
+    seconds = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+    return {"samples_per_s": samples / seconds if seconds > 0 else 0.0, "final_reward": _window(rewards)}
+
+
+def _agentrl(model_dir: str, run_dir: Path, opts: argparse.Namespace, colocated: bool, k: int) -> dict:
+    recipe = "recipes/quickstart_colocated.yaml" if colocated else "recipes/quickstart.yaml"
+    args = [
+        sys.executable, "-m", "agentrl", "run", "--config", recipe, f"--run_dir={run_dir}",
+        f"--max_staleness={k}", f"--learner.model_path={model_dir}", "--learner.warmstart_steps=0",
+        f"--learner.max_steps={opts.steps}", f"--learner.groups_per_step={opts.prompts_per_step}",
+        f"--learner.lr={opts.lr}", "--learner.advantage=grpo", f"--roller.group_size={opts.completions}",
+        "--roller.max_turns=1", f"--roller.max_new_tokens={opts.length}", "--roller.max_total_tokens=512",
+        "--env.name=agentrl.bench.peer:ColourEcho", "--env.kwargs={}",
+    ]  # fmt: skip
+    if not colocated:
+        args += ["--queue.address", f"tcp://127.0.0.1:{free_port()}"]
+    result = _run(args)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"agentrl run ({recipe}, k={k}) failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+        )
+    records = read_metrics(run_dir / "learner.jsonl")
+    samples = opts.prompts_per_step * opts.completions * (len(records) - 1)
+    seconds = records[-1]["time"] - records[0]["time"]
+    return {"samples_per_s": samples / seconds if seconds > 0 else 0.0,
+            "final_reward": _window([r.get("reward/mean", 0.0) for r in records])}  # fmt: skip
+
+
+def main(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl bench peer")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument(
+        "--prompts-per-step", type=int, default=4, help="even: colocated splits them over 2 ranks"
+    )
+    parser.add_argument("--completions", type=int, default=8, help="completions per prompt (the group size)")
+    parser.add_argument("--length", type=int, default=32, help="completion length (max new tokens)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--rows", default="trl,k0,k2,colocated", help="which rows to run, in this order")
+    opts = parser.parse_args(args)
+    if opts.steps < 2 or opts.prompts_per_step % 2:
+        parser.error("--steps must be at least 2 and --prompts-per-step even")
+    rows = opts.rows.split(",")
+    if "trl" not in rows:
+        parser.error("--rows must include trl (the ratios are over it)")
+
+    from agentrl.tiny_model import init_model
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="agentrl-bench-peer-") as tmp:
+        model_dir = str(init_model("tiny", Path(tmp) / "tiny"))
+        for row in rows:
+            if row == "trl":
+                results[row] = _trl(model_dir, Path(tmp) / "trl", opts)
+            elif row == "colocated":
+                results[row] = _agentrl(model_dir, Path(tmp) / row, opts, colocated=True, k=0)
+            elif row in ("k0", "k2"):
+                results[row] = _agentrl(model_dir, Path(tmp) / row, opts, colocated=False, k=int(row[1:]))
+            else:
+                parser.error(f"--rows: unknown row {row!r} (trl, k0, k2, colocated)")
+    base = results["trl"]["samples_per_s"]
+    print_table(
+        f"{opts.steps} steps × {opts.prompts_per_step} prompts × {opts.completions} completions of ≤{opts.length} tokens",
+        ["trainer", "samples/s", "vs TRL", "final reward (last 25%)"],
+        [[row, r["samples_per_s"], r["samples_per_s"] / base if base else 0.0, r["final_reward"]]
+         for row, r in results.items()],
+    )  # fmt: skip
+    metrics = {f"{row}_samples_per_s": r["samples_per_s"] for row, r in results.items()}
+    metrics.update({f"{row}_final_reward": r["final_reward"] for row, r in results.items()})
+    names = {"colocated": "colocated_vs_trl", "k2": "async_vs_trl", "k0": "sync_vs_trl"}
+    ratios = {
+        names[row]: r["samples_per_s"] / base if base else 0.0 for row, r in results.items() if row in names
+    }
+    emit("peer", metrics, ratios)
+    return 0
