@@ -58,6 +58,7 @@ BENCHMARKS = {
     "sync": ("weight push vs raw gloo broadcast and disk", 7),
     "async": ("samples/s at max_staleness 0, 1, 2, 4", 7),
     "faults": ("seconds from a kill -9 to the next trained step, and the group account", 14),
+    "reshard": ("HybridEngine reshard vs one raw all-gather and vs gather-then-slice", 19),
 }
 
 

@@ -130,7 +130,6 @@ class HybridEngine:
         """Fill the generation buffers from the current training shards. `probe`, if given, is
         called after each parameter (tests measure live memory there)."""
         import torch
-        import torch.distributed as dist
 
         self._reshard_training()
         start = time.perf_counter()
@@ -148,7 +147,7 @@ class HybridEngine:
                 own = slot.buffer.narrow(0, index * local.shape[0], local.shape[0])
                 own.copy_(local)
                 if size > 1:
-                    dist.all_gather_into_tensor(slot.buffer, own, group=group)
+                    all_gather_single(slot.buffer, own, group=group)
                     collectives += 1
                 if probe is not None:
                     probe()
@@ -214,6 +213,15 @@ class HybridEngine:
         nbytes = box_numel(box) * buffer.element_size()
         buffer.untyped_storage().resize_(0)
         return GenSlot(name, kind, buffer, nbytes, box)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """`dist.all_gather_single` (torch 2.13's name for `all_gather_into_tensor`, the deprecated
+    alias), or the older name on older torch: one allgather_base collective."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
 
 
 def _alloc(slot: GenSlot) -> None:
