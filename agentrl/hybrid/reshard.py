@@ -133,7 +133,7 @@ class HybridEngine:
 
         self._reshard_training()
         start = time.perf_counter()
-        collectives = 0
+        collectives, pending = 0, []
         with torch.no_grad():
             for slot in self.slots:
                 _alloc(slot)
@@ -147,10 +147,14 @@ class HybridEngine:
                 own = slot.buffer.narrow(0, index * local.shape[0], local.shape[0])
                 own.copy_(local)
                 if size > 1:
-                    all_gather_single(slot.buffer, own, group=group)
+                    # issued async and waited for together: no Python round trip between
+                    # collectives; every one writes its own buffer, so nothing extra is held
+                    pending.append(all_gather_single(slot.buffer, own, group=group, async_op=True))
                     collectives += 1
                 if probe is not None:
                     probe()
+            for work in pending:
+                work.wait()
         self._allocated = True
         self.peak_param_bytes = max(self.peak_param_bytes, self.training_bytes + self.generation_bytes)
         return ReshardStats(time.perf_counter() - start, collectives, self.generation_bytes)
@@ -215,13 +219,13 @@ class HybridEngine:
         return GenSlot(name, kind, buffer, nbytes, box)
 
 
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """`dist.all_gather_single` (torch 2.13's name for `all_gather_into_tensor`, the deprecated
     alias), or the older name on older torch: one allgather_base collective."""
     import torch.distributed as dist
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
+    return fn(output, input, group=group, async_op=async_op)
 
 
 def _alloc(slot: GenSlot) -> None:
