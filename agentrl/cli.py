@@ -61,6 +61,7 @@ BENCHMARKS = {
     "faults": ("seconds from a kill -9 to the next trained step, and the group account", 14),
     "launch": ("the Ray launcher vs the local one: seconds to the first step, episodes/s", 20),
     "peer": ("TRL GRPOTrainer vs agentrl colocated and decoupled (k=0, k=2) samples/s", 19),
+    "reshard": ("HybridEngine reshard vs one raw all-gather and vs gather-then-slice", 19),
 }
 
 

@@ -24,6 +24,9 @@ TP-4 replica, ranks 0,1 gather chunks 0,1 of 4 = generation chunk 0 of 2, ranks 
 generation chunk 1; micro-DP groups {0,1} {2,3} {4,5} {6,7}, generation TP groups {0,2} {1,3}
 {4,6} {5,7}.
 
+Parameters the plan replicates (norms) but FSDP shards are the exception: their generation shard is
+the whole tensor, gathered over the stage's FSDP ranks.
+
 A parameter's slice is a `Box` (one `(start, stop)` per dim). `ParamSpec.tp_dim` is the dim the
 TP plan splits (0 column-wise/vocab, 1 row-wise, None replicated); `fsdp_dim` the dim FSDP
 splits. Divisions must be exact (a clear error otherwise): the reshard moves whole chunks.
@@ -237,11 +240,16 @@ class HybridLayout:
         return box
 
     def sources(self, rank: int, spec: ParamSpec) -> list[int]:
-        """Ranks of `rank`'s micro-DP group whose training shards of `spec` make up its
-        generation shard (all of them when p = pg; the ones on the param's stage otherwise)."""
+        """Ranks whose training shards of `spec` make up `rank`'s generation shard: those of its
+        micro-DP group on the param's stage. One exception: a parameter the plan replicates but
+        FSDP shards (RMSNorms) is gathered from the stage's `d` FSDP ranks (with this rank's TP index), a collective across
+        micro-DP groups (its bytes are a few KB)."""
         if self.gen_box(rank, spec) is None:
             return []
         c = self.gen_coords(rank)
+        if spec.tp_dim is None and self.train.fsdp:
+            tr, t_idx = self.train, self.train_coords(rank).t
+            return [spec.stage * tr.d * tr.t + i * tr.t + t_idx for i in range(tr.d)]
         group = [self.rank_of(GenCoords(c.replica, c.stage, c.tp, j)) for j in range(self.gen.dg)]
         return [r for r in group if self.train_box(r, spec) is not None]
 

@@ -57,6 +57,7 @@ class GenSlot:
     kind: str  # "col" (Shard(0)), "row" (Shard(1), stored transposed) or "rep"
     buffer: torch.Tensor  # owns the storage; for "row" the transpose of the module's weight
     nbytes: int
+    box: tuple[tuple[int, int], ...]  # the slice of the full parameter it holds (layout.gen_box)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class HybridEngine:
         self.micro_group = meshes.gen.get_group("dg")
         self.shard_group = meshes.train.get_group()
         self.slots: list[GenSlot] = []
+        self._reshard_training()
         specs = {s.name: s for s in param_specs(train_model)}
         for name, spec in specs.items():
             self.slots.append(self._bind(name, layout.gen_box(self.rank, spec)))
@@ -128,14 +130,13 @@ class HybridEngine:
         """Fill the generation buffers from the current training shards. `probe`, if given, is
         called after each parameter (tests measure live memory there)."""
         import torch
-        import torch.distributed as dist
 
         self._reshard_training()
         start = time.perf_counter()
-        collectives = 0
+        collectives, pending = 0, []
         with torch.no_grad():
             for slot in self.slots:
-                self._alloc(slot)
+                _alloc(slot)
                 local = _local(self._train_param(slot.name))
                 if slot.kind == "rep":
                     index, group, size = self.shard_index, self.shard_group, self.layout.world_size
@@ -146,13 +147,22 @@ class HybridEngine:
                 own = slot.buffer.narrow(0, index * local.shape[0], local.shape[0])
                 own.copy_(local)
                 if size > 1:
-                    dist.all_gather_into_tensor(slot.buffer, own, group=group)
+                    # issued async and waited for together: no Python round trip between
+                    # collectives; every one writes its own buffer, so nothing extra is held
+                    pending.append(all_gather_single(slot.buffer, own, group=group, async_op=True))
                     collectives += 1
                 if probe is not None:
                     probe()
+            for work in pending:
+                work.wait()
         self._allocated = True
         self.peak_param_bytes = max(self.peak_param_bytes, self.training_bytes + self.generation_bytes)
         return ReshardStats(time.perf_counter() - start, collectives, self.generation_bytes)
+
+    def allocate(self) -> None:
+        """Give every generation buffer its storage again (contents undefined until filled)."""
+        for slot in self.slots:
+            _alloc(slot)
 
     def release(self) -> None:
         """Free the generation buffers (the training shards stay); the model keeps its tensors."""
@@ -206,12 +216,22 @@ class HybridEngine:
         setattr(module, leaf, nn.Parameter(value, requires_grad=False))
         nbytes = box_numel(box) * buffer.element_size()
         buffer.untyped_storage().resize_(0)
-        return GenSlot(name, kind, buffer, nbytes)
+        return GenSlot(name, kind, buffer, nbytes, box)
 
-    def _alloc(self, slot: GenSlot) -> None:
-        storage = slot.buffer.untyped_storage()
-        if storage.nbytes() != slot.nbytes:
-            storage.resize_(slot.nbytes)
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """`dist.all_gather_single` (torch 2.13's name for `all_gather_into_tensor`, the deprecated
+    alias), or the older name on older torch: one allgather_base collective."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def _alloc(slot: GenSlot) -> None:
+    storage = slot.buffer.untyped_storage()
+    if storage.nbytes() != slot.nbytes:
+        storage.resize_(slot.nbytes)
 
 
 def _local(param) -> torch.Tensor:
@@ -242,13 +262,18 @@ def live_tensor_bytes() -> int:
     from torch.distributed.tensor import DTensor
 
     seen: dict[int, int] = {}
+    is_tensor: dict[type, bool] = {}
     for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.is_meta:
-                continue
-            t = obj._local_tensor if isinstance(obj, DTensor) else obj
-            storage = t.untyped_storage()
-            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-        except (RuntimeError, ReferenceError, NotImplementedError):
+        kind = type(obj)
+        hit = is_tensor.get(kind)
+        if hit is None:
+            hit = is_tensor[kind] = issubclass(kind, torch.Tensor)
+        if not hit or obj.is_meta:
             continue
+        t = obj._local_tensor if isinstance(obj, DTensor) else obj
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
     return sum(seen.values())
