@@ -39,6 +39,8 @@ class LearnerConfig(Section):
 
     model_path: str = "runs/models/tiny"
     """Hugging Face checkpoint directory (or hub id where a hub is reachable) to train."""
+    backend: Literal["fsdp2"] = "fsdp2"
+    """Training backend (`agentrl/learner/backend.py`): FSDP2 is the one implemented."""
     groups_per_step: int = Field(8, ge=1)
     """Prompt groups consumed per learner step (the batch size in groups)."""
     mini_batches: int = Field(1, ge=1)

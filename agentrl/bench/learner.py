@@ -75,8 +75,7 @@ def _ours(learner, groups, padded: bool = False) -> tuple[tuple[float, float], i
         if padded
         else plan_microbatches(samples, cfg.micro_batch_tokens)
     )
-    optimizer_step(learner.model, learner.optimizer, learner.scheduler, [mb.to(learner.device) for mb in plan],
-                   cfg, 0, 1, learner.device)  # fmt: skip
+    optimizer_step(learner.backend, learner.actor, [mb.to(learner.device) for mb in plan], cfg, 0)
     t1, c1 = _clock(learner.device)
     return (t1 - t0, c1 - c0), sum(mb.real_tokens for mb in plan)
 

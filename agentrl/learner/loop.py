@@ -1,6 +1,6 @@
 """The learner's main loop, as a short numbered script, and the objects it runs with.
 
-    learner = build_learner(cfg, run_dir)           # model (FSDP2), optimizer, scheduler
+    learner = build_learner(cfg, run_dir)           # backend, actor (+ reference), optimizer
     run(learner, consumer, max_staleness, weight_sync, resume=True)
 
 `run` repeats until `cfg.max_steps` weight versions exist:
@@ -19,7 +19,8 @@ steps and while waiting for a batch: the loop saves its final checkpoint and ret
 mid-step. Rank 0 decides, so every rank stops at the same step.
 
 The queue consumer and the weight-sync engine are reached through the small protocols below,
-so tests drive the loop with an in-process source and the real queue plugs in unchanged.
+so tests drive the loop with an in-process source and the real queue plugs in unchanged; the
+models only through the learner backend (`backend.LearnerBackend`; FSDP2 in `fsdp.py`).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from agentrl.config import LearnerConfig
-from agentrl.learner import checkpoint, fsdp
+from agentrl.learner import backend as backends
+from agentrl.learner import checkpoint
+from agentrl.learner.backend import LearnerBackend, ModelPart
 from agentrl.learner.data import prepare_batch
 from agentrl.learner.packing import non_padding_fraction, plan_microbatches
 from agentrl.learner.train_step import optimizer_step, recompute_logprobs
@@ -62,7 +64,7 @@ class Consumer(Protocol):
 
 class WeightSync(Protocol):
     """Hands new weights to inference servers (issue #7): `weights()` yields `(HF name, full
-    tensor)` (here `fsdp.iter_full_tensors(model)`, a collective every rank runs)."""
+    tensor)` (here `backend.full_tensors(actor)`, a collective every rank runs)."""
 
     def push(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], version: int) -> None: ...
 
@@ -71,19 +73,46 @@ class WeightSync(Protocol):
 
 @dataclass
 class Learner:
+    """The loop's state: the backend, the model parts it runs, and where the run stands."""
+
     cfg: LearnerConfig
     run_dir: Path
-    model: nn.Module
-    ref_model: nn.Module | None
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    rank: int
-    world_size: int
-    device: torch.device
+    backend: LearnerBackend
+    actor: ModelPart
+    ref: ModelPart | None
     vocab_size: int
     pad_id: int
     version: int = 0
     consumed_groups: int = 0
+
+    @property
+    def trained_parts(self) -> list[ModelPart]:
+        """What a checkpoint holds."""
+        return [self.actor]
+
+    @property
+    def model(self) -> nn.Module:
+        return self.actor.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.actor.optimizer
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    def weights(self) -> Callable[[], Iterable[tuple[str, torch.Tensor]]]:
+        """What weight sync pushes: the actor's full tensors under HF names (a collective)."""
+        return functools.partial(self.backend.full_tensors, self.actor)
 
 
 def lr_lambda(cfg: LearnerConfig):
@@ -103,27 +132,17 @@ def lr_lambda(cfg: LearnerConfig):
 
 
 def build_learner(cfg: LearnerConfig, run_dir: str | Path) -> Learner:
-    """Process group, FSDP2 model (and frozen reference when kl_coef > 0), AdamW, LR schedule."""
-    rank, world, device = fsdp.init_distributed()
+    """The backend (process group), the actor with AdamW and its LR schedule, and the frozen
+    reference when kl_coef > 0."""
+    backend = backends.create(cfg.backend)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
-    model = fsdp.shard_model(
-        fsdp.load_model(cfg.model_path, device), device, bf16, cfg.activation_checkpointing
-    )
-    model.train()
-    ref = None
-    if cfg.kl_coef > 0:
-        ref = fsdp.shard_model(fsdp.load_model(cfg.model_path, device), device, bf16)
-        ref.eval().requires_grad_(False)
-    # fused: one kernel over all DTensor shards; foreach on DTensors dispatches per tensor and was
-    # ~100x slower per step on CPU (torch 2.13), which dominated small models' step time.
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, fused=True
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    return Learner(cfg, Path(run_dir), model, ref, optimizer, scheduler, rank, world, device,
-                   model.config.vocab_size, pad)  # fmt: skip
+    actor = backend.build("policy", cfg.model_path, name="actor", optim=cfg, lr_lambda=lr_lambda(cfg),
+                          activation_checkpointing=cfg.activation_checkpointing, bf16=bf16)  # fmt: skip
+    ref = backend.build("policy", cfg.model_path, name="ref", bf16=bf16) if cfg.kl_coef > 0 else None
+    config = actor.module.config
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    return Learner(cfg, Path(run_dir), backend, actor, ref, config.vocab_size, pad)
 
 
 WAIT_POLL_S = 1.0  # a wait for a batch is cut into polls this long, so a stop request is seen
@@ -163,7 +182,7 @@ def _next_batch(
         if not late:
             return groups, stats
         log.info("servers %s are behind version %d: pushing the current weights now", late, learner.version)
-        weight_sync.push(functools.partial(fsdp.iter_full_tensors, learner.model), learner.version)
+        weight_sync.push(learner.weights(), learner.version)
 
 
 def _wait_for_groups(
@@ -176,7 +195,7 @@ def _wait_for_groups(
     """Rank 0 blocks on the queue until groups arrive, or until weight sync names servers behind
     the current version; every rank returns the same (groups, stats, servers behind), or None
     when a stop was requested while waiting."""
-    payload: list[Any] = [None]
+    payload: Any = None
     behind = getattr(weight_sync, "behind", None)
     if learner.rank == 0:
         cfg, groups, stats, late = learner.cfg, [], {}, []
@@ -209,10 +228,8 @@ def _wait_for_groups(
                 if ages:
                     stats["queue/age_s_mean"] = sum(ages) / len(ages)
                     stats["queue/age_s_max"] = max(ages)
-        payload = [(groups, stats, late) if groups or late else None]
-    if learner.world_size > 1:
-        dist.broadcast_object_list(payload, src=0)
-    return payload[0]
+        payload = (groups, stats, late) if groups or late else None
+    return learner.backend.broadcast_object(payload)
 
 
 def _record_groups(learner: Learner, groups: list[Group], applied: bool) -> None:
@@ -227,13 +244,13 @@ def _save(learner: Learner, consumer: Consumer | None) -> None:
     cursor: dict[str, Any] = {"consumed_groups": learner.consumed_groups}
     if consumer is not None and hasattr(consumer, "state_dict"):
         cursor["consumer"] = consumer.state_dict()
-    checkpoint.save_checkpoint(learner.run_dir / "checkpoints", learner.model, learner.optimizer,
-                               learner.scheduler, learner.version, cursor, learner.cfg.keep_checkpoints)  # fmt: skip
+    checkpoint.save_checkpoint(learner.run_dir / "checkpoints", learner.backend, learner.trained_parts,
+                               learner.version, cursor, learner.cfg.keep_checkpoints)  # fmt: skip
 
 
 def export(learner: Learner) -> Path:
     out = learner.run_dir / "hf" / f"step_{learner.version:08d}"
-    fsdp.export_hf(learner.model, out, learner.cfg.model_path, learner.rank)
+    learner.backend.export(learner.actor, out, learner.cfg.model_path)
     if learner.rank == 0:
         latest = learner.run_dir / "hf" / "latest"
         latest.unlink(missing_ok=True)
@@ -248,9 +265,7 @@ def resume(learner: Learner, consumer: Consumer | None) -> bool:
     if path is None:
         log.info("--resume: no checkpoint under %s; starting fresh", learner.run_dir / "checkpoints")
         return False
-    learner.version, cursor = checkpoint.load_checkpoint(
-        path, learner.model, learner.optimizer, learner.scheduler
-    )
+    learner.version, cursor = checkpoint.load_checkpoint(path, learner.backend, learner.trained_parts)
     learner.consumed_groups = cursor.get("consumed_groups", 0)
     if consumer is not None and "consumer" in cursor and hasattr(consumer, "load_state_dict"):
         consumer.load_state_dict(cursor["consumer"])
@@ -308,14 +323,13 @@ def run(
         needs_old = cfg.off_policy == "decoupled" or (cfg.off_policy == "tis" and cfg.mini_batches > 1)
         for plan in plans:
             if needs_old:
-                recompute_logprobs(learner.model, plan, "old_logp", cfg.temperature)
-            if learner.ref_model is not None:
-                recompute_logprobs(learner.ref_model, plan, "ref_logp", cfg.temperature)
+                recompute_logprobs(learner.backend, learner.actor, plan, "old_logp", cfg.temperature)
+            if learner.ref is not None:
+                recompute_logprobs(learner.backend, learner.ref, plan, "ref_logp", cfg.temperature)
 
         # 4. forward/backward, clip, AdamW step per mini-batch (skipped when non-finite)
         t1 = time.perf_counter()
-        steps = [optimizer_step(learner.model, learner.optimizer, learner.scheduler, plan, cfg,
-                                learner.version, learner.world_size, learner.device) for plan in plans]  # fmt: skip
+        steps = [optimizer_step(learner.backend, learner.actor, plan, cfg, learner.version) for plan in plans]
         t_train = time.perf_counter() - t1
         applied = sum(1 for s in steps if not s["step_skipped"])
         if steps and not applied:
@@ -328,9 +342,7 @@ def run(
             learner.version += 1
             skips_in_a_row = 0
             if weight_sync is not None:
-                pushed = weight_sync.push(
-                    functools.partial(fsdp.iter_full_tensors, learner.model), learner.version
-                )
+                pushed = weight_sync.push(learner.weights(), learner.version)
             if learner.rank == 0 and consumer is not None:
                 consumer.publish_version(learner.version)
         else:

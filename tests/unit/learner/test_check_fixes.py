@@ -62,7 +62,7 @@ def test_final_checkpoint_and_export_are_written_once(tiny_model, tmp_path, monk
     saves, exports = [], []
     real_save, real_export = checkpoint.save_checkpoint, fsdp.export_hf
     monkeypatch.setattr(
-        checkpoint, "save_checkpoint", lambda *a, **k: saves.append(a[4]) or real_save(*a, **k)
+        checkpoint, "save_checkpoint", lambda *a, **k: saves.append(a[3]) or real_save(*a, **k)
     )
     monkeypatch.setattr(fsdp, "export_hf", lambda *a, **k: exports.append(str(a[1])) or real_export(*a, **k))
     cfg = LearnerConfig(model_path=str(tiny_model), groups_per_step=1, max_steps=2, micro_batch_tokens=64,
@@ -75,7 +75,9 @@ def test_final_checkpoint_and_export_are_written_once(tiny_model, tmp_path, monk
 def test_frozen_logprobs_are_recomputed_without_dropout(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from agentrl.learner.backend import ModelPart
     from agentrl.learner.data import prepare_batch
+    from agentrl.learner.fsdp import FSDP2Backend
     from agentrl.learner.packing import plan_microbatches
 
     torch.manual_seed(0)
@@ -88,9 +90,10 @@ def test_frozen_logprobs_are_recomputed_without_dropout(tiny_model, tmp_path):
     model.train()
     with torch.no_grad():
         noisy = forward_logprobs(model, mbs[0])[0]  # dropout active: not the policy's log-probs
-    recompute_logprobs(model, mbs, "old_logp", 1.0)
+    backend, part = FSDP2Backend(), ModelPart("actor", "policy", model)  # the unsharded model
+    recompute_logprobs(backend, part, mbs, "old_logp", 1.0)
     first = mbs[0].extra["old_logp"]
-    recompute_logprobs(model, mbs, "old_logp", 1.0)
+    recompute_logprobs(backend, part, mbs, "old_logp", 1.0)
     assert model.training  # the mode is restored
     torch.testing.assert_close(mbs[0].extra["old_logp"], first, rtol=0, atol=0)
     model.eval()
