@@ -67,7 +67,7 @@ def _ours(learner, groups, padded: bool = False) -> tuple[tuple[float, float], i
 
     cfg = learner.cfg
     t0, c0 = _clock(learner.device)
-    batch = prepare_batch(groups, advantage=cfg.advantage, loss_agg=cfg.loss_agg, vocab_size=learner.vocab_size,
+    batch = prepare_batch(groups, advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg, vocab_size=learner.vocab_size,
                           learner_version=0)  # fmt: skip
     samples = batch.mini_batches[0]
     plan = (
@@ -107,7 +107,7 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
 
     model_dir = init_model(preset, workdir / preset)
     vocab = PRESETS[preset].vocab_size
-    cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, lr=1e-5)
+    cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5})
     learner = build_learner(cfg, workdir / f"run-{preset}")
     bare = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
@@ -121,7 +121,7 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     cpu: dict[str, list[float]] = {k: [] for k in wall}
     counts: dict[str, int] = {}
     for i in range(steps + 1):  # step 0 warms up every path
-        samples = prepare_batch(uniform[i], advantage=cfg.advantage, loss_agg=cfg.loss_agg, vocab_size=vocab,
+        samples = prepare_batch(uniform[i], advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg, vocab_size=vocab,
                                 learner_version=0).mini_batches[0]  # fmt: skip
         bare_plan = plan_microbatches(samples, budget)
         runs = {

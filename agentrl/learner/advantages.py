@@ -78,7 +78,7 @@ def remax(rewards: Rewards, greedy_rewards: list[float]) -> Rewards:
     episodes is the reward of the greedy (argmax-decoded) episode for the same prompt.
 
     `greedy_rewards[g]` is that reward for group g. The rollers do not produce greedy episodes
-    yet, so this is not selectable as `learner.advantage`."""
+    yet, so this is not selectable as `learner.loss.advantage`."""
     if len(greedy_rewards) != len(rewards):
         raise ValueError(f"remax: {len(greedy_rewards)} greedy rewards for {len(rewards)} groups")
     return [np.asarray(r, dtype=np.float64) - float(b) for r, b in zip(rewards, greedy_rewards, strict=True)]
@@ -112,7 +112,7 @@ ESTIMATORS: dict[str, Callable[[Rewards], Rewards]] = {
 
 
 def compute_advantages(name: str, rewards: Rewards) -> Rewards:
-    """Dispatch by the config's `learner.advantage` name."""
+    """Dispatch by the config's `learner.loss.advantage` name."""
     try:
         return ESTIMATORS[name](rewards)
     except KeyError:

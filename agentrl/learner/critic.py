@@ -15,7 +15,7 @@ as the actor's per-position log-prob, advantage and mask (`packing.py`).
 `mb.extra["returns"]` with `mb.extra["old_values"]` (the values before this update) as the clip
 centre, weighted by each micro-batch's aggregation weights, as the actor's loss is.
 
-Not wired into the loop yet: `learner.advantage` has no `gae` choice, the critic is neither
+Not wired into the loop yet: `learner.loss.advantage` has no `gae` choice, the critic is neither
 checkpointed nor exported, and the packed micro-batches carry no token rewards.
 """
 

@@ -19,7 +19,7 @@ With one turn and every token an action this is exactly the recursion of TRL's
 trl/experimental/ppo/ppo_trainer.py; TRL 1.16 no longer ships PPOTrainer), and `value_loss`
 is its clipped value loss; tests/unit/learner/test_gae.py checks both on the same tensors.
 The critic that produces `values` is `critic.py`; neither is wired into the loop yet, so
-`learner.advantage` cannot select GAE.
+`learner.loss.advantage` cannot select GAE.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentrl.config import LearnerConfig
+from agentrl.config import LearnerConfig, LossConfig
 from agentrl.learner import losses
 from agentrl.learner.backend import LearnerBackend, ModelPart
 from agentrl.learner.packing import MicroBatch
@@ -74,7 +74,7 @@ def recompute_logprobs(
 
 
 def policy_loss(
-    logp: torch.Tensor, old: torch.Tensor, mb: MicroBatch, cfg: LearnerConfig
+    logp: torch.Tensor, old: torch.Tensor, mb: MicroBatch, cfg: LossConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss of `cfg.policy_loss` and a bool tensor of clipped tokens."""
     if cfg.policy_loss == "gspo":
@@ -88,7 +88,7 @@ def policy_loss(
 
 
 def microbatch_loss(
-    logp: torch.Tensor, ent: torch.Tensor | None, mb: MicroBatch, cfg: LearnerConfig, version: int
+    logp: torch.Tensor, ent: torch.Tensor | None, mb: MicroBatch, cfg: LossConfig, version: int
 ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
     """The micro-batch's share of the loss, plus metric sums and maxima over its loss tokens."""
     mask = mb.mask
@@ -142,11 +142,11 @@ def optimizer_step(
     """Accumulate gradients over this rank's micro-batches and apply one clipped AdamW step."""
     sums: dict[str, float] = defaultdict(float)
     maxes: dict[str, float] = defaultdict(lambda: -math.inf)
-    entropy = "grad" if cfg.entropy_coef > 0 else "metric"
+    entropy = "grad" if cfg.loss.entropy_coef > 0 else "metric"
 
     def loss_fn(mb: MicroBatch) -> torch.Tensor:
         logp, ent = backend.logprobs(part, mb, cfg.temperature, entropy)
-        loss, s, mx = microbatch_loss(logp, ent, mb, cfg, version)
+        loss, s, mx = microbatch_loss(logp, ent, mb, cfg.loss, version)
         for k, v in s.items():
             sums[k] += v
         for k, v in mx.items():
@@ -157,7 +157,9 @@ def optimizer_step(
     lr = part.lr
     sums = backend.all_reduce(dict(sums), "sum")
     maxes = backend.all_reduce(dict(maxes), "max")
-    grad_norm, finite = backend.optimizer_step(part, cfg.max_grad_norm, skip=not math.isfinite(sums["loss"]))
+    grad_norm, finite = backend.optimizer_step(
+        part, cfg.optim.max_grad_norm, skip=not math.isfinite(sums["loss"])
+    )
     n = max(sums["tokens"], 1.0)
     n_on = max(sums["on_policy_tokens"], 1.0)
     return {

@@ -44,7 +44,7 @@ class Run:
             f"--queue.address={self.address}", *FAST_QUEUE,
         ]  # fmt: skip
         self.learner_args = [
-            "--learner.warmstart_steps=0", f"--learner.max_steps={steps}", "--learner.batch_timeout_s=2",
+            "--learner.warmstart.steps=0", f"--learner.max_steps={steps}", "--learner.batch_timeout_s=2",
             "--inference.servers", f"[{self.url}]", "--weight_sync={type: disk}",
         ]  # fmt: skip
         self.logs = 0
@@ -128,7 +128,7 @@ def test_learner_killed_and_resumed(processes, tiny_model: Path, tmp_path: Path,
     queue nothing acknowledged is lost."""
     k = 1
     run = Run(processes, tiny_model, tmp_path, k=k, steps=6)
-    extra = ["--learner.checkpoint_every=2", f"--queue.durable={str(durable).lower()}"]
+    extra = ["--learner.checkpoint.every=2", f"--queue.durable={str(durable).lower()}"]
     run.serve()
     learner = run.learner(*extra)
     roller = run.roller(0, "--queue.silent_timeout_s=120")

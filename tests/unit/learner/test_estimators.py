@@ -120,13 +120,12 @@ def test_overlong_shaping_changes_the_advantages_not_the_reward_metrics():
                                                                    overlong_buffer_tokens=8)],
 )  # fmt: skip
 def test_new_objectives_train_through_the_loop(tiny_model, tmp_path, overrides):
-    from agentrl.config import LearnerConfig
     from agentrl.learner.fsdp import full_state_dict
     from agentrl.learner.loop import build_learner, run
     from agentrl.log import MetricsLogger, read_metrics
-    from tests.unit.learner.source import ListSource, make_groups
+    from tests.unit.learner.source import ListSource, learner_config, make_groups
 
-    cfg = LearnerConfig(model_path=str(tiny_model), groups_per_step=2, max_steps=1, micro_batch_tokens=64, lr=1e-3,
+    cfg = learner_config(model_path=str(tiny_model), groups_per_step=2, max_steps=1, micro_batch_tokens=64, lr=1e-3,
                         batch_timeout_s=0.1, **overrides)  # fmt: skip
     learner = build_learner(cfg, tmp_path)
     before = {k: v.clone() for k, v in full_state_dict(learner.model).items()}
