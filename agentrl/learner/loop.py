@@ -43,6 +43,7 @@ from agentrl.config import LearnerConfig, ScheduleConfig
 from agentrl.learner import backend as backends
 from agentrl.learner import checkpoint
 from agentrl.learner.backend import LearnerBackend, ModelPart
+from agentrl.learner.critic import build_critic, critic_step, gae_advantages
 from agentrl.learner.data import prepare_batch
 from agentrl.learner.packing import MicroBatch, non_padding_fraction, plan_microbatches
 from agentrl.learner.train_step import optimizer_step, recompute_logprobs
@@ -83,13 +84,21 @@ class Learner:
     ref: ModelPart | None
     vocab_size: int
     pad_id: int
+    critic: ModelPart | None = None
     version: int = 0
     consumed_groups: int = 0
 
     @property
     def trained_parts(self) -> list[ModelPart]:
         """What a checkpoint holds."""
-        return [self.actor]
+        return [self.actor] + ([self.critic] if self.critic is not None else [])
+
+    @property
+    def critic_warming_up(self) -> bool:
+        """Within `critic.warmup_steps`: only the critic trains (counted in its applied steps)."""
+        if self.critic is None:
+            return False
+        return self.critic.scheduler.last_epoch < self.cfg.critic.warmup_steps * self.cfg.mini_batches
 
     @property
     def model(self) -> nn.Module:
@@ -134,8 +143,8 @@ def lr_lambda(schedule: ScheduleConfig, total_steps: int):
 
 
 def build_learner(cfg: LearnerConfig, run_dir: str | Path) -> Learner:
-    """The backend (process group), the actor with AdamW and its LR schedule, and the frozen
-    reference when kl_coef > 0."""
+    """The backend (process group), the actor with AdamW and its LR schedule, the frozen
+    reference when kl_coef > 0, and the critic with its own AdamW when `loss.advantage: gae`."""
     backend = backends.create(cfg.backend)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
@@ -143,9 +152,10 @@ def build_learner(cfg: LearnerConfig, run_dir: str | Path) -> Learner:
     actor = backend.build("policy", cfg.model_path, name="actor", optim=cfg.optim, lr_lambda=schedule,
                           activation_checkpointing=cfg.activation_checkpointing, bf16=bf16)  # fmt: skip
     ref = backend.build("policy", cfg.model_path, name="ref", bf16=bf16) if cfg.loss.kl_coef > 0 else None
+    critic = build_critic(backend, cfg) if cfg.loss.advantage == "gae" else None
     config = actor.module.config
     pad = config.pad_token_id if config.pad_token_id is not None else 0
-    return Learner(cfg, Path(run_dir), backend, actor, ref, config.vocab_size, pad)
+    return Learner(cfg, Path(run_dir), backend, actor, ref, config.vocab_size, pad, critic)
 
 
 WAIT_POLL_S = 1.0  # a wait for a batch is cut into polls this long, so a stop request is seen
@@ -252,14 +262,20 @@ def _save(learner: Learner, consumer: Consumer | None) -> None:
 
 
 def export(learner: Learner) -> Path:
-    out = learner.run_dir / "hf" / f"step_{learner.version:08d}"
-    learner.backend.export(learner.actor, out, learner.cfg.model_path)
-    if learner.rank == 0:
-        latest = learner.run_dir / "hf" / "latest"
-        latest.unlink(missing_ok=True)
-        latest.symlink_to(out.name)
-        log.info("exported HF checkpoint %s", out)
-    return out
+    """The actor as an HF checkpoint under `<run_dir>/hf/` (and, with `critic.export`, the critic
+    under `<run_dir>/hf_critic/`), each with a `latest` link."""
+    parts = [(learner.actor, "hf")]
+    if learner.critic is not None and learner.cfg.critic.export:
+        parts.append((learner.critic, "hf_critic"))
+    for part, folder in parts:
+        out = learner.run_dir / folder / f"step_{learner.version:08d}"
+        learner.backend.export(part, out, learner.cfg.model_path)
+        if learner.rank == 0:
+            latest = learner.run_dir / folder / "latest"
+            latest.unlink(missing_ok=True)
+            latest.symlink_to(out.name)
+            log.info("exported HF checkpoint %s", out)
+    return learner.run_dir / "hf" / f"step_{learner.version:08d}"
 
 
 def resume(learner: Learner, consumer: Consumer | None) -> bool:
@@ -321,25 +337,38 @@ def run(
         # 2. validate, skip bad groups with a counted reason, compute advantages
         batch = _prepare(learner, groups, tally)
 
-        # 3. pack into micro-batches balanced across ranks; recompute frozen log-probs
+        # 3. pack into micro-batches balanced across ranks; recompute frozen log-probs; with a
+        #    critic, its values and the GAE advantages and returns
         plans = _pack(learner, batch)
+        critic = learner.critic
+        adv_stats = gae_advantages(learner.backend, critic, plans, cfg.loss) if critic and plans else {}
 
-        # 4. forward/backward, clip, AdamW step per mini-batch (skipped when non-finite)
+        # 4. forward/backward, clip, AdamW step per mini-batch (skipped when non-finite): the
+        #    actor (not while the critic warms up), then the critic
         t1 = time.perf_counter()
-        steps = [optimizer_step(learner.backend, learner.actor, plan, cfg, learner.version) for plan in plans]
+        warming = learner.critic_warming_up
+        steps = [] if warming else [optimizer_step(learner.backend, learner.actor, plan, cfg, learner.version)
+                                    for plan in plans]  # fmt: skip
+        critic_steps = (
+            [critic_step(learner.backend, critic, plan, cfg.critic) for plan in plans] if critic else []
+        )
         t_train = time.perf_counter() - t1
         applied = any(not s["step_skipped"] for s in steps)
         if steps and not applied:
             tally.count("nonfinite_step")
             log.error("step at version %d skipped: non-finite loss or gradient norm", learner.version)
+        used = applied or (warming and any(not s["critic/step_skipped"] for s in critic_steps))
 
         # 5. version += 1; publish; hand weights to weight sync
-        pushed = _publish(learner, consumer, weight_sync, applied, tally)
+        pushed = _publish(learner, consumer, weight_sync, applied, tally, counts_as_skip=not used)
 
         # 6. ack the groups (after the step: a crash before it means redelivery); log metrics
         if learner.rank == 0:
-            _ack(learner, consumer, groups, applied)
+            _ack(learner, consumer, groups, used)
             m = _step_metrics(learner, steps, batch, plans, queue_stats, tally.skipped, t_wait, t_train)
+            m.update({**adv_stats, **_mean(critic_steps)})
+            if critic is not None:
+                m["critic/warmup"] = float(warming)
             _report(learner, consumer, metrics, m, pushed, tally)
 
         # 7. checkpoint and export every N steps
@@ -391,10 +420,14 @@ def _publish(
     weight_sync: WeightSync | None,
     applied: bool,
     tally: RunTally,
+    counts_as_skip: bool = True,
 ) -> Any:
     """Step 5: a new version after an applied step (published, pushed to the servers); a skipped
-    step counts towards `max_consecutive_skips`. Returns weight sync's push report, if any."""
+    step counts towards `max_consecutive_skips` (a critic warm-up step does not). Returns weight
+    sync's push report, if any."""
     if not applied:
+        if not counts_as_skip:
+            return None
         tally.skips_in_a_row += 1
         limit = learner.cfg.max_consecutive_skips
         if limit and tally.skips_in_a_row >= limit:
@@ -435,6 +468,9 @@ def _report(
         log.info("version %d  loss %.4g  reward %.3g  grad_norm %.3g  %.0f tok/s", learner.version, m["loss"],
                  reward, m["grad_norm"], m["tokens_per_s"])  # fmt: skip
         tally.progress.update(learner.version, f"reward {reward:.3f}  loss {m['loss']:.4g}")
+    elif "critic/value_loss" in m:
+        log.info("version %d  critic warm-up  value loss %.4g  explained variance %.3g", learner.version,
+                 m["critic/value_loss"], m["critic/explained_variance"])  # fmt: skip
 
 
 def _periodic_save(learner: Learner, consumer: Consumer | None, applied: bool, tally: RunTally) -> None:
@@ -471,6 +507,11 @@ class ConsoleProgress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key mean of per-mini-batch metrics."""
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
 
 
 def _tokens(plans: list) -> int:
