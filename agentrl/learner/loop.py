@@ -364,7 +364,9 @@ def run(
 
         # 6. ack the groups (after the step: a crash before it means redelivery); log metrics
         if learner.rank == 0:
-            _ack(learner, consumer, groups, used)
+            # a warm-up step's groups go back as skipped too: the actor never trains on them, and
+            # the queue's admission counts groups_per_step groups per version
+            _ack(learner, consumer, groups, applied)
             m = _step_metrics(learner, steps, batch, plans, queue_stats, tally.skipped, t_wait, t_train)
             m.update({**adv_stats, **_mean(critic_steps)})
             if critic is not None:

@@ -117,7 +117,8 @@ def test_ppo_loop_warms_up_the_critic_trains_both_exports_and_resumes(tiny_model
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # the warm-up step makes no version
     assert [r["critic/warmup"] for r in rows] == [1.0, 0.0, 0.0, 0.0]
     assert "loss" not in rows[0] and all("loss" in r for r in rows[1:])
-    assert source.cursor == 8 and not source.dropped  # the warm-up batch was trained on (by the critic)
+    # the warm-up batch trained the critic only: it goes back as skipped, returning its admission
+    assert source.cursor == 8 and source.dropped == [g.group_id for g in groups[:2]]
     for key in ("critic/value_loss", "critic/explained_variance", "adv/gae_mean", "adv/gae_std"):
         assert all(math.isfinite(r[key]) for r in rows), key
     assert rows[0]["critic/explained_variance"] <= 0  # values start at 0
