@@ -63,7 +63,9 @@ def test_bench_learner_reports_vs_bare_hf_and_packed_vs_padded(processes: Proces
         assert 0 < metrics[key] <= 1, (key, metrics[key])
     assert metrics["tiny.tokens_per_step_uniform"] >= 128 and metrics["tiny.tokens_per_step_tailed"] >= 128
     assert metrics["tiny.vs_bare_hf"] == line["ratios"]["vs_bare_hf"]
-    assert "learner step" in stdout and "HF tok/s" in stdout and "│ tiny" in stdout
+    assert (
+        "learner step" in stdout and "HF tok/s" in stdout and "│ tiny" in stdout and "critic cost" in stdout
+    )
 
 
 def test_bench_sync_reports_vs_raw_broadcast_and_vs_disk(processes: Processes) -> None:
