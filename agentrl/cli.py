@@ -2,7 +2,7 @@
 
     agentrl --help
     agentrl init-model tiny runs/models/tiny
-    agentrl run --config recipes/quickstart.yaml --learner.lr 1e-6
+    agentrl run --config recipes/quickstart.yaml --learner.optim.lr 1e-6
 
 Every command that takes `--config` also takes dotted overrides of any field
 (`--section.key VALUE` or `--section.key=VALUE`); the config is validated before
@@ -334,9 +334,9 @@ def status(run_dir: RunDirOpt) -> None:
 def warmstart(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Supervised warm start on the env's demonstrations; writes <run_dir>/warmstart."""
     cfg = load(config, ctx)
-    if cfg.learner.warmstart_steps == 0:
+    if cfg.learner.warmstart.steps == 0:
         raise _fail(
-            "learner.warmstart_steps is 0: nothing to do (set it, e.g. --learner.warmstart_steps 200)"
+            "learner.warmstart.steps is 0: nothing to do (set it, e.g. --learner.warmstart.steps 200)"
         )
     check_model_path("learner.model_path", cfg.learner.model_path)
     from agentrl.learner.warmstart import warmstart as train

@@ -3,7 +3,7 @@
 A run is described by `AgentRLConfig`, whose sections (`learner`, `roller`, `queue`,
 `inference`, `weight_sync`, `env`) are each handed only to the component that owns
 them. Presets are YAML or TOML files (see `recipes/`); dotted command-line overrides
-(`--learner.lr 1e-6`) are applied on top. Every model forbids unknown keys and every
+(`--learner.optim.lr 1e-6`) are applied on top. Every model forbids unknown keys and every
 field carries a docstring, which doubles as CLI help and as the reference in
 `docs/config.md`. Validation happens before any process starts; the error names the
 field to change and what it accepts.
@@ -34,141 +34,25 @@ class Section(BaseModel):
 
 
 # --------------------------------------------------------------------------- learner
+# `learner:` and its sub-sections live in agentrl/learner/config.py; they are re-exported here.
 
+from agentrl.learner.config import (  # noqa: E402
+    MOVED,
+    CheckpointConfig,
+    CriticConfig,
+    LearnerConfig,
+    LoggingConfig,
+    LossConfig,
+    OptimConfig,
+    ScheduleConfig,
+    WarmstartConfig,
+)
 
-class LearnerConfig(Section):
-    """The FSDP2 learner: model, optimiser, loss, packing, checkpoints and export."""
-
-    model_path: str = "runs/models/tiny"
-    """Hugging Face checkpoint directory (or hub id where a hub is reachable) to train."""
-    groups_per_step: int = Field(8, ge=1)
-    """Prompt groups consumed per learner step (the batch size in groups)."""
-    mini_batches: int = Field(1, ge=1)
-    """Optimizer updates per consumed batch (its groups split evenly); > 1 makes π_old differ from π_θ."""
-    lr: float = Field(1e-5, gt=0)
-    """Peak learning rate of AdamW."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW (β1, β2)."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear learning-rate warm-up, in optimizer steps."""
-    lr_decay: Literal["constant", "cosine", "linear"] = "constant"
-    """Learning-rate shape after warm-up, decaying to `min_lr_ratio`·lr at `max_steps`."""
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    """Final learning rate as a fraction of the peak (cosine / linear decay)."""
-    max_grad_norm: float = Field(1.0, gt=0)
-    """Gradient clipping threshold (global L2 norm)."""
-    max_steps: int = Field(100, ge=1)
-    """Learner steps (weight versions) to produce before the learner stops."""
-    micro_batch_tokens: int = Field(4096, ge=16)
-    """Token budget of one packed micro-batch (forward/backward unit)."""
-    pad_multiple: int = Field(8, ge=1)
-    """Packed rows are padded to a multiple of this many tokens (shape reuse on GPUs)."""
-    max_seq_tokens: int | None = Field(None, ge=2)
-    """Episodes longer than this are skipped and counted (`too_long`); null accepts any length."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature the rollers used; logits are divided by it so learner and behaviour
-    log-probs describe the same distribution (keep equal to `roller.temperature`)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "grpo_batch_std"] = "grpo"
-    """Advantage estimator: GRPO, Dr. GRPO, RLOO, REINFORCE++ (batch mean and std) or grpo_batch_std
-    (group mean, batch std: TRL's `scale_rewards="batch"`); see docs/architecture.md."""
-    policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = "ppo_clip"
-    """Policy objective: token-level PPO clip, GSPO's sequence-level ratio, CISPO (clipped
-    importance-weight REINFORCE; uses clip_low / clip_high on the weight) or SAPO (soft gate)."""
-    clip_low: float = Field(0.2, ge=0)
-    """Lower clip range ε of the importance ratio (1 − ε)."""
-    clip_high: float = Field(0.28, ge=0)
-    """Upper clip range (1 + ε_high); DAPO's clip-higher when above clip_low."""
-    dual_clip: float | None = Field(None, gt=1)
-    """Dual-clip constant c (> 1) bounding the loss for negative advantages (ppo_clip and gspo;
-    refused with cispo / sapo, which have no clip to bound); null disables."""
-    sapo_tau_pos: float = Field(1.0, gt=0)
-    """SAPO's gate temperature for positive advantages."""
-    sapo_tau_neg: float = Field(1.05, gt=0)
-    """SAPO's gate temperature for negative advantages."""
-    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
-    """How per-token losses are aggregated into the batch loss. Left unset with `policy_loss: gspo`
-    it is `seq_mean_token_mean` (GSPO's sequence mean); token_mean would weight sequences by length."""
-    overlong_max_tokens: int | None = Field(None, ge=1)
-    """DAPO's overlong reward shaping: L_max, the generated-token length above which an episode
-    gets the full penalty; null disables the shaping."""
-    overlong_buffer_tokens: int = Field(0, ge=0)
-    """DAPO's L_cache: the penalty grows linearly over the last this-many tokens below L_max."""
-    overlong_penalty: float = Field(1.0, ge=0)
-    """Scale of DAPO's overlong penalty (1.0 is the paper's: from 0 down to −1)."""
-    off_policy: Literal["none", "tis", "decoupled"] = "tis"
-    """Off-policy correction: none (π_old = behaviour), truncated importance sampling, or
-    decoupled PPO (π_prox recomputed by the learner; behaviour weights above the cap dropped)."""
-    is_cap: float = Field(2.0, gt=0)
-    """Cap C on importance weights (TIS weight or decoupled behaviour weight)."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Coefficient of the KL penalty to the reference model; 0 disables the reference model."""
-    kl_estimator: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
-    """Estimator of the KL penalty."""
-    entropy_coef: float = Field(0.0, ge=0)
-    """Entropy bonus coefficient."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype: bfloat16 uses FSDP2 mixed precision (bf16 compute; fp32 master weights,
-    AdamW state and gradient reduction; log-probs from an fp32 log-softmax) on CPU and on GPUs
-    with bf16 support; a GPU without bf16 trains in float32 and says so."""
-    activation_checkpointing: bool = False
-    """Recompute activations of each decoder layer in the backward pass."""
-    batch_timeout_s: float = Field(5.0, gt=0)
-    """How long one wait for a batch lasts before it is logged and retried."""
-    max_consecutive_skips: int = Field(20, ge=0)
-    """Stop with an error after this many consecutive skipped steps (bad data, NaN); 0 never stops."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Save a resumable checkpoint every N steps; 0 saves only at the end."""
-    keep_checkpoints: int = Field(2, ge=1)
-    """Resumable checkpoints kept on disk (older ones are deleted)."""
-    export_every: int = Field(0, ge=0)
-    """Write a Hugging Face checkpoint every N steps; 0 exports only at the end."""
-    tensorboard: bool = False
-    """Also write metrics to TensorBoard under `<run_dir>/tensorboard`."""
-    wandb_project: str | None = None
-    """Also log metrics to this Weights & Biases project."""
-    seed: int = 0
-    """Random seed of the learner."""
-    num_processes: int = Field(1, ge=1)
-    """Learner ranks `agentrl run` starts (torchrun with this many processes when above 1)."""
-    warmstart_steps: int = Field(0, ge=0)
-    """Supervised steps on the env's demonstrations before RL (`agentrl warmstart`); 0 skips it."""
-    warmstart_lr: float = Field(1e-3, gt=0)
-    """Learning rate of the supervised warm start."""
-    warmstart_batch_size: int = Field(16, ge=1)
-    """Demonstrations per warm-start step."""
-
-    @property
-    def overlong(self) -> tuple[int, int, float] | None:
-        """(L_max, L_cache, factor) of DAPO's overlong shaping, or None when it is off."""
-        if self.overlong_max_tokens is None:
-            return None
-        return self.overlong_max_tokens, self.overlong_buffer_tokens, self.overlong_penalty
-
-    @model_validator(mode="before")
-    @classmethod
-    def _objective_defaults(cls, data: Any) -> Any:
-        """GSPO's own aggregation is the sequence mean (GSPO paper, eq. 5-7): it is the default
-        when `loss_agg` is not given, so the resolved config names it."""
-        if isinstance(data, dict) and data.get("policy_loss") == "gspo" and "loss_agg" not in data:
-            data = {**data, "loss_agg": "seq_mean_token_mean"}
-        return data
-
-    @model_validator(mode="after")
-    def _objective_checks(self) -> LearnerConfig:
-        if self.kl_coef > 0 and self.kl_estimator == "k1":
-            raise ValueError(
-                "kl_estimator: k1 (log π − log π_ref) as a loss term has zero expected gradient on tokens "
-                "sampled from π (E[∇ log π] = 0), so the penalty does nothing on average; use k3 or low_var_kl"
-            )
-        if self.dual_clip is not None and self.policy_loss in ("cispo", "sapo"):
-            raise ValueError(
-                f"dual_clip: {self.policy_loss} has no clipped surrogate to bound; set it to null"
-            )
-        if self.overlong_max_tokens is not None and self.overlong_buffer_tokens > self.overlong_max_tokens:
-            raise ValueError("overlong_buffer_tokens: must not exceed overlong_max_tokens (L_cache <= L_max)")
-        return self
+__all__ = [
+    "MOVED", "AgentRLConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "LearnerConfig",
+    "LoggingConfig", "LossConfig", "OptimConfig", "ScheduleConfig", "Section", "WarmstartConfig",
+    "describe", "load_config", "save_resolved",
+]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- roller
@@ -647,9 +531,18 @@ class AgentRLConfig(Section):
                 "inference.logprobs: SGLang 0.5.23 returns only full-distribution log-probs "
                 "(srt/layers/sampler.py); use inference.logprobs: full with inference.type: sglang"
             )
-        if concerns("learner") and self.learner.clip_high < self.learner.clip_low:
+        if (
+            concerns("learner", "roller")
+            and self.learner.loss.advantage == "remax"
+            and not self.roller.greedy_baseline
+        ):
             raise ValueError(
-                "learner.clip_high: must be >= learner.clip_low (clip-higher widens the upper bound only)"
+                "learner.loss.advantage: 'remax' needs roller.greedy_baseline: true (the rollers run the "
+                "greedy episode whose reward is each group's baseline)"
+            )
+        if concerns("learner") and self.learner.loss.clip_high < self.learner.loss.clip_low:
+            raise ValueError(
+                "learner.loss.clip_high: must be >= learner.loss.clip_low (clip-higher widens the upper bound only)"
             )
         return self
 
@@ -690,7 +583,7 @@ def _read_preset(path: Path) -> dict[str, Any]:
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
-    """Turn `['--learner.lr', '1e-6', '--roller.group_size=4']` into (dotted key, value) pairs.
+    """Turn `['--learner.optim.lr', '1e-6', '--roller.group_size=4']` into (dotted key, value) pairs.
 
     Values are read as YAML scalars/collections (`true`, `[a, b]`, `{k: v}`); pydantic then
     coerces and validates them against the field's type."""
@@ -773,6 +666,8 @@ def format_validation_error(exc: ValidationError) -> str:
         elif err["type"] == "value_error" and not loc:
             # cross-field checks phrase their own message, starting with the field to change
             lines.append(str(err["ctx"]["error"]) if "ctx" in err else err["msg"])
+        elif err["type"] == "value_error" and isinstance(err.get("input"), dict) and "ctx" in err:
+            lines.append(f"{where}: {err['ctx']['error']}")  # a section's own check (e.g. moved keys)
         else:
             given = err.get("input")
             shown = json.dumps(given, default=str) if not isinstance(given, dict) else "{...}"

@@ -4,7 +4,7 @@
 
 Start-up order (each step waits for the previous one to be ready):
 1. the resolved config is written to the run directory;
-2. optionally a supervised warm start (`learner.warmstart_steps > 0`): `agentrl warmstart`
+2. optionally a supervised warm start (`learner.warmstart.steps > 0`): `agentrl warmstart`
    writes `<run_dir>/warmstart`, which the servers and the learner then load;
 3. `inference.num_servers` embedded servers (`agentrl serve`; vLLM ones with `inference.type:
    vllm`, see `inference/vllm_launch.py`) on free loopback ports,
@@ -300,7 +300,7 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
         # one machine, one job: a fresh shared secret authenticates the queue's messages
         os.environ[secret_env] = secrets.token_hex(32)
     try:
-        if config.learner.warmstart_steps > 0:
+        if config.learner.warmstart.steps > 0:
             warm = _warm_model(run_dir) if resume else None
             if warm is None:
                 child = supervisor.start(

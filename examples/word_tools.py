@@ -46,7 +46,7 @@ class WordTools(ToolEnv):
         return float(transcript.final_text.strip() == self.task["answer"])
 
     def demonstrate(self, task):
-        """The ideal conversation, for the supervised warm start (`learner.warmstart_steps`)."""
+        """The ideal conversation, for the supervised warm start (`learner.warmstart.steps`)."""
         call = json.dumps({"name": "count_letters", "arguments": {"word": task["word"], "letter": "s"}})
         return [
             *self.prompt(task),

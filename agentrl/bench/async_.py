@@ -51,7 +51,7 @@ def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) ->
         sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml",
         f"--run_dir={run_dir}", f"--max_staleness={k}", f"--learner.model_path={model_dir}",
         f"--learner.max_steps={opts.steps}", f"--learner.groups_per_step={opts.groups_per_step}",
-        "--learner.warmstart_steps=0", f"--roller.group_size={GROUP_SIZE}", f"--roller.max_concurrent_episodes={opts.concurrency}",
+        "--learner.warmstart.steps=0", f"--roller.group_size={GROUP_SIZE}", f"--roller.max_concurrent_episodes={opts.concurrency}",
         "--env.name=toy_lookup_slow", "--env.kwargs", f"{{latency_s: {opts.latency_s}}}",
         "--queue.address", f"tcp://127.0.0.1:{free_port()}",
     ]  # fmt: skip
@@ -75,7 +75,7 @@ def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) ->
 def _warmstart(model_dir: str, run_dir: Path, steps: int) -> str:
     args = [
         sys.executable, "-m", "agentrl", "warmstart", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
-        f"--learner.model_path={model_dir}", f"--learner.warmstart_steps={steps}",
+        f"--learner.model_path={model_dir}", f"--learner.warmstart.steps={steps}",
     ]  # fmt: skip
     result = _run(args)
     if result.returncode != 0:

@@ -96,8 +96,8 @@ def one_scenario(name: str, tmp: Path, model: str, opts: argparse.Namespace) -> 
     args = [
         sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
         f"--max_staleness={opts.k}", f"--learner.model_path={model}", f"--learner.max_steps={opts.steps}",
-        "--learner.groups_per_step=4", "--learner.warmstart_steps=0", "--learner.batch_timeout_s=1",
-        "--learner.checkpoint_every=1", "--roller.group_size=4", "--roller.max_turns=2",
+        "--learner.groups_per_step=4", "--learner.warmstart.steps=0", "--learner.batch_timeout_s=1",
+        "--learner.checkpoint.every=1", "--roller.group_size=4", "--roller.max_turns=2",
         "--roller.max_concurrent_episodes=16", "--inference.health_check_interval_s=1",
         "--launcher.restart_backoff_s=0.5", f"--queue.address=tcp://127.0.0.1:{free_port()}", *extra,
     ]  # fmt: skip

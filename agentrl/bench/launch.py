@@ -36,7 +36,7 @@ def _arm(model: str, run_dir: Path, steps: int, extra: list[str]) -> dict[str, f
     argv = [
         sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
         f"--learner.model_path={model}", f"--learner.max_steps={steps}", f"--learner.groups_per_step={GROUPS}",
-        "--learner.warmstart_steps=0", f"--roller.group_size={GROUP_SIZE}", "--roller.max_turns=2",
+        "--learner.warmstart.steps=0", f"--roller.group_size={GROUP_SIZE}", "--roller.max_turns=2",
         "--roller.max_concurrent_episodes=16", *extra,
     ]  # fmt: skip
     start = time.time()

@@ -12,6 +12,10 @@
    ratio = ours tokens/s ÷ bare tokens/s (target ≥ 0.9, i.e. ≤ 10% framework overhead).
 2. packed_vs_padded — our step on a long-tailed (log-normal) length distribution, packed into
    token-budget rows vs padded rows under the same token budget; tokens/s counts real tokens.
+3. critic_cost — a PPO step (`loss.advantage: gae`: the critic's forward for the old values,
+   GAE, the actor's step, the critic's step) on the same episodes as the actor-only step of 1:
+   ratio = PPO seconds per step ÷ actor-only seconds per step (about 2 would mean the critic
+   costs as much as the actor).
 
 Runs alternate between the variants (rotating which goes first). Because these machines are
 shared, ratios on CPU compare tokens per CPU-second of this process (median over steps); wall-clock
@@ -67,7 +71,7 @@ def _ours(learner, groups, padded: bool = False) -> tuple[tuple[float, float], i
 
     cfg = learner.cfg
     t0, c0 = _clock(learner.device)
-    batch = prepare_batch(groups, advantage=cfg.advantage, loss_agg=cfg.loss_agg, vocab_size=learner.vocab_size,
+    batch = prepare_batch(groups, advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg, vocab_size=learner.vocab_size,
                           learner_version=0)  # fmt: skip
     samples = batch.mini_batches[0]
     plan = (
@@ -75,8 +79,26 @@ def _ours(learner, groups, padded: bool = False) -> tuple[tuple[float, float], i
         if padded
         else plan_microbatches(samples, cfg.micro_batch_tokens)
     )
-    optimizer_step(learner.model, learner.optimizer, learner.scheduler, [mb.to(learner.device) for mb in plan],
-                   cfg, 0, 1, learner.device)  # fmt: skip
+    optimizer_step(learner.backend, learner.actor, [mb.to(learner.device) for mb in plan], cfg, 0)
+    t1, c1 = _clock(learner.device)
+    return (t1 - t0, c1 - c0), sum(mb.real_tokens for mb in plan)
+
+
+def _ppo(learner, groups) -> tuple[tuple[float, float], int]:
+    """The loop's steps 2-4 under `loss.advantage: gae`: GAE from the critic, actor and critic steps."""
+    from agentrl.learner.critic import critic_step, gae_advantages
+    from agentrl.learner.data import prepare_batch
+    from agentrl.learner.packing import plan_microbatches
+    from agentrl.learner.train_step import optimizer_step
+
+    cfg = learner.cfg
+    t0, c0 = _clock(learner.device)
+    batch = prepare_batch(groups, advantage="gae", loss_agg=cfg.loss.loss_agg, vocab_size=learner.vocab_size,
+                          learner_version=0)  # fmt: skip
+    plan = [mb.to(learner.device) for mb in plan_microbatches(batch.mini_batches[0], cfg.micro_batch_tokens)]
+    gae_advantages(learner.backend, learner.critic, [plan], cfg.loss)
+    optimizer_step(learner.backend, learner.actor, plan, cfg, 0)
+    critic_step(learner.backend, learner.critic, plan, cfg.critic)
     t1, c1 = _clock(learner.device)
     return (t1 - t0, c1 - c0), sum(mb.real_tokens for mb in plan)
 
@@ -108,8 +130,11 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
 
     model_dir = init_model(preset, workdir / preset)
     vocab = PRESETS[preset].vocab_size
-    cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, lr=1e-5)
+    cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5})
     learner = build_learner(cfg, workdir / f"run-{preset}")
+    ppo_cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5},
+                            loss={"advantage": "gae"}, critic={"optim": {"lr": 1e-5}})  # fmt: skip
+    ppo = build_learner(ppo_cfg, workdir / f"run-ppo-{preset}")
     bare = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
     ).to(learner.device)  # the baseline runs where ours does (on a GPU machine: the GPU)
@@ -118,11 +143,11 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     uniform = [_groups(rng, tokens, False, vocab) for _ in range(steps + 1)]
     tailed = [_groups(rng, tokens, True, vocab) for _ in range(steps + 1)]
 
-    wall: dict[str, list[float]] = {"ours": [], "bare": [], "packed": [], "padded": []}
+    wall: dict[str, list[float]] = {"ours": [], "bare": [], "packed": [], "padded": [], "ppo": []}
     cpu: dict[str, list[float]] = {k: [] for k in wall}
     counts: dict[str, int] = {}
     for i in range(steps + 1):  # step 0 warms up every path
-        samples = prepare_batch(uniform[i], advantage=cfg.advantage, loss_agg=cfg.loss_agg, vocab_size=vocab,
+        samples = prepare_batch(uniform[i], advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg, vocab_size=vocab,
                                 learner_version=0).mini_batches[0]  # fmt: skip
         bare_plan = plan_microbatches(samples, budget)
         runs = {
@@ -133,15 +158,20 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
             ),
             "packed": lambda i=i: _ours(learner, tailed[i]),
             "padded": lambda i=i: _ours(learner, tailed[i], padded=True),
+            "ppo": lambda i=i: _ppo(ppo, uniform[i]),
         }
-        order = list(runs)[i % 4 :] + list(runs)[: i % 4]  # rotate so no variant always runs first
+        order = list(runs)[i % 5 :] + list(runs)[: i % 5]  # rotate so no variant always runs first
         for name in order:
             (wall_s, cpu_s), n = runs[name]()
             if i:
                 wall[name].append(n / wall_s)
                 cpu[name].append(n / cpu_s)
             counts[name] = n
-        if counts["ours"] != counts["bare"] or counts["packed"] != counts["padded"]:
+        if (
+            counts["ours"] != counts["bare"]
+            or counts["packed"] != counts["padded"]
+            or counts["ppo"] != counts["ours"]
+        ):
             raise RuntimeError(f"the variants trained on different tokens: {counts}")  # not comparable
     tail_samples = prepare_batch(tailed[-1], advantage="grpo", loss_agg="token_mean", vocab_size=vocab,
                                  learner_version=0).mini_batches[0]  # fmt: skip
@@ -163,6 +193,9 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
         "vs_bare_hf_wall": med_wall["ours"] / med_wall["bare"],
         "packed_vs_padded": basis["packed"] / basis["padded"],
         "packed_vs_padded_wall": med_wall["packed"] / med_wall["padded"],
+        "ppo_tok_s": med_wall["ppo"],
+        "critic_cost": basis["ours"] / basis["ppo"],  # PPO step time ÷ actor-only step time
+        "critic_cost_wall": med_wall["ours"] / med_wall["ppo"],
         "non_padding_packed": non_padding_fraction(plan_microbatches(tail_samples, budget)),
         "non_padding_padded": non_padding_fraction(padded_plan(tail_samples, budget)),
         "tokens_per_step_uniform": counts["ours"],
@@ -196,17 +229,35 @@ def main(args: list[str]) -> int:
     ]  # fmt: skip
     print_table(
         f"learner step: {opts.tokens} tokens/step, {opts.budget}-token micro-batches, {torch.get_num_threads()} threads",
-        ["model", "ours tok/s", "HF tok/s", "ours/HF", "(wall)", "packed/pad", "(wall)", "non-pad"],
+        [
+            "model",
+            "ours tok/s",
+            "HF tok/s",
+            "ours/HF",
+            "(wall)",
+            "packed/pad",
+            "(wall)",
+            "non-pad",
+        ],
         rows,
+    )
+    print_table(
+        "critic cost: a PPO step (critic forward, GAE, actor step, critic step) vs the actor-only step",
+        ["model", "PPO tok/s", "actor-only tok/s", "PPO/actor time", "(wall)"],
+        [
+            [p, r["ppo_tok_s"], r["ours_tok_s"], r["critic_cost"], r["critic_cost_wall"]]
+            for p, r in results.items()
+        ],
     )
     main_preset = "small" if "small" in results else next(iter(results))
     metrics = {f"{p}.{k}": v for p, r in results.items() for k, v in r.items()}
     metrics["ratios_from"] = main_preset
     metrics["ratio_basis"] = "wall" if torch.cuda.is_available() else "cpu"  # the learner's device
-    ratios = {k: results[main_preset][k] for k in ("vs_bare_hf", "packed_vs_padded")}
+    keys = ("vs_bare_hf", "packed_vs_padded", "critic_cost")
+    ratios = {k: results[main_preset][k] for k in keys}
     for p, r in results.items():
         if p != main_preset:
-            ratios.update({f"{k}_{p}": r[k] for k in ("vs_bare_hf", "packed_vs_padded")})
+            ratios.update({f"{k}_{p}": r[k] for k in keys})
     emit("learner", metrics, ratios)
     dist.destroy_process_group()
     return 0

@@ -107,9 +107,9 @@ def _agentrl(model_dir: str, run_dir: Path, opts: argparse.Namespace, colocated:
     recipe = "recipes/quickstart_colocated.yaml" if colocated else "recipes/quickstart.yaml"
     args = [
         sys.executable, "-m", "agentrl", "run", "--config", recipe, f"--run_dir={run_dir}",
-        f"--max_staleness={k}", f"--learner.model_path={model_dir}", "--learner.warmstart_steps=0",
+        f"--max_staleness={k}", f"--learner.model_path={model_dir}", "--learner.warmstart.steps=0",
         f"--learner.max_steps={opts.steps}", f"--learner.groups_per_step={opts.prompts_per_step}",
-        f"--learner.lr={opts.lr}", "--learner.advantage=grpo", f"--roller.group_size={opts.completions}",
+        f"--learner.optim.lr={opts.lr}", "--learner.loss.advantage=grpo", f"--roller.group_size={opts.completions}",
         "--roller.max_turns=1", f"--roller.max_new_tokens={opts.length}", "--roller.max_total_tokens=512",
         "--env.name=agentrl.bench.peer:ColourEcho", "--env.kwargs={}",
     ]  # fmt: skip

@@ -19,7 +19,7 @@ log = get_logger("colocated.launch")
 
 def launch(config: AgentRLConfig, config_path: Path) -> int:
     model = config.learner.model_path
-    if config.learner.warmstart_steps > 0:
+    if config.learner.warmstart.steps > 0:
         from agentrl.learner.warmstart import warmstart
 
         model = str(warmstart(config))

@@ -45,25 +45,30 @@ log = get_logger("colocated")
 
 
 def build_learner(cfg: AgentRLConfig, meshes: Any) -> Any:
-    """The learner's `Learner`, its actor sharded with the HybridEngine's FSDP2 placement (each
-    parameter on its TP dim, so every training shard lies inside a generation shard)."""
+    """The learner's `Learner` through its backend seam, the actor sharded with the HybridEngine's
+    FSDP2 placement (each parameter on its TP dim, so every training shard lies inside a
+    generation shard)."""
+    import functools
+
     from agentrl.hybrid.reshard import shard_training_model
-    from agentrl.learner import fsdp
+    from agentrl.learner import backend as backends
     from agentrl.learner.loop import Learner, lr_lambda
 
     lc = cfg.learner
-    rank, world, device = fsdp.init_distributed()
+    if lc.loss.kl_coef > 0:
+        raise ValueError(
+            "learner.loss.kl_coef > 0 is not supported in mode: colocated (no reference model yet)"
+        )
+    if lc.loss.advantage == "gae":
+        raise ValueError("learner.loss.advantage: gae is not supported in mode: colocated (no critic yet)")
+    backend = backends.create(lc.backend)
     torch.manual_seed(lc.seed)
-    model = shard_training_model(fsdp.load_model(lc.model_path, device), meshes.train)
-    model.train()
-    if lc.kl_coef > 0:
-        raise ValueError("learner.kl_coef > 0 is not supported in mode: colocated (no reference model yet)")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=lc.adam_betas,
-                                  weight_decay=lc.weight_decay, fused=True)  # fmt: skip
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(lc))
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    return Learner(lc, Path(cfg.run_dir), model, None, optimizer, scheduler, rank, world, device,
-                   model.config.vocab_size, pad)  # fmt: skip
+    schedule = lr_lambda(lc.schedule, lc.max_steps * lc.mini_batches)
+    actor = backend.build("policy", lc.model_path, name="actor", optim=lc.optim, lr_lambda=schedule,
+                          shard=functools.partial(shard_training_model, mesh=meshes.train))  # fmt: skip
+    config = actor.module.config
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    return Learner(lc, Path(cfg.run_dir), backend, actor, None, config.vocab_size, pad)
 
 
 def _lockstep(meshes: Any) -> Any:
@@ -116,9 +121,8 @@ def run(cfg: AgentRLConfig) -> int:
     from agentrl.inference.engine import Engine
     from agentrl.learner import fsdp
     from agentrl.learner.data import prepare_batch
-    from agentrl.learner.loop import export
-    from agentrl.learner.packing import plan_microbatches
-    from agentrl.learner.train_step import optimizer_step, recompute_logprobs
+    from agentrl.learner.loop import export, pack
+    from agentrl.learner.train_step import optimizer_step
     from agentrl.rollers.chat import ChatRenderer
     from agentrl.rollers.tasks import TaskSource
 
@@ -186,19 +190,14 @@ def run(cfg: AgentRLConfig) -> int:
 
             # 5. train with the learner's own steps
             t0 = time.perf_counter()
-            batch = prepare_batch(groups, advantage=lc.advantage, loss_agg=lc.loss_agg,
+            batch = prepare_batch(groups, advantage=lc.loss.advantage, loss_agg=lc.loss.loss_agg,
                                   vocab_size=learner.vocab_size, learner_version=learner.version,
                                   mini_batches=lc.mini_batches, max_seq_tokens=lc.max_seq_tokens,
-                                  overlong=lc.overlong)  # fmt: skip
-            plans = []
-            if batch.trainable_tokens:
-                plans = [[mb.to(device) for mb in plan_microbatches(samples, lc.micro_batch_tokens, world, rank,
-                          lc.pad_multiple, learner.pad_id)] for samples in batch.mini_batches]  # fmt: skip
-            for plan in plans:
-                if lc.off_policy == "decoupled" or (lc.off_policy == "tis" and lc.mini_batches > 1):
-                    recompute_logprobs(learner.model, plan, "old_logp", lc.temperature)
-            steps = [optimizer_step(learner.model, learner.optimizer, learner.scheduler, plan, lc,
-                                    learner.version, world, device) for plan in plans]  # fmt: skip
+                                  overlong=lc.loss.overlong)  # fmt: skip
+            plans = pack(learner, batch)
+            steps = [
+                optimizer_step(learner.backend, learner.actor, plan, lc, learner.version) for plan in plans
+            ]
             t_train = time.perf_counter() - t0
             learner.version += 1
             learner.consumed_groups += len(groups)

@@ -82,7 +82,7 @@ class Env:
         """An ideal conversation for `task` (prompt, assistant turns, env turns), for the
         supervised warm start. Envs that can solve their own tasks implement it."""
         raise NotImplementedError(
-            f"{type(self).__name__} has no demonstrations: set learner.warmstart_steps: 0"
+            f"{type(self).__name__} has no demonstrations: set learner.warmstart.steps: 0"
         )
 
     @classmethod

@@ -497,7 +497,7 @@ def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -
             if Path(config.learner.model_path).exists()
             else config.learner.model_path
         )
-        if config.learner.warmstart_steps > 0:
+        if config.learner.warmstart.steps > 0:
             if (_warm_model(run_dir) if resume else None) is None:
                 job.run_warmstart()
             model = str((run_dir / "warmstart").resolve())

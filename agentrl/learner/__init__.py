@@ -1,1 +1,2 @@
-"""The learner: FSDP2 training loop, losses, advantage estimators, packing, checkpoints."""
+"""The learner: the backend seam (FSDP2 first), its config, training loop, losses, advantage
+estimators, GAE and the critic, packing, checkpoints."""

@@ -77,8 +77,9 @@ def remax(rewards: Rewards, greedy_rewards: list[float]) -> Rewards:
     """ReMax (Li et al. 2023, arXiv 2310.10505, Alg. 1): the baseline of a prompt's sampled
     episodes is the reward of the greedy (argmax-decoded) episode for the same prompt.
 
-    `greedy_rewards[g]` is that reward for group g. The rollers do not produce greedy episodes
-    yet, so this is not selectable as `learner.advantage`."""
+    `greedy_rewards[g]` is that reward for group g: the roller runs that episode with
+    `roller.greedy_baseline` and sends its reward as `Group.metrics["greedy_reward"]`
+    (`learner.loss.advantage: remax`; `data.prepare_batch` reads it)."""
     if len(greedy_rewards) != len(rewards):
         raise ValueError(f"remax: {len(greedy_rewards)} greedy rewards for {len(rewards)} groups")
     return [np.asarray(r, dtype=np.float64) - float(b) for r, b in zip(rewards, greedy_rewards, strict=True)]
@@ -112,7 +113,7 @@ ESTIMATORS: dict[str, Callable[[Rewards], Rewards]] = {
 
 
 def compute_advantages(name: str, rewards: Rewards) -> Rewards:
-    """Dispatch by the config's `learner.advantage` name."""
+    """Dispatch by the config's `learner.loss.advantage` name."""
     try:
         return ESTIMATORS[name](rewards)
     except KeyError:

@@ -1,11 +1,11 @@
-"""Resumable learner checkpoints with `torch.distributed.checkpoint` (DCP).
+"""Resumable learner checkpoints: the directory layout, trainer state and the `latest` marker.
 
 A checkpoint is a directory `<run_dir>/checkpoints/step_<version>/` holding:
 
-    DCP shards   model and optimizer state, each rank writing its own shards
-                 (`get_state_dict` gives FSDP2's sharded DTensors; loading reshards)
-    rank<r>.pt   per-rank trainer state: scheduler, version, RNG states (torch, CUDA, numpy,
-                 python) and the queue cursor (groups consumed, consumer state if it has one)
+    shards       every trained part's weights and optimizer state, written by the backend
+                 (`LearnerBackend.save`; FSDP2: DCP, each rank its own shards, loading reshards)
+    rank<r>.pt   per-rank trainer state: each part's LR schedule, version, RNG states (torch,
+                 CUDA, numpy, python) and the queue cursor (groups consumed, consumer state)
 
 `<run_dir>/checkpoints/latest` names the newest complete checkpoint; it is written last, by
 rank 0, after a barrier, so an interrupted save is never picked up by `--resume`.
@@ -21,9 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch import nn
 
+from agentrl.learner.backend import LearnerBackend, ModelPart
 from agentrl.log import get_logger
 
 log = get_logger("learner.checkpoint")
@@ -51,21 +50,18 @@ def _barrier() -> None:
 
 def save_checkpoint(
     root: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    backend: LearnerBackend,
+    parts: list[ModelPart],
     version: int,
     cursor: dict[str, Any],
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint `step_<version>` under `root` (a collective: every rank calls it)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    """Write checkpoint `step_<version>` of the trained `parts` under `root` (a collective)."""
+    rank = backend.rank
     path = root / f"step_{version:08d}"
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    trainer = {"scheduler": scheduler.state_dict(), "version": version, "rng": _rng_state(), "cursor": cursor}
+    backend.save(parts, path)
+    schedulers = {p.name: p.scheduler.state_dict() for p in parts}
+    trainer = {"schedulers": schedulers, "version": version, "rng": _rng_state(), "cursor": cursor}
     torch.save(trainer, path / f"rank{rank}.pt")
     _barrier()
     if rank == 0:
@@ -89,24 +85,17 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def load_checkpoint(
-    path: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    path: Path, backend: LearnerBackend, parts: list[ModelPart]
 ) -> tuple[int, dict[str, Any]]:
     """Restore everything saved by `save_checkpoint`; returns (version, queue cursor)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rank = backend.rank
+    backend.load(parts, path)
     trainer_file = path / f"rank{rank}.pt"
     if not trainer_file.exists():  # resumed with more ranks than saved: share rank 0's trainer state
         trainer_file = path / "rank0.pt"
     trainer = torch.load(trainer_file, weights_only=False)
-    scheduler.load_state_dict(trainer["scheduler"])
+    for part in parts:
+        part.scheduler.load_state_dict(trainer["schedulers"][part.name])
     _set_rng_state(trainer["rng"])
     log.info("resumed from %s at version %d", path, trainer["version"])
     return trainer["version"], trainer["cursor"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agentrl.learner.advantages import compute_advantages, dapo_overlong_penalty
+from agentrl.learner.advantages import compute_advantages, dapo_overlong_penalty, remax
 from agentrl.learner.losses import token_weights
 from agentrl.learner.packing import Sample
 from agentrl.log import get_logger
@@ -90,11 +90,16 @@ def prepare_batch(
     """Validate, compute advantages per group, and split groups into `mini_batches` slices.
 
     `overlong` = (L_max, L_cache, factor) adds DAPO's overlong penalty to each episode's reward
-    (by its generated tokens) before the estimator; `reward/*` metrics stay the env's rewards."""
+    (by its generated tokens) before the estimator; `reward/*` metrics stay the env's rewards.
+    `advantage="gae"` leaves the advantages to the critic (`critic.gae_advantages`, after the
+    packing): each sample carries its token rewards (`Episode.token_rewards()`, with the
+    overlong penalty on its last generated token) and advantage 0 until then."""
     skipped: Counter = Counter()
     good: list[Group] = []
     for g in groups:
         reason = invalid_reason(g, vocab_size, max_seq_tokens)
+        if reason is None and advantage == "remax" and not _has_greedy_reward(g):
+            reason = "no_greedy_reward"  # a roller without roller.greedy_baseline sent it
         if reason is None:
             good.append(g)
         else:
@@ -105,16 +110,24 @@ def prepare_batch(
     if overlong is not None:
         penalty = [dapo_overlong_penalty([ep.num_generated for ep in g.episodes], *overlong) for g in good]
         rewards = [r + p for r, p in zip(rewards, penalty, strict=True)]
-    advs = compute_advantages(advantage, rewards)
+    gae = advantage == "gae"
+    if gae:
+        advs = [np.zeros(len(r)) for r in rewards]
+    elif advantage == "remax":
+        advs = remax(rewards, [float(g.metrics["greedy_reward"]) for g in good])
+    else:
+        advs = compute_advantages(advantage, rewards)
     slices = [good[i::mini_batches] for i in range(mini_batches)] if good else []
     adv_of = {id(g): a for g, a in zip(good, advs, strict=True)}
+    penalty_of = {id(g): dict(enumerate(p)) for g, p in zip(good, penalty or [], strict=False)}
     minis: list[list[Sample]] = []
     for part in slices:
         samples = [
-            Sample(ep.tokens, ep.loss_mask, ep.logprobs, ep.versions, float(a), 0.0)
+            Sample(ep.tokens, ep.loss_mask, ep.logprobs, ep.versions, float(a), 0.0,
+                   _token_rewards(ep, penalty_of.get(id(g), {}).get(i)) if gae else None)
             for g in part
-            for ep, a in zip(g.episodes, adv_of[id(g)], strict=True)
-        ]
+            for i, (ep, a) in enumerate(zip(g.episodes, adv_of[id(g)], strict=True))
+        ]  # fmt: skip
         if samples:
             _weights(samples, loss_agg)
             minis.append(samples)
@@ -122,6 +135,20 @@ def prepare_batch(
     if penalty:
         metrics["reward/overlong_penalty_mean"] = float(np.concatenate(penalty).mean())
     return PreparedBatch(minis, skipped, metrics)
+
+
+def _has_greedy_reward(group: Group) -> bool:
+    value = group.metrics.get("greedy_reward")
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+
+
+def _token_rewards(ep, penalty: float | None) -> np.ndarray:
+    """The episode's token rewards, with DAPO's overlong penalty on its last generated token."""
+    rewards = ep.token_rewards().astype(np.float64)
+    generated = np.flatnonzero(ep.loss_mask)
+    if penalty and generated.size:
+        rewards[generated[-1]] += penalty
+    return rewards
 
 
 def _batch_metrics(groups: list[Group], advs: list[np.ndarray], version: int) -> dict[str, float]:

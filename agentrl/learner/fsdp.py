@@ -1,4 +1,5 @@
-"""Process group, model loading and FSDP2 sharding, and full-weight gathering.
+"""The FSDP2 learner backend (`FSDP2Backend`, the first filling of `backend.LearnerBackend`):
+process group, model loading and sharding, forwards, steps, gathering, DCP save/load, HF export.
 
 The learner's model is a Hugging Face causal LM loaded with `from_pretrained` and sharded with
 FSDP2: `fully_shard` on every decoder layer (the classes HF lists in `_no_split_modules`) and
@@ -13,15 +14,20 @@ GPUs, gloo on CPU).
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from agentrl.learner.backend import LocalShard, ModelPart, PartKind
+from agentrl.learner.packing import MicroBatch
 from agentrl.log import get_logger
 
 log = get_logger("learner.fsdp")
@@ -133,16 +139,24 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def export_hf(model: nn.Module, out_dir: str | Path, tokenizer_path: str | Path | None, rank: int) -> Path:
-    """Write a plain HF checkpoint (safetensors + config + tokenizer) that servers load as-is."""
-    from transformers import AutoModelForCausalLM
+def export_hf(
+    model: nn.Module,
+    out_dir: str | Path,
+    tokenizer_path: str | Path | None,
+    rank: int,
+    kind: PartKind = "policy",
+) -> Path:
+    """Write a plain HF checkpoint (safetensors + config + tokenizer) that servers load as-is
+    (`kind="value"`: a one-label `AutoModelForTokenClassification`, the critic)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     state = full_state_dict(model)
     out = Path(out_dir)
     if rank == 0:
         config = model.config
+        auto = AutoModelForCausalLM if kind == "policy" else AutoModelForTokenClassification
         with torch.device("meta"):
-            plain = AutoModelForCausalLM.from_config(config)
+            plain = auto.from_config(config)
         plain.load_state_dict(state, strict=False, assign=True)
         plain.tie_weights()
         plain.config.use_cache = True
@@ -181,3 +195,151 @@ def copy_tokenizer(src: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
+
+
+class FSDP2Backend:
+    """`LearnerBackend` on FSDP2 (see `backend.py` for the contract of each method).
+
+    The process group is made at construction (`init_distributed`). Trained parts get a fused
+    AdamW over their DTensor shards: foreach on DTensors dispatches per tensor and was ~100x
+    slower per step on CPU (torch 2.13), which dominated small models' step time."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size, self.device = init_distributed()
+
+    def build(
+        self,
+        kind: PartKind,
+        path: str | Path,
+        *,
+        name: str = "actor",
+        optim: Any = None,
+        lr_lambda: Callable[[int], float] | None = None,
+        activation_checkpointing: bool = False,
+        bf16: bool = False,
+        shard: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> ModelPart:
+        # `shard` replaces the default FSDP2 wrapping (the colocated HybridEngine shards each
+        # parameter on its TP dim so that training shards lie inside generation shards)
+        if kind == "policy":
+            module = load_model(path, self.device)
+        else:
+            from agentrl.learner.critic import load_value_model
+
+            module = load_value_model(path, self.device)
+        if shard is not None:
+            module = shard(module)
+        else:
+            module = shard_model(module, self.device, bf16, activation_checkpointing and optim is not None)
+        if optim is None:
+            module.eval().requires_grad_(False)
+            return ModelPart(name, kind, module)
+        module.train()
+        optimizer = torch.optim.AdamW(module.parameters(), lr=optim.lr, betas=optim.adam_betas,
+                                      weight_decay=optim.weight_decay, fused=True)  # fmt: skip
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda or (lambda step: 1.0))
+        return ModelPart(name, kind, module, optimizer, scheduler)
+
+    def logprobs(
+        self, part: ModelPart, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from agentrl.learner.train_step import forward_logprobs
+
+        return forward_logprobs(part.module, mb, temperature, entropy)
+
+    def values(self, part: ModelPart, mb: MicroBatch) -> torch.Tensor:
+        from agentrl.learner.critic import critic_values
+
+        return critic_values(part.module, mb)
+
+    @contextlib.contextmanager
+    def frozen(self, part: ModelPart) -> Iterator[None]:
+        was_training = part.module.training
+        part.module.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            part.module.train(was_training)
+
+    def forward_backward(
+        self, part: ModelPart, mbs: list[MicroBatch], loss_fn: Callable[[MicroBatch], torch.Tensor]
+    ) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        model = part.module
+        part.optimizer.zero_grad(set_to_none=True)
+        # One rank: keep parameters gathered and gradients unreduced until the last micro-batch
+        # (nothing to communicate, and no extra memory: the unsharded size is the sharded size).
+        # Several ranks reduce-scatter after every micro-batch, which keeps gradients sharded.
+        accumulate = self.world_size == 1 and isinstance(model, FSDPModule) and len(mbs) > 1
+        for i, mb in enumerate(mbs):
+            if accumulate:
+                model.set_requires_gradient_sync(i == len(mbs) - 1)
+                model.set_reshard_after_backward(i == len(mbs) - 1)
+            (loss_fn(mb) * self.world_size).backward()  # FSDP averages gradients over ranks
+
+    def optimizer_step(self, part: ModelPart, max_grad_norm: float, skip: bool = False) -> tuple[float, bool]:
+        norm = torch.nn.utils.clip_grad_norm_(part.module.parameters(), max_grad_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        applied = math.isfinite(norm) and not skip
+        if applied:
+            part.optimizer.step()
+            part.scheduler.step()
+        part.optimizer.zero_grad(set_to_none=True)
+        return norm, applied
+
+    def all_reduce(self, values: dict[str, float], op: Literal["sum", "max"]) -> dict[str, float]:
+        if not values:
+            return values
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return dict(zip(values, t.tolist(), strict=True))
+
+    def broadcast_object(self, obj: Any) -> Any:
+        payload = [obj]
+        if self.world_size > 1:
+            dist.broadcast_object_list(payload, src=0)
+        return payload[0]
+
+    def full_tensors(self, part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_full_tensors(part.module)
+
+    def local_shards(self, part: ModelPart) -> Iterator[LocalShard]:
+        _reshard(part.module)
+        for name, param in part.module.named_parameters():
+            data = param.detach()
+            if hasattr(data, "to_local"):
+                yield LocalShard(name, data.to_local(), tuple(data.placements), data.device_mesh, data.shape)
+            else:
+                yield LocalShard(name, data, (), None, data.shape)
+
+    def _state(self, parts: list[ModelPart]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        state = {}
+        for part in parts:
+            model_sd, optim_sd = get_state_dict(part.module, part.optimizer)
+            prefix = "" if part.name == "actor" else f"{part.name}."
+            state[f"{prefix}model"], state[f"{prefix}optim"] = model_sd, optim_sd
+        return state
+
+    def save(self, parts: list[ModelPart], path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(parts), checkpoint_id=str(path))
+
+    def load(self, parts: list[ModelPart], path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state(parts)
+        dcp.load(state, checkpoint_id=str(path))
+        for part in parts:
+            prefix = "" if part.name == "actor" else f"{part.name}."
+            set_state_dict(part.module, part.optimizer, model_state_dict=state[f"{prefix}model"],
+                           optim_state_dict=state[f"{prefix}optim"])  # fmt: skip
+
+    def export(self, part: ModelPart, out_dir: Path, tokenizer_path: str | Path | None) -> Path:
+        return export_hf(part.module, out_dir, tokenizer_path, self.rank, part.kind)

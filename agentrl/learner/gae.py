@@ -18,8 +18,8 @@ With one turn and every token an action this is exactly the recursion of TRL's
 `PPOTrainer.train` ("6. compute advantages and returns", huggingface/trl
 trl/experimental/ppo/ppo_trainer.py; TRL 1.16 no longer ships PPOTrainer), and `value_loss`
 is its clipped value loss; tests/unit/learner/test_gae.py checks both on the same tensors.
-The critic that produces `values` is `critic.py`; neither is wired into the loop yet, so
-`learner.advantage` cannot select GAE.
+The critic that produces `values` is `critic.py`; `learner.loss.advantage: gae` runs both in
+the loop (`critic.gae_advantages`, per packed sequence).
 """
 
 from __future__ import annotations

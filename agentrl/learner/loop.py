@@ -1,9 +1,10 @@
 """The learner's main loop, as a short numbered script, and the objects it runs with.
 
-    learner = build_learner(cfg, run_dir)           # model (FSDP2), optimizer, scheduler
+    learner = build_learner(cfg, run_dir)           # backend, actor (+ reference), optimizer
     run(learner, consumer, max_staleness, weight_sync, resume=True)
 
-`run` repeats until `cfg.max_steps` weight versions exist:
+`run` repeats until `cfg.max_steps` weight versions exist (each step below is one helper or a
+few lines in `run`):
 
     1. wait for a batch admissible at the current version (rank 0 asks the queue and
        broadcasts the groups to the other ranks)
@@ -19,7 +20,8 @@ steps and while waiting for a batch: the loop saves its final checkpoint and ret
 mid-step. Rank 0 decides, so every rank stops at the same step.
 
 The queue consumer and the weight-sync engine are reached through the small protocols below,
-so tests drive the loop with an in-process source and the real queue plugs in unchanged.
+so tests drive the loop with an in-process source and the real queue plugs in unchanged; the
+models only through the learner backend (`backend.LearnerBackend`; FSDP2 in `fsdp.py`).
 """
 
 from __future__ import annotations
@@ -30,18 +32,20 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from agentrl.config import LearnerConfig
-from agentrl.learner import checkpoint, fsdp
+from agentrl.config import LearnerConfig, ScheduleConfig
+from agentrl.learner import backend as backends
+from agentrl.learner import checkpoint
+from agentrl.learner.backend import LearnerBackend, ModelPart
+from agentrl.learner.critic import build_critic, critic_step, gae_advantages
 from agentrl.learner.data import prepare_batch
-from agentrl.learner.packing import non_padding_fraction, plan_microbatches
+from agentrl.learner.packing import MicroBatch, non_padding_fraction, plan_microbatches
 from agentrl.learner.train_step import optimizer_step, recompute_logprobs
 from agentrl.log import MetricsLogger, get_logger
 from agentrl.types import Group
@@ -62,7 +66,7 @@ class Consumer(Protocol):
 
 class WeightSync(Protocol):
     """Hands new weights to inference servers (issue #7): `weights()` yields `(HF name, full
-    tensor)` (here `fsdp.iter_full_tensors(model)`, a collective every rank runs)."""
+    tensor)` (here `backend.full_tensors(actor)`, a collective every rank runs)."""
 
     def push(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], version: int) -> None: ...
 
@@ -71,59 +75,87 @@ class WeightSync(Protocol):
 
 @dataclass
 class Learner:
+    """The loop's state: the backend, the model parts it runs, and where the run stands."""
+
     cfg: LearnerConfig
     run_dir: Path
-    model: nn.Module
-    ref_model: nn.Module | None
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    rank: int
-    world_size: int
-    device: torch.device
+    backend: LearnerBackend
+    actor: ModelPart
+    ref: ModelPart | None
     vocab_size: int
     pad_id: int
+    critic: ModelPart | None = None
     version: int = 0
     consumed_groups: int = 0
 
+    @property
+    def trained_parts(self) -> list[ModelPart]:
+        """What a checkpoint holds."""
+        return [self.actor] + ([self.critic] if self.critic is not None else [])
 
-def lr_lambda(cfg: LearnerConfig):
-    """Linear warm-up to the peak, then constant / cosine / linear decay to min_lr_ratio."""
+    @property
+    def critic_warming_up(self) -> bool:
+        """Within `critic.warmup_steps`: only the critic trains (counted in its applied steps)."""
+        if self.critic is None:
+            return False
+        return self.critic.scheduler.last_epoch < self.cfg.critic.warmup_steps * self.cfg.mini_batches
+
+    @property
+    def model(self) -> nn.Module:
+        return self.actor.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.actor.optimizer
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    def weights(self) -> Callable[[], Iterable[tuple[str, torch.Tensor]]]:
+        """What weight sync pushes: the actor's full tensors under HF names (a collective)."""
+        return functools.partial(self.backend.full_tensors, self.actor)
+
+
+def lr_lambda(schedule: ScheduleConfig, total_steps: int):
+    """Linear warm-up to the peak, then constant / cosine / linear decay to min_lr_ratio at
+    `total_steps` optimizer steps."""
 
     def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.lr_decay == "constant":
+        if step < schedule.warmup_steps:
+            return (step + 1) / schedule.warmup_steps
+        if schedule.lr_decay == "constant":
             return 1.0
-        total = max(cfg.max_steps * cfg.mini_batches - cfg.warmup_steps, 1)
-        progress = min((step - cfg.warmup_steps) / total, 1.0)
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_decay == "cosine" else 1 - progress
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+        total = max(total_steps - schedule.warmup_steps, 1)
+        progress = min((step - schedule.warmup_steps) / total, 1.0)
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule.lr_decay == "cosine" else 1 - progress
+        return schedule.min_lr_ratio + (1 - schedule.min_lr_ratio) * shape
 
     return factor
 
 
 def build_learner(cfg: LearnerConfig, run_dir: str | Path) -> Learner:
-    """Process group, FSDP2 model (and frozen reference when kl_coef > 0), AdamW, LR schedule."""
-    rank, world, device = fsdp.init_distributed()
+    """The backend (process group), the actor with AdamW and its LR schedule, the frozen
+    reference when kl_coef > 0, and the critic with its own AdamW when `loss.advantage: gae`."""
+    backend = backends.create(cfg.backend)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
-    model = fsdp.shard_model(
-        fsdp.load_model(cfg.model_path, device), device, bf16, cfg.activation_checkpointing
-    )
-    model.train()
-    ref = None
-    if cfg.kl_coef > 0:
-        ref = fsdp.shard_model(fsdp.load_model(cfg.model_path, device), device, bf16)
-        ref.eval().requires_grad_(False)
-    # fused: one kernel over all DTensor shards; foreach on DTensors dispatches per tensor and was
-    # ~100x slower per step on CPU (torch 2.13), which dominated small models' step time.
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, fused=True
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    return Learner(cfg, Path(run_dir), model, ref, optimizer, scheduler, rank, world, device,
-                   model.config.vocab_size, pad)  # fmt: skip
+    schedule = lr_lambda(cfg.schedule, cfg.max_steps * cfg.mini_batches)
+    actor = backend.build("policy", cfg.model_path, name="actor", optim=cfg.optim, lr_lambda=schedule,
+                          activation_checkpointing=cfg.activation_checkpointing, bf16=bf16)  # fmt: skip
+    ref = backend.build("policy", cfg.model_path, name="ref", bf16=bf16) if cfg.loss.kl_coef > 0 else None
+    critic = build_critic(backend, cfg) if cfg.loss.advantage == "gae" else None
+    config = actor.module.config
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    return Learner(cfg, Path(run_dir), backend, actor, ref, config.vocab_size, pad, critic)
 
 
 WAIT_POLL_S = 1.0  # a wait for a batch is cut into polls this long, so a stop request is seen
@@ -163,7 +195,7 @@ def _next_batch(
         if not late:
             return groups, stats
         log.info("servers %s are behind version %d: pushing the current weights now", late, learner.version)
-        weight_sync.push(functools.partial(fsdp.iter_full_tensors, learner.model), learner.version)
+        weight_sync.push(learner.weights(), learner.version)
 
 
 def _wait_for_groups(
@@ -176,7 +208,7 @@ def _wait_for_groups(
     """Rank 0 blocks on the queue until groups arrive, or until weight sync names servers behind
     the current version; every rank returns the same (groups, stats, servers behind), or None
     when a stop was requested while waiting."""
-    payload: list[Any] = [None]
+    payload: Any = None
     behind = getattr(weight_sync, "behind", None)
     if learner.rank == 0:
         cfg, groups, stats, late = learner.cfg, [], {}, []
@@ -209,10 +241,8 @@ def _wait_for_groups(
                 if ages:
                     stats["queue/age_s_mean"] = sum(ages) / len(ages)
                     stats["queue/age_s_max"] = max(ages)
-        payload = [(groups, stats, late) if groups or late else None]
-    if learner.world_size > 1:
-        dist.broadcast_object_list(payload, src=0)
-    return payload[0]
+        payload = (groups, stats, late) if groups or late else None
+    return learner.backend.broadcast_object(payload)
 
 
 def _record_groups(learner: Learner, groups: list[Group], applied: bool) -> None:
@@ -227,19 +257,25 @@ def _save(learner: Learner, consumer: Consumer | None) -> None:
     cursor: dict[str, Any] = {"consumed_groups": learner.consumed_groups}
     if consumer is not None and hasattr(consumer, "state_dict"):
         cursor["consumer"] = consumer.state_dict()
-    checkpoint.save_checkpoint(learner.run_dir / "checkpoints", learner.model, learner.optimizer,
-                               learner.scheduler, learner.version, cursor, learner.cfg.keep_checkpoints)  # fmt: skip
+    checkpoint.save_checkpoint(learner.run_dir / "checkpoints", learner.backend, learner.trained_parts,
+                               learner.version, cursor, learner.cfg.checkpoint.keep)  # fmt: skip
 
 
 def export(learner: Learner) -> Path:
-    out = learner.run_dir / "hf" / f"step_{learner.version:08d}"
-    fsdp.export_hf(learner.model, out, learner.cfg.model_path, learner.rank)
-    if learner.rank == 0:
-        latest = learner.run_dir / "hf" / "latest"
-        latest.unlink(missing_ok=True)
-        latest.symlink_to(out.name)
-        log.info("exported HF checkpoint %s", out)
-    return out
+    """The actor as an HF checkpoint under `<run_dir>/hf/` (and, with `critic.export`, the critic
+    under `<run_dir>/hf_critic/`), each with a `latest` link."""
+    parts = [(learner.actor, "hf")]
+    if learner.critic is not None and learner.cfg.critic.export:
+        parts.append((learner.critic, "hf_critic"))
+    for part, folder in parts:
+        out = learner.run_dir / folder / f"step_{learner.version:08d}"
+        learner.backend.export(part, out, learner.cfg.model_path)
+        if learner.rank == 0:
+            latest = learner.run_dir / folder / "latest"
+            latest.unlink(missing_ok=True)
+            latest.symlink_to(out.name)
+            log.info("exported HF checkpoint %s", out)
+    return learner.run_dir / "hf" / f"step_{learner.version:08d}"
 
 
 def resume(learner: Learner, consumer: Consumer | None) -> bool:
@@ -248,13 +284,25 @@ def resume(learner: Learner, consumer: Consumer | None) -> bool:
     if path is None:
         log.info("--resume: no checkpoint under %s; starting fresh", learner.run_dir / "checkpoints")
         return False
-    learner.version, cursor = checkpoint.load_checkpoint(
-        path, learner.model, learner.optimizer, learner.scheduler
-    )
+    learner.version, cursor = checkpoint.load_checkpoint(path, learner.backend, learner.trained_parts)
     learner.consumed_groups = cursor.get("consumed_groups", 0)
     if consumer is not None and "consumer" in cursor and hasattr(consumer, "load_state_dict"):
         consumer.load_state_dict(cursor["consumer"])
     return True
+
+
+@dataclass
+class RunTally:
+    """What `run` carries from step to step: skips, and the versions step 7 wrote."""
+
+    progress: ConsoleProgress
+    skipped: dict[str, int] = field(default_factory=dict)
+    skips_in_a_row: int = 0
+    saved: int = -1
+    exported: int = -1
+
+    def count(self, reason: str, n: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + n
 
 
 def run(
@@ -274,10 +322,7 @@ def run(
         resume(learner, consumer)
     if learner.rank == 0 and consumer is not None:
         consumer.publish_version(learner.version)
-    skips_in_a_row = 0
-    saved = exported = -1  # versions written by step 7
-    total_skipped: dict[str, int] = {}
-    progress = ConsoleProgress(cfg.max_steps, learner.version, enabled=learner.rank == 0)
+    tally = RunTally(ConsoleProgress(cfg.max_steps, learner.version, enabled=learner.rank == 0))
     while learner.version < cfg.max_steps:
         # 1. wait for a batch admissible at the current version (or stop)
         t0 = time.perf_counter()
@@ -290,96 +335,155 @@ def run(
         learner.consumed_groups += len(groups)
 
         # 2. validate, skip bad groups with a counted reason, compute advantages
-        batch = prepare_batch(groups, advantage=cfg.advantage, loss_agg=cfg.loss_agg,
-                              vocab_size=learner.vocab_size, learner_version=learner.version,
-                              mini_batches=cfg.mini_batches, max_seq_tokens=cfg.max_seq_tokens,
-                              overlong=cfg.overlong)  # fmt: skip
-        if batch.trainable_tokens == 0:
-            batch.skipped["no_trainable_tokens"] += 1
-        for reason, n in batch.skipped.items():
-            total_skipped[reason] = total_skipped.get(reason, 0) + n
+        batch = _prepare(learner, groups, tally)
 
-        # 3. pack into micro-batches balanced across ranks; recompute frozen log-probs
-        plans = [plan_microbatches(samples, cfg.micro_batch_tokens, learner.world_size, learner.rank,
-                                   cfg.pad_multiple, learner.pad_id) for samples in batch.mini_batches]  # fmt: skip
-        if batch.trainable_tokens == 0:
-            plans = []
-        plans = [[mb.to(learner.device) for mb in plan] for plan in plans]
-        needs_old = cfg.off_policy == "decoupled" or (cfg.off_policy == "tis" and cfg.mini_batches > 1)
-        for plan in plans:
-            if needs_old:
-                recompute_logprobs(learner.model, plan, "old_logp", cfg.temperature)
-            if learner.ref_model is not None:
-                recompute_logprobs(learner.ref_model, plan, "ref_logp", cfg.temperature)
+        # 3. pack into micro-batches balanced across ranks; recompute frozen log-probs; with a
+        #    critic, its values and the GAE advantages and returns
+        plans = pack(learner, batch)
+        critic = learner.critic
+        adv_stats = gae_advantages(learner.backend, critic, plans, cfg.loss) if critic and plans else {}
 
-        # 4. forward/backward, clip, AdamW step per mini-batch (skipped when non-finite)
+        # 4. forward/backward, clip, AdamW step per mini-batch (skipped when non-finite): the
+        #    actor (not while the critic warms up), then the critic
         t1 = time.perf_counter()
-        steps = [optimizer_step(learner.model, learner.optimizer, learner.scheduler, plan, cfg,
-                                learner.version, learner.world_size, learner.device) for plan in plans]  # fmt: skip
+        warming = learner.critic_warming_up
+        steps = [] if warming else [optimizer_step(learner.backend, learner.actor, plan, cfg, learner.version)
+                                    for plan in plans]  # fmt: skip
+        critic_steps = (
+            [critic_step(learner.backend, critic, plan, cfg.critic) for plan in plans] if critic else []
+        )
         t_train = time.perf_counter() - t1
-        applied = sum(1 for s in steps if not s["step_skipped"])
+        applied = any(not s["step_skipped"] for s in steps)
         if steps and not applied:
-            total_skipped["nonfinite_step"] = total_skipped.get("nonfinite_step", 0) + 1
+            tally.count("nonfinite_step")
             log.error("step at version %d skipped: non-finite loss or gradient norm", learner.version)
+        used = applied or (warming and any(not s["critic/step_skipped"] for s in critic_steps))
 
         # 5. version += 1; publish; hand weights to weight sync
-        pushed = None
-        if applied:
-            learner.version += 1
-            skips_in_a_row = 0
-            if weight_sync is not None:
-                pushed = weight_sync.push(
-                    functools.partial(fsdp.iter_full_tensors, learner.model), learner.version
-                )
-            if learner.rank == 0 and consumer is not None:
-                consumer.publish_version(learner.version)
-        else:
-            skips_in_a_row += 1
-            if cfg.max_consecutive_skips and skips_in_a_row >= cfg.max_consecutive_skips:
-                raise RuntimeError(f"{skips_in_a_row} consecutive learner steps skipped ({total_skipped}); "
-                                   "see the log for the reasons, or raise learner.max_consecutive_skips")  # fmt: skip
+        pushed = _publish(learner, consumer, weight_sync, applied, tally, counts_as_skip=not used)
 
         # 6. ack the groups (after the step: a crash before it means redelivery); log metrics
         if learner.rank == 0:
-            if consumer is not None:
-                # a skipped step returns its groups' admission, or the rollers would wait for a
-                # version that only new groups can bring (a livelock when every step is skipped)
-                consumer.ack([g.group_id for g in groups], dropped=None if applied else "skipped")
-            _record_groups(learner, groups, bool(applied))
-            if metrics is not None:
-                m = _step_metrics(learner, steps, batch, plans, queue_stats, total_skipped, t_wait, t_train)
-                if pushed is not None:
-                    m.update(pushed.as_metrics())
-                if consumer is not None:
-                    m.update(
-                        {
-                            f"queue/{k}": v
-                            for k, v in consumer.metrics().items()
-                            if isinstance(v, (int, float))
-                        }
-                    )
-                metrics.log(m, learner.version)
-            if steps:
-                log.info("version %d  loss %.4g  reward %.3g  grad_norm %.3g  %.0f tok/s", learner.version,
-                         steps[-1]["loss"], batch.metrics.get("reward/mean", float("nan")),
-                         steps[-1]["grad_norm"], _tokens(plans) * learner.world_size / max(t_train, 1e-9))  # fmt: skip
-                progress.update(learner.version, f"reward {batch.metrics.get('reward/mean', float('nan')):.3f}  "
-                                f"loss {steps[-1]['loss']:.4g}")  # fmt: skip
+            # a warm-up step's groups go back as skipped too: the actor never trains on them, and
+            # the queue's admission counts groups_per_step groups per version
+            _ack(learner, consumer, groups, applied)
+            m = _step_metrics(learner, steps, batch, plans, queue_stats, tally.skipped, t_wait, t_train)
+            m.update({**adv_stats, **_mean(critic_steps)})
+            if critic is not None:
+                m["critic/warmup"] = float(warming)
+            _report(learner, consumer, metrics, m, pushed, tally)
 
         # 7. checkpoint and export every N steps
-        if applied and cfg.checkpoint_every and learner.version % cfg.checkpoint_every == 0:
-            _save(learner, consumer)
-            saved = learner.version
-        if applied and cfg.export_every and learner.version % cfg.export_every == 0:
-            export(learner)
-            exported = learner.version
+        _periodic_save(learner, consumer, applied, tally)
 
-    progress.close()
-    if saved != learner.version:  # the last step's checkpoint may already be written
+    tally.progress.close()
+    if tally.saved != learner.version:  # the last step's checkpoint may already be written
         _save(learner, consumer)
-    if exported != learner.version and (stop is None or not stop.is_set()):
+    if tally.exported != learner.version and (stop is None or not stop.is_set()):
         export(learner)
     return learner.version
+
+
+def _prepare(learner: Learner, groups: list[Group], tally: RunTally):
+    """Step 2: validated samples with advantages, split into mini-batches; skips counted."""
+    cfg = learner.cfg
+    batch = prepare_batch(groups, advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg,
+                          vocab_size=learner.vocab_size, learner_version=learner.version,
+                          mini_batches=cfg.mini_batches, max_seq_tokens=cfg.max_seq_tokens,
+                          overlong=cfg.loss.overlong)  # fmt: skip
+    if batch.trainable_tokens == 0:
+        batch.skipped["no_trainable_tokens"] += 1
+    for reason, n in batch.skipped.items():
+        tally.count(reason, n)
+    return batch
+
+
+def pack(learner: Learner, batch) -> list[list[MicroBatch]]:
+    """Step 3: each mini-batch packed into this rank's micro-batches, on the device, with the
+    frozen policies' log-probs the objective needs (π_old / π_prox, π_ref)."""
+    cfg, loss = learner.cfg, learner.cfg.loss
+    if batch.trainable_tokens == 0:
+        return []
+    plans = [plan_microbatches(samples, cfg.micro_batch_tokens, learner.world_size, learner.rank,
+                               cfg.pad_multiple, learner.pad_id) for samples in batch.mini_batches]  # fmt: skip
+    plans = [[mb.to(learner.device) for mb in plan] for plan in plans]
+    needs_old = loss.off_policy == "decoupled" or (loss.off_policy == "tis" and cfg.mini_batches > 1)
+    for plan in plans:
+        if needs_old:
+            recompute_logprobs(learner.backend, learner.actor, plan, "old_logp", cfg.temperature)
+        if learner.ref is not None:
+            recompute_logprobs(learner.backend, learner.ref, plan, "ref_logp", cfg.temperature)
+    return plans
+
+
+def _publish(
+    learner: Learner,
+    consumer: Consumer | None,
+    weight_sync: WeightSync | None,
+    applied: bool,
+    tally: RunTally,
+    counts_as_skip: bool = True,
+) -> Any:
+    """Step 5: a new version after an applied step (published, pushed to the servers); a skipped
+    step counts towards `max_consecutive_skips` (a critic warm-up step does not). Returns weight
+    sync's push report, if any."""
+    if not applied:
+        if not counts_as_skip:
+            return None
+        tally.skips_in_a_row += 1
+        limit = learner.cfg.max_consecutive_skips
+        if limit and tally.skips_in_a_row >= limit:
+            raise RuntimeError(f"{tally.skips_in_a_row} consecutive learner steps skipped ({tally.skipped}); "
+                               "see the log for the reasons, or raise learner.max_consecutive_skips")  # fmt: skip
+        return None
+    learner.version += 1
+    tally.skips_in_a_row = 0
+    pushed = weight_sync.push(learner.weights(), learner.version) if weight_sync is not None else None
+    if learner.rank == 0 and consumer is not None:
+        consumer.publish_version(learner.version)
+    return pushed
+
+
+def _ack(learner: Learner, consumer: Consumer | None, groups: list[Group], applied: bool) -> None:
+    """Step 6 (rank 0): ack the groups and record their ids. A skipped step returns its groups'
+    admission, or the rollers would wait for a version that only new groups can bring (a livelock
+    when every step is skipped)."""
+    if consumer is not None:
+        consumer.ack([g.group_id for g in groups], dropped=None if applied else "skipped")
+    _record_groups(learner, groups, applied)
+
+
+def _report(
+    learner: Learner, consumer: Consumer | None, metrics: MetricsLogger | None, m: dict[str, float],
+    pushed: Any, tally: RunTally,
+) -> None:  # fmt: skip
+    """Step 6 (rank 0): the step's metrics (with weight sync's and the queue's), a log line and
+    the progress bar."""
+    if metrics is not None:
+        if pushed is not None:
+            m.update(pushed.as_metrics())
+        if consumer is not None:
+            m.update({f"queue/{k}": v for k, v in consumer.metrics().items() if isinstance(v, (int, float))})
+        metrics.log(m, learner.version)
+    if "loss" in m:
+        reward = m.get("reward/mean", float("nan"))
+        log.info("version %d  loss %.4g  reward %.3g  grad_norm %.3g  %.0f tok/s", learner.version, m["loss"],
+                 reward, m["grad_norm"], m["tokens_per_s"])  # fmt: skip
+        tally.progress.update(learner.version, f"reward {reward:.3f}  loss {m['loss']:.4g}")
+    elif "critic/value_loss" in m:
+        log.info("version %d  critic warm-up  value loss %.4g  explained variance %.3g", learner.version,
+                 m["critic/value_loss"], m["critic/explained_variance"])  # fmt: skip
+
+
+def _periodic_save(learner: Learner, consumer: Consumer | None, applied: bool, tally: RunTally) -> None:
+    """Step 7: a checkpoint every `checkpoint.every` versions, an HF export every `export_every`."""
+    every, export_every = learner.cfg.checkpoint.every, learner.cfg.checkpoint.export_every
+    if applied and every and learner.version % every == 0:
+        _save(learner, consumer)
+        tally.saved = learner.version
+    if applied and export_every and learner.version % export_every == 0:
+        export(learner)
+        tally.exported = learner.version
 
 
 class ConsoleProgress:
@@ -405,6 +509,11 @@ class ConsoleProgress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key mean of per-mini-batch metrics."""
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
 
 
 def _tokens(plans: list) -> int:

@@ -145,7 +145,7 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
             save_resolved(cfg)
             consumer, server = open_queue(cfg, resume)
             metrics = MetricsLogger(
-                cfg.run_dir, "learner", cfg.learner.tensorboard, cfg.learner.wandb_project
+                cfg.run_dir, "learner", cfg.learner.logging.tensorboard, cfg.learner.logging.wandb_project
             )
         version = run(
             learner,

@@ -7,8 +7,8 @@ attend to each other (tests check packed == padded loss and gradients). Rows are
 to a multiple of `pad_multiple`; the padding forms its own dummy sequence with mask 0.
 
 Per-position tensors are aligned to the *predicting* position: position p of a sequence
-carries the target token p+1 with its loss mask, behaviour log-prob, version, advantage and
-aggregation weight. The last position of each sequence predicts nothing (mask 0).
+carries the target token p+1 with its loss mask, behaviour log-prob, version, advantage,
+aggregation weight and token reward. The last position of each sequence predicts nothing (mask 0).
 
 Across data-parallel ranks, sequences are balanced by token count (longest first, to the
 least-loaded rank) and every rank runs the same number of micro-batches (empty ones are
@@ -33,6 +33,7 @@ class Sample:
     versions: np.ndarray
     advantage: float
     weight: float  # per-token aggregation weight (see losses.token_weights)
+    token_rewards: np.ndarray | None = None  # float[T], each turn's reward on its last generated token
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -54,7 +55,8 @@ class MicroBatch:
     seq_idx: torch.Tensor
     num_seqs: int
     real_tokens: int
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logp, ref_logp once computed
+    rewards: torch.Tensor | None = None  # token rewards at the predicting position (GAE's r_t)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logp, ref_logp, old_values, returns
 
     @property
     def total_tokens(self) -> int:
@@ -77,6 +79,9 @@ def _aligned(sample: Sample) -> dict[str, np.ndarray]:
     behav[:-1] = sample.behav_logp[1:]
     versions = np.full(n, -1, dtype=np.int64)
     versions[:-1] = sample.versions[1:]
+    rewards = np.zeros(n, dtype=np.float32)
+    if sample.token_rewards is not None:
+        rewards[:-1] = sample.token_rewards[1:]
     return {
         "input_ids": sample.tokens.astype(np.int64),
         "position_ids": np.arange(n, dtype=np.int64),
@@ -86,6 +91,7 @@ def _aligned(sample: Sample) -> dict[str, np.ndarray]:
         "versions": versions,
         "adv": np.full(n, sample.advantage, dtype=np.float32),
         "weight": np.full(n, sample.weight, dtype=np.float32),
+        "rewards": rewards,
     }
 
 
@@ -99,6 +105,7 @@ def _padding(n: int, pad_id: int) -> dict[str, np.ndarray]:
         "versions": np.full(n, -1, dtype=np.int64),
         "adv": np.zeros(n, dtype=np.float32),
         "weight": np.zeros(n, dtype=np.float32),
+        "rewards": np.zeros(n, dtype=np.float32),
     }
 
 

@@ -1,11 +1,11 @@
 """One learner step: log-probs, the policy objective per micro-batch, backward, clip, step.
 
-`train_step` runs the mini-batches of one consumed batch (one optimizer step each, usually
-one). Before the first update it recomputes, without gradients, whatever the objective
-needs from frozen policies: π_old/π_prox (decoupled PPO always; TIS when there are several
-mini-batches) and π_ref (KL penalty). Gradients are accumulated over packed micro-batches;
-each micro-batch contributes Σ loss·weight, with weights normalised over the whole
-mini-batch on all ranks, scaled by the world size because FSDP averages gradients.
+The loop runs one `optimizer_step` per mini-batch of a consumed batch (usually one). Before
+the first update it recomputes (`recompute_logprobs`), without gradients, whatever the
+objective needs from frozen policies: π_old/π_prox (decoupled PPO always; TIS when there are
+several mini-batches) and π_ref (KL penalty). Gradients are accumulated over packed
+micro-batches; each micro-batch contributes Σ loss·weight, with weights normalised over the
+whole mini-batch on all ranks. Models are reached only through the `LearnerBackend`.
 
 A non-finite loss or gradient norm skips the optimizer step (gradients dropped, scheduler
 not advanced) and is reported in the metrics, so a NaN never reaches the weights.
@@ -17,13 +17,12 @@ import math
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from agentrl.config import LearnerConfig
+from agentrl.config import LearnerConfig, LossConfig
 from agentrl.learner import losses
+from agentrl.learner.backend import LearnerBackend, ModelPart
 from agentrl.learner.packing import MicroBatch
 
 ENTROPY_METRIC_STRIDE = 8
@@ -62,23 +61,20 @@ def forward_logprobs(
     return logp, ent
 
 
-@torch.no_grad()
-def recompute_logprobs(model: nn.Module, mbs: list[MicroBatch], key: str, temperature: float) -> None:
+def recompute_logprobs(
+    backend: LearnerBackend, part: ModelPart, mbs: list[MicroBatch], key: str, temperature: float
+) -> None:
     """Store a frozen policy's log-probs in `mb.extra[key]` for every micro-batch.
 
     The forward runs in eval mode (no dropout: the log-probs of the policy itself, not of one
-    dropout mask) and the model's mode is restored afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
+    dropout mask) and the model's mode is restored afterwards (`backend.frozen`)."""
+    with backend.frozen(part):
         for mb in mbs:
-            mb.extra[key] = forward_logprobs(model, mb, temperature)[0].detach()
-    finally:
-        model.train(was_training)
+            mb.extra[key] = backend.logprobs(part, mb, temperature)[0].detach()
 
 
 def policy_loss(
-    logp: torch.Tensor, old: torch.Tensor, mb: MicroBatch, cfg: LearnerConfig
+    logp: torch.Tensor, old: torch.Tensor, mb: MicroBatch, cfg: LossConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss of `cfg.policy_loss` and a bool tensor of clipped tokens."""
     if cfg.policy_loss == "gspo":
@@ -92,7 +88,7 @@ def policy_loss(
 
 
 def microbatch_loss(
-    logp: torch.Tensor, ent: torch.Tensor | None, mb: MicroBatch, cfg: LearnerConfig, version: int
+    logp: torch.Tensor, ent: torch.Tensor | None, mb: MicroBatch, cfg: LossConfig, version: int
 ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
     """The micro-batch's share of the loss, plus metric sums and maxima over its loss tokens."""
     mask = mb.mask
@@ -140,60 +136,30 @@ def microbatch_loss(
     return loss, sums, maxes
 
 
-def _all_reduce(values: dict[str, float], op: dist.ReduceOp, device: torch.device) -> dict[str, float]:
-    if not values:
-        return values
-    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=op)
-    return dict(zip(values, t.tolist(), strict=True))
-
-
-def _grad_norm(model: nn.Module, max_norm: float) -> float:
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
-
-
 def optimizer_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    mbs: list[MicroBatch],
-    cfg: LearnerConfig,
-    version: int,
-    world_size: int,
-    device: torch.device,
+    backend: LearnerBackend, part: ModelPart, mbs: list[MicroBatch], cfg: LearnerConfig, version: int
 ) -> dict[str, float]:
     """Accumulate gradients over this rank's micro-batches and apply one clipped AdamW step."""
-    optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = defaultdict(float)
     maxes: dict[str, float] = defaultdict(lambda: -math.inf)
-    # One rank: keep parameters gathered and gradients unreduced until the last micro-batch
-    # (nothing to communicate, and no extra memory: the unsharded size is the sharded size).
-    # Several ranks reduce-scatter after every micro-batch, which keeps gradients sharded.
-    accumulate = world_size == 1 and isinstance(model, FSDPModule) and len(mbs) > 1
-    for i, mb in enumerate(mbs):
-        if accumulate:
-            model.set_requires_gradient_sync(i == len(mbs) - 1)
-            model.set_reshard_after_backward(i == len(mbs) - 1)
-        logp, ent = forward_logprobs(model, mb, cfg.temperature, "grad" if cfg.entropy_coef > 0 else "metric")
-        loss, s, mx = microbatch_loss(logp, ent, mb, cfg, version)
-        (loss * world_size).backward()
+    entropy = "grad" if cfg.loss.entropy_coef > 0 else "metric"
+
+    def loss_fn(mb: MicroBatch) -> torch.Tensor:
+        logp, ent = backend.logprobs(part, mb, cfg.temperature, entropy)
+        loss, s, mx = microbatch_loss(logp, ent, mb, cfg.loss, version)
         for k, v in s.items():
             sums[k] += v
         for k, v in mx.items():
             maxes[k] = max(maxes[k], v)
-    grad_norm = _grad_norm(model, cfg.max_grad_norm)
-    sums = _all_reduce(dict(sums), dist.ReduceOp.SUM, device)
-    maxes = _all_reduce(dict(maxes), dist.ReduceOp.MAX, device)
-    finite = math.isfinite(grad_norm) and math.isfinite(sums["loss"])
-    lr = optimizer.param_groups[0]["lr"]
-    if finite:
-        optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    backend.forward_backward(part, mbs, loss_fn)
+    lr = part.lr
+    sums = backend.all_reduce(dict(sums), "sum")
+    maxes = backend.all_reduce(dict(maxes), "max")
+    grad_norm, finite = backend.optimizer_step(
+        part, cfg.optim.max_grad_norm, skip=not math.isfinite(sums["loss"])
+    )
     n = max(sums["tokens"], 1.0)
     n_on = max(sums["on_policy_tokens"], 1.0)
     return {

@@ -6,7 +6,7 @@ A randomly initialised model never produces a well-formed tool call, so RL from 
 has no reward to learn from. The warm start trains next-token prediction on the assistant
 turns of `Env.demonstrate(task)` conversations, laid out token for token as the agent loop
 lays out episodes (so the model learns the exact format it will be sampled in), for
-`learner.warmstart_steps` steps, then saves a Hugging Face checkpoint that the inference
+`learner.warmstart.steps` steps, then saves a Hugging Face checkpoint that the inference
 servers and the learner load. One process; meant for small models and short runs.
 """
 
@@ -64,20 +64,20 @@ def warmstart(config: AgentRLConfig) -> Path:
     out = Path(config.run_dir) / "warmstart"
     model = AutoModelForCausalLM.from_pretrained(lc.model_path, dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lc.warmstart_lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lc.warmstart.lr)
     pad_id = model.config.pad_token_id or 0
-    pool = demonstration_batch(config, max(256, lc.warmstart_batch_size * 8), seed=lc.seed + 7919)
+    pool = demonstration_batch(config, max(256, lc.warmstart.batch_size * 8), seed=lc.seed + 7919)
     rng = random.Random(lc.seed)
     metrics = MetricsLogger(config.run_dir, "warmstart")
-    for step in range(1, lc.warmstart_steps + 1):
-        loss = _loss(model, rng.sample(pool, lc.warmstart_batch_size), pad_id)
+    for step in range(1, lc.warmstart.steps + 1):
+        loss = _loss(model, rng.sample(pool, lc.warmstart.batch_size), pad_id)
         optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), lc.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), lc.optim.max_grad_norm)
         optimizer.step()
         metrics.log({"warmstart/loss": loss.item()}, step)
-        if step % 20 == 0 or step == lc.warmstart_steps:
-            log.info("warm start step %d/%d  loss %.4f", step, lc.warmstart_steps, loss.item())
+        if step % 20 == 0 or step == lc.warmstart.steps:
+            log.info("warm start step %d/%d  loss %.4f", step, lc.warmstart.steps, loss.item())
     metrics.close()
     model.save_pretrained(out, safe_serialization=True)
     copy_tokenizer(Path(lc.model_path), out)

@@ -97,7 +97,7 @@ def main(model: str, run_dir: Path) -> dict:
         sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
         "--launcher.type=ray", f"--launcher.address={cluster.address}", f"--launcher.resources={resources}",
         "--launcher.restart_backoff_s=0.2", f"--learner.model_path={model}", f"--learner.max_steps={STEPS}",
-        "--learner.groups_per_step=2", "--learner.warmstart_steps=0", "--roller.group_size=4",
+        "--learner.groups_per_step=2", "--learner.warmstart.steps=0", "--roller.group_size=4",
         "--roller.max_turns=2", "--roller.max_concurrent_episodes=16", "--queue.heartbeat_s=0.5",
         "--queue.roller_lease_s=3",
     ]  # fmt: skip

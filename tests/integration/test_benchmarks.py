@@ -50,19 +50,22 @@ def test_bench_learner_reports_vs_bare_hf_and_packed_vs_padded(processes: Proces
         processes, "learner", "--presets", "tiny", "--steps", "1", "--tokens", "128", "--budget", "256",
         timeout=300,
     )  # fmt: skip
-    assert set(line["ratios"]) == {"vs_bare_hf", "packed_vs_padded"}
-    _positive(line["ratios"], "vs_bare_hf", "packed_vs_padded")
+    assert set(line["ratios"]) == {"vs_bare_hf", "packed_vs_padded", "critic_cost"}
+    _positive(line["ratios"], "vs_bare_hf", "packed_vs_padded", "critic_cost")
     metrics = line["metrics"]
     assert metrics["ratios_from"] == "tiny"
     assert metrics["ratio_basis"] in {"cpu", "wall"}
     rates = ["ours_tok_s", "bare_hf_tok_s", "packed_tok_s", "padded_tok_s"]
     rates += ["ours_tok_per_cpu_s", "bare_hf_tok_per_cpu_s", "vs_bare_hf_wall", "packed_vs_padded_wall"]
+    rates += ["ppo_tok_s", "critic_cost_wall"]
     _positive(metrics, *[f"tiny.{k}" for k in rates])
     for key in ("tiny.non_padding_packed", "tiny.non_padding_padded"):
         assert 0 < metrics[key] <= 1, (key, metrics[key])
     assert metrics["tiny.tokens_per_step_uniform"] >= 128 and metrics["tiny.tokens_per_step_tailed"] >= 128
     assert metrics["tiny.vs_bare_hf"] == line["ratios"]["vs_bare_hf"]
-    assert "learner step" in stdout and "HF tok/s" in stdout and "│ tiny" in stdout
+    assert (
+        "learner step" in stdout and "HF tok/s" in stdout and "│ tiny" in stdout and "critic cost" in stdout
+    )
 
 
 def test_bench_sync_reports_vs_raw_broadcast_and_vs_disk(processes: Processes) -> None:

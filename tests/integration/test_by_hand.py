@@ -37,7 +37,7 @@ def test_learner_roller_and_server_started_by_hand_close_the_loop(
     wait_healthy([url], [server])
     # node A: the learner, hosting the queue, told where the server is
     learner = processes.agentrl(
-        "learner", *recipe, f"--run_dir={tmp_path / 'learner'}", "--learner.warmstart_steps=0",
+        "learner", *recipe, f"--run_dir={tmp_path / 'learner'}", "--learner.warmstart.steps=0",
         "--learner.max_steps=3", "--learner.groups_per_step=2", f"--queue.address={address}",
         "--inference.servers", f"[{url}]", env=env, stdout=_log(tmp_path / "learner.log"), stderr=-2,
     )  # fmt: skip

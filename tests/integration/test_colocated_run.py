@@ -16,7 +16,7 @@ def test_colocated_run_trains_on_policy_with_per_phase_metrics(tiny_model: Path,
     run_dir = tmp_path / "run"
     result = run_agentrl(
         "run", "--config", "recipes/quickstart_colocated.yaml", f"--run_dir={run_dir}",
-        f"--learner.model_path={tiny_model}", "--learner.warmstart_steps=0", "--learner.max_steps=2",
+        f"--learner.model_path={tiny_model}", "--learner.warmstart.steps=0", "--learner.max_steps=2",
         "--learner.groups_per_step=2", "--roller.group_size=2", "--roller.max_new_tokens=8",
         timeout=400,
     )  # fmt: skip

@@ -46,7 +46,7 @@ class Run:
             f"--queue.address={self.address}", *FAST_QUEUE,
         ]  # fmt: skip
         self.learner_args = [
-            "--learner.warmstart_steps=0", f"--learner.max_steps={steps}", "--learner.batch_timeout_s=2",
+            "--learner.warmstart.steps=0", f"--learner.max_steps={steps}", "--learner.batch_timeout_s=2",
             "--inference.servers", f"[{self.url}]", "--weight_sync={type: disk}",
         ]  # fmt: skip
         self.logs = 0
@@ -196,7 +196,7 @@ def test_learner_killed_twice_durability_off_then_on_and_resumed(
     durability off (by the resumed queue and by the account), and nothing the durable queue
     acknowledged is lost."""
     run = Run(processes, tiny_model, tmp_path, k=k, steps=5)
-    ckpt, durable = "--learner.checkpoint_every=1", "--queue.durable=true"
+    ckpt, durable = "--learner.checkpoint.every=1", "--queue.durable=true"
     run.serve()
     learner = run.learner(ckpt)
     roller = run.roller(0, "--queue.silent_timeout_s=120")

@@ -59,7 +59,7 @@ def run_with_fault(
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
              f"--max_staleness={k}", f"--learner.model_path={tiny_model}", f"--learner.max_steps={steps}",
-             "--learner.groups_per_step=4", "--learner.warmstart_steps=0", "--learner.batch_timeout_s=1",
+             "--learner.groups_per_step=4", "--learner.warmstart.steps=0", "--learner.batch_timeout_s=1",
              "--roller.group_size=4", "--roller.max_turns=2", "--roller.max_concurrent_episodes=16",
              "--inference.health_check_interval_s=1", "--launcher.restart_backoff_s=0.5",
              f"--queue.address=tcp://127.0.0.1:{find_free_port()}", *args],

@@ -36,7 +36,7 @@ def _learner(processes, tiny_model, run_dir, address, max_steps, *extra):
         "learner.model_path": tiny_model,
         "learner.max_steps": max_steps,
         "learner.groups_per_step": 2,
-        "learner.lr": 1e-3,
+        "learner.optim.lr": 1e-3,
         "learner.batch_timeout_s": 0.5,
         "queue.address": address,
     }

@@ -25,12 +25,11 @@ CONFIG = dict(groups_per_step=3, max_steps=2, micro_batch_tokens=48, lr=1e-3, of
 def worker(out_dir: str, model_path: str) -> None:
     import torch
 
-    from agentrl.config import LearnerConfig
     from agentrl.learner.fsdp import full_state_dict
     from agentrl.learner.loop import build_learner, run
-    from tests.unit.learner.source import ListSource, make_groups
+    from tests.unit.learner.source import ListSource, learner_config, make_groups
 
-    learner = build_learner(LearnerConfig(model_path=model_path, **CONFIG), out_dir)
+    learner = build_learner(learner_config(model_path=model_path, **CONFIG), out_dir)
     source = ListSource(make_groups(6, seed=11, max_len=60)) if learner.rank == 0 else None
     run(learner, source, max_staleness=4)
     state = full_state_dict(learner.model)

@@ -73,7 +73,7 @@ def test_a_served_classifier_scores_part_of_the_reward_the_learner_trains_on(
     result = run_agentrl(
         "run", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}", "--max_staleness=1",
         f"--learner.model_path={tiny_model}", "--learner.max_steps=2", "--learner.groups_per_step=2",
-        "--learner.warmstart_steps=0", "--roller.group_size=4", "--roller.max_turns=2",
+        "--learner.warmstart.steps=0", "--roller.group_size=4", "--roller.max_turns=2",
         "--roller.max_new_tokens=12", "--roller.max_concurrent_episodes=8",
         "--env.name=recording_env:RecordingLookup", f"--reward.url={url}", f"--reward.weight={WEIGHT}",
         "--reward.timeout_s=120",

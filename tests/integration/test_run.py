@@ -26,7 +26,7 @@ def test_closed_loop_run_keeps_its_invariants(tiny_model: Path, tmp_path: Path, 
         "run", "--config", "recipes/quickstart.yaml", f"--run_dir={tmp_path}", f"--max_staleness={k}",
         f"--learner.num_processes={ranks}",
         f"--learner.model_path={tiny_model}", "--learner.max_steps=4", "--learner.groups_per_step=2",
-        "--learner.warmstart_steps=0", "--roller.group_size=4", "--roller.max_turns=2",
+        "--learner.warmstart.steps=0", "--roller.group_size=4", "--roller.max_turns=2",
         "--roller.max_concurrent_episodes=16", f"--queue.address=tcp://127.0.0.1:{find_free_port()}",
         timeout=600,
     )  # fmt: skip
@@ -66,7 +66,7 @@ def test_a_dying_child_stops_the_run_and_is_named(tiny_model: Path, tmp_path: Pa
     )
     result = run_agentrl(
         "run", "--config", "recipes/quickstart.yaml", f"--run_dir={tmp_path / 'run'}",
-        f"--learner.model_path={tiny_model}", "--learner.warmstart_steps=0",
+        f"--learner.model_path={tiny_model}", "--learner.warmstart.steps=0",
         "--env.name=broken_env:Broken", f"--queue.address=tcp://127.0.0.1:{find_free_port()}",
         timeout=300, env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"},
     )  # fmt: skip
@@ -80,7 +80,7 @@ def test_a_dying_child_stops_the_run_and_is_named(tiny_model: Path, tmp_path: Pa
 def test_sigterm_stops_every_child(tiny_model: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml", f"--run_dir={tmp_path}",
-         f"--learner.model_path={tiny_model}", "--learner.warmstart_steps=0", "--learner.max_steps=1000",
+         f"--learner.model_path={tiny_model}", "--learner.warmstart.steps=0", "--learner.max_steps=1000",
          f"--queue.address=tcp://127.0.0.1:{find_free_port()}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip

@@ -60,7 +60,7 @@ def test_learner_and_roller_against_strict_sglang_standins(
     ]  # fmt: skip
     learner = processes.start(
         [sys.executable, "-m", "agentrl", "learner", *common, f"--learner.model_path={tiny_model}",
-         f"--learner.max_steps={STEPS}", "--learner.warmstart_steps=0", "--learner.batch_timeout_s=0.5",
+         f"--learner.max_steps={STEPS}", "--learner.warmstart.steps=0", "--learner.batch_timeout_s=0.5",
          "--weight_sync.type=broadcast", "--weight_sync.backend=gloo", "--weight_sync.timeout_s=30",
          "--weight_sync.bucket_mb=1"],
         env=env,

@@ -32,7 +32,7 @@ def test_swe_recipe_runs_offline_end_to_end(tiny_model: Path, tmp_path: Path, sa
     result = run_agentrl(
         "run", "--config", "recipes/swe.yaml", f"--run_dir={tmp_path / 'run'}",
         f"--learner.model_path={tiny_model}", "--learner.max_steps=2", "--learner.groups_per_step=2",
-        "--learner.warmstart_steps=2", "--learner.warmstart_batch_size=2", "--roller.group_size=2",
+        "--learner.warmstart.steps=2", "--learner.warmstart.batch_size=2", "--roller.group_size=2",
         "--roller.max_new_tokens=96", f"--roller.task_kwargs={{out_dir: {tmp_path / 'tasks'}}}",
         f"--env.sandbox.root_dir={sandbox_root}", f"--queue.address=tcp://127.0.0.1:{find_free_port()}",
         timeout=600,

@@ -44,9 +44,9 @@ def test_help_imports_no_heavy_library() -> None:
 
 
 def test_bad_override_fails_before_anything_starts() -> None:
-    result = run_agentrl("learner", "--config", "recipes/quickstart.yaml", "--learner.lrr", "1e-6")
+    result = run_agentrl("learner", "--config", "recipes/quickstart.yaml", "--learner.optim.lrr", "1e-6")
     assert result.returncode == 2
-    assert "learner.lrr: unknown key (did you mean 'lr'?)" in result.stderr
+    assert "learner.optim.lrr: unknown key (did you mean 'lr'?)" in result.stderr
 
 
 def test_run_refuses_a_missing_model_before_starting_anything(tmp_path: Path) -> None:

@@ -35,21 +35,25 @@ def test_every_recipe_validates(preset: Path) -> None:
 
 
 def test_yaml_and_toml_presets_agree(tmp_path: Path) -> None:
-    (tmp_path / "a.yaml").write_text("max_staleness: 2\nlearner:\n  lr: 3.0e-4\nqueue:\n  type: redis\n")
-    (tmp_path / "a.toml").write_text('max_staleness = 2\n[learner]\nlr = 3e-4\n[queue]\ntype = "redis"\n')
+    (tmp_path / "a.yaml").write_text(
+        "max_staleness: 2\nlearner:\n  optim:\n    lr: 3.0e-4\nqueue:\n  type: redis\n"
+    )
+    (tmp_path / "a.toml").write_text(
+        'max_staleness = 2\n[learner.optim]\nlr = 3e-4\n[queue]\ntype = "redis"\n'
+    )
     a = load_config(tmp_path / "a.yaml")
     b = load_config(tmp_path / "a.toml")
     assert a == b
     assert isinstance(a.queue, RedisQueueConfig)
-    assert a.learner.lr == pytest.approx(3e-4)
+    assert a.learner.optim.lr == pytest.approx(3e-4)
 
 
 def test_dotted_overrides_apply_on_top_of_preset(tmp_path: Path) -> None:
-    (tmp_path / "p.yaml").write_text("learner:\n  lr: 1.0e-3\n  max_steps: 5\n")
+    (tmp_path / "p.yaml").write_text("learner:\n  optim:\n    lr: 1.0e-3\n  max_steps: 5\n")
     cfg = load_config(
         tmp_path / "p.yaml",
         [
-            "--learner.lr",
+            "--learner.optim.lr",
             "1e-6",
             "--roller.group_size=4",
             "--env.kwargs",
@@ -58,11 +62,36 @@ def test_dotted_overrides_apply_on_top_of_preset(tmp_path: Path) -> None:
             "disk",
         ],
     )
-    assert cfg.learner.lr == pytest.approx(1e-6)
+    assert cfg.learner.optim.lr == pytest.approx(1e-6)
     assert cfg.learner.max_steps == 5  # untouched preset value survives
     assert cfg.roller.group_size == 4
     assert cfg.env.kwargs == {"digits": 2}
     assert isinstance(cfg.weight_sync, DiskSyncConfig)
+
+
+@pytest.mark.parametrize(
+    ("flat", "new"),
+    [("lr", "optim.lr"), ("warmup_steps", "schedule.warmup_steps"), ("kl_coef", "loss.kl_coef"),
+     ("checkpoint_every", "checkpoint.every"), ("tensorboard", "logging.tensorboard"),
+     ("warmstart_steps", "warmstart.steps")],
+)  # fmt: skip
+def test_old_flat_learner_keys_are_refused_naming_the_new_key(tmp_path: Path, flat: str, new: str) -> None:
+    with pytest.raises(ConfigError, match=rf"learner\.{flat} is now learner\.{new}"):
+        load_config(None, [f"--learner.{flat}", "1"])
+    (tmp_path / "old.yaml").write_text(f"learner:\n  {flat}: 1\n")
+    with pytest.raises(ConfigError, match=rf"learner\.{flat} is now learner\.{new}"):
+        load_config(tmp_path / "old.yaml")
+
+
+def test_the_resolved_config_is_one_file_with_the_learner_sub_sections(tmp_path: Path) -> None:
+    cfg = load_config(None, ["--learner.optim.lr", "3e-4", "--learner.checkpoint.every", "5"])
+    path = save_resolved(cfg, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.resolved.yaml"]
+    data = yaml.safe_load(path.read_text())
+    assert (
+        data["learner"]["optim"]["lr"] == pytest.approx(3e-4) and data["learner"]["checkpoint"]["every"] == 5
+    )
+    assert load_config(path) == cfg  # the resolved file loads back as the same config
 
 
 def test_backend_fields_without_type_keep_default_backend() -> None:
@@ -73,18 +102,22 @@ def test_backend_fields_without_type_keep_default_backend() -> None:
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["--learner.lrr", "1"], ["learner.lrr", "unknown key", "did you mean 'lr'", "allowed keys"]),
+        (
+            ["--learner.optim.lrr", "1"],
+            ["learner.optim.lrr", "unknown key", "did you mean 'lr'", "allowed keys"],
+        ),
+        (["--learner.lrr", "1"], ["learner.lrr", "unknown key", "allowed keys", "optim"]),
         (["--nonsense", "1"], ["nonsense: unknown key", "learner", "roller"]),
         (["--queue.capcity_groups", "3"], ["queue.capcity_groups", "capacity_groups"]),
         (["--queue.type", "redis", "--queue.durable", "true"], ["queue.durable", "unknown key", "stream"]),
-        (["--learner.lr", "-1"], ["learner.lr", "greater than 0"]),
+        (["--learner.optim.lr", "-1"], ["learner.optim.lr", "greater than 0"]),
         (["--max_staleness", "-1"], ["max_staleness", "greater than or equal to 0"]),
         (["--roller.group_size", "many"], ["roller.group_size", "valid integer", "many"]),
-        (["--learner.advantage", "ppo"], ["learner.advantage", "'grpo'", "'rloo'", "'reinforce_pp'"]),
+        (["--learner.loss.advantage", "ppo"], ["learner.loss.advantage", "'grpo'", "'rloo'", "'gae'"]),
         (["--queue.type", "kafka"], ["queue", "'zmq'", "'redis'"]),
-        (["--learner.clip_high", "0.1"], ["learner.clip_high", "clip_low"]),
+        (["--learner.loss.clip_high", "0.1"], ["learner.loss.clip_high", "clip_low"]),
         (["--inference.type", "sglang"], ["inference.servers"]),
-        (["--learner.lr"], ["--learner.lr has no value"]),
+        (["--learner.optim.lr"], ["--learner.optim.lr has no value"]),
         (["learner.lr", "3"], ["unexpected argument"]),
     ],
 )
@@ -135,7 +168,7 @@ def test_resolved_config_is_written_and_reloads(tmp_path: Path) -> None:
     path = save_resolved(cfg)
     assert path == tmp_path / "run" / "config.resolved.yaml"
     data = yaml.safe_load(path.read_text())
-    assert data["seed"] == 3 and data["learner"]["advantage"] == "grpo"  # defaults are filled in
+    assert data["seed"] == 3 and data["learner"]["loss"]["advantage"] == "grpo"  # defaults are filled in
     assert load_config(path) == cfg
 
 
@@ -164,7 +197,7 @@ def test_describe_prints_every_field_with_its_doc_and_default() -> None:
     text = describe()
     for section in SECTIONS:
         assert f"\n{section}" in text
-    assert "  learner.lr: float = 1e-05\n      Peak learning rate of AdamW." in text
+    assert "  learner.optim.lr: float = 1e-05\n      Peak learning rate of AdamW." in text
     assert "queue (type: redis)" in text and "env.sandbox (type: docker)" in text
     assert "  env.sandbox.memory_mb: int = 1024" in text
     shown = describe(load_config(None, ["--roller.group_size", "4"]), "roller")

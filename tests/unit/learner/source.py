@@ -79,3 +79,18 @@ class ListSource:
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = state["cursor"]
+
+
+def learner_config(**flat):
+    """A `LearnerConfig` from the tests' flat keyword arguments (`lr=...`, `kl_coef=...`), each
+    put where it lives now (`agentrl.learner.config.MOVED`): the tests keep one line per setup."""
+    from agentrl.learner.config import MOVED, LearnerConfig
+
+    nested: dict = {}
+    for key, value in flat.items():
+        if key in MOVED:
+            section, field_name = MOVED[key].split(".")
+            nested.setdefault(section, {})[field_name] = value
+        else:
+            nested[key] = value
+    return LearnerConfig(**nested)

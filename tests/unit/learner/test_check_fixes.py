@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from agentrl.config import ConfigError, LearnerConfig, load_config
+from agentrl.config import ConfigError, LossConfig, load_config
 from agentrl.learner import checkpoint, fsdp, loop
 from agentrl.learner.packing import MicroBatch
 from agentrl.learner.train_step import forward_logprobs, microbatch_loss, recompute_logprobs
-from tests.unit.learner.source import ListSource, make_groups
+from tests.unit.learner.source import ListSource, learner_config, make_groups
 
 
 def _mb(adv):
@@ -29,43 +29,43 @@ def _mb(adv):
 def test_gspo_applies_dual_clip_to_negative_advantages():
     # sequence log-ratio mean 2 → s = e² = 7.39 with A = −1: PPO-clip keeps 7.39, dual clip c = 3 caps it
     logp = torch.tensor([2.0, 2.0, 0.0])
-    cfg = LearnerConfig(policy_loss="gspo", off_policy="none", dual_clip=3.0, clip_low=0.2, clip_high=0.2)
+    cfg = LossConfig(policy_loss="gspo", off_policy="none", dual_clip=3.0, clip_low=0.2, clip_high=0.2)
     loss, sums, _ = microbatch_loss(logp, None, _mb([-1.0, -1.0]), cfg, version=0)
     assert float(loss) == pytest.approx(3.0)
     assert sums["clipfrac"] == 2
-    without = LearnerConfig(policy_loss="gspo", off_policy="none", clip_low=0.2, clip_high=0.2)
+    without = LossConfig(policy_loss="gspo", off_policy="none", clip_low=0.2, clip_high=0.2)
     assert float(microbatch_loss(logp, None, _mb([-1.0, -1.0]), without, version=0)[0]) == pytest.approx(
         math.e**2
     )
 
 
 def test_gspo_defaults_to_the_sequence_mean_and_keeps_an_explicit_choice(tmp_path):
-    assert LearnerConfig(policy_loss="gspo").loss_agg == "seq_mean_token_mean"
-    assert LearnerConfig(policy_loss="gspo", loss_agg="token_mean").loss_agg == "token_mean"
-    assert LearnerConfig().loss_agg == "token_mean"
+    assert LossConfig(policy_loss="gspo").loss_agg == "seq_mean_token_mean"
+    assert LossConfig(policy_loss="gspo", loss_agg="token_mean").loss_agg == "token_mean"
+    assert LossConfig().loss_agg == "token_mean"
     preset = tmp_path / "p.yaml"
-    preset.write_text("learner:\n  policy_loss: gspo\n")
-    assert load_config(preset, []).learner.loss_agg == "seq_mean_token_mean"
+    preset.write_text("learner:\n  loss:\n    policy_loss: gspo\n")
+    assert load_config(preset, []).learner.loss.loss_agg == "seq_mean_token_mean"
 
 
 def test_k1_as_a_loss_term_is_refused(tmp_path):
     preset = tmp_path / "p.yaml"
-    preset.write_text("learner:\n  kl_coef: 0.1\n  kl_estimator: k1\n")
+    preset.write_text("learner:\n  loss:\n    kl_coef: 0.1\n    kl_estimator: k1\n")
     with pytest.raises(ConfigError, match=r"kl_estimator: k1 .* zero expected gradient"):
         load_config(preset, [])
-    LearnerConfig(kl_estimator="k1")  # no penalty: nothing to refuse
+    LossConfig(kl_estimator="k1")  # no penalty: nothing to refuse
     with pytest.raises(ValueError, match="dual_clip"):
-        LearnerConfig(policy_loss="cispo", dual_clip=3.0)
+        LossConfig(policy_loss="cispo", dual_clip=3.0)
 
 
 def test_final_checkpoint_and_export_are_written_once(tiny_model, tmp_path, monkeypatch):
     saves, exports = [], []
     real_save, real_export = checkpoint.save_checkpoint, fsdp.export_hf
     monkeypatch.setattr(
-        checkpoint, "save_checkpoint", lambda *a, **k: saves.append(a[4]) or real_save(*a, **k)
+        checkpoint, "save_checkpoint", lambda *a, **k: saves.append(a[3]) or real_save(*a, **k)
     )
     monkeypatch.setattr(fsdp, "export_hf", lambda *a, **k: exports.append(str(a[1])) or real_export(*a, **k))
-    cfg = LearnerConfig(model_path=str(tiny_model), groups_per_step=1, max_steps=2, micro_batch_tokens=64,
+    cfg = learner_config(model_path=str(tiny_model), groups_per_step=1, max_steps=2, micro_batch_tokens=64,
                         checkpoint_every=1, export_every=2, batch_timeout_s=0.1)  # fmt: skip
     loop.run(loop.build_learner(cfg, tmp_path), ListSource(make_groups(2)), max_staleness=2)
     assert saves == [1, 2]
@@ -75,7 +75,9 @@ def test_final_checkpoint_and_export_are_written_once(tiny_model, tmp_path, monk
 def test_frozen_logprobs_are_recomputed_without_dropout(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from agentrl.learner.backend import ModelPart
     from agentrl.learner.data import prepare_batch
+    from agentrl.learner.fsdp import FSDP2Backend
     from agentrl.learner.packing import plan_microbatches
 
     torch.manual_seed(0)
@@ -88,9 +90,10 @@ def test_frozen_logprobs_are_recomputed_without_dropout(tiny_model, tmp_path):
     model.train()
     with torch.no_grad():
         noisy = forward_logprobs(model, mbs[0])[0]  # dropout active: not the policy's log-probs
-    recompute_logprobs(model, mbs, "old_logp", 1.0)
+    backend, part = FSDP2Backend(), ModelPart("actor", "policy", model)  # the unsharded model
+    recompute_logprobs(backend, part, mbs, "old_logp", 1.0)
     first = mbs[0].extra["old_logp"]
-    recompute_logprobs(model, mbs, "old_logp", 1.0)
+    recompute_logprobs(backend, part, mbs, "old_logp", 1.0)
     assert model.training  # the mode is restored
     torch.testing.assert_close(mbs[0].extra["old_logp"], first, rtol=0, atol=0)
     model.eval()

@@ -86,6 +86,32 @@ def test_remax_subtracts_the_greedy_reward_of_the_same_prompt():
         remax([np.array([1.0]), np.array([0.0])], [1.0])
 
 
+def test_remax_through_prepare_batch_uses_each_groups_greedy_reward():
+    """`loss.advantage: remax`: the learner reads the roller's `Group.metrics["greedy_reward"]`;
+    a group without one (a roller without `roller.greedy_baseline`) is skipped, named."""
+    from agentrl.learner.data import prepare_batch
+    from tests.unit.learner.source import make_groups
+
+    groups = make_groups(3, group_size=4, seed=5)
+    groups[0].metrics["greedy_reward"] = 0.25
+    groups[1].metrics["greedy_reward"] = 1.0
+    kw = dict(advantage="remax", loss_agg="token_mean", vocab_size=1000, learner_version=0)
+    batch = prepare_batch(groups, **kw)
+    assert batch.skipped == {"no_greedy_reward": 1}
+    got = [s.advantage for s in batch.mini_batches[0]]
+    want = np.concatenate([groups[0].rewards - 0.25, groups[1].rewards - 1.0])
+    np.testing.assert_allclose(got, want)
+
+
+def test_remax_needs_the_rollers_greedy_baseline():
+    from agentrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"roller\.greedy_baseline"):
+        load_config(None, ["--learner.loss.advantage=remax"])
+    cfg = load_config(None, ["--learner.loss.advantage=remax", "--roller.greedy_baseline=true"])
+    assert cfg.learner.loss.advantage == "remax"
+
+
 def test_grpo_batch_std_is_trls_scale_rewards_batch():
     # TRL 1.16 GRPOTrainer._generate_and_score_completions, scale_rewards="batch":
     # (rewards − group mean) / (std(all rewards) + 1e-4), std unbiased
@@ -120,13 +146,12 @@ def test_overlong_shaping_changes_the_advantages_not_the_reward_metrics():
                                                                    overlong_buffer_tokens=8)],
 )  # fmt: skip
 def test_new_objectives_train_through_the_loop(tiny_model, tmp_path, overrides):
-    from agentrl.config import LearnerConfig
     from agentrl.learner.fsdp import full_state_dict
     from agentrl.learner.loop import build_learner, run
     from agentrl.log import MetricsLogger, read_metrics
-    from tests.unit.learner.source import ListSource, make_groups
+    from tests.unit.learner.source import ListSource, learner_config, make_groups
 
-    cfg = LearnerConfig(model_path=str(tiny_model), groups_per_step=2, max_steps=1, micro_batch_tokens=64, lr=1e-3,
+    cfg = learner_config(model_path=str(tiny_model), groups_per_step=2, max_steps=1, micro_batch_tokens=64, lr=1e-3,
                         batch_timeout_s=0.1, **overrides)  # fmt: skip
     learner = build_learner(cfg, tmp_path)
     before = {k: v.clone() for k, v in full_state_dict(learner.model).items()}

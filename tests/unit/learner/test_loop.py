@@ -9,17 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from agentrl.config import LearnerConfig
 from agentrl.learner.fsdp import full_state_dict
 from agentrl.learner.loop import build_learner, run
 from agentrl.log import MetricsLogger, read_metrics
-from tests.unit.learner.source import ListSource, make_groups
+from tests.unit.learner.source import ListSource, learner_config, make_groups
 
 
 def _cfg(tiny_model, **kw):
     base = dict(model_path=str(tiny_model), groups_per_step=2, max_steps=3, micro_batch_tokens=64, lr=1e-3,
                 warmup_steps=2, batch_timeout_s=0.1)  # fmt: skip
-    return LearnerConfig(**{**base, **kw})
+    return learner_config(**{**base, **kw})
 
 
 def _weights(learner):

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.config import LearnerConfig
 from agentrl.learner.data import prepare_batch
 from agentrl.learner.fsdp import full_state_dict, iter_full_tensors
 from agentrl.learner.loop import build_learner, run
@@ -28,20 +27,20 @@ from agentrl.learner.packing import plan_microbatches
 from agentrl.learner.train_step import forward_logprobs, microbatch_loss
 from agentrl.log import MetricsLogger, read_metrics
 from tests.conftest import end_rank, run_torchrun
-from tests.unit.learner.source import ListSource, make_groups
+from tests.unit.learner.source import ListSource, learner_config, make_groups
 
 LR = 1e-3
 
 
-def _cfg(model_path, dtype: str, **kw) -> LearnerConfig:
+def _cfg(model_path, dtype: str, **kw):
     base = dict(model_path=str(model_path), groups_per_step=2, max_steps=1, micro_batch_tokens=64, lr=LR,
                 batch_timeout_s=0.1, dtype=dtype)  # fmt: skip
-    return LearnerConfig(**{**base, **kw})
+    return learner_config(**{**base, **kw})
 
 
 def _plan(learner, groups):
     cfg = learner.cfg
-    batch = prepare_batch(groups, advantage=cfg.advantage, loss_agg=cfg.loss_agg, vocab_size=learner.vocab_size,
+    batch = prepare_batch(groups, advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg, vocab_size=learner.vocab_size,
                           learner_version=learner.version, mini_batches=1, max_seq_tokens=cfg.max_seq_tokens)  # fmt: skip
     return plan_microbatches(
         batch.mini_batches[0], cfg.micro_batch_tokens, 1, 0, cfg.pad_multiple, learner.pad_id
@@ -52,7 +51,7 @@ def _grads(learner, groups) -> dict[str, torch.Tensor]:
     """The gradient of the learner's objective on `groups` (fp32, full tensors); grads cleared after."""
     for mb in _plan(learner, groups):
         logp, ent = forward_logprobs(learner.model, mb)
-        loss, _, _ = microbatch_loss(logp, ent, mb, learner.cfg, learner.version)
+        loss, _, _ = microbatch_loss(logp, ent, mb, learner.cfg.loss, learner.version)
         loss.backward()
     grads = {}
     for name, param in learner.model.named_parameters():

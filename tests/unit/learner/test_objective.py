@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from agentrl.config import LearnerConfig
+from agentrl.config import LossConfig
 from agentrl.learner.packing import MicroBatch
 from agentrl.learner.train_step import microbatch_loss
 
@@ -35,7 +35,7 @@ LOGP = torch.tensor([-1.2, -1.0, -1.5, -3.0])
 
 @pytest.mark.parametrize("mode", ["none", "tis", "decoupled"])
 def test_off_policy_modes(mode):
-    cfg = LearnerConfig(off_policy=mode, is_cap=2.0, clip_low=0.2, clip_high=0.28)
+    cfg = LossConfig(off_policy=mode, is_cap=2.0, clip_low=0.2, clip_high=0.28)
     loss, sums, _ = microbatch_loss(LOGP, None, _mb(), cfg, version=3)
     if mode == "none":
         # π_old = behaviour, no weight: ratios e^-0.2 (A=+1), e^1.0 (A=-1), e^-1.4 (A=+1);
@@ -55,7 +55,7 @@ def test_off_policy_modes(mode):
 
 
 def test_decoupled_uses_the_recomputed_proximal_policy():
-    cfg = LearnerConfig(off_policy="decoupled", is_cap=2.0)
+    cfg = LossConfig(off_policy="decoupled", is_cap=2.0)
     prox = torch.tensor([-1.0, -2.0, -0.1, 0.0])  # equal to behaviour: weights 1
     loss, _, _ = microbatch_loss(LOGP, None, _mb(old_logp=prox), cfg, version=3)
     r = torch.exp(LOGP - prox)[:3]
@@ -65,10 +65,10 @@ def test_decoupled_uses_the_recomputed_proximal_policy():
 
 
 def test_kl_and_entropy_terms():
-    cfg = LearnerConfig(off_policy="tis", is_cap=100.0, kl_coef=0.5, kl_estimator="k3", entropy_coef=0.1)
+    cfg = LossConfig(off_policy="tis", is_cap=100.0, kl_coef=0.5, kl_estimator="k3", entropy_coef=0.1)
     ref = torch.tensor([-1.0, -1.0, -1.0, 0.0])
     ent = torch.tensor([2.0, 2.0, 2.0, 9.0])
-    base, _, _ = microbatch_loss(LOGP, None, _mb(), LearnerConfig(off_policy="tis", is_cap=100.0), version=3)
+    base, _, _ = microbatch_loss(LOGP, None, _mb(), LossConfig(off_policy="tis", is_cap=100.0), version=3)
     loss, sums, _ = microbatch_loss(LOGP, ent, _mb(ref_logp=ref), cfg, version=3)
     x = (ref - LOGP)[:3]
     kl = (torch.exp(x) - x - 1).sum() * 0.25  # k3, token-mean weights (k1 as a loss term is refused)

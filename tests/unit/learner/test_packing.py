@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from agentrl.config import LearnerConfig
+from agentrl.config import LossConfig
 from agentrl.learner.data import prepare_batch
 from agentrl.learner.packing import (
     balance_across_ranks,
@@ -89,7 +89,7 @@ def _loss_and_grads(model, mb, cfg):
 
 @pytest.mark.parametrize("policy_loss", ["ppo_clip", "gspo"])
 def test_packed_equals_padded_loss_and_grads(model, policy_loss):
-    cfg = LearnerConfig(policy_loss=policy_loss, entropy_coef=0.01, off_policy="tis")
+    cfg = LossConfig(policy_loss=policy_loss, entropy_coef=0.01, off_policy="tis")
     samples = _samples(2, seed=3, min_len=5, max_len=30)
     packed = packed_microbatch(samples, pad_multiple=16)
     padded = padded_microbatch(samples)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from agentrl.config import LearnerConfig
+from agentrl.config import LossConfig
 from agentrl.learner.advantages import compute_advantages
 from agentrl.learner.losses import token_weights
 from agentrl.learner.packing import Sample, packed_microbatch
@@ -100,7 +100,7 @@ def test_grpo_loss_and_grads_match_trl(trainer, trl_loss, ours_agg):
     trl_value.backward()
     trl_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    cfg = LearnerConfig(off_policy="none", loss_agg=ours_agg, clip_low=0.2, clip_high=0.28)
+    cfg = LossConfig(off_policy="none", loss_agg=ours_agg, clip_low=0.2, clip_high=0.28)
     loss, grads, sums = _ours(model, prompt, completion, cmask, behav, adv, cfg)
     assert sums["clipfrac"] > 0  # the behaviour noise makes some tokens clip
     torch.testing.assert_close(loss, trl_value.detach(), rtol=1e-5, atol=1e-7)
@@ -163,7 +163,7 @@ def test_other_objectives_match_trl(trainer, trl_loss, level, ours, trl_attrs, s
             setattr(trainer, k, v)
     trl_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    cfg = LearnerConfig(off_policy="none", **ours)
+    cfg = LossConfig(off_policy="none", **ours)
     loss, grads, sums = _ours(model, prompt, completion, cmask, behav, adv, cfg)
     if trl_loss in ("grpo", "cispo"):
         assert sums["clipfrac"] > 0  # both sides of the comparison clip somewhere

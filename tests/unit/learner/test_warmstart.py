@@ -19,9 +19,9 @@ def test_warmstart_lowers_the_demonstration_loss_and_saves_a_checkpoint(
         [
             f"--learner.model_path={tiny_model}",
             f"--run_dir={tmp_path}",
-            "--learner.warmstart_steps=12",
-            "--learner.warmstart_batch_size=4",
-            "--learner.warmstart_lr=3e-3",
+            "--learner.warmstart.steps=12",
+            "--learner.warmstart.batch_size=4",
+            "--learner.warmstart.lr=3e-3",
         ],
     )
     batch = demonstration_batch(config, 4, seed=0)

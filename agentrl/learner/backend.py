@@ -1,0 +1,167 @@
+"""The learner-backend seam: what the loop needs from a training framework, and nothing else.
+
+The loop (`loop.py`) and the step (`train_step.py`) hold the algorithm: which forwards run, the
+losses, when to step, what to log. A backend holds the framework: how models are built, sharded,
+run, stepped, gathered, saved and exported. FSDP2 (`fsdp.FSDP2Backend`) is the first; a
+Megatron backend would fill the same methods (its `forward_backward` runs its own pipeline
+schedule around the same `loss_fn`). The shape follows torchtitan's `TrainSpec` (build
+functions per role; torchtitan/protocols/train_spec.py) and slime's per-framework actors
+(slime/backends/fsdp_utils, slime/backends/megatron_utils).
+
+    backend = create(cfg)                                   # picks by `learner.backend`
+    actor = backend.build("policy", cfg.model_path, optim=cfg.optim, lr_lambda=...)
+    ref = backend.build("policy", cfg.model_path)           # frozen: no optimizer
+    with backend.frozen(ref):
+        logp, _ = backend.logprobs(ref, mb, temperature)
+    backend.forward_backward(actor, mbs, loss_fn)           # loss_fn(mb) -> scalar loss
+    grad_norm, applied = backend.optimizer_step(actor, max_grad_norm, skip=not finite)
+    weight_sync.push(functools.partial(backend.full_tensors, actor), version)
+
+Every method that communicates is a collective: every rank calls it, in the same order.
+`local_shards` is for a colocated inference engine that reads the training shards in place
+(each parameter's local piece and how it is laid out across the mesh), without a full gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from agentrl.learner.packing import MicroBatch
+
+PartKind = Literal["policy", "value"]
+"""`policy`: a causal LM (log-probs of target tokens); `value`: the same architecture with a
+scalar head (one value per position), as PPO's critic."""
+
+
+@dataclass
+class ModelPart:
+    """One model the learner trains or consults (actor, reference, critic): the backend's module,
+    and its optimizer and LR schedule when it is trained (None for a frozen part)."""
+
+    name: str
+    kind: PartKind
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
+
+
+@dataclass
+class LocalShard:
+    """This rank's piece of one parameter, in place (no copy): `local` is the local tensor,
+    `placements` how the full tensor is laid out over `mesh` (torch DTensor `Shard(0)` /
+    `Replicate()`), `global_shape` the full tensor's shape. A parameter that is not distributed
+    has `placements=()` and `mesh=None`, and `local` is the whole tensor."""
+
+    name: str
+    local: torch.Tensor
+    placements: tuple[Any, ...]
+    mesh: Any
+    global_shape: torch.Size
+
+
+class LearnerBackend(Protocol):
+    """The training framework behind the learner (see the module docstring)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def build(
+        self,
+        kind: PartKind,
+        path: str | Path,
+        *,
+        name: str = "actor",
+        optim: Any = None,
+        lr_lambda: Callable[[int], float] | None = None,
+        activation_checkpointing: bool = False,
+        bf16: bool = False,
+        shard: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> ModelPart:
+        """Load a model of `kind` from the HF checkpoint at `path` and distribute it. With
+        `optim` (an `OptimConfig`: lr, betas, weight decay) it is trained by AdamW under the LR
+        schedule `lr_lambda`; without, it is frozen (eval mode, no gradients). `shard`, when given,
+        distributes the loaded module instead of the backend's default layout (the colocated
+        HybridEngine's placement)."""
+        ...
+
+    def logprobs(
+        self, part: ModelPart, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A policy's log-prob of each target token (flat [rows·T], 0 off the loss mask) and its
+        entropy ("grad", "metric" or "none"; see `train_step.forward_logprobs`)."""
+        ...
+
+    def values(self, part: ModelPart, mb: MicroBatch) -> torch.Tensor:
+        """A value model's V at every position (flat [rows·T], fp32), aligned like `mb.adv`."""
+        ...
+
+    def frozen(self, part: ModelPart) -> contextlib.AbstractContextManager[None]:
+        """A context for forwards without gradients and without dropout; the mode is restored after."""
+        ...
+
+    def forward_backward(
+        self, part: ModelPart, mbs: list[MicroBatch], loss_fn: Callable[[MicroBatch], torch.Tensor]
+    ) -> None:
+        """Zero the gradients, then for each micro-batch call `loss_fn(mb)` (which runs the
+        part's forward) and backpropagate its loss; gradients are the data-parallel sum of the
+        per-rank losses (each rank's loss is already normalised over the whole batch)."""
+        ...
+
+    def optimizer_step(self, part: ModelPart, max_grad_norm: float, skip: bool = False) -> tuple[float, bool]:
+        """Clip gradients to `max_grad_norm` and step the optimizer and LR schedule, unless
+        `skip` or the norm is non-finite; gradients are dropped either way. (norm, applied)."""
+        ...
+
+    def all_reduce(self, values: dict[str, float], op: Literal["sum", "max"]) -> dict[str, float]:
+        """The metric dict summed / maxed over the data-parallel ranks."""
+        ...
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (the batch the loop trains on)."""
+        ...
+
+    def full_tensors(self, part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every parameter, one at a time: what weight sync and export
+        consume. A collective; every rank iterates to the end."""
+        ...
+
+    def local_shards(self, part: ModelPart) -> Iterator[LocalShard]:
+        """This rank's shard of every parameter with its placement, in place (no communication)."""
+        ...
+
+    def save(self, parts: list[ModelPart], path: Path) -> None:
+        """Write the parts' weights and optimizer states under `path` (each rank its shards)."""
+        ...
+
+    def load(self, parts: list[ModelPart], path: Path) -> None:
+        """Restore what `save` wrote into already built parts (resharding to this world size)."""
+        ...
+
+    def export(self, part: ModelPart, out_dir: Path, tokenizer_path: str | Path | None) -> Path:
+        """A plain HF checkpoint of `part` (safetensors, config, tokenizer) that servers load."""
+        ...
+
+
+def create(backend: str) -> LearnerBackend:
+    """The backend named by `learner.backend` (initialising the process group)."""
+    if backend == "fsdp2":
+        from agentrl.learner.fsdp import FSDP2Backend
+
+        return FSDP2Backend()
+    raise ValueError(f"learner.backend: unknown backend {backend!r}; available: fsdp2")

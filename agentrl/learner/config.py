@@ -1,0 +1,261 @@
+"""The learner's config section (`learner:`), in sub-sections: optim, schedule, loss, critic,
+checkpoint, logging and warmstart, with the batch and model fields at its top.
+
+    learner:
+      model_path: runs/models/tiny
+      groups_per_step: 8
+      optim: {lr: 1.0e-5, max_grad_norm: 1.0}
+      schedule: {warmup_steps: 10, lr_decay: cosine}
+      loss: {advantage: grpo, policy_loss: ppo_clip, kl_coef: 0.0}
+      checkpoint: {every: 50, keep: 2}
+
+Keys of the old flat layout (`learner.lr`, `learner.checkpoint_every`, ...) are refused with an
+error that names the new key (`MOVED`). `agentrl.config` re-exports these models; the resolved
+config of a run is still one file (`config.resolved.yaml`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config model, as `agentrl.config.Section` (defined again here because
+    agentrl.config imports this module): unknown keys fail, docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class OptimConfig(Section):
+    """AdamW and gradient clipping."""
+
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (β1, β2)."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping threshold (global L2 norm)."""
+
+
+class ScheduleConfig(Section):
+    """The learning-rate schedule, in optimizer steps."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    lr_decay: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate shape after warm-up, decaying to `min_lr_ratio`·lr at `max_steps`."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate as a fraction of the peak (cosine / linear decay)."""
+
+
+class LossConfig(Section):
+    """The advantage estimator and the policy objective with its corrections and penalties."""
+
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "grpo_batch_std", "remax", "gae"] = "grpo"
+    """Advantage estimator: GRPO, Dr. GRPO, RLOO, REINFORCE++ (batch mean and std), grpo_batch_std
+    (group mean, batch std: TRL's `scale_rewards="batch"`), remax (the greedy episode's reward as
+    the baseline: needs `roller.greedy_baseline: true`), or gae: PPO with a critic
+    (`learner.critic`), GAE(gamma, lam) over token rewards; see docs/architecture.md."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE's discount γ per action token (advantage: gae)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE's λ (advantage: gae)."""
+    whiten_advantages: bool = True
+    """advantage: gae: normalise the advantages over the batch's action tokens (TRL's
+    `masked_whiten`)."""
+    policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = "ppo_clip"
+    """Policy objective: token-level PPO clip, GSPO's sequence-level ratio, CISPO (clipped
+    importance-weight REINFORCE; uses clip_low / clip_high on the weight) or SAPO (soft gate)."""
+    clip_low: float = Field(0.2, ge=0)
+    """Lower clip range ε of the importance ratio (1 − ε)."""
+    clip_high: float = Field(0.28, ge=0)
+    """Upper clip range (1 + ε_high); DAPO's clip-higher when above clip_low."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip constant c (> 1) bounding the loss for negative advantages (ppo_clip and gspo;
+    refused with cispo / sapo, which have no clip to bound); null disables."""
+    sapo_tau_pos: float = Field(1.0, gt=0)
+    """SAPO's gate temperature for positive advantages."""
+    sapo_tau_neg: float = Field(1.05, gt=0)
+    """SAPO's gate temperature for negative advantages."""
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    """How per-token losses are aggregated into the batch loss. Left unset with `policy_loss: gspo`
+    it is `seq_mean_token_mean` (GSPO's sequence mean); token_mean would weight sequences by length."""
+    overlong_max_tokens: int | None = Field(None, ge=1)
+    """DAPO's overlong reward shaping: L_max, the generated-token length above which an episode
+    gets the full penalty; null disables the shaping."""
+    overlong_buffer_tokens: int = Field(0, ge=0)
+    """DAPO's L_cache: the penalty grows linearly over the last this-many tokens below L_max."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Scale of DAPO's overlong penalty (1.0 is the paper's: from 0 down to −1)."""
+    off_policy: Literal["none", "tis", "decoupled"] = "tis"
+    """Off-policy correction: none (π_old = behaviour), truncated importance sampling, or
+    decoupled PPO (π_prox recomputed by the learner; behaviour weights above the cap dropped)."""
+    is_cap: float = Field(2.0, gt=0)
+    """Cap C on importance weights (TIS weight or decoupled behaviour weight)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Coefficient of the KL penalty to the reference model; 0 disables the reference model."""
+    kl_estimator: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
+    """Estimator of the KL penalty."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+
+    @property
+    def overlong(self) -> tuple[int, int, float] | None:
+        """(L_max, L_cache, factor) of DAPO's overlong shaping, or None when it is off."""
+        if self.overlong_max_tokens is None:
+            return None
+        return self.overlong_max_tokens, self.overlong_buffer_tokens, self.overlong_penalty
+
+    @model_validator(mode="before")
+    @classmethod
+    def _objective_defaults(cls, data: Any) -> Any:
+        """GSPO's own aggregation is the sequence mean (GSPO paper, eq. 5-7): it is the default
+        when `loss_agg` is not given, so the resolved config names it."""
+        if isinstance(data, dict) and data.get("policy_loss") == "gspo" and "loss_agg" not in data:
+            data = {**data, "loss_agg": "seq_mean_token_mean"}
+        return data
+
+    @model_validator(mode="after")
+    def _objective_checks(self) -> LossConfig:
+        if self.kl_coef > 0 and self.kl_estimator == "k1":
+            raise ValueError(
+                "kl_estimator: k1 (log π − log π_ref) as a loss term has zero expected gradient on tokens "
+                "sampled from π (E[∇ log π] = 0), so the penalty does nothing on average; use k3 or low_var_kl"
+            )
+        if self.dual_clip is not None and self.policy_loss in ("cispo", "sapo"):
+            raise ValueError(
+                f"dual_clip: {self.policy_loss} has no clipped surrogate to bound; set it to null"
+            )
+        if self.overlong_max_tokens is not None and self.overlong_buffer_tokens > self.overlong_max_tokens:
+            raise ValueError("overlong_buffer_tokens: must not exceed overlong_max_tokens (L_cache <= L_max)")
+        return self
+
+
+class CriticConfig(Section):
+    """PPO's critic (used when `loss.advantage: gae`): a value head on the policy's architecture."""
+
+    model_path: str | None = None
+    """Checkpoint the critic's decoder is initialised from; null: the policy's `model_path`. Its
+    scalar head is new (zero-initialised), or the checkpoint's own when it is an exported critic."""
+    optim: OptimConfig = OptimConfig()
+    """The critic's own AdamW, learning rate and clipping."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """PPO's value clip: values move at most this far from the pre-update values per step; null: none."""
+    warmup_steps: int = Field(0, ge=0)
+    """Learner steps at the start in which only the critic trains (the actor frozen, no new version)."""
+    export: bool = False
+    """Also write the critic as a Hugging Face checkpoint (`<run_dir>/hf_critic/`) with the actor's."""
+
+
+class CheckpointConfig(Section):
+    """Resumable checkpoints and Hugging Face exports."""
+
+    every: int = Field(0, ge=0)
+    """Save a resumable checkpoint every N steps; 0 saves only at the end."""
+    keep: int = Field(2, ge=1)
+    """Resumable checkpoints kept on disk (older ones are deleted)."""
+    export_every: int = Field(0, ge=0)
+    """Write a Hugging Face checkpoint every N steps; 0 exports only at the end."""
+
+
+class LoggingConfig(Section):
+    """Metric sinks beyond `<run_dir>/metrics.jsonl`."""
+
+    tensorboard: bool = False
+    """Also write metrics to TensorBoard under `<run_dir>/tensorboard`."""
+    wandb_project: str | None = None
+    """Also log metrics to this Weights & Biases project."""
+
+
+class WarmstartConfig(Section):
+    """The supervised warm start on the env's demonstrations (`agentrl warmstart`)."""
+
+    steps: int = Field(0, ge=0)
+    """Supervised steps on the env's demonstrations before RL; 0 skips it."""
+    lr: float = Field(1e-3, gt=0)
+    """Learning rate of the supervised warm start."""
+    batch_size: int = Field(16, ge=1)
+    """Demonstrations per warm-start step."""
+
+
+MOVED = {
+    **{k: f"optim.{k}" for k in OptimConfig.model_fields},
+    **{k: f"schedule.{k}" for k in ScheduleConfig.model_fields},
+    **{k: f"loss.{k}" for k in LossConfig.model_fields},
+    "checkpoint_every": "checkpoint.every",
+    "keep_checkpoints": "checkpoint.keep",
+    "export_every": "checkpoint.export_every",
+    "tensorboard": "logging.tensorboard",
+    "wandb_project": "logging.wandb_project",
+    "warmstart_steps": "warmstart.steps",
+    "warmstart_lr": "warmstart.lr",
+    "warmstart_batch_size": "warmstart.batch_size",
+}
+"""Old flat `learner.<key>` → its place now (under `learner.`)."""
+
+
+class LearnerConfig(Section):
+    """The learner: model and backend, batch and packing, and its sub-sections."""
+
+    model_path: str = "runs/models/tiny"
+    """Hugging Face checkpoint directory (or hub id where a hub is reachable) to train."""
+    backend: Literal["fsdp2"] = "fsdp2"
+    """Training backend (`agentrl/learner/backend.py`): FSDP2 is the one implemented."""
+    groups_per_step: int = Field(8, ge=1)
+    """Prompt groups consumed per learner step (the batch size in groups)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer updates per consumed batch (its groups split evenly); > 1 makes π_old differ from π_θ."""
+    max_steps: int = Field(100, ge=1)
+    """Learner steps (weight versions) to produce before the learner stops."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Token budget of one packed micro-batch (forward/backward unit)."""
+    pad_multiple: int = Field(8, ge=1)
+    """Packed rows are padded to a multiple of this many tokens (shape reuse on GPUs)."""
+    max_seq_tokens: int | None = Field(None, ge=2)
+    """Episodes longer than this are skipped and counted (`too_long`); null accepts any length."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature the rollers used; logits are divided by it so learner and behaviour
+    log-probs describe the same distribution (keep equal to `roller.temperature`)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype: bfloat16 uses FSDP2 mixed precision (bf16 compute; fp32 master weights,
+    AdamW state and gradient reduction; log-probs from an fp32 log-softmax) on CPU and on GPUs
+    with bf16 support; a GPU without bf16 trains in float32 and says so."""
+    activation_checkpointing: bool = False
+    """Recompute activations of each decoder layer in the backward pass."""
+    batch_timeout_s: float = Field(5.0, gt=0)
+    """How long one wait for a batch lasts before it is logged and retried."""
+    max_consecutive_skips: int = Field(20, ge=0)
+    """Stop with an error after this many consecutive skipped steps (bad data, NaN); 0 never stops."""
+    seed: int = 0
+    """Random seed of the learner."""
+    num_processes: int = Field(1, ge=1)
+    """Learner ranks `agentrl run` starts (torchrun with this many processes when above 1)."""
+    optim: OptimConfig = OptimConfig()
+    """The actor's AdamW and gradient clipping."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """The actor's learning-rate schedule."""
+    loss: LossConfig = LossConfig()
+    """Advantage estimator and policy objective."""
+    critic: CriticConfig = CriticConfig()
+    """PPO's critic (`loss.advantage: gae`)."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Resumable checkpoints and HF exports."""
+    logging: LoggingConfig = LoggingConfig()
+    """TensorBoard and W&B sinks."""
+    warmstart: WarmstartConfig = WarmstartConfig()
+    """The supervised warm start before RL."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_flat_keys(cls, data: Any) -> Any:
+        """The flat layout's keys fail with the key that replaced each."""
+        if isinstance(data, dict):
+            moved = [k for k in data if k in MOVED]
+            if moved:
+                where = "; ".join(f"learner.{k} is now learner.{MOVED[k]}" for k in moved)
+                raise ValueError(f"moved keys: {where}")
+        return data
