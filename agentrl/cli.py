@@ -81,7 +81,7 @@ def load(config: Path | None, ctx: typer.Context) -> AgentRLConfig:
         raise _fail(str(exc)) from None
 
 
-def check_model_path(field: str, value: str) -> None:
+def check_model_path(field: str, value: str, preset: str = "tiny") -> None:
     """Exit with a config error naming `field` unless `value` is a checkpoint directory or looks
     like a hub id (`org/name`); transformers' own error for a missing path is a traceback about
     repo ids."""
@@ -92,7 +92,9 @@ def check_model_path(field: str, value: str) -> None:
         return
     if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith("."):
         return  # a hub id: transformers fetches it where a hub is reachable
-    raise _fail(f"{field}: {value} is not a checkpoint directory (make one: agentrl init-model tiny {value})")
+    raise _fail(
+        f"{field}: {value} is not a checkpoint directory (make one: agentrl init-model {preset} {value})"
+    )
 
 
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
@@ -203,7 +205,7 @@ def serve_reward(
     model_path = model or cfg.reward.model
     if not model_path:
         raise _fail("--model: give the reward model's checkpoint (or set reward.model)")
-    check_model_path("--model", model_path)
+    check_model_path("--model", model_path, preset="tiny-rm" if cfg.reward.kind == "classifier" else "tiny")
     from agentrl.rewards.scorer import WrongModelType, load_scorer
     from agentrl.rewards.server import run_server
 
