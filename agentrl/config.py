@@ -531,6 +531,11 @@ class AgentRLConfig(Section):
                 "inference.logprobs: SGLang 0.5.23 returns only full-distribution log-probs "
                 "(srt/layers/sampler.py); use inference.logprobs: full with inference.type: sglang"
             )
+        if self.mode == "colocated" and self.launcher.type == "ray":
+            raise ValueError(
+                "launcher.type: 'ray' does not start mode: colocated yet (its ranks run on one machine "
+                "under torchrun); use launcher.type: local"
+            )
         if (
             concerns("learner", "roller")
             and self.learner.loss.advantage == "remax"

@@ -119,6 +119,8 @@ def test_backend_fields_without_type_keep_default_backend() -> None:
         (["--inference.type", "sglang"], ["inference.servers"]),
         (["--learner.optim.lr"], ["--learner.optim.lr has no value"]),
         (["learner.lr", "3"], ["unexpected argument"]),
+        (["--mode", "colocated", "--launcher.type", "ray"], ["launcher.type", "mode: colocated"]),
+        (["--learner.loss.advantage", "remax"], ["learner.loss.advantage", "roller.greedy_baseline"]),
     ],
 )
 def test_bad_configs_are_refused_naming_the_field(overrides: list[str], expected: list[str]) -> None:
