@@ -18,19 +18,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, model_validator
 
 from agentrl.rewards.config import RewardConfig
+from agentrl.section import Section
 
 
 class ConfigError(ValueError):
     """A preset or override that does not describe a valid run."""
-
-
-class Section(BaseModel):
-    """Base of every config model: unknown keys fail, docstrings become descriptions."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
 # --------------------------------------------------------------------------- learner
@@ -63,7 +58,7 @@ class RollerConfig(Section):
 
     tasks: str = "builtin"
     """Task source: a JSONL or Parquet file of task objects, or `builtin` for the env's own generator."""
-    task_kwargs: dict[str, Any] = {}
+    task_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Options of the env's built-in task generator (e.g. `{digits: 2}` for the toy calculator)."""
     tokenizer_path: str | None = None
     """Tokenizer of the served model (defaults to the model the inference servers load)."""
@@ -228,7 +223,7 @@ class VLLMLaunchConfig(Section):
     """GPUs per vLLM server; the weight group then takes that many ranks per server."""
     startup_timeout_s: float = Field(900.0, gt=0)
     """Seconds to wait for a started vLLM server to answer `/health`."""
-    extra_args: list[str] = []
+    extra_args: list[str] = Field(default_factory=list)
     """More command-line flags for `vllm.entrypoints.openai.api_server`, passed as given."""
 
 
@@ -243,7 +238,7 @@ class InferenceConfig(Section):
     what the learner recomputes). "truncated": the top-k/top-p-restricted, renormalised distribution
     the tokens are drawn from (embedded server; vLLM's processed log-probs); the learner cannot
     recompute it, so it needs roller.top_p: 1 and roller.top_k: -1."""
-    servers: list[str] = []
+    servers: list[str] = Field(default_factory=list)
     """URLs of running servers; empty means `agentrl run` starts `num_servers` embedded ones."""
     num_servers: int = Field(1, ge=1)
     """Servers (embedded or vLLM) that `agentrl run` starts when `servers` is empty."""
@@ -291,10 +286,12 @@ class LauncherConfig(Section):
     """`local`: every process on this machine; `ray`: placed by Ray on a running cluster."""
     address: str = "auto"
     """Ray only: the cluster to join (`auto`: the one `ray start` runs on this node, or HOST:PORT)."""
-    resources: dict[Literal["learner", "server", "roller", "service"], dict[str, float]] = {}
+    resources: dict[Literal["learner", "server", "roller", "service"], dict[str, float]] = Field(
+        default_factory=dict
+    )
     """Ray only: resources each role asks for, e.g. `{server: {GPU: 1}, roller: {CPU: 2, sandbox: 1}}`
     (`CPU`, `GPU` and custom resources of `ray start --resources`); the learner's are per rank."""
-    forward_env: list[str] = ["HF_TOKEN", "WANDB_API_KEY", "OPENAI_API_KEY"]
+    forward_env: list[str] = Field(default_factory=lambda: ["HF_TOKEN", "WANDB_API_KEY", "OPENAI_API_KEY"])
     """Ray only: environment variables (API keys) handed to every process by an actor method call,
     with the queue's secret; never on a command line or in the actors' runtime_env."""
 
@@ -371,9 +368,9 @@ class LocalSandboxConfig(_SandboxLimits):
     """Weakest isolation accepted: starting a sandbox with less fails (untrusted code never runs)."""
     cpu_time_s: int = Field(120, ge=1)
     """CPU seconds each process may use (RLIMIT_CPU)."""
-    ro_paths: list[str] = []
+    ro_paths: list[str] = Field(default_factory=list)
     """Extra host paths bound read-only at the same place (e.g. a Python prefix outside /usr)."""
-    python_packages: list[str] = []
+    python_packages: list[str] = Field(default_factory=list)
     """Pure-Python packages of agentrl's own interpreter made importable inside (e.g. [pytest])."""
     root_dir: str | None = None
     """Host directory the sandboxes' working directories are created in (default: the system temp dir)."""
@@ -424,7 +421,7 @@ class EnvConfig(Section):
 
     name: str = "toy_calculator"
     """Built-in env name or a dotted path `package.module:ClassName`."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to the env's constructor."""
     tool_parser: Literal["hermes", "tags"] = "hermes"
     """How tool calls are parsed: Hermes/Qwen `<tool_call>` JSON or plain tags."""

@@ -18,14 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class Section(BaseModel):
-    """Base of every config model, as `agentrl.config.Section` (defined again here because
-    agentrl.config imports this module): unknown keys fail, docstrings become descriptions."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+from agentrl.section import Section
 
 
 class OptimConfig(Section):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from agentrl.section import Section
 
 DEFAULT_JUDGE_PROMPT = (
     "Here is a conversation between a user and an assistant.\n\n{transcript}\n\n"
@@ -17,13 +19,11 @@ DEFAULT_JUDGE_PROMPT = (
 )
 
 
-class RewardConfig(BaseModel):
+class RewardConfig(Section):
     """A served reward model (`agentrl serve-reward`) that scores every episode.
 
     An episode's reward becomes `env reward + weight × score`, the score coming from the model
     at `url`."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
     url: str | None = None
     """Address of a running `agentrl serve-reward` (e.g. http://127.0.0.1:30100); unset means no
