@@ -58,6 +58,9 @@ log = get_logger("queue.client")
 COALESCE_BYTES = 256 << 10
 COALESCE_GROUPS = 512
 PING_S = 0.5
+FIN_SETTLE_S = 5.0
+"""After the run is over, how long puts already sent wait for the queue's own answer to them (the
+queue stores a put that reaches it after the end, and says so in its reply)."""
 SILENT_WARN_S = 30.0
 
 
@@ -253,6 +256,11 @@ class ZmqProducer(Producer):
                 self._settle_reply(ctl)
             if self._check_run(ctl):
                 return
+            if isinstance(self.fatal, RunOver):  # the run is over; puts in flight still await answers
+                self._settle_reply(ctl)
+                if not self._puts_in_flight():
+                    return
+                continue
             self._version = ctl.get("v", self._version)
             self._told_max_staleness(ctl.get("ms"))
             if self._epoch is not None and ctl.get("e") != self._epoch:
@@ -320,9 +328,14 @@ class ZmqProducer(Producer):
             )
             return True
         if ctl.get("fin"):
-            self._fail(RunOver(f"the run is over: the learner finished at version {ctl.get('v')}"))
-            return True
+            self._fail(
+                RunOver(f"the run is over: the learner finished at version {ctl.get('v')}"), puts_wait=True
+            )
+            return not self._puts_in_flight()
         return False
+
+    def _puts_in_flight(self) -> bool:
+        return any(c["k"] in ("put", "nput") and not f.done() for c, _, f in self._pending.values())
 
     def _lapsed(self) -> None:
         """The queue reclaimed our lease: puts admitted under it are refused, and we start afresh."""
@@ -345,12 +358,21 @@ class ZmqProducer(Producer):
         self._outbox.extend(sorted(rid for rid, p in self._pending.items() if not p[2].done()))
         self._wake.set()
 
-    def _fail(self, exc: QueueError) -> None:
-        """Every pending and later call raises `exc`."""
+    def _fail(self, exc: QueueError, puts_wait: bool = False) -> None:
+        """Every pending and later call raises `exc`. With `puts_wait` (the run is over), puts
+        already in flight first get `FIN_SETTLE_S` for the queue's answer: one it stored counts
+        as put, not as lost to the end of the run."""
         if self.fatal is not None:
             return
         self.fatal = exc
         log.error("%s", exc) if not isinstance(exc, RunOver) else log.info("%s", exc)
+        for ctl, _, future in self._pending.values():
+            if not future.done() and not (puts_wait and ctl["k"] in ("put", "nput")):
+                future.set_exception(exc)
+        if puts_wait and self._puts_in_flight():
+            asyncio.get_running_loop().call_later(FIN_SETTLE_S, self._fail_rest, exc)
+
+    def _fail_rest(self, exc: QueueError) -> None:
         for _, _, future in self._pending.values():
             if not future.done():
                 future.set_exception(exc)

@@ -228,6 +228,30 @@ def test_a_put_the_queue_stored_as_the_run_ended_counts_as_put(zmq_queue: Harnes
     assert zmq_queue.server.metrics()["groups_in"] == 1
 
 
+def test_a_put_in_flight_when_the_end_is_heard_still_counts_as_put(zmq_queue: Harness) -> None:
+    """The end of the run reaches the producer first in the answer to another request (here a
+    waiting `acq`), while a put it already sent is still unanswered; the queue stores that put
+    and acks it. The put must count as put, not fail with RunOver (a CI run of test_run had the
+    roller's groups_put one short of the queue's groups_in)."""
+    zmq_queue.start(groups_per_step=1, max_staleness=0)
+    consumer = zmq_queue.consumer()
+
+    async def go() -> None:
+        producer = zmq_queue.producer()
+        await producer.acquire_start(1)  # the whole window
+        waiting = asyncio.create_task(producer.acquire_start(1))  # queued at the server
+        await asyncio.sleep(0.3)
+        consumer.finish()  # blocks this loop: the server answers the waiting acq with the end
+        put = asyncio.create_task(producer.put(make_group(seed=4)))  # sent before that answer is read
+        await asyncio.wait_for(put, timeout=10)
+        with pytest.raises(RunOver):
+            await asyncio.wait_for(waiting, timeout=10)
+        producer.close()
+
+    asyncio.run(go())
+    assert zmq_queue.server.metrics()["groups_in"] == 1
+
+
 def test_a_learner_with_another_config_is_refused(zmq_queue: Harness) -> None:
     zmq_queue.start(groups_per_step=4, max_staleness=1)
     with pytest.raises(QueueUnavailable, match=r"learner\.groups_per_step: the learner has 8"):
