@@ -119,7 +119,13 @@ def test_kill_9_of_the_only_server_it_restarts_on_its_port_and_rejoins_at_the_cu
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # trained after the restart
     assert records[-1]["sync/servers_updated"] == 1  # the restarted server is in the group again
     learner_log = (run_dir / "logs" / "learner.log").read_text()
-    assert re.search(r"are behind version \d+: pushing the current weights now", learner_log)
+    catch_up = re.search(r"are behind version \d+: pushing the current weights now", learner_log)
+    if k == 0:  # a server back at version 0 is behind the window: only the catch-up push ends the livelock
+        assert catch_up, learner_log[-4000:]
+    else:  # at k=2 its version-0 groups may still be admissible, so the next step's push can come first
+        assert catch_up or re.search(r"are up again: rebuilding the weight group", learner_log), learner_log[
+            -4000:
+        ]
     roller = (run_dir / "logs" / "roller0.log").read_text()
     assert "roller gave up" not in roller
     assert_account(run_dir)
