@@ -3,7 +3,7 @@ stand-ins (tests/sglang_standin.py: each rule names its source in the 0.5.23 whe
 
 Four learner steps, a push after each: every push pauses the servers with generations in
 flight (they come back aborted and the roller resubmits), runs inside begin/end, and is
-checked against the exported weights; the second push fails midway on one server (a bucket
+checked against the exported weights; the first push fails midway on one server (a bucket
 it received but could not load), whose session is closed and which is pushed to again in
 the redo, so it stays usable; the test reads the version as a client would (`/model_info`)."""
 
@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,20 +26,6 @@ from tests.unit.weight_sync.test_standin_push import start_standin
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 STEPS = 4
-
-
-def _wait_for(predicate, timeout_s: float, what: str, procs=()) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        for proc in procs:
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"{proc.args[3]} exited {proc.returncode}: {proc.stderr.read().decode()[-3000:]}"
-                )
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_learner_and_roller_against_strict_sglang_standins(
@@ -58,6 +43,9 @@ def test_learner_and_roller_against_strict_sglang_standins(
         f"--inference.servers=[{', '.join(urls)}]", "--learner.groups_per_step=2", "--max_staleness=1",
         "--env.name=toy_lookup",
     ]  # fmt: skip
+    # the second server's first weight update fails midway (armed before the learner starts: on a quiet
+    # machine all four steps can finish before a poll sees push 1 land, so arming after it raced)
+    servers[1].fail_updates(1)
     learner = processes.start(
         [sys.executable, "-m", "agentrl", "learner", *common, f"--learner.model_path={tiny_model}",
          f"--learner.max_steps={STEPS}", "--learner.warmstart.steps=0", "--learner.batch_timeout_s=0.5",
@@ -72,11 +60,6 @@ def test_learner_and_roller_against_strict_sglang_standins(
         env=env,
     )  # fmt: skip
 
-    # after the first push, make the second one fail midway on the second server
-    _wait_for(
-        lambda: all(s.state()["weight_version"] == "1" for s in servers), 240, "push 1", [learner, roller]
-    )
-    servers[1].fail_updates(1)
     try:
         _, err = learner.communicate(timeout=200)
     except subprocess.TimeoutExpired:
@@ -102,7 +85,7 @@ def test_learner_and_roller_against_strict_sglang_standins(
         assert state["weights"] and all(digest(exported[n]) == d for n, d in state["weights"].items())
         assert calls.count("/pause_generation") >= STEPS - 1 and "/get_weight_version" not in calls
     assert sum(s.state()["aborted"] for s in servers) > 0  # pauses landed on generations in flight
-    assert "update_weights_from_distributed" in log and "scripted failure" in log  # push 2 failed midway
+    assert "update_weights_from_distributed" in log and "scripted failure" in log  # a push failed midway
     assert servers[1].state()["calls"].count("/init_weights_update_group") >= 2  # the group was rebuilt
 
     async def version() -> list[int]:
