@@ -39,9 +39,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from agentrl.config import AgentRLConfig, save_resolved
 from agentrl.launch.control import ScaleWatch, write_state
@@ -439,20 +440,41 @@ class LocalScaler:
 def _watch(config: AgentRLConfig, supervisor: Supervisor, learner: Child, scaler: LocalScaler) -> int:
     """Show live progress, supervise and apply `agentrl scale` until the learner finishes or the
     run must stop; the state `agentrl status` shows is rewritten each round."""
+    launcher = config.launcher
+    return watch(
+        config,
+        "local",
+        lambda: supervise(supervisor, learner, launcher.max_restarts, launcher.restart_backoff_s),
+        scaler.apply,
+        scaler.processes,
+        lambda: sum(c.restarts for c in supervisor.children),
+    )
+
+
+def watch(
+    config: AgentRLConfig,
+    kind: str,
+    supervise_once: Callable[[], str | None],
+    apply_scale: Callable[[Any], Any],
+    processes: Callable[[], list],
+    restarts: Callable[[], int],
+    **state: Any,
+) -> int:
+    """Both launchers' main loop, every 0.5 s: one supervision round (`"done"`, `"failed"` or None),
+    a pending `agentrl scale` request applied, the state `agentrl status` reads rewritten (`state`:
+    extra fields of it), the live table refreshed. 0 when the run is done, 1 when it failed."""
     from rich.live import Live
 
     run_dir = Path(config.run_dir)
     scale, last = ScaleWatch(run_dir), None
     with Live(progress_table(run_dir, config), refresh_per_second=1, transient=False) as live:
         while True:
-            outcome = supervise(
-                supervisor, learner, config.launcher.max_restarts, config.launcher.restart_backoff_s
-            )
+            outcome = supervise_once()
             request = scale.poll()
             if request is not None and outcome is None:
-                last = scaler.apply(request)
-            write_state(run_dir, "local", scaler.processes(), scale=last, scale_id=scale.last_id)
-            live.update(progress_table(run_dir, config, sum(c.restarts for c in supervisor.children)))
+                last = apply_scale(request)
+            write_state(run_dir, kind, processes(), scale=last, scale_id=scale.last_id, **state)
+            live.update(progress_table(run_dir, config, restarts()))
             if outcome == "failed":
                 live.stop()
                 return 1

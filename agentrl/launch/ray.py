@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig
-from agentrl.launch.control import ScaleWatch, write_state
+from agentrl.launch.control import write_state
 from agentrl.launch.plan import Addresses, Role, plan, render, roller_role, server_url
 from agentrl.log import get_logger
 
@@ -481,9 +481,8 @@ def _wait_healthy(urls: list[str], path: str, timeout_s: float = 300) -> None:
 def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
     """Run the job on the Ray cluster at `launcher.address`; like `launcher.launch`."""
     import ray
-    from rich.live import Live
 
-    from agentrl.launcher import _warm_model, finish, progress_table
+    from agentrl.launcher import _warm_model, watch
 
     run_dir = Path(config.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -502,30 +501,15 @@ def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -
                 job.run_warmstart()
             model = str((run_dir / "warmstart").resolve())
         job.start_plan(model, job.start_services())
-        scale, last = ScaleWatch(run_dir), None
-        with Live(progress_table(run_dir, config), refresh_per_second=1, transient=False) as live:
-            while True:
-                outcome = job.supervise()
-                request = scale.poll()
-                if request is not None and outcome is None:
-                    last = job.scale(request)
-                write_state(
-                    run_dir,
-                    "ray",
-                    job.processes(),
-                    scale=last,
-                    scale_id=scale.last_id,
-                    namespace=ray_namespace(run_dir),
-                )
-                live.update(progress_table(run_dir, config, sum(m.restarts for m in job.members)))
-                if outcome == "failed":
-                    live.stop()
-                    return 1
-                if outcome == "done":
-                    break
-                time.sleep(0.5)
-        finish(run_dir)
-        return 0
+        return watch(
+            config,
+            "ray",
+            job.supervise,
+            job.scale,
+            job.processes,
+            lambda: sum(m.restarts for m in job.members),
+            namespace=ray_namespace(run_dir),
+        )
     except KeyboardInterrupt:
         logger.warning("interrupted: stopping every process")
         return 130
