@@ -19,7 +19,10 @@ Leases: every producer message carries its lease id `l` (and `h`, the credits th
 believes it holds; `w`, who it is). Any message renews the lease for `roller_lease_s`; the
 producer's heartbeat (`ping` every `heartbeat_s`) keeps an idle one alive. A grant adds
 credits to the lease, each put (stored, deduplicated or refused) spends one, `rel` /
-`cancel` / `bye` give them back. A lease that lapses (kill -9, partition) is reclaimed: its
+`cancel` / `bye` give them back. Each request counts once per lease and request id: a copy of
+one this server has seen (a request sent while the server was down waits in the producer's
+socket and arrives on reconnect, and the producer re-sends it on seeing the new epoch) spends,
+grants or gives back nothing again; a copy of a granted `acq` gets the same answer again. A lease that lapses (kill -9, partition) is reclaimed: its
 credits return (`admission_reclaimed`), its waiting `acq`s are dropped, and its id is
 remembered, so the late producer's next message is answered `lapsed` and it starts a fresh
 lease (`LeaseLapsed`). A lease this server has never seen is created from `h`: a restarted
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -46,6 +49,7 @@ from agentrl.log import get_logger
 log = get_logger("queue.server")
 
 MAX_LAPSED = 4096
+MAX_SEEN = 4096  # request ids remembered per lease (a producer's window holds far fewer in flight)
 
 
 class PeerRefused(Exception):
@@ -62,6 +66,17 @@ class _Lease:
     credits: int
     until: float
     told_finished: bool = False
+    # (kind, request id) -> the answer to repeat to a copy (None: none); insertion order, bounded
+    seen: OrderedDict[tuple[str, int], dict | None] = field(default_factory=OrderedDict)
+
+    def first_time(self, key: tuple[str, int]) -> bool:
+        """Remember request `key`; False if this server has seen it before."""
+        if key in self.seen:
+            return False
+        self.seen[key] = None
+        if len(self.seen) > MAX_SEEN:
+            self.seen.popitem(last=False)
+        return True
 
 
 class Admission:
@@ -149,9 +164,12 @@ class Admission:
         if self.finished:
             lease.told_finished = True
 
-    def _spend(self, lease_id: str | None) -> None:
-        """One put arrived under `lease_id`: its credit is used up, whatever became of the group."""
+    def _spend(self, lease_id: str | None, rid: int) -> None:
+        """Put `rid` arrived under `lease_id`: its credit is used up, whatever became of the group
+        (once: a copy of a put this server has seen spends nothing)."""
         lease = self._leases.get(lease_id) if lease_id is not None else None
+        if lease is not None and not lease.first_time(("put", rid)):
+            return
         if lease is not None and lease.credits > 0:
             lease.credits -= 1
             self._leased -= 1
@@ -219,6 +237,12 @@ class Admission:
             raise ValueError(f"acq: n must be 1..{self.groups_per_step * (self.max_staleness + 1)}")
         if self.finished:
             raise PeerRefused("finished", f"the run is over (learner finished at version {self.version})")
+        lease = self._leases.get(ctl.get("l")) if ctl.get("l") is not None else None
+        if lease is not None and not lease.first_time(("acq", ctl["rid"])):
+            granted = lease.seen[("acq", ctl["rid"])]
+            if granted is not None:  # a copy of a granted acq: the same answer, no new credit
+                self._reply(sock, ident, granted)
+            return  # (a copy of one still waiting: the grant answers both)
         self._acqs.append((sock, ident, ctl["rid"], n, ctl.get("l")))
         self._grant_acqs()
 
@@ -227,10 +251,16 @@ class Admission:
             if who == ident and rid == ctl["rid"]:
                 del self._acqs[i]
                 return
-        self._give_back(ctl.get("l"), int(ctl["n"]))  # it had been granted already
+        lease = self._leases.get(ctl.get("l")) if ctl.get("l") is not None else None
+        if lease is None or lease.seen.get(("acq", ctl["rid"])) is None:
+            return  # never granted here (lost, or granted by a server before a restart: not in `h`)
+        lease.seen[("acq", ctl["rid"])] = None  # given back once
+        self._give_back(ctl.get("l"), int(ctl["n"]))
 
     def _on_rel(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
-        self._give_back(ctl.get("l"), int(ctl["n"]))
+        lease = self._leases.get(ctl.get("l")) if ctl.get("l") is not None else None
+        if lease is None or lease.first_time(("rel", ctl["rid"])):
+            self._give_back(ctl.get("l"), int(ctl["n"]))
         self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"]})
 
     def _on_bye(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
@@ -256,13 +286,15 @@ class Admission:
         while self._acqs and self._used() + self._acqs[0][3] <= limit:
             sock, ident, rid, n, lease_id = self._acqs.pop(0)
             lease = self._leases.get(lease_id) if lease_id is not None else None
+            answer = {"k": "ok", "rid": rid, "t": self.tasks_issued}
             if lease is not None:
                 lease.credits += n
                 self._leased += n
+                lease.seen[("acq", rid)] = answer
             self.counters["admitted"] += n
             if lease is None:  # an old client without a lease: nothing to hold its credits
                 self.counters["admission_spent"] += n
-            self._reply(sock, ident, {"k": "ok", "rid": rid, "t": self.tasks_issued})
+            self._reply(sock, ident, answer)
             self.tasks_issued += n
             if self.wal is not None:
                 self.wal.append_meta(self.version, self.tasks_issued)

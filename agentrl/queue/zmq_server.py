@@ -394,7 +394,7 @@ class QueueServer(Admission, Delivery):
             pos += nframes
             nbytes = sum(map(len, frames[1:]))
             if self._is_known(gid):
-                self._spend(lease)
+                self._spend(lease, rid)
                 self._duplicate(sock, ident, rid)
             elif self._fits(sock, ident, rid, nbytes, lease):
                 todo.append((rid, gid, frames, nbytes))
@@ -414,7 +414,7 @@ class QueueServer(Admission, Delivery):
         """A group of `nbytes` array bytes is within `max_message_bytes`, or it is refused."""
         if nbytes <= self.config.max_message_bytes:
             return True
-        self._spend(lease)
+        self._spend(lease, rid)
         self.counters["refused_oversize"] += 1
         msg = f"group of {nbytes} bytes exceeds queue.max_message_bytes={self.config.max_message_bytes}"
         self._reply(sock, ident, {"k": "err", "rid": rid, "msg": msg})
@@ -433,7 +433,7 @@ class QueueServer(Admission, Delivery):
     ) -> None:
         """Store one decoded group, hold it back while full, or refuse it with a reason; each spends
         one admission credit of the sender's lease."""
-        self._spend(lease)
+        self._spend(lease, rid)
         if self._is_known(gid):  # e.g. twice in one message
             self._duplicate(sock, ident, rid)
             return

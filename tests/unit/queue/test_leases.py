@@ -326,3 +326,45 @@ def test_redis_a_dead_rollers_credits_come_back_and_a_late_one_starts_a_fresh_le
     m = consumer.metrics()
     assert m["groups_in"] == 1 and m["leased"] == 0  # closes gave back what they held
     assert m["admitted"] == m["admission_spent"] + m["admission_released"] + m["admission_reclaimed"]
+
+
+def test_a_request_sent_while_the_queue_was_down_is_granted_once(zmq_queue: Harness, tmp_path: Path) -> None:
+    """An `acq` sent while the server is down waits in the socket and reaches the restarted server
+    on reconnect; the reply to the heartbeat queued before it shows the new epoch, so the producer
+    re-sends the `acq` while the first copy still waits for room. The server grants it once
+    (before, twice: the producer settled one reply, and the second grant was a credit the server
+    counted as held that the roller never had, so at k=0 the run stalled one group short of a
+    step)."""
+    zmq_queue.start(groups_per_step=1, max_staleness=0, durable=True, heartbeat_s=0.2)
+    first = zmq_queue.server
+    address = first.endpoint
+
+    async def go() -> None:
+        producer = zmq_queue.producer()
+        await producer.acquire_start(1)  # the whole window
+        first.stop()
+        waiting = asyncio.create_task(producer.acquire_start(1))
+        await asyncio.sleep(1.0)  # the acq and heartbeats sent to nobody: queued in the DEALER's pipe
+        second = zmq_queue.backend.server(groups_per_step=1, max_staleness=0, bind=address).start()
+        zmq_queue.server = second
+        await asyncio.sleep(1.0)  # the new epoch seen, the waiting acq re-sent
+        consumer = zmq_queue.consumer()
+
+        def train_a_step(version: int) -> None:
+            batch = consumer.get_batch(1, learner_version=version - 1, max_staleness=0, timeout_s=10)
+            consumer.ack(batch.group_ids)
+            consumer.publish_version(version)
+
+        await producer.put(make_group(seed=1))  # the first credit spent
+        await asyncio.to_thread(train_a_step, 1)  # room for one: the waiting acq is granted
+        await asyncio.wait_for(waiting, timeout=20)
+        await producer.put(make_group(version=1, seed=2))
+        await asyncio.to_thread(train_a_step, 2)  # room for one more, which a second copy would take
+        await asyncio.sleep(0.5)
+        m = second.metrics()
+        assert producer.held == 0 and m["leased"] == 0, m
+        assert (m["started"], m["admission_limit"]) == (2, 3) and _residuals_zero(m)
+        await asyncio.wait_for(producer.acquire_start(1), timeout=5)  # the room is the producer's to take
+        producer.close()
+
+    asyncio.run(go())
