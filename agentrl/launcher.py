@@ -15,7 +15,9 @@ Start-up order (each step waits for the previous one to be ready):
 Steps 3-5 are a plan (`plan_children`: one `ChildSpec` per process, with its command line
 and whether it is restarted) computed before anything starts, then executed. Every child is
 told the others' addresses on its command line (the same flags a user passes when starting
-them by hand on separate nodes). Children run in their own process groups.
+them by hand on separate nodes). Children run in their own process groups, and each is sent
+SIGTERM if the launcher itself dies (PR_SET_PDEATHSIG on Linux): a `kill -9` of `agentrl run`
+leaves no server holding its port or device, and the learner still saves its final checkpoint.
 
 Supervision (`_watch`): a server or roller that dies (exit non-zero, kill -9) is restarted
 with the same command line — a server on the same port — after `launcher.restart_backoff_s`,
@@ -31,6 +33,8 @@ shows step, version, reward, staleness, episodes/s, queue depth, weight-push tim
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import secrets
@@ -74,6 +78,14 @@ class Child:
     restart_at: float | None = None  # when a dead restartable child is started again
 
 
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In a child, before exec: have the kernel send it `sig` when its parent dies (Linux only;
+    elsewhere a no-op). The parent is the thread that started it, so start children from a
+    thread that outlives them."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+
+
 class Supervisor:
     """Starts children in their own process groups and stops exactly those (by PID)."""
 
@@ -103,6 +115,7 @@ class Supervisor:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={**os.environ, **(env or {})},
+            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
         )
         log_file.close()
         logger.info("started %s (pid %d), log: %s", name, proc.pid, log_path)

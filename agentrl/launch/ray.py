@@ -90,14 +90,20 @@ class _ProcessActor:
         raise OSError(f"no free port on {ip}")
 
     def start(self, args: list[str], env: dict[str, str]) -> int:
-        """Start `python -m agentrl *args` with `env` added (secrets arrive here, by call)."""
+        """Start `python -m agentrl *args` with `env` added (secrets arrive here, by call); it is
+        killed with the actor (ray.kill, node lost), so none is left."""
+        import functools
+        import signal
         import subprocess
+
+        from agentrl.launcher import die_with_parent
 
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "agentrl", *args], stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, env={**os.environ, **env}, cwd=self.cwd, preexec_fn=_die_with_parent,
+                start_new_session=True, env={**os.environ, **env}, cwd=self.cwd,
+                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
             )  # fmt: skip
         return self.proc.pid
 
@@ -121,13 +127,6 @@ class _ProcessActor:
             return self.proc.wait()
         except ProcessLookupError:
             return self.proc.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the actor process dies (ray.kill, node lost), so none is left."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
 
 
 def actor_options(resources: dict[str, float]) -> dict[str, Any]:

@@ -239,3 +239,30 @@ def test_local_scaling_starts_and_stops_rollers_and_server_slots_and_status_list
         assert all(n in text for n in ("server0", "server1", "roller0", "learner", "localhost", "running"))
     finally:
         supervisor.stop_all()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_children_are_stopped_when_the_launcher_itself_is_killed(tmp_path: Path) -> None:
+    """kill -9 of the launcher process: its children (in their own process groups, out of reach of
+    a signal to its group) get SIGTERM from the kernel, so none keeps a port or device."""
+    import subprocess
+    import time
+
+    script = (
+        "import sys, time; from pathlib import Path; from agentrl.launcher import Supervisor\n"
+        "s = Supervisor(Path(sys.argv[1]))\n"
+        "for n in 'ab': print(s.start(n, [sys.executable, '-c', 'import time; time.sleep(120)']).proc.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    pids = [int(launcher.stdout.readline()) for _ in range(2)]
+    assert all(pid_alive(pid) for pid in pids)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 20
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(pid) for pid in pids)
