@@ -83,6 +83,13 @@ class Run:
             assert time.monotonic() < deadline, f"fewer than {n} steps in {timeout}s\n{self.tail()}"
             time.sleep(0.2)
 
+    def finish(self, proc: subprocess.Popen, timeout: float) -> int:
+        """`proc`'s exit code, or a failure with every log's tail if it is still running after `timeout`."""
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running after {timeout}s\n{self.tail()}")
+
     def tail(self, n: int = 3000) -> str:
         return "\n".join(f"== {p.name}\n{p.read_text()[-n:]}" for p in sorted(self.tmp.glob("*.log")))
 
@@ -170,8 +177,8 @@ def test_one_of_two_rollers_killed_while_holding_credits(
         freezer.frozen.set()
         _wait_for(lambda: freezer.held > 0, "the victim sent no generation request", run)
         _kill9(victim)
-        assert learner.wait(timeout=300) == 0, run.tail()
-        assert survivor.wait(timeout=60) == 0, run.tail()  # told the run is over: a clean exit
+        assert run.finish(learner, 300) == 0, run.tail()
+        assert run.finish(survivor, 60) == 0, run.tail()  # told the run is over: a clean exit
     finally:
         freezer.close()
     summary = run.check_account()
@@ -208,8 +215,8 @@ def test_learner_killed_twice_durability_off_then_on_and_resumed(
     _kill9(learner)  # durable: the WAL keeps them
     before = run.steps()
     learner = run.learner(ckpt, durable, "--resume")
-    assert learner.wait(timeout=300) == 0, run.tail()
-    assert roller.wait(timeout=60) == 0, run.tail()
+    assert run.finish(learner, 300) == 0, run.tail()
+    assert run.finish(roller, 60) == 0, run.tail()
     assert run.steps() > before
     summary = run.check_account(max_lost_undurable=(k + 2) * GPS)
     final = account(run.dir).final
@@ -255,11 +262,11 @@ def test_standalone_durable_queue_sigterm_resume_and_a_wrong_address_or_secret(
     assert json.loads((run.dir / "queue_final.json").read_text())["version"] == stopped_at
     assert queue.poll() is None and roller.poll() is None  # the queue outlives the learner
     learner = run.learner("--queue.standalone=true", "--resume")
-    assert learner.wait(timeout=300) == 0, run.tail()
-    assert roller.wait(timeout=60) == 0, run.tail()
+    assert run.finish(learner, 300) == 0, run.tail()
+    assert run.finish(roller, 60) == 0, run.tail()
     assert nowhere.wait(timeout=120) == 1 and intruder.wait(timeout=120) == 1
     queue.send_signal(signal.SIGTERM)  # it writes the ids it still holds to the ledger
-    assert queue.wait(timeout=30) == 0, run.tail()
+    assert run.finish(queue, 30) == 0, run.tail()
     logs = run.tail(200000)
     assert "no answer from the queue at" in logs and "AGENTRL_QUEUE_SECRET" in logs
     assert "failed its MAC" in logs  # the queue's WARNING
