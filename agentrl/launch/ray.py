@@ -25,8 +25,8 @@ that exits while its actor lives is restarted in the same actor after `launcher.
 `max_restarts` covers both. A learner rank is never
 restarted: its loss ends the run with its last checkpoint; `agentrl run --launcher.type ray
 --resume` continues it. `agentrl scale` / `agentrl status` work as for the local launcher
-(`launch/control.py`). Shutdown stops every child by PID (SIGTERM, then SIGKILL), then kills
-the actors and removes the placement group.
+(`launch/control.py`). Shutdown stops every child by PID (SIGTERM, then SIGKILL; the rollers
+together, then the others together), then kills the actors and removes the placement group.
 """
 
 from __future__ import annotations
@@ -184,6 +184,7 @@ class RayRun:
         self.members: list[Member] = []
         self.parked: dict[str, Member] = {}
         self.pg = None
+        self.learner_lost = False
         self.addrs = Addresses([])
         self.secrets = _secrets(config)
         self.actor_cls = ray.remote(_ProcessActor)
@@ -377,6 +378,7 @@ class RayRun:
         return None
 
     def _learner_lost(self, m: Member, why: str) -> None:
+        self.learner_lost = True
         marker = self.run_dir / "checkpoints" / "latest"
         latest = self.run_dir / "checkpoints" / marker.read_text().strip() if marker.exists() else None
         where = (
@@ -448,17 +450,31 @@ class RayRun:
         return rows
 
     def _stop(self, m: Member) -> None:
-        try:
-            self.ray.get(m.actor.stop.remote(), timeout=60)
-        except Exception as e:  # an actor already gone has nothing to stop
-            logger.info("stopping %s: %s", m.name, type(e).__name__)
-        self.ray.kill(m.actor, no_restart=True)
-        if m in self.members:
-            self.members.remove(m)
+        self._stop_together([m])
+
+    def _stop_together(self, members: list[Member], timeout_s: float = 30) -> None:
+        """Stop `members`' processes at once (SIGTERM, SIGKILL after `timeout_s`; a learner's
+        surviving ranks at once after it was lost: they cannot checkpoint without rank 0), then
+        kill their actors."""
+        refs = [
+            m.actor.stop.remote(0 if self.learner_lost and m.role.kind == "learner" else timeout_s)
+            for m in members
+        ]
+        deadline = time.monotonic() + timeout_s + 30
+        for m, ref in zip(members, refs, strict=True):
+            try:
+                self.ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as e:  # an actor already gone has nothing to stop
+                logger.info("stopping %s: %s", m.name, type(e).__name__)
+            self.ray.kill(m.actor, no_restart=True)
+            if m in self.members:
+                self.members.remove(m)
 
     def stop_all(self) -> None:
-        for m in reversed(self.members):
-            self._stop(m)
+        """The rollers first (together: each finishes and puts its groups while the learner may
+        still take them), then everything else together."""
+        self._stop_together([m for m in self.members if m.role.kind == "roller"])
+        self._stop_together(list(reversed(self.members)))
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
 

@@ -112,7 +112,7 @@ def main(model: str, run_dir: Path) -> dict:
         "--launcher.restart_backoff_s=0.2", f"--learner.model_path={model}", "--learner.checkpoint.every=1",
         "--queue.durable=true", "--learner.groups_per_step=2", "--learner.warmstart.steps=0",
         "--roller.group_size=4", "--roller.max_turns=2", "--roller.max_concurrent_episodes=16",
-        "--queue.heartbeat_s=0.5", "--queue.roller_lease_s=3",
+        "--queue.heartbeat_s=0.5", "--queue.roller_lease_s=3", "--roller.shutdown_grace_s=2",
     ]  # fmt: skip
     env = {**os.environ, "AGENTRL_QUEUE_SECRET": secret}
     log = (run_dir / "driver.log").open("w")

@@ -332,7 +332,8 @@ class _Actor:
 
 
 class _Ray:
-    """The three calls `RayRun.supervise` makes of the `ray` module: wait, get, exceptions."""
+    """The calls `RayRun` makes of the `ray` module: wait, get, exceptions, and kill (a stand-in
+    actor lives in this process: its child is stopped by its `stop`, there is no actor to kill)."""
 
     class exceptions:  # as ray.exceptions
         class ActorDiedError(Exception): ...
@@ -350,6 +351,10 @@ class _Ray:
     @staticmethod
     def get(ref: object, timeout: float | None = None) -> object:
         return ref
+
+    @staticmethod
+    def kill(actor: object, no_restart: bool = True) -> None:
+        pass
 
 
 def test_a_process_ray_restarted_starts_after_the_doubling_backoff(tmp_path: Path, monkeypatch) -> None:
@@ -381,3 +386,88 @@ def test_a_process_ray_restarted_starts_after_the_doubling_backoff(tmp_path: Pat
     assert at(4.0) == 2 and run.members[0].restarts == 2
     records = (tmp_path / "launcher.jsonl").read_text().splitlines()
     assert [json.loads(r)["why"] for r in records] == ["actor restarted by Ray"] * 2
+
+
+class _Handle:
+    """A Ray actor handle's `.method.remote(...)`, called at once in this process (`_Ray.get`
+    returns the value)."""
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str) -> object:
+        return type("M", (), {"remote": staticmethod(getattr(self.obj, name))})()
+
+
+def _loopback_actor_cls():
+    """`launch/ray.py`'s `_ProcessActor` (its real start/poll/stop: the child, its process group,
+    its log) on a node whose address is 127.0.0.1, created as `RayRun._actor` creates one."""
+    import socket
+
+    from agentrl.launch.ray import _ProcessActor
+
+    class LoopbackActor(_ProcessActor):
+        def where(self) -> dict:
+            return {"ip": "127.0.0.1", "node_id": "loopback" * 2, "actor_pid": os.getpid()}
+
+        def bind_port(self, prefer: int = 0) -> int:
+            for port in (prefer, 0) if prefer else (0,):
+                with socket.socket() as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    try:
+                        s.bind(("127.0.0.1", port))
+                    except OSError:
+                        continue
+                    return s.getsockname()[1]
+            raise OSError("no free port")
+
+    class Options:
+        def options(self, **kwargs: object) -> object:
+            return type("R", (), {"remote": staticmethod(lambda *a: _Handle(LoopbackActor(*a)))})()
+
+    return Options()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_env_service_under_the_ray_driver_is_started_pointed_at_and_restarted_on_its_port(
+    tmp_path: Path,
+) -> None:
+    """`RayRun.start_services` with Search-R1's retriever (`retriever_url: auto`): the real
+    `agentrl retriever` bound on the node address its actor reported, answering; the flag that
+    points the other processes at it; when its process dies, it is started again after the
+    backoff on the same port, so the URL the rollers were given still answers."""
+    import urllib.request
+
+    from agentrl.launch import ray as ray_launch
+    from agentrl.launch.plan import Addresses
+
+    env = {"name": "search_r1", "kwargs": {"retriever_url": "auto"}}
+    config = _config(tmp_path, env=env, type="ray", restart_backoff_s=0.2)
+    run = ray_launch.RayRun.__new__(ray_launch.RayRun)
+    run.ray, run.config, run.lc, run.run_dir = _Ray, config, config.launcher, tmp_path
+    run.addrs, run.secrets, run.members, run.pg, run.learner_lost = Addresses([]), {}, [], None, False
+    run.actor_cls = _loopback_actor_cls()
+    try:
+        (flag,) = run.start_services()
+        url = flag.split("=", 1)[1]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/retrieve"), flag
+        query = json.dumps({"queries": ["who"], "topk": 1}).encode()
+        with urllib.request.urlopen(
+            urllib.request.Request(url, query, {"Content-Type": "application/json"}), timeout=10
+        ) as resp:
+            assert resp.status == 200
+        (m,) = run.members
+        old_pid = m.pid
+        os.killpg(m.pid, signal.SIGKILL)
+        for _ in range(600):  # supervise rounds until the restart (bounded: 600 x >= 0.05 s)
+            assert run.supervise() is None
+            if m.restarts:
+                break
+            threading.Event().wait(0.05)
+        assert m.restarts == 1 and m.pid != old_pid and url == m.role.url(m.node, m.port)
+        ray_launch._wait_healthy([url.removesuffix("/retrieve")], "/health", 60)
+    finally:
+        pids = [m.pid for m in run.members]
+        run.stop_all()
+    assert not any(pid_alive(pid) for pid in pids)
