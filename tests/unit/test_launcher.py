@@ -437,8 +437,6 @@ def test_an_env_service_under_the_ray_driver_is_started_pointed_at_and_restarted
     `agentrl retriever` bound on the node address its actor reported, answering; the flag that
     points the other processes at it; when its process dies, it is started again after the
     backoff on the same port, so the URL the rollers were given still answers."""
-    import urllib.request
-
     from agentrl.launch import ray as ray_launch
     from agentrl.launch.plan import Addresses
 
@@ -451,12 +449,7 @@ def test_an_env_service_under_the_ray_driver_is_started_pointed_at_and_restarted
     try:
         (flag,) = run.start_services()
         url = flag.split("=", 1)[1]
-        assert url.startswith("http://127.0.0.1:") and url.endswith("/retrieve"), flag
-        query = json.dumps({"queries": ["who"], "topk": 1}).encode()
-        with urllib.request.urlopen(
-            urllib.request.Request(url, query, {"Content-Type": "application/json"}), timeout=10
-        ) as resp:
-            assert resp.status == 200
+        _retrieves(url, tmp_path)
         (m,) = run.members
         old_pid = m.pid
         os.killpg(m.pid, signal.SIGKILL)
@@ -471,3 +464,36 @@ def test_an_env_service_under_the_ray_driver_is_started_pointed_at_and_restarted
         pids = [m.pid for m in run.members]
         run.stop_all()
     assert not any(pid_alive(pid) for pid in pids)
+
+
+def _retrieves(url: str, run_dir: Path) -> None:
+    """`url` is a loopback Search-R1 retriever serving the synthetic corpus it wrote under the run
+    directory: a query of a document's own words finds one."""
+    import urllib.request
+
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/retrieve"), url
+    with (run_dir / "retriever_data" / "corpus.jsonl").open() as f:
+        words = json.loads(f.readline())["contents"]
+    query = json.dumps({"queries": [words], "topk": 1}).encode()
+    request = urllib.request.Request(url, query, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 200 and len(json.loads(resp.read())["result"][0]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_local_launcher_starts_the_same_service_roles_on_loopback(tmp_path: Path) -> None:
+    """The local launcher starts the plan's service roles too: the retriever on a loopback port,
+    its URL as the env kwarg every other process is given."""
+    from agentrl.launcher import start_services
+
+    config = _config(tmp_path, env={"name": "search_r1", "kwargs": {"retriever_url": "auto"}})
+    supervisor = Supervisor(tmp_path)
+    try:
+        kwargs = start_services(config, supervisor)
+        assert list(kwargs) == ["retriever_url"]
+        _retrieves(kwargs["retriever_url"], tmp_path)
+    finally:
+        pids = [c.proc.pid for c in supervisor.children]
+        supervisor.stop_all()
+    assert pids and not any(pid_alive(pid) for pid in pids)
