@@ -1,9 +1,8 @@
 """What `agentrl run` starts, as data: one plan shared by the local and the Ray launcher.
 
 A `Role` is one process of the run (an env service, an inference server, the learner with its
-ranks, a roller)
-with its `agentrl` command line *without the addresses*, the resources it asks a scheduler for,
-and whether it is restarted when it dies. `render` fills the addresses in once they are known:
+ranks, a roller) with its `agentrl` command line *without the addresses*, the resources it asks a
+scheduler for, and whether it is restarted when it dies. `render` fills the addresses in once they are known:
 the local launcher knows them before anything starts (free loopback ports, `local_addresses`);
 the Ray launcher learns them at run time, as each actor reports the host:port it bound on its
 node. Both then give every process the same flags a user passes when starting it by hand.
