@@ -350,6 +350,8 @@ class _Ray:
 
     @staticmethod
     def get(ref: object, timeout: float | None = None) -> object:
+        if isinstance(ref, BaseException):  # the call failed, as ray.get raises it
+            raise ref
         return ref
 
     @staticmethod
@@ -497,3 +499,35 @@ def test_the_local_launcher_starts_the_same_service_roles_on_loopback(tmp_path: 
         pids = [c.proc.pid for c in supervisor.children]
         supervisor.stop_all()
     assert pids and not any(pid_alive(pid) for pid in pids)
+
+
+def test_a_lost_learner_rank_ends_the_run_naming_the_last_checkpoint(tmp_path: Path) -> None:
+    """Any learner rank's actor dying (ray.kill, its node lost) ends the run at once ("failed"),
+    with a message naming the rank, the run's last complete checkpoint and `--resume`."""
+    import logging
+
+    from agentrl.launch import ray as ray_launch
+    from agentrl.launch.plan import Addresses, plan
+
+    config = _config(tmp_path, type="ray")
+    run = ray_launch.RayRun.__new__(ray_launch.RayRun)
+    run.ray, run.config, run.lc, run.run_dir = _Ray, config, config.launcher, tmp_path
+    run.addrs, run.secrets, run.learner_lost = Addresses([]), {}, False
+    learner = next(r for r in plan(config, tmp_path / "c.yaml", "m", []) if r.kind == "learner")
+    dead = type("Dead", (), {"poll": type("M", (), {"remote": staticmethod(
+        lambda: _Ray.exceptions.ActorDiedError("the actor died"))})()})()  # fmt: skip
+    run.members = [ray_launch.Member(learner, "learner-rank1", dead, {}, rank=1)]
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    ray_launch.logger.addHandler(handler)
+    try:
+        assert run.supervise() == "failed"  # no checkpoint yet: it says so
+        (tmp_path / "checkpoints" / "step_00000003").mkdir(parents=True)
+        (tmp_path / "checkpoints" / "latest").write_text("step_00000003\n")
+        assert run.supervise() == "failed"
+    finally:
+        ray_launch.logger.removeHandler(handler)
+    assert run.learner_lost  # the other ranks are then killed at once (stop_all)
+    assert "no checkpoint" in records[0] and "learner-rank1" in records[0]
+    assert str(tmp_path / "checkpoints" / "step_00000003") in records[1] and "--resume" in records[1]
