@@ -35,7 +35,6 @@ import hashlib
 import json
 import os
 import secrets
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from agentrl.launch.plan import (
     server_url,
     service_roles,
 )
+from agentrl.launch.ray_actor import ProcessActor, actor_options, child_threads
 from agentrl.log import get_logger
 
 logger = get_logger(__name__)
@@ -70,84 +70,6 @@ RESOURCES_KEY = {"service": "env.service_resources", "server": "inference.resour
 def ray_namespace(run_dir: str | Path) -> str:
     """The Ray namespace of a run's actors (named after their roles): one per run directory."""
     return "agentrl-" + hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
-
-
-class _ProcessActor:
-    """One process of the run, on whatever node Ray placed this actor."""
-
-    def __init__(self, name: str, log_path: str, cwd: str) -> None:
-        self.name, self.log_path, self.cwd = name, log_path, cwd
-        self.proc = None
-
-    def where(self) -> dict[str, Any]:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "actor_pid": os.getpid()}
-
-    def bind_port(self, prefer: int = 0) -> int:
-        """A port free on this node's address (`prefer` when it is free)."""
-        import socket
-
-        import ray
-
-        ip = ray.util.get_node_ip_address()
-        for port in (prefer, 0) if prefer else (0,):
-            with socket.socket() as s:
-                s.setsockopt(
-                    socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-                )  # as servers bind: TIME_WAIT is no conflict
-                try:
-                    s.bind((ip, port))
-                except OSError:
-                    continue
-                return s.getsockname()[1]
-        raise OSError(f"no free port on {ip}")
-
-    def start(self, args: list[str], env: dict[str, str]) -> int:
-        """Start `python -m agentrl *args` with `env` added (secrets arrive here, by call); it is
-        killed with the actor (ray.kill, node lost), so none is left."""
-        import functools
-        import signal
-        import subprocess
-
-        from agentrl.launcher import die_with_parent
-
-        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agentrl", *args], stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, env={**os.environ, **env}, cwd=self.cwd,
-                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
-            )  # fmt: skip
-        return self.proc.pid
-
-    def poll(self) -> dict[str, Any]:
-        if self.proc is None:
-            return {"started": False, "code": None, "pid": None}
-        return {"started": True, "code": self.proc.poll(), "pid": self.proc.pid}
-
-    def stop(self, timeout_s: float = 30) -> int | None:
-        """SIGTERM the child's process group, SIGKILL it after `timeout_s`; its exit code."""
-        import signal
-        import subprocess
-
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
-        except ProcessLookupError:
-            return self.proc.wait()
-
-
-def actor_options(resources: dict[str, float]) -> dict[str, Any]:
-    """Ray actor options of a role's `resources` (CPU, GPU and custom resources)."""
-    res = dict(resources)
-    return {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res}
 
 
 @dataclass
@@ -187,7 +109,7 @@ class RayRun:
         self.learner_lost = False
         self.addrs = Addresses([])
         self.secrets = _secrets(config)
-        self.actor_cls = ray.remote(_ProcessActor)
+        self.actor_cls = ray.remote(ProcessActor)
 
     # -------------------------------------------------------------- starting
     def _actor(self, role: Role, name: str, restarts: int, **options: Any) -> Any:
@@ -221,7 +143,7 @@ class RayRun:
     def _start(self, m: Member, args: list[str], env: dict[str, str] | None = None) -> None:
         m.info = self._get(m.actor.where.remote(), m.name, kind=m.role.kind)
         m.node, m.node_id = m.info["ip"], m.info["node_id"]
-        threads = {} if "OMP_NUM_THREADS" in os.environ else _threads(m.role.resources)
+        threads = {} if "OMP_NUM_THREADS" in os.environ else child_threads(m.role.resources)
         m.pid = self._get(
             m.actor.start.remote(args, {**threads, **self.secrets, **m.role.env, **(env or {})}), m.name
         )
@@ -479,13 +401,6 @@ class RayRun:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.pg)
-
-
-def _threads(resources: dict[str, float]) -> dict[str, str]:
-    """Intra-op threads of a process: the CPUs its role asks for, else 1, as the local launcher
-    caps its children (oversubscribed OpenMP threads slow small models several-fold)."""
-    n = str(max(1, int(resources.get("CPU", 1))))
-    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 
 def _secrets(config: AgentRLConfig) -> dict[str, str]:

@@ -166,7 +166,7 @@ def test_one_plan_rendered_with_discovered_addresses_for_ray_and_loopback_ones_l
 
 
 def test_ray_actor_options_carry_cpu_gpu_and_custom_resources() -> None:
-    from agentrl.launch.ray import actor_options
+    from agentrl.launch.ray_actor import actor_options
 
     assert actor_options({"GPU": 1, "CPU": 2, "sandbox": 1}) == {
         "num_cpus": 2,
@@ -309,7 +309,7 @@ def test_children_are_stopped_when_the_launcher_itself_is_killed(tmp_path: Path)
 
 
 class _Actor:
-    """A roller's `_ProcessActor` as Ray restarts it: fresh (no process) until `start` is called.
+    """A roller's `ProcessActor` as Ray restarts it: fresh (no process) until `start` is called.
     Its methods' `.remote` return the answer itself, which `_Ray.get` hands back."""
 
     def __init__(self) -> None:
@@ -402,13 +402,13 @@ class _Handle:
 
 
 def _loopback_actor_cls():
-    """`launch/ray.py`'s `_ProcessActor` (its real start/poll/stop: the child, its process group,
+    """`launch/ray_actor.py`'s `ProcessActor` (its real start/poll/stop: the child, its process group,
     its log) on a node whose address is 127.0.0.1, created as `RayRun._actor` creates one."""
     import socket
 
-    from agentrl.launch.ray import _ProcessActor
+    from agentrl.launch.ray_actor import ProcessActor
 
-    class LoopbackActor(_ProcessActor):
+    class LoopbackActor(ProcessActor):
         def where(self) -> dict:
             return {"ip": "127.0.0.1", "node_id": "loopback" * 2, "actor_pid": os.getpid()}
 
