@@ -2,7 +2,8 @@
 loopback-only namespace (the scenario is `ray_scenario.py`): roles placed by their resources (the
 learner's two gloo ranks packed on the learner node), a roller actor killed and then its node
 removed, a roller added by `agentrl scale`, a server actor killed, all mid-run; then the learner's
-rank 0 killed, which ends the run with its last checkpoint, and `--resume` continues it; the
+node removed, which ends the run with its last checkpoint, and `--resume` continues it on a new
+learner node; the
 per-group account across both lives still 0 lost / 0 trained twice / 0 credits leaked."""
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def test_ray_launcher_places_by_resources_survives_actor_node_and_learner_loss(
     assert "--resume" in out["lost_message"]
     assert {"rank0.pt", "rank1.pt"} <= set(out["ckpt_ranks"]), out["ckpt_ranks"]
     second = (run_dir / "driver2.log").read_text(errors="replace")
-    assert "started learner-rank1 on" in second, second[-4000:]
+    for rank in ("learner", "learner-rank1"):  # both ranks on the new learner node
+        assert f"started {rank} on 127.0.0.1 (node {out['resumed_on'][:8]}" in second, second[-4000:]
 
     # it learned like the local launcher's run: every step trained, staleness within k, every server updated
     learner = read_metrics(run_dir / "learner.jsonl")
