@@ -93,6 +93,9 @@ class RollerConfig(Section):
     """Seconds between progress lines and metrics records."""
     num_processes: int = Field(1, ge=1)
     """Roller processes `agentrl run` starts."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """`--launcher ray` only: what each roller asks Ray for, e.g. `{CPU: 16, sandbox: 1}` (`CPU`, `GPU`
+    and custom resources of `ray start --resources`)."""
     max_consecutive_failures: int = Field(50, ge=0)
     """Stop (exit non-zero) after this many groups in a row failed (server lost, env error); 0: never."""
     shutdown_grace_s: float = Field(10.0, ge=0)
@@ -242,6 +245,8 @@ class InferenceConfig(Section):
     """URLs of running servers; empty means `agentrl run` starts `num_servers` embedded ones."""
     num_servers: int = Field(1, ge=1)
     """Servers (embedded or vLLM) that `agentrl run` starts when `servers` is empty."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """`--launcher ray` only: what each server `agentrl run` starts asks Ray for, e.g. `{GPU: 1, CPU: 4}`."""
     model_path: str | None = None
     """Checkpoint the embedded servers load; defaults to `learner.model_path`."""
     device: str = "cpu"
@@ -286,14 +291,20 @@ class LauncherConfig(Section):
     """`local`: every process on this machine; `ray`: placed by Ray on a running cluster."""
     address: str = "auto"
     """Ray only: the cluster to join (`auto`: the one `ray start` runs on this node, or HOST:PORT)."""
-    resources: dict[Literal["learner", "server", "roller", "service"], dict[str, float]] = Field(
-        default_factory=dict
-    )
-    """Ray only: resources each role asks for, e.g. `{server: {GPU: 1}, roller: {CPU: 2, sandbox: 1}}`
-    (`CPU`, `GPU` and custom resources of `ray start --resources`); the learner's are per rank."""
     forward_env: list[str] = Field(default_factory=lambda: ["HF_TOKEN", "WANDB_API_KEY", "OPENAI_API_KEY"])
     """Ray only: environment variables (API keys) handed to every process by an actor method call,
     with the queue's secret; never on a command line or in the actors' runtime_env."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_resources(cls, data: Any) -> Any:
+        """`launcher.resources` moved to the sections of the processes that ask for them."""
+        if isinstance(data, dict) and "resources" in data:
+            raise ValueError(
+                "moved keys: launcher.resources is now learner.resources (per rank), inference.resources "
+                "(per server), roller.resources (per roller) and env.service_resources (per env service)"
+            )
+        return data
 
 
 # --------------------------------------------------------------------------- weight sync
@@ -431,6 +442,9 @@ class EnvConfig(Section):
     """Tool output beyond this is truncated with a marker."""
     sandbox: SandboxConfig = LocalSandboxConfig()
     """Where model-written code runs (SWE and other code envs): local, docker or remote."""
+    service_resources: dict[str, float] = Field(default_factory=dict)
+    """`--launcher ray` only: what each helper service of the env (`Env.services`: the Search-R1
+    retriever with `retriever_url: auto`) asks Ray for, e.g. `{CPU: 4}` or `{sandbox: 1}`."""
 
     @model_validator(mode="before")
     @classmethod

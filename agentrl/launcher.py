@@ -50,7 +50,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig, save_resolved
 from agentrl.launch.control import ScaleWatch, write_state
-from agentrl.launch.plan import Addresses, Role, plan, render, server_url
+from agentrl.launch.plan import Addresses, Role, plan, render, server_url, service_roles
 from agentrl.log import get_logger, read_metrics
 from agentrl.net import free_port
 
@@ -216,21 +216,17 @@ def wait_healthy(
 
 
 def start_services(config: AgentRLConfig, supervisor: Supervisor) -> dict[str, str]:
-    """Start the helper processes the env asks for (`Env.services`); returns the env kwargs
-    that point every other process at them."""
-    from agentrl.envs.registry import load_env_class
-
-    env_cls = load_env_class(config.env.name)
+    """Start the helper processes the env asks for (`Env.services`, the plan's `service_roles`)
+    on loopback ports; returns the env kwargs that point every other process at them."""
     kwargs = {}
-    for service in env_cls.services(dict(config.env.kwargs), dict(config.roller.task_kwargs), config.run_dir):
+    for role in service_roles(config):
         port = free_port()
-        args = [a.replace("{port}", str(port)) for a in service.args]
-        child = supervisor.start(service.name, _agentrl(*args))
+        child = supervisor.start(role.name, _agentrl(*render(role, Addresses([]), ("127.0.0.1", port))))
         try:
-            wait_healthy([f"http://127.0.0.1:{port}"], [child.proc], path=service.health_path)
+            wait_healthy([server_url("127.0.0.1", port)], [child.proc], path=role.health_path)
         except RuntimeError:
-            raise RuntimeError(f"{service.name} failed to start:\n{supervisor.tail(child)}") from None
-        kwargs[service.kwarg] = f"http://127.0.0.1:{port}{service.url_path}"
+            raise RuntimeError(f"{role.name} failed to start:\n{supervisor.tail(child)}") from None
+        kwargs[role.kwarg] = role.url("127.0.0.1", port)
     return kwargs
 
 

@@ -1,14 +1,17 @@
 """What `agentrl run` starts, as data: one plan shared by the local and the Ray launcher.
 
-A `Role` is one process of the run (an inference server, the learner with its ranks, a roller)
-with its `agentrl` command line *without the addresses*, the resources it asks a scheduler for,
-and whether it is restarted when it dies. `render` fills the addresses in once they are known:
+A `Role` is one process of the run (an env service, an inference server, the learner with its
+ranks, a roller) with its `agentrl` command line *without the addresses*, the resources it asks a
+scheduler for, and whether it is restarted when it dies. `render` fills the addresses in once they are known:
 the local launcher knows them before anything starts (free loopback ports, `local_addresses`);
 the Ray launcher learns them at run time, as each actor reports the host:port it bound on its
 node. Both then give every process the same flags a user passes when starting it by hand.
 
-Start order, for both launchers: servers (until each answers /health), the learner (it hosts
-the TransferQueue at `Addresses.queue` and pushes weights to the servers), the rollers.
+Start order, for both launchers: the env's services (`service_roles`; until each answers its
+health path, and every other process is then given its URL as an `env.kwargs` flag), servers
+(until each answers /health), the learner (it hosts the TransferQueue at `Addresses.queue` and
+pushes weights to the servers), the rollers. What each role asks a scheduler for is its section's
+`resources` (`inference`, `learner` per rank, `roller`, `env.service_resources`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Literal
 
 from agentrl.config import AgentRLConfig
 
-Kind = Literal["server", "learner", "roller"]
+Kind = Literal["service", "server", "learner", "roller"]
 
 
 @dataclass
@@ -56,17 +59,22 @@ def plan(
         f"--inference.model_path={model}",
     ]
     common += overrides
-    res = config.launcher.resources
     backend = ["--backend", "vllm"] if config.inference.type == "vllm" else []  # inference/vllm_launch.py
     servers = [
-        Role(f"server{i}", "server", ["serve", *backend, *common], dict(res.get("server", {})), restart=True)
+        Role(
+            f"server{i}",
+            "server",
+            ["serve", *backend, *common],
+            dict(config.inference.resources),
+            restart=True,
+        )
         for i in range(config.inference.num_servers)
     ]
     learner = Role(
         "learner",
         "learner",
         ["learner", *common, *(["--resume"] if resume else [])],
-        dict(res.get("learner", {})),
+        dict(config.learner.resources),
         ranks=config.learner.num_processes,
     )
     rollers = [roller_role(config, common, i) for i in range(config.roller.num_processes)]
@@ -75,15 +83,49 @@ def plan(
 
 def roller_role(config: AgentRLConfig, common: list[str], index: int) -> Role:
     """Roller `index` (its queue lease, metrics and group files are named after it)."""
-    resources = dict(config.launcher.resources.get("roller", {}))
+    resources = dict(config.roller.resources)
     return Role(
         f"roller{index}", "roller", ["roller", *common], resources, True, {"AGENTRL_ROLLER_INDEX": str(index)}
     )
 
 
+@dataclass
+class ServiceRole(Role):
+    """An env's helper process (`Env.services`); `args` hold `{port}` where its port goes."""
+
+    kwarg: str = ""  # the env kwarg the others are given its URL in
+    url_path: str = ""
+    health_path: str = "/health"
+
+    def url(self, host: str, port: int) -> str:
+        return server_url(host, port) + self.url_path
+
+    def override(self, host: str, port: int) -> str:
+        """The flag that points every other process at this service."""
+        return f"--env.kwargs.{self.kwarg}={self.url(host, port)}"
+
+
+def service_roles(config: AgentRLConfig) -> list[ServiceRole]:
+    """The env's helper services for this config, restarted when they die, each asking for
+    `env.service_resources`."""
+    from agentrl.envs.registry import load_env_class
+
+    env_cls = load_env_class(config.env.name)
+    services = env_cls.services(dict(config.env.kwargs), dict(config.roller.task_kwargs), config.run_dir)
+    return [
+        ServiceRole(s.name, "service", list(s.args), dict(config.env.service_resources), restart=True,
+                    kwarg=s.kwarg, url_path=s.url_path, health_path=s.health_path)
+        for s in services
+    ]  # fmt: skip
+
+
 def render(role: Role, addrs: Addresses, bind: tuple[str, int] | None = None) -> list[str]:
-    """The role's `agentrl` arguments with the addresses filled in; a server binds `bind`."""
+    """The role's `agentrl` arguments with the addresses filled in; a server or service binds `bind`."""
     args = list(role.args)
+    if role.kind == "service":
+        assert bind is not None, "a service is rendered with the host:port it binds"
+        args = [a.replace("{port}", str(bind[1])) for a in args]
+        return args if "--host" in args else [*args, "--host", bind[0]]
     if role.kind == "server":
         assert bind is not None, "a server is rendered with the host:port it binds"
         return [args[0], "--host", bind[0], "--port", str(bind[1]), *args[1:]]

@@ -21,11 +21,12 @@ dies (ray.kill, its node removed) Ray restarts it on a node that fits, the drive
 actor and starts its process again with the current addresses (a server on its old port; the
 learner's ServerWatch brings it to the current version, a roller opens a new queue lease). A child
 that exits while its actor lives is restarted in the same actor after `launcher.restart_backoff_s`
-(doubled each time); one budget of `max_restarts` covers both. A learner rank is never
+(doubled each time), and so is the process of an actor Ray restarted; one budget of
+`max_restarts` covers both. A learner rank is never
 restarted: its loss ends the run with its last checkpoint; `agentrl run --launcher.type ray
 --resume` continues it. `agentrl scale` / `agentrl status` work as for the local launcher
-(`launch/control.py`). Shutdown stops every child by PID (SIGTERM, then SIGKILL), then kills
-the actors and removes the placement group.
+(`launch/control.py`). Shutdown stops every child by PID (SIGTERM, then SIGKILL; the rollers
+together, then the others together), then kills the actors and removes the placement group.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import hashlib
 import json
 import os
 import secrets
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -43,96 +43,33 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig
 from agentrl.launch.control import write_state
-from agentrl.launch.plan import Addresses, Role, plan, render, roller_role, server_url
+from agentrl.launch.plan import (
+    Addresses,
+    Role,
+    ServiceRole,
+    plan,
+    render,
+    roller_role,
+    server_url,
+    service_roles,
+)
+from agentrl.launch.ray_actor import ProcessActor, actor_options, child_threads
 from agentrl.log import get_logger
 
 logger = get_logger(__name__)
 
 DEAD_AFTER_S = 20.0
 """A restartable actor whose calls fail as dead for this long is dead for good (restarts used up)."""
+NAME_FREE_S = 30.0
+"""How long a new actor waits for its name to be released by a killed one (a `--resume` right after
+the run it continues)."""
+RESOURCES_KEY = {"service": "env.service_resources", "server": "inference.resources",
+                 "learner": "learner.resources", "roller": "roller.resources"}  # fmt: skip
 
 
 def ray_namespace(run_dir: str | Path) -> str:
     """The Ray namespace of a run's actors (named after their roles): one per run directory."""
     return "agentrl-" + hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
-
-
-class _ProcessActor:
-    """One process of the run, on whatever node Ray placed this actor."""
-
-    def __init__(self, name: str, log_path: str, cwd: str) -> None:
-        self.name, self.log_path, self.cwd = name, log_path, cwd
-        self.proc = None
-
-    def where(self) -> dict[str, Any]:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "actor_pid": os.getpid()}
-
-    def bind_port(self, prefer: int = 0) -> int:
-        """A port free on this node's address (`prefer` when it is free)."""
-        import socket
-
-        import ray
-
-        ip = ray.util.get_node_ip_address()
-        for port in (prefer, 0) if prefer else (0,):
-            with socket.socket() as s:
-                s.setsockopt(
-                    socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-                )  # as servers bind: TIME_WAIT is no conflict
-                try:
-                    s.bind((ip, port))
-                except OSError:
-                    continue
-                return s.getsockname()[1]
-        raise OSError(f"no free port on {ip}")
-
-    def start(self, args: list[str], env: dict[str, str]) -> int:
-        """Start `python -m agentrl *args` with `env` added (secrets arrive here, by call); it is
-        killed with the actor (ray.kill, node lost), so none is left."""
-        import functools
-        import signal
-        import subprocess
-
-        from agentrl.launcher import die_with_parent
-
-        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agentrl", *args], stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, env={**os.environ, **env}, cwd=self.cwd,
-                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
-            )  # fmt: skip
-        return self.proc.pid
-
-    def poll(self) -> dict[str, Any]:
-        if self.proc is None:
-            return {"started": False, "code": None, "pid": None}
-        return {"started": True, "code": self.proc.poll(), "pid": self.proc.pid}
-
-    def stop(self, timeout_s: float = 30) -> int | None:
-        """SIGTERM the child's process group, SIGKILL it after `timeout_s`; its exit code."""
-        import signal
-        import subprocess
-
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
-        except ProcessLookupError:
-            return self.proc.wait()
-
-
-def actor_options(resources: dict[str, float]) -> dict[str, Any]:
-    """Ray actor options of a role's `launcher.resources` entry (CPU, GPU and custom resources)."""
-    res = dict(resources)
-    return {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0), "resources": res}
 
 
 @dataclass
@@ -169,35 +106,44 @@ class RayRun:
         self.members: list[Member] = []
         self.parked: dict[str, Member] = {}
         self.pg = None
+        self.learner_lost = False
         self.addrs = Addresses([])
         self.secrets = _secrets(config)
-        self.actor_cls = ray.remote(_ProcessActor)
+        self.actor_cls = ray.remote(ProcessActor)
 
     # -------------------------------------------------------------- starting
     def _actor(self, role: Role, name: str, restarts: int, **options: Any) -> Any:
         log = self.run_dir / "logs" / f"{name}.log"
         opts = {**actor_options(role.resources), **options}
-        return self.actor_cls.options(
-            name=name,
-            namespace=ray_namespace(self.run_dir),
-            max_restarts=restarts,
-            max_task_retries=0,
-            **opts,
-        ).remote(name, str(log), os.getcwd())
+        deadline = time.monotonic() + NAME_FREE_S
+        while True:
+            try:
+                return self.actor_cls.options(
+                    name=name,
+                    namespace=ray_namespace(self.run_dir),
+                    max_restarts=restarts,
+                    max_task_retries=0,
+                    **opts,
+                ).remote(name, str(log), os.getcwd())
+            except ValueError as exc:  # "already taken": a killed actor of the run's last life
+                if "already" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
-    def _get(self, ref: Any, what: str, timeout_s: float = 120) -> Any:
+    def _get(self, ref: Any, what: str, timeout_s: float = 120, kind: str = "") -> Any:
         try:
             return self.ray.get(ref, timeout=timeout_s)
         except self.ray.exceptions.GetTimeoutError:
+            key = RESOURCES_KEY.get(kind, "the resources its section")
             raise RuntimeError(
                 f"{what}: no answer from its Ray actor in {timeout_s:.0f}s; does a node have the resources "
-                "launcher.resources asks for? (ray status shows what each node offers)"
+                f"{key} asks for? (ray status shows what each node offers)"
             ) from None
 
     def _start(self, m: Member, args: list[str], env: dict[str, str] | None = None) -> None:
-        m.info = self._get(m.actor.where.remote(), m.name)
+        m.info = self._get(m.actor.where.remote(), m.name, kind=m.role.kind)
         m.node, m.node_id = m.info["ip"], m.info["node_id"]
-        threads = {} if "OMP_NUM_THREADS" in os.environ else _threads(m.role.resources)
+        threads = {} if "OMP_NUM_THREADS" in os.environ else child_threads(m.role.resources)
         m.pid = self._get(
             m.actor.start.remote(args, {**threads, **self.secrets, **m.role.env, **(env or {})}), m.name
         )
@@ -205,13 +151,14 @@ class RayRun:
         logger.info("started %s on %s (node %s, pid %d)", m.name, m.node, m.node_id[:8], m.pid)
 
     def _start_server(self, m: Member) -> str:
-        ip = self._get(m.actor.where.remote(), m.name)["ip"]
+        """A server or env service on its actor's node, on its old port when that is free there."""
+        ip = self._get(m.actor.where.remote(), m.name, kind=m.role.kind)["ip"]
         m.port = self._get(m.actor.bind_port.remote(m.port), m.name)
         self._start(m, render(m.role, self.addrs, (ip, m.port)))
-        return server_url(ip, m.port)
+        return m.role.url(ip, m.port) if isinstance(m.role, ServiceRole) else server_url(ip, m.port)
 
     def run_warmstart(self) -> None:
-        role = Role("warmstart", "learner", [], self.lc.resources.get("learner", {}))
+        role = Role("warmstart", "learner", [], dict(self.config.learner.resources))
         m = Member(role, "warmstart", self._actor(role, "warmstart", 0), {})
         self._start(m, ["warmstart", "--config", str(self.config_path)])
         while (code := self._get(m.actor.poll.remote(), "warmstart")["code"]) is None:
@@ -223,23 +170,15 @@ class RayRun:
             )
 
     def start_services(self) -> list[str]:
-        """The env's helper services (`Env.services`) as actors; the flags pointing at them."""
-        from agentrl.envs.registry import load_env_class
-
-        cfg = self.config
+        """The env's helper services (`Env.services`) as actors on nodes with
+        `env.service_resources`; the flags that point every other process at them."""
         overrides = []
-        env_cls = load_env_class(cfg.env.name)
-        for service in env_cls.services(dict(cfg.env.kwargs), dict(cfg.roller.task_kwargs), cfg.run_dir):
-            role = Role(service.name, "server", [], self.lc.resources.get("service", {}), restart=True)
-            m = Member(role, service.name, self._actor(role, service.name, self.lc.max_restarts), {})
-            ip = self._get(m.actor.where.remote(), m.name)["ip"]
-            m.port = self._get(m.actor.bind_port.remote(), m.name)
-            m.role.args = [a.replace("{port}", str(m.port)) for a in service.args]
-            self._start(m, [*m.role.args, *(["--host", ip] if "--host" not in service.args else [])])
-            _wait_healthy([server_url(ip, m.port)], service.health_path)
-            m.role.kind = "service"  # type: ignore[assignment]
+        for role in service_roles(self.config):
+            m = Member(role, role.name, self._actor(role, role.name, self.lc.max_restarts), {})
+            self._start_server(m)
+            _wait_healthy([server_url(m.node, m.port)], role.health_path)
             self.members.append(m)
-            overrides.append(f"--env.kwargs.{service.kwarg}={server_url(ip, m.port)}{service.url_path}")
+            overrides.append(role.override(m.node, m.port))
         return overrides
 
     def start_plan(self, model: str, overrides: list[str]) -> None:
@@ -310,12 +249,6 @@ class RayRun:
                 if now - m.pending_since > 5:
                     m.state = "unreachable (restarting?)"
                 continue
-                m.state = (
-                    "unreachable (restarting?)"
-                    if m.state != "running" or now - m.restart_at_s() > 5
-                    else m.state
-                )
-                continue
             ref, m.pending = m.pending, None
             try:
                 answer = self.ray.get(ref)
@@ -329,8 +262,7 @@ class RayRun:
                 if m.state != "dead":
                     continue
                 if m.role.kind == "learner":
-                    logger.error("%s's actor died (its node lost?): the run ends with its last checkpoint; "
-                                 "continue it with agentrl run --launcher.type ray --resume", m.name)  # fmt: skip
+                    self._learner_lost(m, "its Ray actor died: killed, or its node lost")
                     return "failed"
                 logger.error(
                     "%s died and Ray used up its %d restarts (launcher.max_restarts)",
@@ -343,16 +275,18 @@ class RayRun:
                 continue
             m.died_since = None
             if not answer["started"]:  # a fresh actor: Ray restarted it after it or its node died
-                self._rejoin(m, "actor restarted by Ray")
+                if m.restart_at is None:  # its process starts after the backoff, as a child's restart
+                    m.state = "restarting"
+                    m.restart_at = now + self.lc.restart_backoff_s * 2**m.restarts
+                elif now >= m.restart_at:
+                    self._rejoin(m, "actor restarted by Ray")
             elif answer["code"] is None:
                 m.state, m.pid = "running", answer["pid"]
             elif m.role.kind == "learner":
                 if answer["code"] == 0 and m.rank == 0:
                     return "done"
                 if answer["code"] != 0:
-                    logger.error(
-                        "%s exited with code %d; see %s", m.name, answer["code"], self.run_dir / "logs"
-                    )
+                    self._learner_lost(m, f"exited with code {answer['code']}; see {self.run_dir / 'logs'}")
                     return "failed"
             elif m.restarts >= self.lc.max_restarts:
                 logger.error("%s exited with code %d after %d restart(s) (launcher.max_restarts)", m.name,
@@ -365,19 +299,29 @@ class RayRun:
                 self._rejoin(m, f"exit code {answer['code']}")
         return None
 
+    def _learner_lost(self, m: Member, why: str) -> None:
+        self.learner_lost = True
+        marker = self.run_dir / "checkpoints" / "latest"
+        latest = self.run_dir / "checkpoints" / marker.read_text().strip() if marker.exists() else None
+        where = (
+            f"its last checkpoint {latest}" if latest else "no checkpoint (learner.checkpoint.every is 0?)"
+        )
+        logger.error("learner lost: %s (%s); the run ends with %s; continue it with agentrl run "
+                     "--launcher.type ray --resume", m.name, why, where)  # fmt: skip
+
     def _rejoin(self, m: Member, why: str) -> None:
         m.restarts += 1
         m.restart_at = None
-        old = server_url(m.node, m.port) if m.role.kind == "server" else None
-        if m.role.kind == "server":
-            url = self._start_server(m)
-            if url != old:
-                logger.warning("%s came back at %s, not %s: the learner and rollers still use the old "
-                               "address (a server slot's address is fixed when the learner starts)", m.name, url, old)  # fmt: skip
-        elif m.role.kind == "roller":
-            self._start(m, render(m.role, self.addrs))
+        if m.role.kind in ("server", "service"):
+            old = server_url(m.node, m.port)
+            self._start_server(m)
+            new = server_url(m.node, m.port)
+            if new != old:
+                logger.warning("%s came back at %s, not %s: the %s still use the old address (it is fixed "
+                               "when they start)", m.name, new, old, "learner and rollers"
+                               if m.role.kind == "server" else "rollers")  # fmt: skip
         else:
-            self._start(m, m.role.args)
+            self._start(m, render(m.role, self.addrs))
         logger.warning(
             "restarted %s (%s) on %s, restart %d/%d", m.name, why, m.node, m.restarts, self.lc.max_restarts
         )
@@ -428,28 +372,35 @@ class RayRun:
         return rows
 
     def _stop(self, m: Member) -> None:
-        try:
-            self.ray.get(m.actor.stop.remote(), timeout=60)
-        except Exception as e:  # an actor already gone has nothing to stop
-            logger.info("stopping %s: %s", m.name, type(e).__name__)
-        self.ray.kill(m.actor, no_restart=True)
-        if m in self.members:
-            self.members.remove(m)
+        self._stop_together([m])
+
+    def _stop_together(self, members: list[Member], timeout_s: float = 30) -> None:
+        """Stop `members`' processes at once (SIGTERM, SIGKILL after `timeout_s`; a learner's
+        surviving ranks at once after it was lost: they cannot checkpoint without rank 0), then
+        kill their actors."""
+        refs = [
+            m.actor.stop.remote(0 if self.learner_lost and m.role.kind == "learner" else timeout_s)
+            for m in members
+        ]
+        deadline = time.monotonic() + timeout_s + 30
+        for m, ref in zip(members, refs, strict=True):
+            try:
+                self.ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as e:  # an actor already gone has nothing to stop
+                logger.info("stopping %s: %s", m.name, type(e).__name__)
+            self.ray.kill(m.actor, no_restart=True)
+            if m in self.members:
+                self.members.remove(m)
 
     def stop_all(self) -> None:
-        for m in reversed(self.members):
-            self._stop(m)
+        """The rollers first (together: each finishes and puts its groups while the learner may
+        still take them), then everything else together."""
+        self._stop_together([m for m in self.members if m.role.kind == "roller"])
+        self._stop_together(list(reversed(self.members)))
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.pg)
-
-
-def _threads(resources: dict[str, float]) -> dict[str, str]:
-    """Intra-op threads of a process: the CPUs its role asks for, else 1, as the local launcher
-    caps its children (oversubscribed OpenMP threads slow small models several-fold)."""
-    n = str(max(1, int(resources.get("CPU", 1))))
-    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 
 def _secrets(config: AgentRLConfig) -> dict[str, str]:

@@ -229,6 +229,9 @@ class LearnerConfig(Section):
     """Random seed of the learner."""
     num_processes: int = Field(1, ge=1)
     """Learner ranks `agentrl run` starts (torchrun with this many processes when above 1)."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """`--launcher ray` only: what each rank asks Ray for, e.g. `{GPU: 1, CPU: 8}` (`CPU`, `GPU` and
+    custom resources of `ray start --resources`); the ranks are one placement group, packed per node."""
     optim: OptimConfig = OptimConfig()
     """The actor's AdamW and gradient clipping."""
     schedule: ScheduleConfig = ScheduleConfig()

@@ -2,13 +2,19 @@
 
     python tests/integration/ray_netns.py ... python tests/integration/ray_scenario.py MODEL RUN_DIR
 
-1. a `ray.cluster_utils.Cluster`: head `learner`, a `gpu`-like node, two `cpu` nodes;
-2. `agentrl run --launcher.type ray` of the quickstart on the tiny model, each role asking for
-   its node's custom resource; once it trains, where each actor ran is read from Ray's state API;
+1. a `ray.cluster_utils.Cluster`: head `gpu`-like, a `learner` node (two ranks' worth), two
+   `cpu` nodes;
+2. `agentrl run --launcher.type ray` of the quickstart on the tiny model with a learner of two
+   gloo ranks, each role asking for its node's custom resource; once it trains, where each actor
+   ran is read from Ray's state API;
 3. faults mid-run: ray.kill of the roller actor, then the node it came back on is removed (it
    restarts on the other `cpu` node); `agentrl scale --rollers 2` adds a roller and `agentrl
-   status` shows the processes; then ray.kill of the server actor;
-4. after the run: what Ray's state API (the dashboard's source) and every command line showed,
+   status` shows the processes; then ray.kill of the server actor; then the learner's node is
+   removed, which ends the run (exit 1) naming its last checkpoint;
+4. a new `learner` node joins and `agentrl run --launcher.type ray --resume` on the same cluster
+   continues from that checkpoint to `learner.max_steps` (given then: the first life's cannot end
+   before the faults);
+5. after the run: what Ray's state API (the dashboard's source) and every command line showed,
    searched for the queue's secret; Ray stopped, then every process left in the namespace stopped
    by PID and counted.
 Prints one JSON line of findings for `test_ray_launcher.py` to check.
@@ -34,7 +40,7 @@ from ray.util.state import list_actors, list_jobs, list_nodes, list_tasks
 
 from agentrl.launch.ray import ray_namespace
 
-STEPS = 10
+STEPS_AFTER_RESUME = 2
 
 
 def _wait(what: str, cond, proc: subprocess.Popen, timeout_s: float = 240) -> None:
@@ -54,6 +60,14 @@ def _steps(run_dir: Path) -> int:
         return 0
 
 
+def _checkpoint(run_dir: Path) -> int:
+    """The step of the run's latest complete checkpoint (0: none)."""
+    try:
+        return int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    except (OSError, ValueError):
+        return 0
+
+
 def _restarts(run_dir: Path, name: str) -> list[dict]:
     try:
         lines = (run_dir / "launcher.jsonl").read_text().splitlines()
@@ -63,18 +77,16 @@ def _restarts(run_dir: Path, name: str) -> list[dict]:
 
 
 def _start_cluster(tries: int = 3):
-    """Head `learner`, a `gpu` node, two `cpu` nodes. Ray gives a raylet 30 s (hard-coded in
+    """Head `gpu`, a `learner` node, two `cpu` nodes. Ray gives a raylet 30 s (hard-coded in
     ray/_private/node.py) to register, which a loaded machine can miss: then every process of
     the attempt is stopped by PID and the cluster started afresh."""
     for attempt in range(tries):
         try:
-            cluster = Cluster(
-                initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"learner": 1}}
-            )
-            gpu = cluster.add_node(num_cpus=1, resources={"gpu": 1})
+            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"gpu": 1}})
+            learner = cluster.add_node(num_cpus=1, resources={"learner": 2})
             cpus = [cluster.add_node(num_cpus=1, resources={"cpu": 2}) for _ in range(2)]  # rollers' nodes
             cluster.wait_for_nodes()
-            return cluster, gpu, cpus
+            return cluster, learner, cpus
         except Exception as exc:  # Ray raises a bare Exception for this
             if "timed out during startup" not in str(exc) or attempt == tries - 1:
                 raise
@@ -86,24 +98,26 @@ def _start_cluster(tries: int = 3):
 def main(model: str, run_dir: Path) -> dict:
     out: dict = {}
     t0 = time.monotonic()
-    cluster, gpu, cpus = _start_cluster()
+    cluster, learner_node, cpus = _start_cluster()
     ray.init(address=cluster.address)
     out["cluster_start_s"] = time.monotonic() - t0
-    node_of = {"learner": cluster.head_node.node_id, "gpu": gpu.node_id, "cpu": cpus[0].node_id}
+    node_of = {"learner": learner_node.node_id, "gpu": cluster.head_node.node_id, "cpu": cpus[0].node_id}
     node_of["cpu2"] = cpus[1].node_id
     secret = secrets.token_hex(32)
-    resources = "{learner: {learner: 1}, server: {gpu: 1}, roller: {cpu: 1}}"
     argv = [
         sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
-        "--launcher.type=ray", f"--launcher.address={cluster.address}", f"--launcher.resources={resources}",
-        "--launcher.restart_backoff_s=0.2", f"--learner.model_path={model}", f"--learner.max_steps={STEPS}",
-        "--learner.groups_per_step=2", "--learner.warmstart.steps=0", "--roller.group_size=4",
-        "--roller.max_turns=2", "--roller.max_concurrent_episodes=16", "--queue.heartbeat_s=0.5",
-        "--queue.roller_lease_s=3",
+        "--launcher.type=ray", f"--launcher.address={cluster.address}", "--learner.resources={learner: 1}",
+        "--inference.resources={gpu: 1}", "--roller.resources={cpu: 1}", "--learner.num_processes=2",
+        "--launcher.restart_backoff_s=0.2", f"--learner.model_path={model}", "--learner.checkpoint.every=1",
+        "--queue.durable=true", "--learner.groups_per_step=2", "--learner.warmstart.steps=0",
+        "--roller.group_size=4", "--roller.max_turns=2", "--roller.max_concurrent_episodes=16",
+        "--queue.heartbeat_s=0.5", "--queue.roller_lease_s=3", "--roller.shutdown_grace_s=2",
     ]  # fmt: skip
     env = {**os.environ, "AGENTRL_QUEUE_SECRET": secret}
     log = (run_dir / "driver.log").open("w")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [*argv, "--learner.max_steps=1000"], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
     try:
         _wait("the first trained steps", lambda: _steps(run_dir) >= 2, proc)
         out["first_steps_s"] = time.monotonic() - t0
@@ -150,6 +164,27 @@ def main(model: str, run_dir: Path) -> dict:
         started = re.findall(r"started (\S+) on .* pid (\d+)\)", (run_dir / "driver.log").read_text())
         latest = {name: pid for name, pid in started}
         out["orphans"] = [f"{n} {p}" for n, p in started if latest[n] != p and _running(int(p))]
+
+        # the learner lost: its node removed once a checkpoint is written after the faults
+        at = _steps(run_dir)
+        _wait("a checkpoint after the faults", lambda: _checkpoint(run_dir) > at, proc)
+        out["ckpt_ranks"] = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*/rank*.pt"))
+        cluster.remove_node(learner_node)
+        out["first_life_rc"] = proc.wait(timeout=180)  # bounded: the end is prompt, not a hang
+        out["ckpt_at_kill"], out["steps_at_kill"] = _checkpoint(run_dir), _steps(run_dir)
+        lost = [ln for ln in (run_dir / "driver.log").read_text().splitlines() if "learner lost" in ln]
+        out["lost_message"] = lost[-1] if lost else ""
+        out["ckpt_dir"] = str(run_dir / "checkpoints" / f"step_{out['ckpt_at_kill']:08d}")
+
+        # its second life: a new learner node, --resume on the same cluster, to a few steps past the checkpoint
+        out["resumed_on"] = cluster.add_node(num_cpus=1, resources={"learner": 2}).node_id
+        cluster.wait_for_nodes()
+        final = out["ckpt_at_kill"] + STEPS_AFTER_RESUME
+        out["final_step"] = final
+        log.close()
+        log = (run_dir / "driver2.log").open("w")
+        proc = subprocess.Popen([*argv, f"--learner.max_steps={final}", "--resume"], stdout=log,
+                                stderr=subprocess.STDOUT, env=env)  # fmt: skip
         out["returncode"] = proc.wait(timeout=300)
         text = json.dumps([a.__dict__ for a in list_actors(detail=True)], default=str)
         text += json.dumps([t.__dict__ for t in list_tasks(detail=True, limit=10000)], default=str)

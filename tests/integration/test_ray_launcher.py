@@ -1,8 +1,10 @@
 """`agentrl run --launcher ray` on a simulated cluster (learner, gpu-like and two cpu nodes) in a
-loopback-only namespace (the scenario is `ray_scenario.py`): roles placed by their resources, a
-roller actor killed and then its node removed, a roller added by `agentrl scale`, a server actor
-killed, all mid-run, and the run's per-group account still 0 lost / 0 trained twice / 0 credits
-leaked."""
+loopback-only namespace (the scenario is `ray_scenario.py`): roles placed by their resources (the
+learner's two gloo ranks packed on the learner node), a roller actor killed and then its node
+removed, a roller added by `agentrl scale`, a server actor killed, all mid-run; then the learner's
+node removed, which ends the run with its last checkpoint, and `--resume` continues it on a new
+learner node; the
+per-group account across both lives still 0 lost / 0 trained twice / 0 credits leaked."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 @pytest.mark.timeout(900)
-def test_ray_launcher_places_by_resources_survives_actor_and_node_loss(
+def test_ray_launcher_places_by_resources_survives_actor_node_and_learner_loss(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     pytest.importorskip("ray", reason="ray is not installed (make setup installs the ray extra)")
@@ -50,10 +52,13 @@ def test_ray_launcher_places_by_resources_survives_actor_and_node_loss(
 
     # placed where the resources said (node ids from Ray's state API)
     placement = out["placement"]
-    assert {k: placement[k] for k in ("server0", "learner")} == {"server0": "gpu", "learner": "learner"}
-    assert placement["roller0"] in ("cpu", "cpu2") and len(placement) == 3, placement
+    assert {k: placement[k] for k in ("server0", "learner", "learner-rank1")} == {
+        "server0": "gpu", "learner": "learner", "learner-rank1": "learner"
+    }, placement  # fmt: skip
+    assert placement["roller0"] in ("cpu", "cpu2") and len(placement) == 4, placement
     assert out["roller_restart_node"] == "other"  # its node gone, the roller came back on the one that fits
-    assert out["steps_at_faults"][-1] < 10, out  # every fault hit the run mid-way
+    # every fault hit the run mid-way (the first life cannot end by itself), and it trained on past them
+    assert out["ckpt_at_kill"] > out["steps_at_faults"][-1], out
     assert out["scale"] == "agentrl scale: rollers 2", out["scale"]
     assert out["scaled_nodes"]["roller1"] == "other" and out["scaled_nodes"]["roller0"] == "other"
     for name in ("server0", "learner", "roller0", "roller1", "running"):
@@ -62,13 +67,29 @@ def test_ray_launcher_places_by_resources_survives_actor_and_node_loss(
     restarts = [json.loads(line) for line in (run_dir / "launcher.jsonl").read_text().splitlines()]
     assert [r["child"] for r in restarts] == ["roller0", "roller0", "server0"]
 
+    # the learner lost: the run ended at once (exit 1), naming the learner and its last checkpoint,
+    # which both ranks wrote; `--resume` continued from it to the end
+    assert out["first_life_rc"] == 1, driver
+    assert "learner" in out["lost_message"] and out["ckpt_dir"] in out["lost_message"], out["lost_message"]
+    assert "--resume" in out["lost_message"]
+    assert {"rank0.pt", "rank1.pt"} <= set(out["ckpt_ranks"]), out["ckpt_ranks"]
+    second = (run_dir / "driver2.log").read_text(errors="replace")
+    for rank in ("learner", "learner-rank1"):  # both ranks on the new learner node
+        assert f"started {rank} on 127.0.0.1 (node {out['resumed_on'][:8]}" in second, second[-4000:]
+
     # it learned like the local launcher's run: every step trained, staleness within k, every server updated
     learner = read_metrics(run_dir / "learner.jsonl")
-    assert [r["step"] for r in learner] == list(range(1, 11))
+    steps = [r["step"] for r in learner]
+    final, ckpt = out["final_step"], out["ckpt_at_kill"]
+    assert sorted(set(steps)) == list(range(1, final + 1)) and steps[-1] == final, steps
+    assert steps[out["steps_at_kill"]] == ckpt + 1, (
+        steps
+    )  # the second life's first step follows the checkpoint
     assert all(staleness(r)[1] is not None and staleness(r)[1] <= 1 for r in learner)
     assert learner[-1]["sync/servers_dropped"] == 0 and learner[-1]["sync/servers_updated"] == 1
-    acct = account(run_dir)
-    assert (acct.lost, acct.duplicated, acct.leaked_credits) == (0, 0, 0), acct
+    acct = account(run_dir)  # both lives
+    assert (acct.lost, acct.duplicated, acct.leaked_credits) == (0, 0, 0), acct.summary()
+    assert acct.lost_undurable == 0 and all(r == (0, 0) for r in acct.step_residuals), acct.summary()
 
     # the secret was in no Ray state (what the dashboard shows), command line or log
     assert not out["secret_in_ray_state"] and not out["secret_in_cmdlines"] and not out["secret_in_logs"]

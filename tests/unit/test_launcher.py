@@ -111,12 +111,16 @@ def test_the_learner_finishing_or_dying_ends_supervision(tmp_path: Path) -> None
     assert supervise(supervisor, dead, 3, 0.0) == "failed"
 
 
-def _config(tmp_path: Path, **launcher):
+def _config(tmp_path: Path, resources: dict | None = None, env: dict | None = None, **launcher):
+    """Two servers, two learner ranks, two rollers; `resources` by role (each in its section)."""
     from agentrl.config import AgentRLConfig
 
+    res = resources or {}
     return AgentRLConfig.model_validate(
-        {"run_dir": str(tmp_path), "inference": {"num_servers": 2}, "roller": {"num_processes": 2},
-         "learner": {"num_processes": 2}, "launcher": launcher}
+        {"run_dir": str(tmp_path), "inference": {"num_servers": 2, "resources": res.get("server", {})},
+         "roller": {"num_processes": 2, "resources": res.get("roller", {})},
+         "learner": {"num_processes": 2, "resources": res.get("learner", {})},
+         "env": env or {}, "launcher": launcher}
     )  # fmt: skip
 
 
@@ -162,7 +166,7 @@ def test_one_plan_rendered_with_discovered_addresses_for_ray_and_loopback_ones_l
 
 
 def test_ray_actor_options_carry_cpu_gpu_and_custom_resources() -> None:
-    from agentrl.launch.ray import actor_options
+    from agentrl.launch.ray_actor import actor_options
 
     assert actor_options({"GPU": 1, "CPU": 2, "sandbox": 1}) == {
         "num_cpus": 2,
@@ -172,13 +176,49 @@ def test_ray_actor_options_carry_cpu_gpu_and_custom_resources() -> None:
     assert actor_options({}) == {"num_cpus": 0, "num_gpus": 0, "resources": {}}
 
 
-def test_unknown_launcher_roles_and_types_are_config_errors(tmp_path: Path) -> None:
+def test_the_old_launcher_resources_key_and_unknown_types_are_config_errors(tmp_path: Path) -> None:
     import pydantic
 
-    with pytest.raises(pydantic.ValidationError, match="resources"):
-        _config(tmp_path, resources={"trainer": {"GPU": 1}})
+    from agentrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--launcher.resources={roller: {CPU: 2}}"])
+    for new_key in ("learner.resources", "inference.resources", "roller.resources", "env.service_resources"):
+        assert new_key in str(err.value), err.value
+    assert "launcher" in str(err.value)
     with pytest.raises(pydantic.ValidationError, match="type"):
         _config(tmp_path, type="slurm")
+    config = load_config(None, ["--roller.resources={CPU: 2, sandbox: 1}", "--inference.resources={GPU: 1}"])
+    assert config.roller.resources == {"CPU": 2, "sandbox": 1} and config.inference.resources == {"GPU": 1}
+
+
+def test_an_env_service_is_planned_with_its_resources_and_rendered_on_the_node_it_bound(
+    tmp_path: Path,
+) -> None:
+    """Search-R1 with `retriever_url: auto`: the retriever is a service role asking for
+    `env.service_resources`, bound on its actor's node, and every other process gets its URL."""
+    from agentrl.launch.plan import Addresses, plan, render, service_roles
+
+    env = {
+        "name": "search_r1",
+        "kwargs": {"retriever_url": "auto"},
+        "service_resources": {"CPU": 2, "retrieval": 1},
+    }
+    config = _config(tmp_path, env=env, type="ray")
+    (service,) = service_roles(config)
+    assert (service.name, service.kind, service.restart) == ("retriever", "service", True)
+    assert service.resources == {"CPU": 2, "retrieval": 1}
+    args = render(service, Addresses([]), ("10.0.0.7", 4100))
+    assert args[0] == "retriever" and args[args.index("--port") + 1] == "4100"
+    assert args[args.index("--host") + 1] == "10.0.0.7"  # reachable from the other nodes
+    assert "{port}" not in " ".join(args) and str(tmp_path) in " ".join(args)  # data under the run dir
+    flag = service.override("10.0.0.7", 4100)
+    assert flag == "--env.kwargs.retriever_url=http://10.0.0.7:4100/retrieve"
+    roles = plan(config, tmp_path / "c.yaml", "m", [flag])
+    for role in roles:
+        rendered = render(role, Addresses(["http://10.0.0.2:4001"]), ("10.0.0.2", 4001))
+        assert flag in rendered, (role.name, rendered)
+    assert service_roles(_config(tmp_path)) == []  # the toy env starts none
 
 
 def test_a_scale_request_is_seen_once_and_refused_without_a_live_launcher(tmp_path: Path) -> None:
@@ -266,3 +306,228 @@ def test_children_are_stopped_when_the_launcher_itself_is_killed(tmp_path: Path)
     while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(pid_alive(pid) for pid in pids)
+
+
+class _Actor:
+    """A roller's `ProcessActor` as Ray restarts it: fresh (no process) until `start` is called.
+    Its methods' `.remote` return the answer itself, which `_Ray.get` hands back."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.fresh = True
+        for name in ("where", "start", "poll"):
+            setattr(self, name, type("M", (), {"remote": getattr(self, "_" + name)})())
+
+    def _where(self) -> dict:
+        return {"ip": "10.0.0.5", "node_id": "n" * 16, "actor_pid": 1}
+
+    def _start(self, args: list, env: dict) -> int:
+        self.args = args
+        self.started += 1
+        self.fresh = False
+        return 100 + self.started
+
+    def _poll(self) -> dict:
+        return {"started": not self.fresh, "code": None, "pid": 100 + self.started}
+
+
+class _Ray:
+    """The calls `RayRun` makes of the `ray` module: wait, get, exceptions, and kill (a stand-in
+    actor lives in this process: its child is stopped by its `stop`, there is no actor to kill)."""
+
+    class exceptions:  # as ray.exceptions
+        class ActorDiedError(Exception): ...
+
+        class ActorUnavailableError(Exception): ...
+
+        class RayActorError(Exception): ...
+
+        class GetTimeoutError(Exception): ...
+
+    @staticmethod
+    def wait(refs: list, timeout: float) -> tuple[list, list]:
+        return refs, []
+
+    @staticmethod
+    def get(ref: object, timeout: float | None = None) -> object:
+        if isinstance(ref, BaseException):  # the call failed, as ray.get raises it
+            raise ref
+        return ref
+
+    @staticmethod
+    def kill(actor: object, no_restart: bool = True) -> None:
+        pass
+
+
+def test_a_process_ray_restarted_starts_after_the_doubling_backoff(tmp_path: Path, monkeypatch) -> None:
+    """launcher.restart_backoff_s before the process of an actor Ray restarted, doubled per restart
+    of that role, as the local launcher waits before restarting a child."""
+    from agentrl.launch import ray as ray_launch
+    from agentrl.launch.plan import Addresses, roller_role
+
+    config = _config(tmp_path, type="ray", restart_backoff_s=1.0)
+    run = ray_launch.RayRun.__new__(ray_launch.RayRun)
+    run.ray, run.config, run.lc, run.run_dir = _Ray, config, config.launcher, tmp_path
+    run.addrs, run.secrets = Addresses(["http://10.0.0.2:4001"], "tcp://10.0.0.1:5001"), {}
+    actor = _Actor()
+    run.members = [ray_launch.Member(roller_role(config, ["--config", "c.yaml"], 0), "roller0", actor, {})]
+    clock = [0.0]
+    monkeypatch.setattr(ray_launch.time, "monotonic", lambda: clock[0])
+
+    def at(t: float) -> int:
+        clock[0] = t
+        assert run.supervise() is None
+        return actor.started
+
+    assert [at(0.0), at(0.5), at(0.99)] == [0, 0, 0]  # a fresh actor waits 1 s for its process
+    assert run.members[0].state == "restarting"
+    assert at(1.0) == 1 and run.members[0].restarts == 1
+    assert "--queue.address=tcp://10.0.0.1:5001" in actor.args  # with the run's current addresses
+    actor.fresh = True  # Ray restarts it again (killed, or its node lost)
+    assert [at(2.0), at(3.9)] == [1, 1]  # the second restart waits 2 s
+    assert at(4.0) == 2 and run.members[0].restarts == 2
+    records = (tmp_path / "launcher.jsonl").read_text().splitlines()
+    assert [json.loads(r)["why"] for r in records] == ["actor restarted by Ray"] * 2
+
+
+class _Handle:
+    """A Ray actor handle's `.method.remote(...)`, called at once in this process (`_Ray.get`
+    returns the value)."""
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str) -> object:
+        return type("M", (), {"remote": staticmethod(getattr(self.obj, name))})()
+
+
+def _loopback_actor_cls():
+    """`launch/ray_actor.py`'s `ProcessActor` (its real start/poll/stop: the child, its process group,
+    its log) on a node whose address is 127.0.0.1, created as `RayRun._actor` creates one."""
+    import socket
+
+    from agentrl.launch.ray_actor import ProcessActor
+
+    class LoopbackActor(ProcessActor):
+        def where(self) -> dict:
+            return {"ip": "127.0.0.1", "node_id": "loopback" * 2, "actor_pid": os.getpid()}
+
+        def bind_port(self, prefer: int = 0) -> int:
+            for port in (prefer, 0) if prefer else (0,):
+                with socket.socket() as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    try:
+                        s.bind(("127.0.0.1", port))
+                    except OSError:
+                        continue
+                    return s.getsockname()[1]
+            raise OSError("no free port")
+
+    class Options:
+        def options(self, **kwargs: object) -> object:
+            return type("R", (), {"remote": staticmethod(lambda *a: _Handle(LoopbackActor(*a)))})()
+
+    return Options()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_env_service_under_the_ray_driver_is_started_pointed_at_and_restarted_on_its_port(
+    tmp_path: Path,
+) -> None:
+    """`RayRun.start_services` with Search-R1's retriever (`retriever_url: auto`): the real
+    `agentrl retriever` bound on the node address its actor reported, answering; the flag that
+    points the other processes at it; when its process dies, it is started again after the
+    backoff on the same port, so the URL the rollers were given still answers."""
+    from agentrl.launch import ray as ray_launch
+    from agentrl.launch.plan import Addresses
+
+    env = {"name": "search_r1", "kwargs": {"retriever_url": "auto"}}
+    config = _config(tmp_path, env=env, type="ray", restart_backoff_s=0.2)
+    run = ray_launch.RayRun.__new__(ray_launch.RayRun)
+    run.ray, run.config, run.lc, run.run_dir = _Ray, config, config.launcher, tmp_path
+    run.addrs, run.secrets, run.members, run.pg, run.learner_lost = Addresses([]), {}, [], None, False
+    run.actor_cls = _loopback_actor_cls()
+    try:
+        (flag,) = run.start_services()
+        url = flag.split("=", 1)[1]
+        _retrieves(url, tmp_path)
+        (m,) = run.members
+        old_pid = m.pid
+        os.killpg(m.pid, signal.SIGKILL)
+        for _ in range(600):  # supervise rounds until the restart (bounded: 600 x >= 0.05 s)
+            assert run.supervise() is None
+            if m.restarts:
+                break
+            threading.Event().wait(0.05)
+        assert m.restarts == 1 and m.pid != old_pid and url == m.role.url(m.node, m.port)
+        ray_launch._wait_healthy([url.removesuffix("/retrieve")], "/health", 60)
+    finally:
+        pids = [m.pid for m in run.members]
+        run.stop_all()
+    assert not any(pid_alive(pid) for pid in pids)
+
+
+def _retrieves(url: str, run_dir: Path) -> None:
+    """`url` is a loopback Search-R1 retriever serving the synthetic corpus it wrote under the run
+    directory: a query of a document's own words finds one."""
+    import urllib.request
+
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/retrieve"), url
+    with (run_dir / "retriever_data" / "corpus.jsonl").open() as f:
+        words = json.loads(f.readline())["contents"]
+    query = json.dumps({"queries": [words], "topk": 1}).encode()
+    request = urllib.request.Request(url, query, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 200 and len(json.loads(resp.read())["result"][0]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_local_launcher_starts_the_same_service_roles_on_loopback(tmp_path: Path) -> None:
+    """The local launcher starts the plan's service roles too: the retriever on a loopback port,
+    its URL as the env kwarg every other process is given."""
+    from agentrl.launcher import start_services
+
+    config = _config(tmp_path, env={"name": "search_r1", "kwargs": {"retriever_url": "auto"}})
+    supervisor = Supervisor(tmp_path)
+    try:
+        kwargs = start_services(config, supervisor)
+        assert list(kwargs) == ["retriever_url"]
+        _retrieves(kwargs["retriever_url"], tmp_path)
+    finally:
+        pids = [c.proc.pid for c in supervisor.children]
+        supervisor.stop_all()
+    assert pids and not any(pid_alive(pid) for pid in pids)
+
+
+def test_a_lost_learner_rank_ends_the_run_naming_the_last_checkpoint(tmp_path: Path) -> None:
+    """Any learner rank's actor dying (ray.kill, its node lost) ends the run at once ("failed"),
+    with a message naming the rank, the run's last complete checkpoint and `--resume`."""
+    import logging
+
+    from agentrl.launch import ray as ray_launch
+    from agentrl.launch.plan import Addresses, plan
+
+    config = _config(tmp_path, type="ray")
+    run = ray_launch.RayRun.__new__(ray_launch.RayRun)
+    run.ray, run.config, run.lc, run.run_dir = _Ray, config, config.launcher, tmp_path
+    run.addrs, run.secrets, run.learner_lost = Addresses([]), {}, False
+    learner = next(r for r in plan(config, tmp_path / "c.yaml", "m", []) if r.kind == "learner")
+    dead = type("Dead", (), {"poll": type("M", (), {"remote": staticmethod(
+        lambda: _Ray.exceptions.ActorDiedError("the actor died"))})()})()  # fmt: skip
+    run.members = [ray_launch.Member(learner, "learner-rank1", dead, {}, rank=1)]
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    ray_launch.logger.addHandler(handler)
+    try:
+        assert run.supervise() == "failed"  # no checkpoint yet: it says so
+        (tmp_path / "checkpoints" / "step_00000003").mkdir(parents=True)
+        (tmp_path / "checkpoints" / "latest").write_text("step_00000003\n")
+        assert run.supervise() == "failed"
+    finally:
+        ray_launch.logger.removeHandler(handler)
+    assert run.learner_lost  # the other ranks are then killed at once (stop_all)
+    assert "no checkpoint" in records[0] and "learner-rank1" in records[0]
+    assert str(tmp_path / "checkpoints" / "step_00000003") in records[1] and "--resume" in records[1]
