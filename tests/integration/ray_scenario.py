@@ -53,6 +53,19 @@ def _wait(what: str, cond, proc: subprocess.Popen, timeout_s: float = 240) -> No
         time.sleep(0.5)
 
 
+def _state(list_fn, **kwargs) -> list:
+    """A Ray state-API listing, retried: on a loaded machine its GCS client can time out
+    ("Timed out while waiting for GCS to become available") while the cluster is fine."""
+    for attempt in range(5):
+        try:
+            return list_fn(**kwargs)
+        except ray.exceptions.RpcError:
+            if attempt == 4:
+                raise
+            time.sleep(2.0 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def _steps(run_dir: Path) -> int:
     try:
         return sum(1 for line in (run_dir / "learner.jsonl").read_text().splitlines() if line.startswith("{"))
@@ -123,7 +136,9 @@ def main(model: str, run_dir: Path) -> dict:
         out["first_steps_s"] = time.monotonic() - t0
         ns = ray_namespace(run_dir)
         actors = {
-            a.name: a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.ray_namespace == ns
+            a.name: a.node_id
+            for a in _state(list_actors, filters=[("state", "=", "ALIVE")])
+            if a.ray_namespace == ns
         }
         out["placement"] = {
             name: next((k for k, v in node_of.items() if v == nid), nid) for name, nid in actors.items()
@@ -186,10 +201,12 @@ def main(model: str, run_dir: Path) -> dict:
         proc = subprocess.Popen([*argv, f"--learner.max_steps={final}", "--resume"], stdout=log,
                                 stderr=subprocess.STDOUT, env=env)  # fmt: skip
         out["returncode"] = proc.wait(timeout=300)
-        text = json.dumps([a.__dict__ for a in list_actors(detail=True)], default=str)
-        text += json.dumps([t.__dict__ for t in list_tasks(detail=True, limit=10000)], default=str)
-        text += json.dumps([j.__dict__ if hasattr(j, "__dict__") else j for j in list_jobs()], default=str)
-        text += json.dumps([n.__dict__ for n in list_nodes(detail=True)], default=str)
+        text = json.dumps([a.__dict__ for a in _state(list_actors, detail=True)], default=str)
+        text += json.dumps([t.__dict__ for t in _state(list_tasks, detail=True, limit=10000)], default=str)
+        text += json.dumps(
+            [j.__dict__ if hasattr(j, "__dict__") else j for j in _state(list_jobs)], default=str
+        )
+        text += json.dumps([n.__dict__ for n in _state(list_nodes, detail=True)], default=str)
         out["secret_in_ray_state"] = secret in text
         out["secret_in_cmdlines"] = any(secret in _cmdline(pid) for pid in _pids())
         out["secret_in_logs"] = any(secret in p.read_text(errors="replace") for p in run_dir.rglob("*.log"))
