@@ -85,22 +85,23 @@ def test_bench_sync_reports_vs_raw_broadcast_and_vs_disk(processes: Processes) -
 
 
 def test_bench_async_reports_each_k_against_sync(processes: Processes) -> None:
-    # every k the issue names, two learner steps each (a rate needs two step times), one group of
-    # four episodes per step, after a one-step warm start (the path the default run takes)
+    # the sync baseline and one async k (each k is a whole run; the bench's default runs every k
+    # the issue names), two learner steps each (a rate needs two step times), one group of four
+    # episodes per step, after a one-step warm start (the path the default run takes)
     stdout, line = _bench(
-        processes, "async", "--ks", "0,1,2,4", "--steps", "2", "--groups-per-step", "1",
+        processes, "async", "--ks", "0,2", "--steps", "2", "--groups-per-step", "1",
         "--concurrency", "4", "--latency-s", "0.01", "--warmstart-steps", "1",
         timeout=540,
     )  # fmt: skip
-    assert set(line["ratios"]) == {"k1_vs_sync", "k2_vs_sync", "k4_vs_sync"}
-    _positive(line["ratios"], "k1_vs_sync", "k2_vs_sync", "k4_vs_sync")
+    assert set(line["ratios"]) == {"k2_vs_sync"}
+    _positive(line["ratios"], "k2_vs_sync")
     metrics = line["metrics"]
-    _positive(metrics, *[f"k{k}_samples_per_s" for k in (0, 1, 2, 4)])
-    for k in (0, 1, 2, 4):  # the final mean reward at each k: any finite value, zero included
+    _positive(metrics, *[f"k{k}_samples_per_s" for k in (0, 2)])
+    for k in (0, 2):  # the final mean reward at each k: any finite value, zero included
         reward = metrics[f"k{k}_final_reward"]
         assert isinstance(reward, (int, float)) and math.isfinite(reward), (k, reward)
     assert "max_staleness" in stdout and "final mean reward" in stdout
-    for k in (0, 1, 2, 4):
+    for k in (0, 2):
         assert f"│ {k} " in stdout, k
 
 

@@ -68,6 +68,7 @@ def test_a_dying_child_stops_the_run_and_is_named(tiny_model: Path, tmp_path: Pa
         "run", "--config", "recipes/quickstart.yaml", f"--run_dir={tmp_path / 'run'}",
         f"--learner.model_path={tiny_model}", "--learner.warmstart.steps=0",
         "--env.name=broken_env:Broken", f"--queue.address=tcp://127.0.0.1:{find_free_port()}",
+        "--launcher.max_restarts=1", "--launcher.restart_backoff_s=0.2",  # one restart, then it gives up
         timeout=300, env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"},
     )  # fmt: skip
     assert result.returncode == 1
