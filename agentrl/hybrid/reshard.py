@@ -335,8 +335,9 @@ class HybridEngine:
             )
         value = buffer.t() if kind == "row" and not view else buffer
         module, leaf = _owner(self.gen_model, name)
-        # replicated parameters (norms) sit in modules the plan leaves alone: plain tensors
-        if kind != "rep":
+        # replicated parameters (norms) sit in modules the plan leaves alone, and at tg = 1 the
+        # generation model is not parallelized: plain tensors
+        if kind != "rep" and self.meshes.tp.size() > 1:
             value = DTensor.from_local(value, self.meshes.tp, [Shard(dim) if dim is not None else Replicate()],
                                        run_check=False)  # fmt: skip
         setattr(module, leaf, nn.Parameter(value, requires_grad=False))

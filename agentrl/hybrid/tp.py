@@ -121,7 +121,8 @@ def parallelize_generation_model(config, tp_mesh: DeviceMesh) -> nn.Module:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    tensor_parallelize(model, tp_mesh)
+    if tp_mesh.size() > 1:  # at tg = 1 plain tensors: a 1-rank DTensor only adds dispatch cost
+        tensor_parallelize(model, tp_mesh)
     rebuild_computed_buffers(model, torch.device(tp_mesh.device_type))
     return model.eval()
 
