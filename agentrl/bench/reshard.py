@@ -82,15 +82,10 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from agentrl.hybrid.gather import all_gather_single, live_tensor_bytes
     from agentrl.hybrid.layout import GenLayout, HybridLayout, TrainLayout, box_numel
     from agentrl.hybrid.procs import init_gloo, preset_config
-    from agentrl.hybrid.reshard import (
-        HybridEngine,
-        all_gather_single,
-        build_meshes,
-        live_tensor_bytes,
-        shard_training_model,
-    )
+    from agentrl.hybrid.reshard import HybridEngine, build_meshes, shard_training_model
     from agentrl.hybrid.tp import check_tp_degree, parallelize_generation_model, param_specs
 
     init_gloo(rank, world, port)

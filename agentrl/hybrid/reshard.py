@@ -40,9 +40,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agentrl.hybrid.gather import Group, all_gather_single, plan_buckets, reorder, unpack
 from agentrl.hybrid.layout import HybridLayout, box_numel
 from agentrl.hybrid.tp import fsdp_shard_placement, param_specs, tensor_parallelize, tp_dim
 
@@ -77,43 +78,6 @@ class GenSlot:
     box: tuple[tuple[int, int], ...]  # the slice of the full parameter it holds (layout.gen_box)
     view: bool = False  # the training shard itself (a gather over one rank): nothing to fill or free
     group: str = "micro"  # gathered over the micro-DP group, or "fsdp" (the norms)
-
-
-@dataclass
-class Bucket:
-    """Small parameters gathered by one all-gather over one group, through a staging buffer."""
-
-    group: str
-    slots: list[GenSlot] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)  # of each slot's block in one rank's part
-    numel: int = 0  # one rank's part
-
-
-@dataclass
-class _Group:
-    """A gather group: `order[q]` is the layout's block index of the group's rank q."""
-
-    pg: object
-    index: int  # this rank's group rank
-    order: list[int]
-
-    @property
-    def size(self) -> int:
-        return len(self.order)
-
-    @property
-    def permuted(self) -> bool:
-        return self.order != list(range(self.size))
-
-    @classmethod
-    def of(cls, pg, block_of: Callable[[int], int]) -> _Group:
-        import torch.distributed as dist
-
-        ranks = dist.get_process_group_ranks(pg)
-        order = [block_of(r) for r in ranks]
-        if sorted(order) != list(range(len(order))):
-            raise ValueError(f"group {ranks}: blocks {order} are not 0..{len(order) - 1}")
-        return cls(pg, ranks.index(dist.get_rank()), order)
 
 
 @dataclass
@@ -184,8 +148,8 @@ class HybridEngine:
         # the micro-DP groups (generation blocks in micro-DP order j) and the FSDP groups (norm
         # blocks in FSDP order d_idx); `new_group` orders a group's ranks by global rank
         self.groups = {
-            "micro": _Group.of(meshes.gen.get_group("dg"), lambda r: layout.gen_coords(r).micro_dp),
-            "fsdp": _Group.of(meshes.train.get_group(), lambda r: layout.train_coords(r).d),
+            "micro": Group.of(meshes.gen.get_group("dg"), lambda r: layout.gen_coords(r).micro_dp),
+            "fsdp": Group.of(meshes.train.get_group(), lambda r: layout.train_coords(r).d),
         }
         self._reshard_training()
         self.slots = [self._bind(spec) for spec in param_specs(train_model)]
@@ -195,9 +159,7 @@ class HybridEngine:
         self.generation_bytes = sum(s.nbytes for s in self.slots)
         self.added_bytes = sum(s.nbytes for s in self.slots if not s.view)
         sizes = {name: group.size for name, group in self.groups.items()}
-        self.in_place, self.buckets = _plan_buckets(
-            [s for s in self.slots if not s.view], sizes, bucket_bytes
-        )
+        self.in_place, self.buckets = plan_buckets([s for s in self.slots if not s.view], sizes, bucket_bytes)
         stagings = sorted((self.groups[b.group].size * b.numel * b.slots[0].buffer.element_size()
                            for b in self.buckets), reverse=True)  # fmt: skip
         # a group whose rank order is not its block order (tg < t) reorders an in-place buffer
@@ -251,15 +213,15 @@ class HybridEngine:
                 if probe is not None:
                     probe()
                 if len(inflight) == MAX_STAGING:
-                    _unpack(*inflight.popleft())
+                    unpack(*inflight.popleft())
                     if probe is not None:
                         probe()
             while inflight:
-                _unpack(*inflight.popleft())
+                unpack(*inflight.popleft())
             for slot, group, work in pending:
                 work.wait()
                 if group.permuted:
-                    _reorder(slot.buffer, group.order)
+                    reorder(slot.buffer, group.order)
                     if probe is not None:
                         probe()
         self._allocated = True
@@ -347,75 +309,6 @@ class HybridEngine:
         return GenSlot(name, kind, buffer, nbytes, box, view, group)
 
 
-def _plan_buckets(
-    slots: list[GenSlot], sizes: dict[str, int], bucket_bytes: int
-) -> tuple[list[GenSlot], list[Bucket]]:
-    """The slots gathered in place (generation shard over `bucket_bytes`) and buckets of the
-    others, filled in order per group and dtype, each at most `bucket_bytes` gathered."""
-    in_place, buckets, open_ = [], [], {}
-    for slot in slots:
-        if slot.nbytes > bucket_bytes:
-            in_place.append(slot)
-            continue
-        size, itemsize = sizes[slot.group], slot.buffer.element_size()
-        part = slot.nbytes // itemsize // size  # this rank's block
-        key = (slot.group, slot.buffer.dtype)
-        bucket = open_.get(key)
-        if bucket is None or (bucket.numel + part) * size * itemsize > bucket_bytes:
-            bucket = open_[key] = Bucket(slot.group)
-            buckets.append(bucket)
-        bucket.slots.append(slot)
-        bucket.offsets.append(bucket.numel)
-        bucket.numel += part
-    return in_place, buckets
-
-
-def _unpack(bucket: Bucket, staging: torch.Tensor, work, group: _Group) -> None:
-    """Wait for a bucket's all-gather and copy each rank's blocks into the generation buffers
-    (group rank q's part holds block `group.order[q]`)."""
-    work.wait()
-    parts = staging.view(group.size, bucket.numel)
-    for slot, offset in zip(bucket.slots, bucket.offsets, strict=True):
-        numel = slot.nbytes // slot.buffer.element_size() // group.size
-        dest = slot.buffer.view(group.size, numel)
-        if not group.permuted:
-            dest.copy_(parts.narrow(1, offset, numel))
-            continue
-        for q, block in enumerate(group.order):
-            dest[block].copy_(parts[q].narrow(0, offset, numel))
-
-
-def _reorder(buffer: torch.Tensor, order: list[int]) -> None:
-    """Blocks (dim 0) in group-rank order -> blocks in layout order: block q holds the data of
-    block `order[q]`. Moves each cycle of the permutation through one block's temporary."""
-    n = len(order)
-    rows = buffer.shape[0] // n
-    source = {dest: q for q, dest in enumerate(order)}  # where block `dest`'s data is now
-    done = [False] * n
-    for start in range(n):
-        if done[start] or source[start] == start:
-            done[start] = True
-            continue
-        temp = buffer.narrow(0, start * rows, rows).clone()
-        p = start
-        while source[p] != start:
-            buffer.narrow(0, p * rows, rows).copy_(buffer.narrow(0, source[p] * rows, rows))
-            done[p] = True
-            p = source[p]
-        buffer.narrow(0, p * rows, rows).copy_(temp)
-        done[p] = True
-        del temp
-
-
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """`dist.all_gather_single` (torch 2.13's name for `all_gather_into_tensor`, the deprecated
-    alias), or the older name on older torch: one allgather_base collective."""
-    import torch.distributed as dist
-
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
-
-
 def _alloc(slot: GenSlot) -> None:
     storage = slot.buffer.untyped_storage()
     if storage.nbytes() != slot.nbytes:
@@ -446,30 +339,3 @@ def _check_supported(layout: HybridLayout) -> None:
             "group's ranks by global rank, so the lm_head's logits all-gather would come out permuted; "
             f"use tg <= t ({tr.t}), or t = 1"
         )
-
-
-def live_tensor_bytes() -> int:
-    """Bytes of the distinct storages of every live tensor the garbage collector can see (DTensors
-    counted by their local tensor): an outside view of memory, independent of the engine's own
-    accounting."""
-    import gc
-
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    seen: dict[int, int] = {}
-    is_tensor: dict[type, bool] = {}
-    for obj in gc.get_objects():
-        kind = type(obj)
-        hit = is_tensor.get(kind)
-        if hit is None:
-            hit = is_tensor[kind] = issubclass(kind, torch.Tensor)
-        if not hit or obj.is_meta:
-            continue
-        t = obj._local_tensor if isinstance(obj, DTensor) else obj
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            continue
-        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-    return sum(seen.values())

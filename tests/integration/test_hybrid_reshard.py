@@ -23,9 +23,10 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -
     import torch.distributed as dist
     from transformers import Qwen2ForCausalLM
 
+    from agentrl.hybrid.gather import live_tensor_bytes
     from agentrl.hybrid.layout import GenLayout, HybridLayout, TrainLayout, box_numel
     from agentrl.hybrid.procs import init_gloo, preset_config
-    from agentrl.hybrid.reshard import HybridEngine, build_meshes, live_tensor_bytes, shard_training_model
+    from agentrl.hybrid.reshard import HybridEngine, build_meshes, shard_training_model
     from agentrl.hybrid.tp import parallelize_generation_model, param_specs
 
     init_gloo(rank, world, port)

@@ -70,26 +70,27 @@ def test_reshard_refuses_the_layouts_it_does_not_run():
 def test_reorder_puts_blocks_in_layout_order():
     import torch
 
-    from agentrl.hybrid.reshard import _reorder
+    from agentrl.hybrid.gather import reorder
 
     for order in ([0, 2, 1, 3], [1, 2, 3, 0], [3, 2, 1, 0], [0, 1, 2, 3]):
         want = torch.arange(4 * 3 * 2, dtype=torch.float32).view(12, 2)  # 4 blocks of 3 rows
         blocks = want.view(4, 3, 2)
         buffer = torch.cat([blocks[j] for j in order])  # block q holds the data of block order[q]
-        _reorder(buffer, order)
+        reorder(buffer, order)
         assert torch.equal(buffer, want), order
 
 
 def test_buckets_keep_large_parameters_in_place_and_cap_each_bucket():
     import torch
 
-    from agentrl.hybrid.reshard import GenSlot, _plan_buckets
+    from agentrl.hybrid.gather import plan_buckets
+    from agentrl.hybrid.reshard import GenSlot
 
     def slot(name: str, numel: int, group: str = "micro") -> GenSlot:
         return GenSlot(name, "col", torch.empty(numel), 4 * numel, ((0, numel),), False, group)
 
     slots = [slot("a", 100), slot("big", 5000), slot("b", 200), slot("n", 8, "fsdp"), slot("c", 900)]
-    in_place, buckets = _plan_buckets(slots, {"micro": 2, "fsdp": 4}, bucket_bytes=4 * 1000)
+    in_place, buckets = plan_buckets(slots, {"micro": 2, "fsdp": 4}, bucket_bytes=4 * 1000)
     assert [s.name for s in in_place] == ["big"]
     assert [[s.name for s in b.slots] for b in buckets] == [["a", "b"], ["n"], ["c"]]
     assert [b.offsets for b in buckets] == [[0, 50], [0], [0]]  # one rank's blocks: numel / group size
