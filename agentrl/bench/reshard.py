@@ -5,8 +5,9 @@ For each preset and world size it starts `world` ranks, shards a random-weight Q
 preset with FSDP2 (meta init, so no rank ever holds a full copy), and for each generation layout
 (tg, dg) times, median of `--repeats`, the slowest rank each time:
 
-- reshard: `HybridEngine.to_generation()`, one in-place all-gather per parameter in the micro-DP
-  group (the norms over the FSDP group);
+- reshard: `HybridEngine.to_generation()`: all-gathers in the micro-DP group (the norms over the
+  FSDP group), parameters up to `--bucket-bytes` in buckets through a staging buffer, larger ones
+  in place; at dg = 1 the generation shard is a view of the training shard (only norms move);
 - raw: one `all_gather_into_tensor` of the same bytes (the generation shard) in the same micro-DP
   group — the lower bound;
 - naive: every parameter gathered whole on every rank (`DTensor.full_tensor()`, the FSDP group),
@@ -15,17 +16,17 @@ preset with FSDP2 (meta init, so no rank ever holds a full copy), and for each g
 `ratios.vs_raw_allgather` = raw / reshard and `ratios.vs_naive` = naive / reshard, taken on the
 layouts with tg > 1 and dg > 1 (where the reshard both gathers and shards; the worst of them).
 `metrics.peak_param_bytes_per_rank` is the training shard plus the live tensor storage the
-reshard added (measured by walking live tensors), beside the bound training + generation shard.
+reshard added (measured by walking live tensors, the bucket staging included), beside the bound
+training + generation shard and the staging the engine sizes (`staging_bytes_per_rank`;
+`within_bound`: peak <= bound + staging).
 
-    agentrl bench reshard [--presets small,base100m] [--worlds 2,4] [--repeats 5]
+    agentrl bench reshard [--presets small,base100m] [--worlds 2,4] [--repeats 5] [--bucket-bytes N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import os
 import statistics
 import sys
 import tempfile
@@ -60,7 +61,8 @@ def _say(rank: int, message: str) -> None:
 
 
 def _naive(engine) -> None:
-    """Full weights on every rank, then the generation shard copied out of them."""
+    """Full weights on every rank, then the generation shard copied out of them (into the
+    generation buffer, or into a scratch copy where the generation shard is a view)."""
     import torch
 
     engine.allocate()
@@ -68,39 +70,26 @@ def _naive(engine) -> None:
         for slot in engine.slots:
             full = engine._train_param(slot.name).full_tensor()
             piece = full[tuple(slice(a, b) for a, b in slot.box)]
-            (slot.buffer.t() if slot.kind == "row" else slot.buffer).copy_(piece)
+            if slot.view:
+                piece = piece.clone()
+            else:
+                (slot.buffer.t() if slot.kind == "row" else slot.buffer).copy_(piece)
             del full, piece
 
 
-def _worker(rank: int, world: int, port: int, preset: str, repeats: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_bytes: int, out: str) -> None:
     import torch
     import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
+    from agentrl.hybrid.gather import all_gather_single, live_tensor_bytes
     from agentrl.hybrid.layout import GenLayout, HybridLayout, TrainLayout, box_numel
-    from agentrl.hybrid.reshard import (
-        HybridEngine,
-        all_gather_single,
-        build_meshes,
-        live_tensor_bytes,
-        shard_training_model,
-    )
+    from agentrl.hybrid.procs import init_gloo, preset_config
+    from agentrl.hybrid.reshard import HybridEngine, build_meshes, shard_training_model
     from agentrl.hybrid.tp import check_tp_degree, parallelize_generation_model, param_specs
-    from agentrl.tiny_model import PRESETS
 
-    s = PRESETS[preset]
-    config = Qwen2Config(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_hidden_layers,
-        num_attention_heads=s.num_attention_heads,
-        num_key_value_heads=s.num_key_value_heads,
-        tie_word_embeddings=True,
-    )
+    init_gloo(rank, world, port)
+    config = preset_config(preset)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     specs = param_specs(model)
@@ -122,11 +111,12 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, out: st
                 for p in model.parameters():
                     p.to_local().normal_(0, 0.02)
             model_sharded = True
-        engine = HybridEngine(model, parallelize_generation_model(config, meshes.tp), layout, meshes)
+        gen_model = parallelize_generation_model(config, meshes.tp)
+        engine = HybridEngine(model, gen_model, layout, meshes, bucket_bytes=bucket_bytes)
         gen_numel = engine.generation_bytes // 4
         micro = meshes.gen.get_group("dg")
         raw_out = torch.empty(gen_numel)
-        raw_in = raw_out.narrow(0, layout.gen_coords(rank).micro_dp * (gen_numel // dg), gen_numel // dg)
+        raw_in = raw_out.narrow(0, dist.get_group_rank(micro, rank) * (gen_numel // dg), gen_numel // dg)
 
         def raw(raw_out=raw_out, raw_in=raw_in, micro=micro, dg=dg) -> None:
             if dg > 1:
@@ -144,17 +134,18 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, out: st
             rank,
             f"{preset} world={world} tg={tg} dg={dg}: reshard {reshard_s:.3f}s raw {raw_s:.3f}s naive {naive_s:.3f}s",
         )
-        # one untimed pass that measures live tensor storage (every few parameters and at the end)
+        # one untimed pass that measures live tensor storage (every few probes and at the end)
         baseline = live_tensor_bytes()
         seen = [baseline]
         count = [0]
 
-        def probe(engine=engine, seen=seen, count=count) -> None:
+        def probe(seen=seen, count=count) -> None:
             count[0] += 1
-            if count[0] % 8 == 0 or count[0] == len(engine.slots):
+            if count[0] % 4 == 0:
                 seen.append(live_tensor_bytes())
 
-        engine.to_generation(probe=probe)
+        stats = engine.to_generation(probe=probe)
+        seen.append(live_tensor_bytes())
         engine.release()
         train_map = 4 * sum(box_numel(layout.train_box(rank, sp)) for sp in specs)
         gen_map = 4 * sum(box_numel(layout.gen_box(rank, sp)) for sp in specs)
@@ -165,9 +156,12 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, out: st
                 "reshard_s": reshard_s,
                 "raw_allgather_s": raw_s,
                 "naive_s": naive_s,
+                "collectives": stats.collectives,
                 "peak_param_bytes": engine.training_bytes + max(seen) - baseline,
                 "bound_bytes": train_map + gen_map,
+                "staging_bytes": engine.staging_bytes,
                 "generation_bytes": engine.generation_bytes,
+                "added_bytes": engine.added_bytes,
                 "full_bytes": full_bytes,
             }
         )
@@ -176,36 +170,12 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, out: st
     dist.destroy_process_group()
 
 
-def _spawn(preset: str, world: int, repeats: int, timeout_s: float) -> list[dict]:
-    import socket
+def _spawn(preset: str, world: int, repeats: int, bucket_bytes: int, timeout_s: float) -> list[dict]:
+    from agentrl.hybrid.procs import run_ranks
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, port, preset, repeats, out)) for r in range(world)
-        ]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout_s
-        try:
-            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-                time.sleep(0.2)
-        finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
-                proc.join()
-        codes = [p.exitcode for p in procs]
-        if codes != [0] * world:
-            raise RuntimeError(
-                f"bench reshard {preset} on {world} ranks: exit codes {codes} (timeout {timeout_s}s)"
-            )
+        run_ranks(_worker, world, (preset, repeats, bucket_bytes, out), timeout_s, f"bench reshard {preset}")
         return json.loads(Path(out).read_text())
 
 
@@ -215,31 +185,36 @@ def main(args: list[str]) -> int:
     parser.add_argument("--worlds", default="2,4", help="world sizes (ranks), each of 2 or 4")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="limit per preset and world size")
+    parser.add_argument("--bucket-bytes", type=int, default=None,
+                        help="gather parameters up to this size in buckets (default: the engine's; 0: none)")  # fmt: skip
     ns = parser.parse_args(args)
     worlds = [int(w) for w in ns.worlds.split(",")]
     if bad := [w for w in worlds if w not in LAYOUTS]:
         parser.error(f"--worlds: {bad} not among {sorted(LAYOUTS)}")
+    from agentrl.hybrid.reshard import BUCKET_BYTES
+
+    bucket_bytes = BUCKET_BYTES if ns.bucket_bytes is None else ns.bucket_bytes
     rows = []
     for preset in ns.presets.split(","):
         for world in worlds:
-            for row in _spawn(preset, world, ns.repeats, ns.timeout_s):
+            for row in _spawn(preset, world, ns.repeats, bucket_bytes, ns.timeout_s):
                 rows.append({"preset": preset, "world": world, **row})
     table = []
     for r in rows:
         if "skipped" in r:
-            table.append([r["preset"], r["world"], r["tg"], r["dg"], "skipped: " + r["skipped"]] + [""] * 6)
+            table.append([r["preset"], r["world"], r["tg"], r["dg"], "skipped"] + [""] * 8)
             continue
         r["vs_raw_allgather"] = r["raw_allgather_s"] / r["reshard_s"]
         r["vs_naive"] = r["naive_s"] / r["reshard_s"]
         table.append(
             [r["preset"], r["world"], r["tg"], r["dg"], 1e3 * r["reshard_s"], 1e3 * r["raw_allgather_s"],
-             1e3 * r["naive_s"], r["vs_raw_allgather"], r["vs_naive"], r["peak_param_bytes"] / 2**20,
-             r["bound_bytes"] / 2**20]
+             1e3 * r["naive_s"], r["vs_raw_allgather"], r["vs_naive"], r["collectives"],
+             r["peak_param_bytes"] / 2**20, r["bound_bytes"] / 2**20, r["staging_bytes"] / 2**20]
         )  # fmt: skip
     print_table(
         "HybridEngine reshard (gloo, CPU)",
         ["preset", "ranks", "tg", "dg", "reshard ms", "raw AG ms", "naive ms", "vs raw", "vs naive",
-         "peak MiB/rank", "bound MiB"],
+         "collectives", "peak MiB/rank", "bound MiB", "staging MiB"],
         table,
     )  # fmt: skip
     head = [r for r in rows if "skipped" not in r and r["tg"] > 1 and r["dg"] > 1]
@@ -253,7 +228,9 @@ def main(args: list[str]) -> int:
     metrics = {
         "peak_param_bytes_per_rank": max((r["peak_param_bytes"] for r in measured), default=0),
         "bound_bytes_per_rank": max((r["bound_bytes"] for r in measured), default=0),
-        "within_bound": all(r["peak_param_bytes"] <= r["bound_bytes"] for r in measured),
+        "staging_bytes_per_rank": max((r["staging_bytes"] for r in measured), default=0),
+        "bucket_bytes": bucket_bytes,
+        "within_bound": all(r["peak_param_bytes"] <= r["bound_bytes"] + r["staging_bytes"] for r in measured),
         "rows": rows,
     }
     emit("reshard", metrics, ratios)

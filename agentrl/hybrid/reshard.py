@@ -1,52 +1,70 @@
-"""The HybridEngine reshard: the actor's FSDP2 training shards become the generation layout's
-tensor-parallel shards in preallocated buffers, with one all-gather per parameter inside each
-micro-DP group, and the buffers are released again before training.
+"""The HybridEngine reshard: the actor's FSDP2 (optionally FSDP2 + TP) training shards become the
+generation layout's tensor-parallel shards, gathered inside each micro-DP group only, and the
+generation buffers are released again before training.
 
-Layouts and rank maps are in layout.py, the TP plan in tp.py. The training layout supported
-here is FSDP2 over all `S` ranks (`p = t = 1`, `d = S`); the generation layout is `tg`-way TP
-with `dg = S/tg` micro-DP replicas, on a DeviceMesh ("dg", "tg") built from `layout.gen_mesh()`.
+Layouts and rank maps are in layout.py, the TP plan in tp.py. The training layouts supported
+here are FSDP2 over `d` ranks, optionally tensor parallel over `t` (`p = 1`; a (dp, tp)
+DeviceMesh, `rank = d_idx·t + t_idx`, torch-native `parallelize_module` with tp.py's plan, then
+`fully_shard` over dp); the generation layout is `tg`-way TP with `dg = t·d/tg` micro-DP replicas,
+on a DeviceMesh ("dg", "tg") built from `layout.gen_mesh()`. Pipeline stages (`p > 1`) exist in
+the rank maps only.
 
-Per parameter (FSDP shards it on its TP dim, tp.fsdp_shard_placement):
+FSDP shards each parameter on its TP dim (tp.fsdp_shard_placement), and on top of TP it shards
+the TP-local tensor (`_StridedShard`): rank `r` holds block `s = t_idx·d + d_idx` of the `t·d`
+blocks of the TP dim, and its generation shard is blocks `g·dg .. g·dg + dg - 1` (layout.py's
+grouping `s = g·dg + j`). So per parameter:
 
-- column-wise and vocab-parallel (`Shard(0)` in both layouts): rank `r`'s FSDP chunk is chunk
-  `j` of its generation chunk `g` (r = g·dg + j). It copies its chunk into slot `j` of the
-  generation buffer and runs `all_gather_into_tensor` in place over its micro-DP group.
-- row-wise (`Shard(1)` in both layouts, FSDP's `shard_placement_fn` picks dim 1): the generation
-  buffer is stored transposed, `(in/tg, out)`, and the module's weight is its `.t()` view, so the
-  gathered column blocks are contiguous rows and the same in-place all-gather applies. (With
-  FSDP's default `Shard(0)` a row-wise target needs data from every rank: two gathers across
-  groups; sharding on the TP dim removes them.)
-- replicated (RMSNorms): one in-place all-gather over the whole shard group (a few KB).
+- column-wise and vocab-parallel (`Shard(0)`): the rank copies its block into slot `j` of the
+  generation buffer and runs `all_gather_into_tensor` over its micro-DP group.
+- row-wise (`Shard(1)`): the generation buffer is stored transposed, `(in/tg, out)`, and the
+  module's weight is its `.t()` view, so the gathered column blocks are contiguous rows and the
+  same all-gather applies.
+- replicated (RMSNorms; FSDP shards them over the `d` ranks of the rank's TP index): gathered
+  over that FSDP group (a few KB).
+- a gather over one rank (`dg = 1`, or a norm at `d = 1`): the generation parameter is a view of
+  the training shard itself; nothing is copied and no memory is added.
 
-No staging buffer is allocated: peak parameter bytes per rank are the training shard plus the
-generation shard. `release()` frees the generation storages (`untyped_storage().resize_(0)`);
-the generation model keeps its parameter objects, so an engine built on it stays valid and the
-next `to_generation()` refills the same tensors.
+Parameters whose generation shard is at most `bucket_bytes` are gathered in buckets (one
+all-gather per bucket and group: on gloo each collective costs a fixed latency that dominates
+small models): each rank packs its blocks into a staging buffer of the bucket's gathered size,
+one all-gather fills it, and the blocks are copied out to the generation buffers. At most
+`MAX_STAGING` stagings are alive at once; `staging_bytes` is their bound and counts in
+`peak_param_bytes` (training shard + generation buffers + staging). Larger parameters are
+gathered in place in their own buffers, no staging. `release()` frees the generation storages
+(`untyped_storage().resize_(0)`); the generation model keeps its parameter objects, so an engine
+built on it stays valid and the next `to_generation()` refills the same tensors.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agentrl.hybrid.gather import Group, all_gather_single, plan_buckets, reorder, unpack
 from agentrl.hybrid.layout import HybridLayout, box_numel
-from agentrl.hybrid.tp import fsdp_shard_placement, param_specs, tp_dim
+from agentrl.hybrid.tp import fsdp_shard_placement, param_specs, tensor_parallelize, tp_dim
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
+BUCKET_BYTES = 4 << 20
+MAX_STAGING = 2  # bucket stagings alive at once: one being filled by gloo, one being copied out
+
 
 @dataclass
 class HybridMeshes:
-    """`train`: 1D FSDP mesh over the S ranks; `gen`: ("dg", "tg") mesh; `tp`: this rank's TP submesh."""
+    """`train`: the FSDP mesh (the d ranks of one TP index); `train_tp`: the training TP mesh
+    (None at t = 1); `gen`: ("dg", "tg") mesh; `tp`: this rank's generation TP submesh."""
 
     train: DeviceMesh
     gen: DeviceMesh
     tp: DeviceMesh
+    train_tp: DeviceMesh | None = None
 
 
 @dataclass
@@ -54,10 +72,12 @@ class GenSlot:
     """One parameter's generation buffer and where it comes from."""
 
     name: str
-    kind: str  # "col" (Shard(0)), "row" (Shard(1), stored transposed) or "rep"
-    buffer: torch.Tensor  # owns the storage; for "row" the transpose of the module's weight
-    nbytes: int
+    kind: str  # "col" (Shard(0)), "row" (Shard(1), stored transposed unless a view) or "rep"
+    buffer: torch.Tensor  # owns the storage (for "row" the module weight's transpose), or a view
+    nbytes: int  # bytes of the generation shard
     box: tuple[tuple[int, int], ...]  # the slice of the full parameter it holds (layout.gen_box)
+    view: bool = False  # the training shard itself (a gather over one rank): nothing to fill or free
+    group: str = "micro"  # gathered over the micro-DP group, or "fsdp" (the norms)
 
 
 @dataclass
@@ -68,20 +88,28 @@ class ReshardStats:
 
 
 def build_meshes(layout: HybridLayout, device_type: str = "cpu") -> HybridMeshes:
-    """Both meshes; every rank must call this (each mesh dim creates process groups)."""
+    """The training and generation meshes; every rank must call this (each dim creates groups)."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     _check_supported(layout)
-    train = init_device_mesh(device_type, (layout.world_size,), mesh_dim_names=("fsdp",))
+    tr = layout.train
+    if tr.t > 1:
+        full = init_device_mesh(device_type, (tr.d, tr.t), mesh_dim_names=("dp", "tp"))
+        train, train_tp = full["dp"], full["tp"]
+    else:
+        train, train_tp = init_device_mesh(device_type, (tr.d,), mesh_dim_names=("fsdp",)), None
     gen = DeviceMesh(device_type, torch.tensor(layout.gen_mesh()), mesh_dim_names=("dg", "tg"))
-    return HybridMeshes(train, gen, gen["tg"])
+    return HybridMeshes(train, gen, gen["tg"], train_tp)
 
 
-def shard_training_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """FSDP2 (`fully_shard`) per decoder layer and at the root, each parameter sharded on its TP dim."""
+def shard_training_model(model: nn.Module, mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> nn.Module:
+    """The training layout: tensor parallel over `tp_mesh` (tp.py's plan) when given, then FSDP2
+    (`fully_shard` over `mesh`) per decoder layer and at the root, each parameter sharded on its TP dim."""
     from torch.distributed.fsdp import fully_shard
 
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        tensor_parallelize(model, tp_mesh)
     placement = fsdp_shard_placement(model)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
@@ -90,15 +118,21 @@ def shard_training_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 class HybridEngine:
-    """Switches one actor between its FSDP2 training layout and its TP generation layout.
+    """Switches one actor between its training layout and its TP generation layout.
 
-    `train_model` is sharded by `shard_training_model` on `meshes.train`; `gen_model` comes from
-    `tp.parallelize_generation_model(config, meshes.tp)`. The constructor binds a generation buffer
-    (storage released) to every parameter of `gen_model`; `to_generation()` fills them, `release()`
-    frees them. Both are collective: every rank calls them in step."""
+    `train_model` is sharded by `shard_training_model(model, meshes.train, meshes.train_tp)`;
+    `gen_model` comes from `tp.parallelize_generation_model(config, meshes.tp)`. The constructor
+    binds a generation buffer (storage released) or a view of the training shard to every
+    parameter of `gen_model`; `to_generation()` fills the buffers, `release()` frees them. Both are
+    collective: every rank calls them in step."""
 
     def __init__(
-        self, train_model: nn.Module, gen_model: nn.Module, layout: HybridLayout, meshes: HybridMeshes
+        self,
+        train_model: nn.Module,
+        gen_model: nn.Module,
+        layout: HybridLayout,
+        meshes: HybridMeshes,
+        bucket_bytes: int = BUCKET_BYTES,
     ):
         import torch.distributed as dist
 
@@ -106,68 +140,107 @@ class HybridEngine:
         self.layout, self.meshes = layout, meshes
         self.train_model, self.gen_model = train_model, gen_model
         self.rank = dist.get_rank()
-        coords = layout.gen_coords(self.rank)
-        if meshes.gen.get_local_rank("dg") != coords.micro_dp or meshes.gen.get_local_rank("tg") != coords.tp:
-            raise ValueError("meshes.gen does not follow the layout's grouping; build it with build_meshes")
-        self.micro_dp_index = coords.micro_dp
-        self.shard_index = layout.train_coords(self.rank).shard
-        self.micro_group = meshes.gen.get_group("dg")
-        self.shard_group = meshes.train.get_group()
-        self.slots: list[GenSlot] = []
+        if meshes.gen.mesh.tolist() != layout.gen_mesh():
+            raise ValueError(
+                f"meshes.gen {meshes.gen.mesh.tolist()} does not follow the layout's grouping "
+                f"{layout.gen_mesh()}; build it with build_meshes"
+            )
+        # the micro-DP groups (generation blocks in micro-DP order j) and the FSDP groups (norm
+        # blocks in FSDP order d_idx); `new_group` orders a group's ranks by global rank
+        self.groups = {
+            "micro": Group.of(meshes.gen.get_group("dg"), lambda r: layout.gen_coords(r).micro_dp),
+            "fsdp": Group.of(meshes.train.get_group(), lambda r: layout.train_coords(r).d),
+        }
         self._reshard_training()
-        specs = {s.name: s for s in param_specs(train_model)}
-        for name, spec in specs.items():
-            self.slots.append(self._bind(name, layout.gen_box(self.rank, spec)))
+        self.slots = [self._bind(spec) for spec in param_specs(train_model)]
         if getattr(gen_model.config, "tie_word_embeddings", False):
             gen_model.lm_head.weight = gen_model.model.embed_tokens.weight
         self.training_bytes = sum(_local(self._train_param(s.name)).nbytes for s in self.slots)
         self.generation_bytes = sum(s.nbytes for s in self.slots)
+        self.added_bytes = sum(s.nbytes for s in self.slots if not s.view)
+        sizes = {name: group.size for name, group in self.groups.items()}
+        self.in_place, self.buckets = plan_buckets([s for s in self.slots if not s.view], sizes, bucket_bytes)
+        stagings = sorted((self.groups[b.group].size * b.numel * b.slots[0].buffer.element_size()
+                           for b in self.buckets), reverse=True)  # fmt: skip
+        # a group whose rank order is not its block order (tg < t) reorders an in-place buffer
+        # through a one-block temporary
+        blocks = [
+            s.nbytes // self.groups[s.group].size for s in self.in_place if self.groups[s.group].permuted
+        ]
+        self.bucket_staging_bytes = sum(stagings[:MAX_STAGING])
+        self.reorder_bytes = max(blocks, default=0)
+        self.staging_bytes = max(self.bucket_staging_bytes, self.reorder_bytes)  # never both alive
         self.peak_param_bytes = self.training_bytes  # of this engine's own accounting
         self._allocated = False
 
     # public --------------------------------------------------------------------------------
     def to_generation(self, probe: Callable[[], None] | None = None) -> ReshardStats:
         """Fill the generation buffers from the current training shards. `probe`, if given, is
-        called after each parameter (tests measure live memory there)."""
+        called after each collective is issued and each bucket copied out (tests measure live
+        memory there)."""
         import torch
 
         self._reshard_training()
         start = time.perf_counter()
         collectives, pending = 0, []
         with torch.no_grad():
-            for slot in self.slots:
-                _alloc(slot)
-                local = _local(self._train_param(slot.name))
-                if slot.kind == "rep":
-                    index, group, size = self.shard_index, self.shard_group, self.layout.world_size
-                else:
-                    index, group, size = self.micro_dp_index, self.micro_group, self.layout.gen.dg
-                    if slot.kind == "row":
-                        local = local.t()
-                own = slot.buffer.narrow(0, index * local.shape[0], local.shape[0])
+            self.allocate()
+            # large parameters: in place in their own buffers, issued async and waited for
+            # together (no Python round trip between collectives, nothing extra held)
+            for slot in self.in_place:
+                group = self.groups[slot.group]
+                local = self._block(slot)
+                own = slot.buffer.narrow(0, group.index * local.shape[0], local.shape[0])
                 own.copy_(local)
-                if size > 1:
-                    # issued async and waited for together: no Python round trip between
-                    # collectives; every one writes its own buffer, so nothing extra is held
-                    pending.append(all_gather_single(slot.buffer, own, group=group, async_op=True))
-                    collectives += 1
+                work = all_gather_single(slot.buffer, own, group=group.pg, async_op=True)
+                pending.append((slot, group, work))
+                collectives += 1
                 if probe is not None:
                     probe()
-            for work in pending:
+            inflight: deque = deque()
+            for bucket in self.buckets:
+                group = self.groups[bucket.group]
+                first = bucket.slots[0].buffer
+                staging = torch.empty(group.size * bucket.numel, dtype=first.dtype, device=first.device)
+                own = staging.narrow(0, group.index * bucket.numel, bucket.numel)
+                for slot, offset in zip(bucket.slots, bucket.offsets, strict=True):
+                    local = self._block(slot)
+                    own.narrow(0, offset, local.numel()).view(local.shape).copy_(local)
+                work = all_gather_single(staging, own, group=group.pg, async_op=True)
+                inflight.append((bucket, staging, work, group))
+                del staging, own, work
+                collectives += 1
+                if probe is not None:
+                    probe()
+                if len(inflight) == MAX_STAGING:
+                    unpack(*inflight.popleft())
+                    if probe is not None:
+                        probe()
+            while inflight:
+                unpack(*inflight.popleft())
+            for slot, group, work in pending:
                 work.wait()
+                if group.permuted:
+                    reorder(slot.buffer, group.order)
+                    if probe is not None:
+                        probe()
         self._allocated = True
-        self.peak_param_bytes = max(self.peak_param_bytes, self.training_bytes + self.generation_bytes)
+        self.peak_param_bytes = max(
+            self.peak_param_bytes, self.training_bytes + self.added_bytes + self.staging_bytes
+        )
         return ReshardStats(time.perf_counter() - start, collectives, self.generation_bytes)
 
     def allocate(self) -> None:
         """Give every generation buffer its storage again (contents undefined until filled)."""
         for slot in self.slots:
-            _alloc(slot)
+            if not slot.view:
+                _alloc(slot)
 
     def release(self) -> None:
-        """Free the generation buffers (the training shards stay); the model keeps its tensors."""
+        """Free the generation buffers (the training shards, and the views of them, stay)."""
         for slot in self.slots:
-            slot.buffer.untyped_storage().resize_(0)
+            if not slot.view:
+                slot.buffer.untyped_storage().resize_(0)
         self._allocated = False
 
     @property
@@ -179,6 +252,11 @@ class HybridEngine:
         module, leaf = _owner(self.train_model, name)
         return getattr(module, leaf)
 
+    def _block(self, slot: GenSlot) -> torch.Tensor:
+        """This rank's training block of `slot`, in the buffer's orientation."""
+        local = _local(self._train_param(slot.name))
+        return local.t() if slot.kind == "row" else local
+
     def _reshard_training(self) -> None:
         """Put FSDP2 back in its sharded state (a forward with reshard_after_forward=False leaves
         the full parameters registered), so the parameters read below are the shards."""
@@ -188,44 +266,47 @@ class HybridEngine:
             if isinstance(module, FSDPModule):
                 module.reshard()
 
-    def _bind(self, name: str, box) -> GenSlot:
+    def _bind(self, spec) -> GenSlot:
         import torch
         from torch import nn
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
+        name = spec.name
         train_param = self._train_param(name)
         if not isinstance(train_param, DTensor):
             raise TypeError(f"{name}: the training model is not sharded by FSDP2 (shard_training_model)")
         dim = tp_dim(name)
-        placement = Replicate() if dim is None else Shard(dim)
-        if train_param.placements != (Shard(dim or 0),):
-            raise ValueError(f"{name}: FSDP placement {train_param.placements}; want Shard({dim or 0})")
+        local = _local(train_param)
+        want = tuple(b - a for a, b in self.layout.train_box(self.rank, spec))
+        fsdp_dim = getattr(train_param.placements[0], "dim", None)
+        if fsdp_dim != (dim or 0) or tuple(local.shape) != want:
+            raise ValueError(
+                f"{name}: training placement {train_param.placements}, local shape {tuple(local.shape)}; "
+                f"the layout wants FSDP on dim {dim or 0} and a local block of {want} (shard_training_model)"
+            )
+        box = self.layout.gen_box(self.rank, spec)
         shape = tuple(b - a for a, b in box)
         kind = "rep" if dim is None else ("row" if dim == 1 else "col")
-        buffer = torch.empty(
-            shape[::-1] if kind == "row" else shape,
-            dtype=train_param.dtype,
-            device=_local(train_param).device,
-        )
-        view = buffer.t() if kind == "row" else buffer
+        group = "fsdp" if kind == "rep" else "micro"
+        view = self.groups[group].size == 1
+        if view:  # the generation shard is this rank's training block: bind it, copy nothing
+            buffer = local.detach()
+        else:
+            buffer = torch.empty(
+                shape[::-1] if kind == "row" else shape, dtype=local.dtype, device=local.device
+            )
+        value = buffer.t() if kind == "row" and not view else buffer
         module, leaf = _owner(self.gen_model, name)
-        # replicated parameters (norms) sit in modules the plan leaves alone: plain tensors
-        value = (
-            view if kind == "rep" else DTensor.from_local(view, self.meshes.tp, [placement], run_check=False)
-        )
+        # replicated parameters (norms) sit in modules the plan leaves alone, and at tg = 1 the
+        # generation model is not parallelized: plain tensors
+        if kind != "rep" and self.meshes.tp.size() > 1:
+            value = DTensor.from_local(value, self.meshes.tp, [Shard(dim) if dim is not None else Replicate()],
+                                       run_check=False)  # fmt: skip
         setattr(module, leaf, nn.Parameter(value, requires_grad=False))
         nbytes = box_numel(box) * buffer.element_size()
-        buffer.untyped_storage().resize_(0)
-        return GenSlot(name, kind, buffer, nbytes, box)
-
-
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """`dist.all_gather_single` (torch 2.13's name for `all_gather_into_tensor`, the deprecated
-    alias), or the older name on older torch: one allgather_base collective."""
-    import torch.distributed as dist
-
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
+        if not view:
+            buffer.untyped_storage().resize_(0)
+        return GenSlot(name, kind, buffer, nbytes, box, view, group)
 
 
 def _alloc(slot: GenSlot) -> None:
@@ -245,35 +326,16 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def _check_supported(layout: HybridLayout) -> None:
     tr, ge = layout.train, layout.gen
-    if not tr.fsdp or tr.p != 1 or tr.t != 1 or ge.pg != 1:
+    if not tr.fsdp or tr.p != 1 or ge.pg != 1:
         raise NotImplementedError(
-            f"the reshard runs FSDP2 training layouts (p = t = 1, fsdp) to pg = 1 generation layouts; got "
-            f"{tr} -> {ge} (the rank maps in layout.py cover the others)"
+            f"the reshard runs FSDP2 (+ TP) training layouts (p = 1, fsdp) to pg = 1 generation layouts; "
+            f"got {tr} -> {ge} (the rank maps in layout.py cover the others; pipeline stages are for a "
+            "later Megatron backend)"
         )
-
-
-def live_tensor_bytes() -> int:
-    """Bytes of the distinct storages of every live tensor the garbage collector can see (DTensors
-    counted by their local tensor): an outside view of memory, independent of the engine's own
-    accounting."""
-    import gc
-
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    seen: dict[int, int] = {}
-    is_tensor: dict[type, bool] = {}
-    for obj in gc.get_objects():
-        kind = type(obj)
-        hit = is_tensor.get(kind)
-        if hit is None:
-            hit = is_tensor[kind] = issubclass(kind, torch.Tensor)
-        if not hit or obj.is_meta:
-            continue
-        t = obj._local_tensor if isinstance(obj, DTensor) else obj
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            continue
-        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-    return sum(seen.values())
+    if tr.t > 1 and ge.tg > tr.t:
+        raise NotImplementedError(
+            f"generation tg={ge.tg} above the training t={tr.t}: the generation TP groups would be "
+            "strided across the (dp, tp) training mesh out of rank order, and torch orders a process "
+            "group's ranks by global rank, so the lm_head's logits all-gather would come out permuted; "
+            f"use tg <= t ({tr.t}), or t = 1"
+        )

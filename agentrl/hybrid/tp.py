@@ -100,24 +100,66 @@ def fsdp_shard_placement(model: nn.Module):
     return placement
 
 
-def parallelize_generation_model(config, tp_mesh: DeviceMesh) -> nn.Module:
-    """A TP-sharded model whose parameters take no memory (meta) until the HybridEngine binds its
-    generation buffers to them; the non-persistent rotary tables are rebuilt on CPU."""
-    import torch
+def tensor_parallelize(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """`parallelize_module` with `tp_plan` over `tp_mesh` (the training and the generation layout
+    both use it), the tied embedding re-tied: the plan distributes `embed_tokens` and `lm_head`
+    one after the other, which leaves two parameters where the checkpoint has one."""
     from torch.distributed.tensor.parallel import parallelize_module
-    from transformers import AutoModelForCausalLM
 
-    check_tp_degree(config, tp_mesh.size())
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    check_tp_degree(model.config, tp_mesh.size())
     parallelize_module(model, tp_mesh, tp_plan(model))
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=config).to(_device_of(tp_mesh))
-    model.eval()
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
 
-def _device_of(mesh: DeviceMesh) -> torch.device:
+def parallelize_generation_model(config, tp_mesh: DeviceMesh) -> nn.Module:
+    """A TP-sharded model whose parameters take no memory (meta) until the HybridEngine binds its
+    generation buffers to them; the non-persistent rotary tables are rebuilt on the mesh's device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if tp_mesh.size() > 1:  # at tg = 1 plain tensors: a 1-rank DTensor only adds dispatch cost
+        tensor_parallelize(model, tp_mesh)
+    rebuild_computed_buffers(model, torch.device(tp_mesh.device_type))
+    return model.eval()
+
+
+def empty_model(
+    config, device: torch.device, dtype: torch.dtype, mesh: DeviceMesh | None = None
+) -> nn.Module:
+    """The HF causal LM of `config` with uninitialised parameters (no weights read, none random):
+    built on the meta device, tensor-parallel over `mesh` by `tp_plan` when given (each rank
+    allocates only its shard), then allocated on `device`; computed buffers rebuilt, tied
+    embeddings tied. The caller fills the parameters (`Engine.load_weights`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if mesh is not None and mesh.size() > 1:
+        tensor_parallelize(model, mesh)
+    model.to_empty(device=device)
+    rebuild_computed_buffers(model, device)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model.eval()
+
+
+def rebuild_computed_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recompute the non-persistent buffers (the rotary `inv_freq`) that a meta-device or
+    `to_empty` model lacks, from a fresh module of the same class and config."""
     import torch
 
-    return torch.device(mesh.device_type)
+    for name, module in model.named_modules():
+        buffers = getattr(module, "_non_persistent_buffers_set", None)
+        if not buffers:
+            continue
+        if not hasattr(module, "config"):
+            raise ValueError(f"{name} ({type(module).__name__}) has computed buffers that cannot be rebuilt")
+        with torch.device(device):
+            fresh = type(module)(config=module.config)
+        for buf in buffers:
+            module.register_buffer(buf, getattr(fresh, buf), persistent=False)

@@ -26,9 +26,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentrl.colocated.client import EngineClient
-from agentrl.colocated.lockstep import Lockstep, empty_model
+from agentrl.colocated.lockstep import Lockstep
 from agentrl.config import RollerConfig
 from agentrl.envs.toy import LookupEnv
+from agentrl.hybrid.tp import empty_model
 from agentrl.inference.engine import Engine, Request
 from agentrl.inference.sampling import SamplingParams
 from agentrl.inference.sglang import SGLangClient

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from agentrl.colocated.lockstep import empty_model
+from agentrl.hybrid.tp import empty_model
 from agentrl.inference.engine import Engine, Request
 from agentrl.inference.sampling import SamplingParams
 

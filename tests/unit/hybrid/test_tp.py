@@ -8,22 +8,12 @@ import pytest
 
 def _meta_model(preset: str = "tiny"):
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    from agentrl.tiny_model import PRESETS
+    from agentrl.hybrid.procs import preset_config
 
-    s = PRESETS[preset]
-    config = Qwen2Config(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_hidden_layers,
-        num_attention_heads=s.num_attention_heads,
-        num_key_value_heads=s.num_key_value_heads,
-        tie_word_embeddings=True,
-    )
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(preset_config(preset))
 
 
 def test_plan_dims_by_parameter():
@@ -63,3 +53,45 @@ def test_tp_degree_the_heads_do_not_allow():
         ValueError, match=r"tg=4 does not divide num_attention_heads=6, num_key_value_heads=2"
     ):
         check_tp_degree(config, 4)
+
+
+def test_reshard_refuses_the_layouts_it_does_not_run():
+    from agentrl.hybrid.layout import GenLayout, HybridLayout, TrainLayout
+    from agentrl.hybrid.reshard import _check_supported
+
+    _check_supported(HybridLayout(TrainLayout(t=2, d=2), GenLayout(tg=2, dg=2)))
+    _check_supported(HybridLayout(TrainLayout(t=2, d=2), GenLayout(tg=1, dg=4)))
+    with pytest.raises(NotImplementedError, match="pipeline stages are for a later Megatron backend"):
+        _check_supported(HybridLayout(TrainLayout(p=2, t=1, d=2), GenLayout(pg=2, tg=1, dg=2)))
+    with pytest.raises(NotImplementedError, match="generation tg=4 above the training t=2"):
+        _check_supported(HybridLayout(TrainLayout(t=2, d=2), GenLayout(tg=4, dg=1)))
+
+
+def test_reorder_puts_blocks_in_layout_order():
+    import torch
+
+    from agentrl.hybrid.gather import reorder
+
+    for order in ([0, 2, 1, 3], [1, 2, 3, 0], [3, 2, 1, 0], [0, 1, 2, 3]):
+        want = torch.arange(4 * 3 * 2, dtype=torch.float32).view(12, 2)  # 4 blocks of 3 rows
+        blocks = want.view(4, 3, 2)
+        buffer = torch.cat([blocks[j] for j in order])  # block q holds the data of block order[q]
+        reorder(buffer, order)
+        assert torch.equal(buffer, want), order
+
+
+def test_buckets_keep_large_parameters_in_place_and_cap_each_bucket():
+    import torch
+
+    from agentrl.hybrid.gather import plan_buckets
+    from agentrl.hybrid.reshard import GenSlot
+
+    def slot(name: str, numel: int, group: str = "micro") -> GenSlot:
+        return GenSlot(name, "col", torch.empty(numel), 4 * numel, ((0, numel),), False, group)
+
+    slots = [slot("a", 100), slot("big", 5000), slot("b", 200), slot("n", 8, "fsdp"), slot("c", 900)]
+    in_place, buckets = plan_buckets(slots, {"micro": 2, "fsdp": 4}, bucket_bytes=4 * 1000)
+    assert [s.name for s in in_place] == ["big"]
+    assert [[s.name for s in b.slots] for b in buckets] == [["a", "b"], ["n"], ["c"]]
+    assert [b.offsets for b in buckets] == [[0, 50], [0], [0]]  # one rank's blocks: numel / group size
+    assert [b.numel for b in buckets] == [150, 2, 450]
