@@ -109,6 +109,7 @@ class Router(InferenceClient):
         self._last_wait_log = float("-inf")
         self.stats = {"requests": 0, "completed": 0, "retries": 0, "lost": 0, "bad_requests": 0,
                       "waits": 0, "waited_s": 0.0}  # fmt: skip
+        self.served: dict[str, int] = {}  # requests completed, per server URL
         self.url = ",".join(c.url for c in clients)
 
     # ------------------------------------------------------------------ routing
@@ -202,6 +203,9 @@ class Router(InferenceClient):
                 self._remember(session_id, idx)
                 self._seen_version(idx, result.weight_version)
             self.stats["completed"] += 1
+            self.served[client.url] = self.served.get(client.url, 0) + 1
+            if self.served[client.url] == 1:
+                logger.info("server %s served its first request", client.url)
             result.server = client.url
             return result
         self.stats["lost"] += 1
