@@ -18,8 +18,10 @@ of its `start` call and into its child's environment only: not in argv, not in a
 
 Failures: server, roller and service actors have `max_restarts = launcher.max_restarts`; when one
 dies (ray.kill, its node removed) Ray restarts it on a node that fits, the driver sees a fresh
-actor and starts its process again with the current addresses (a server on its old port; the
-learner's ServerWatch brings it to the current version, a roller opens a new queue lease). A child
+actor and starts its process again with the current addresses (a server on its old port when
+that is free on its node; one on a new address goes on the live server list once healthy,
+`launch/servers.py`, which the learner's actor writes on its node; the learner's ServerWatch
+brings it to the current version, a roller opens a new queue lease). A child
 that exits while its actor lives is restarted in the same actor after `launcher.restart_backoff_s`
 (doubled each time), and so is the process of an actor Ray restarted; one budget of
 `max_restarts` covers both. A learner rank is never

@@ -231,6 +231,8 @@ def test_a_scale_request_is_seen_once_and_refused_without_a_live_launcher(tmp_pa
     assert watch.poll() is None
     with pytest.raises(ValueError, match="--rollers"):
         request_scale(tmp_path, -1, None)
+    with pytest.raises(ValueError, match="at least one server"):
+        request_scale(tmp_path, None, 0)
     request = request_scale(tmp_path, 3, 1)
     assert watch.poll() == request and request["rollers"] == 3 and request["servers"] == 1
     assert watch.poll() is None  # applied once
