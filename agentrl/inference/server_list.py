@@ -39,6 +39,12 @@ def path_in(run_dir: str | Path) -> Path:
     return Path(run_dir) / FILE
 
 
+def carried(queue: object) -> bool:
+    """Whether this queue carries the list to the rollers: the zmq queue the learner hosts (not a
+    standalone `agentrl queue`, which reads no list, nor Redis)."""
+    return getattr(queue, "type", None) == "zmq" and not getattr(queue, "standalone", False)
+
+
 def from_env() -> Path | None:
     value = os.environ.get(ENV)
     return Path(value) if value else None

@@ -226,7 +226,9 @@ class RayRun:
             port = self._get(ranks[0].actor.bind_port.remote(), "learner rank 0")
             nodes = [self._get(m.actor.where.remote(), m.name)["node_id"] for m in ranks]
             dist_env = {"MASTER_ADDR": head["ip"], "MASTER_PORT": str(port), "WORLD_SIZE": str(learner.ranks)}
-        if servers and self.config.queue.type == "zmq":  # the queue carries the list on to the rollers
+        if servers and server_list.carried(
+            self.config.queue
+        ):  # the learner's queue carries it on to the rollers
             path = str(self.run_dir / server_list.FILE)  # on the learner's node, written by its actor
             self.live = LiveServers(
                 lambda epoch, urls: self._get(
@@ -342,7 +344,7 @@ class RayRun:
             elif new != old:
                 logger.warning("%s came back at %s, not %s: the %s still use the old address (%s)", m.name,
                                new, old, "learner and rollers" if m.role.kind == "server" else "rollers",
-                               "a Redis queue carries no server list" if m.role.kind == "server"
+                               "a Redis or standalone queue carries no server list" if m.role.kind == "server"
                                else "an env service's address is fixed when they start")  # fmt: skip
         else:
             self._start(m, render(m.role, self.addrs))
@@ -430,7 +432,7 @@ class RayRun:
             self._set_addr(name, url)
         n = sum(m.role.kind == "server" for m in self.members)
         if n < want:
-            return f"servers {n} (all {n} planned slots: a Redis queue carries no live server list)"
+            return f"servers {n} (all {n} planned slots: a Redis or standalone queue carries no server list)"
         return f"servers {n}"
 
     def processes(self) -> list[dict[str, Any]]:
