@@ -104,13 +104,14 @@ class WeightSyncEngine(abc.ABC):
         # the launcher's live server list (`inference.server_list`), reread before each push and
         # while the learner waits for data; None: the servers are `urls` for the whole run
         self._list = None
+        self._target: list[str] | None = None  # the list's URLs, once read
         if servers_file is not None and rank == 0:
             from agentrl.inference.server_list import Reader
 
             self._list = Reader(servers_file)
             found = self._list.poll()
             if found is not None:
-                self.urls = list(found.urls)
+                self.urls, self._target = list(found.urls), list(found.urls)
 
     def init(self) -> None:
         if self.rank == 0:
@@ -123,23 +124,36 @@ class WeightSyncEngine(abc.ABC):
     @abc.abstractmethod
     def _init_servers(self) -> None: ...
 
-    def _reread(self) -> tuple[list[str], list[str]]:
-        """Follow the live server list: (added, removed) since the last look. A new URL gets a
-        client (it is a server behind: the engine's catch-up brings it to the current version);
-        a removed one's client is closed once the engine let it go (`_forget`)."""
-        if self._list is None or self._bridge is None or (found := self._list.poll()) is None:
-            return [], []
+    def _reread(self) -> list[str]:
+        """Follow the live server list, without blocking: a new URL gets a client and joins
+        `urls` (a server behind: the engine's catch-up brings it to the current version); returns
+        those. A removed URL stays until the next push takes it out (`_take_removed`)."""
+        if self._list is not None and self._bridge is not None and (found := self._list.poll()) is not None:
+            self._target = list(found.urls)
+            logger.warning("server list epoch %d: %s", found.epoch, self._target)
+        if self._target is None:
+            return []
         from agentrl.inference.base import create_weight_updater
 
-        urls = list(found.urls)
-        added = [u for u in urls if u not in self.urls]
-        removed = [u for u in self.urls if u not in urls]
+        added = [u for u in self._target if u not in self.urls]
         for url in added:
             self.clients[url] = create_weight_updater(self.inference, url)
-        self.urls = urls
-        if added or removed:
-            logger.warning("server list epoch %d: added %s, removed %s", found.epoch, added, removed)
-        return added, removed
+        self.urls += added
+        if added:
+            logger.warning("servers %s added to the server list: brought to the current version", added)
+        return added
+
+    def _leaving(self) -> list[str]:
+        """Servers the live list no longer names, not yet taken out."""
+        return [] if self._target is None else [u for u in self.urls if u not in self._target]
+
+    def _take_removed(self) -> list[str]:
+        """Take the servers the list dropped out of `urls` (their clients stay until `_forget`)."""
+        removed = self._leaving()
+        if removed:
+            self.urls = [u for u in self.urls if u not in removed]
+            logger.warning("servers %s removed from the server list: no longer pushed to", removed)
+        return removed
 
     def _forget(self, urls: list[str]) -> None:
         for url in urls:

@@ -235,18 +235,22 @@ class BroadcastEngine(WeightSyncEngine):
         and back), outside their retry backoff. Never blocks."""
         if self.rank != 0 or self.watch is None:
             return []
-        self._follow_list()
-        now = time.monotonic()
+        self._reread()  # a server new in the live list is one behind (and never blocks)
+        now, leaving = time.monotonic(), self._leaving()
         return [
             url
             for url, v in self.watch.fresh(self._pushed_at).items()
-            if v != DOWN and (v != version or url not in self.members) and self._retry_at.get(url, 0.0) <= now
+            if v != DOWN
+            and url not in leaving
+            and (v != version or url not in self.members)
+            and self._retry_at.get(url, 0.0) <= now
         ]
 
     def _follow_list(self) -> None:
-        """Take in the live server list: a new server is one behind (it joins at the next regroup,
-        which `behind` makes happen now); a removed member leaves the group at once."""
-        _, removed = self._reread()
+        """Before a push: the servers the live list dropped leave (a member still up is told to
+        destroy its group, then the group is rebuilt without them). New ones join in `_regroup`."""
+        self._reread()
+        removed = self._take_removed()
         if not removed:
             return
         assert self.watch is not None
@@ -259,7 +263,7 @@ class BroadcastEngine(WeightSyncEngine):
             logger.warning(
                 "servers %s left the server list: rebuilding the weight group without them", was_member
             )
-            self._leave_group()  # a removed server still up is told to destroy its group
+            self._leave_group()
             self._build_group([u for u in self.members if u not in removed])
         self.watch.forget(removed)
         self._forget(removed)

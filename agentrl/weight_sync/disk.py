@@ -65,18 +65,19 @@ class DiskEngine(WeightSyncEngine):
         backoff. Never blocks."""
         if self.rank != 0 or self.watch is None:
             return []
-        self._follow_list()
-        now = time.monotonic()
+        self._reread()  # a server new in the live list is one behind (and never blocks)
+        now, leaving = time.monotonic(), self._leaving()
         return [
             url
             for url, v in self.watch.fresh(self._pushed_at).items()
-            if v != DOWN and v != version and self._retry_at.get(url, 0.0) <= now
+            if v != DOWN and url not in leaving and v != version and self._retry_at.get(url, 0.0) <= now
         ]
 
     def _follow_list(self) -> None:
-        """Take in the live server list: a new server is probed, then loads the version on disk as
-        one behind; a removed one is no longer pushed to."""
-        _, removed = self._reread()
+        """Before a push: take in the live server list (a new server is probed, then loads the
+        version on disk as one behind; a removed one is no longer pushed to)."""
+        self._reread()
+        removed = self._take_removed()
         if removed:
             assert self.watch is not None
             self.watch.forget(removed)
