@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -91,6 +92,7 @@ class Router(InferenceClient):
         self.client_factory = client_factory
         self.servers_epoch: int | None = None  # the live server list's epoch last applied
         self._retired: dict[int, tuple[InferenceClient, int]] = {}  # removed, requests still in flight
+        self._probe_task: asyncio.Task | None = None  # the probe of servers new in the list
         self.max_retries = max_retries
         self.request_timeout_s = request_timeout_s
         self.health_interval_s = health_interval_s
@@ -233,8 +235,8 @@ class Router(InferenceClient):
     def set_servers(self, epoch: int, urls: list[str]) -> bool:
         """Swap the server set for the launcher's live list (`inference.server_list`) when `epoch`
         is newer than the last applied; True when it was. A kept URL keeps its client, health,
-        version and sessions; a new one gets a client from `client_factory` (usable once probed
-        inside the window, like a restarted server); a removed one gets no new request, and its
+        version and sessions; a new one gets a client from `client_factory` (usable once a probe,
+        started at once, finds it up and inside the window, like a restarted server); a removed one gets no new request, and its
         requests in flight finish, or fail over as on a dead server, before its client is closed."""
         if self.servers_epoch is not None and epoch <= self.servers_epoch:
             return False
@@ -252,7 +254,9 @@ class Router(InferenceClient):
             for u, i in zip(urls, keep, strict=True)
         ]
         self.outstanding = [old_state[0][i] if i is not None else 0 for i in keep]
-        self.healthy = [old_state[1][i] if i is not None else True for i in keep]
+        # a new server is not used before a probe read its version: it may still be at the one it
+        # started with, until the learner's catch-up push (then the window admits it)
+        self.healthy = [old_state[1][i] if i is not None else False for i in keep]
         self.versions = [old_state[2][i] if i is not None else None for i in keep]
         moved = {old: new_i for new_i, old in enumerate(keep) if old is not None}
         for sid, old in list(self._sessions.items()):
@@ -270,8 +274,13 @@ class Router(InferenceClient):
                     asyncio.get_running_loop().create_task(client.close())
         self.servers_epoch = epoch
         self.url = ",".join(c.url for c in self.clients)
-        logger.warning("server list epoch %d: routing to %s (added %s, removed %s)", epoch, self.url, new,
-                       [old_clients[i].url for i in gone])  # fmt: skip
+        if new:
+            with contextlib.suppress(RuntimeError):  # probe the new ones now, not at the next round
+                self._probe_task = asyncio.get_running_loop().create_task(self.check_health())
+        removed = [old_clients[i].url for i in gone]
+        logger.log(logging.WARNING if new or removed else logging.INFO,
+                   "server list epoch %d: routing to %s (added %s, removed %s)", epoch, self.url, new,
+                   removed)  # fmt: skip
         return True
 
     async def _wait_usable(self, deadline: float) -> bool:
@@ -433,10 +442,11 @@ class Router(InferenceClient):
         await self._all("abort_request", rid, abort_all)
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._health_task
+        for task in (self._health_task, self._probe_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         retired = [c for c, _ in self._retired.values()]
         self._retired.clear()
         await asyncio.gather(*(c.close() for c in self.clients + retired), return_exceptions=True)

@@ -78,7 +78,7 @@ def test_scale_servers_up_and_down_under_agentrl_run(tiny_model: Path, tmp_path:
 
         _wait("the new server in the weight group and serving the roller", both_in_use, proc, log)
         text = _text(learner_log)
-        assert f"added ['{new}']" in text, text[-4000:]
+        assert f"servers ['{new}'] added to the server list" in text, text[-4000:]
         assert re.search(r"are behind version \d+: pushing the current weights now", text) or re.search(
             r"are up again: rebuilding the weight group", text
         ), text[-4000:]
@@ -89,6 +89,7 @@ def test_scale_servers_up_and_down_under_agentrl_run(tiny_model: Path, tmp_path:
         _wait("a push after the removal",
               lambda: any(r["sync/servers_updated"] == 1 for r in read_metrics(run_dir / "learner.jsonl")[at_remove + 1 :]),
               proc, log)  # fmt: skip
+        assert f"servers ['{new}'] removed from the server list" in _text(learner_log)
         proc.send_signal(signal.SIGTERM)  # stopped as an operator would: final checkpoint, account
         assert proc.wait(timeout=300) == 130, log.read_text()[-6000:]
     finally:

@@ -178,8 +178,10 @@ async def test_set_servers_adds_and_removes_servers_and_keeps_sessions_on_kept_o
     try:
         assert (await router.generate(PROMPT, PARAMS, session_id="ep")).server == server.url
         assert router.set_servers(1, [server.url, second.url])
+        assert router.healthy == [True, False]  # the new one is not used before a probe saw it
         assert not router.set_servers(1, [second.url]) and not router.set_servers(0, [second.url])
         assert (await router.generate(PROMPT, PARAMS, session_id="ep")).server == server.url
+        await router.check_health()
         results = await asyncio.gather(*(router.generate(PROMPT, PARAMS) for _ in range(12)))
         assert {r.server for r in results} == {server.url, second.url}
         assert router.set_servers(2, [second.url])
