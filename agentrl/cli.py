@@ -296,7 +296,7 @@ def scale(
     run_dir: RunDirOpt,
     rollers: Annotated[int | None, typer.Option(help="Roller processes to run.")] = None,
     servers: Annotated[
-        int | None, typer.Option(help="Inference servers to run (at most the inference.num_servers slots).")
+        int | None, typer.Option(help="Inference servers to run (new ones start on new ports; zmq queue).")
     ] = None,
 ) -> None:
     """Start or stop rollers and servers of a running `agentrl run` (local or Ray), learner untouched."""

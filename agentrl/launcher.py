@@ -44,13 +44,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig, save_resolved
+from agentrl.inference import server_list
 from agentrl.launch.control import ScaleWatch, write_state
 from agentrl.launch.plan import Addresses, Role, plan, render, server_url, service_roles
+from agentrl.launch.servers import LiveServers, PendingServers
 from agentrl.log import get_logger, read_metrics
 from agentrl.net import free_port
 
@@ -283,6 +285,16 @@ def local_spec(role: Role, addrs: Addresses, ports: list[int]) -> ChildSpec:
     return ChildSpec(role.name, _agentrl(*args), role.env, role.restart)
 
 
+def new_server_spec(template: ChildSpec, name: str, port: int) -> ChildSpec:
+    """Another server slot like `template` (rendered by `plan.render`: `serve --host H --port P
+    ...`), bound to `port` on the same host."""
+    args = list(template.args)
+    at = args.index("--port") + 1
+    host = args[args.index("--host") + 1]
+    args[at] = str(port)
+    return ChildSpec(name, args, dict(template.env), True, server_url(host, port))
+
+
 def _warm_model(run_dir: Path) -> Path | None:
     """The warm start a previous attempt of this run finished, if any (resume skips redoing it)."""
     path = run_dir / "warmstart"
@@ -333,10 +345,20 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
         except RuntimeError:
             failed = supervisor.failed()
             raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None
+        live = None
+        if servers and server_list.carried(config.queue):  # the learner's queue carries it on to the rollers
+            path = server_list.path_in(run_dir)
+            live = LiveServers(
+                functools.partial(server_list.write, path), {c.name: c.spec.health_url for c in servers}
+            )
+            specs = [
+                replace(s, env={**s.env, server_list.ENV: str(path.resolve())}) if s.name == "learner" else s
+                for s in specs
+            ]
         children = [supervisor.run(s) for s in specs if not s.health_url]
         learner = next(c for c in children if c.name == "learner")
         roller_args = next(s.args for s in specs if s.name.startswith("roller"))
-        return _watch(config, supervisor, learner, LocalScaler(supervisor, roller_args))
+        return _watch(config, supervisor, learner, LocalScaler(supervisor, roller_args, live))
     except KeyboardInterrupt:
         logger.warning("interrupted: stopping every process")
         return 130
@@ -389,13 +411,25 @@ def _log_exit(supervisor: Supervisor, child: Child, why: str) -> None:
 
 class LocalScaler:
     """`agentrl scale` on this machine: rollers are started (with the next index) or stopped
-    (highest index first, SIGTERM: in-flight groups are finished and put); server slots are stopped
-    and started again on their port (the learner and rollers know only the planned slots)."""
+    (highest index first, SIGTERM: in-flight groups are finished and put). Servers: with a live
+    server list (`launch/servers.py`; a zmq queue carries it to the rollers) a scale-down stops the
+    highest slots and takes them off the list, a scale-up restarts stopped slots on their port and
+    then starts new slots on new ports, each put on the list once it answers /health; without one
+    (a Redis queue), only the planned slots are stopped and started again."""
 
-    def __init__(self, supervisor: Supervisor, roller_args: list[str]) -> None:
+    def __init__(
+        self, supervisor: Supervisor, roller_args: list[str], live: LiveServers | None = None
+    ) -> None:
         self.supervisor = supervisor
         self.roller_args = roller_args  # every roller runs the same command line, told its index by env
         self.parked: dict[str, ChildSpec] = {}  # server slots stopped by a scale-down
+        self.live = live
+        self.pending = PendingServers(live) if live is not None else None
+
+    def tick(self) -> None:
+        """Each watch round: servers started by a scale-up that now answer join the list."""
+        if self.pending is not None:
+            self.pending.poll()
 
     def _of(self, prefix: str) -> list[Child]:
         found = [
@@ -417,18 +451,36 @@ class LocalScaler:
                 self.supervisor.run(spec)
             done.append(f"rollers {len(self._of('roller'))}")
         if "servers" in request:
-            servers = self._of("server")
-            for child in servers[request["servers"] :][::-1]:
-                self.parked[child.name] = child.spec
-                self._remove(child)
-            for name in sorted(self.parked, key=lambda n: int(n[6:]))[
-                : max(0, request["servers"] - len(servers))
-            ]:
-                self.supervisor.run(self.parked.pop(name))
-            n = len(self._of("server"))
-            done.append(f"servers {n}" + (f" (all {n} planned slots)" if n < request["servers"] else ""))
+            done.append(self._scale_servers(int(request["servers"])))
         logger.warning("scaled: %s", ", ".join(done))
         return ", ".join(done)
+
+    def _scale_servers(self, want: int) -> str:
+        servers = self._of("server")
+        if want < 1:
+            return f"servers {len(servers)} (a run keeps at least one server)"
+        for child in servers[want:][::-1]:
+            self.parked[child.name] = child.spec
+            if self.live is not None:  # off the list first: no new request or push goes to it
+                self.live.remove(child.name)
+                self.pending.forget(child.name)
+            self._remove(child)
+        for name in sorted(self.parked, key=lambda n: int(n[6:]))[: max(0, want - len(servers))]:
+            spec = self.parked.pop(name)
+            self.supervisor.run(spec)
+            if self.pending is not None:
+                self.pending.add(name, spec.health_url)
+        n = len(self._of("server"))
+        if n < want and self.live is None:
+            return f"servers {n} (all {n} planned slots: a Redis or standalone queue carries no server list)"
+        if n < want:
+            template = self._of("server")[0].spec
+            taken = [int(c.name[6:]) for c in self._of("server")] + [int(k[6:]) for k in self.parked]
+            for i in range(max(taken) + 1, max(taken) + 1 + want - n):
+                spec = new_server_spec(template, f"server{i}", free_port())
+                self.supervisor.run(spec)
+                self.pending.add(spec.name, spec.health_url)
+        return f"servers {len(self._of('server'))}"
 
     def _remove(self, child: Child) -> None:
         self.supervisor.stop(child)
@@ -453,7 +505,9 @@ def _watch(config: AgentRLConfig, supervisor: Supervisor, learner: Child, scaler
     return watch(
         config,
         "local",
-        lambda: supervise(supervisor, learner, launcher.max_restarts, launcher.restart_backoff_s),
+        lambda: (
+            scaler.tick() or supervise(supervisor, learner, launcher.max_restarts, launcher.restart_backoff_s)
+        ),
         scaler.apply,
         scaler.processes,
         lambda: sum(c.restarts for c in supervisor.children),

@@ -20,6 +20,9 @@ and never waits without a bound. A background `_health_loop` marks servers down 
 again and reads their versions. Admin calls (weight updates, pause, abort) fan out to
 every server.
 
+The server set can change while the run goes on: `set_servers(epoch, urls)` swaps it for the
+launcher's live list, which the queue carries to the rollers (`inference.server_list`).
+
 Start-up: `Router(clients)` or `from_config(inference, max_staleness)` (a router even over
 one server, so a roller waits out a restart); the health loop starts on first use (or
 `await start()`). Shutdown: `await close()` cancels the loop and closes every client.
@@ -29,7 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agentrl.inference.base import (
@@ -49,13 +54,15 @@ logger = get_logger(__name__)
 
 
 def from_config(config: InferenceConfig, max_staleness: int | None = None) -> Router:
-    """A router over `config.servers` (even one), waiting up to `config.server_wait_s` for a server."""
+    """A router over `config.servers` (even one), waiting up to `config.server_wait_s` for a server;
+    `set_servers` later creates the clients of new URLs the same way."""
     from agentrl.inference.base import create
 
     if not config.servers:
         raise ValueError("inference: no server URLs given (set inference.servers)")
     return Router(
         [create(config, [url]) for url in config.servers],
+        client_factory=lambda url: create(config, [url]),
         max_retries=config.max_retries,
         request_timeout_s=config.request_timeout_s,
         health_interval_s=config.health_check_interval_s,
@@ -77,10 +84,15 @@ class Router(InferenceClient):
         server_wait_s: float = 0.0,
         max_staleness: int | None = None,
         probe_interval_s: float = 0.5,
+        client_factory: Callable[[str], InferenceClient] | None = None,
     ) -> None:
         if not clients:
             raise ValueError("Router needs at least one client")
-        self.clients = clients
+        self.clients = list(clients)
+        self.client_factory = client_factory
+        self.servers_epoch: int | None = None  # the live server list's epoch last applied
+        self._retired: dict[int, tuple[InferenceClient, int]] = {}  # removed, requests still in flight
+        self._probe_task: asyncio.Task | None = None  # the probe of servers new in the list
         self.max_retries = max_retries
         self.request_timeout_s = request_timeout_s
         self.health_interval_s = health_interval_s
@@ -99,6 +111,7 @@ class Router(InferenceClient):
         self._last_wait_log = float("-inf")
         self.stats = {"requests": 0, "completed": 0, "retries": 0, "lost": 0, "bad_requests": 0,
                       "waits": 0, "waited_s": 0.0}  # fmt: skip
+        self.served: dict[str, int] = {}  # requests completed, per server URL
         self.url = ",".join(c.url for c in clients)
 
     # ------------------------------------------------------------------ routing
@@ -119,12 +132,14 @@ class Router(InferenceClient):
             self.newest = max(self.newest, version)
 
     def _pick(self, session_id: str | None, tried: set[int]) -> int | None:
+        """`tried`: the ids of the clients this request failed on (ids, not indices: the server
+        list may be swapped while it runs)."""
         if session_id is not None:
             idx = self._sessions.get(session_id)
-            if idx is not None and idx not in tried and self._usable(idx):
+            if idx is not None and id(self.clients[idx]) not in tried and self._usable(idx):
                 self._sessions.move_to_end(session_id)
                 return idx
-        candidates = [i for i in range(len(self.clients)) if i not in tried and self._usable(i)]
+        candidates = [i for i, c in enumerate(self.clients) if id(c) not in tried and self._usable(i)]
         if not candidates:
             return None
         return min(candidates, key=lambda i: (self.outstanding[i], i))
@@ -159,9 +174,9 @@ class Router(InferenceClient):
                     break
                 tried.clear()
                 continue
-            tried.add(idx)
             client = self.clients[idx]
-            self.outstanding[idx] += 1
+            tried.add(id(client))
+            self.outstanding[idx] += 1  # the list may be swapped while this runs: `_index` finds it again
             try:
                 result = await asyncio.wait_for(
                     client.generate(input_ids, sampling_params, rid=rid, session_id=session_id),
@@ -172,7 +187,8 @@ class Router(InferenceClient):
                 raise
             except (ServerUnavailableError, asyncio.TimeoutError, InferenceError) as exc:
                 errors.append(f"{client.url}: {type(exc).__name__}: {exc}")
-                self.healthy[idx] = False
+                if (idx := self._index(client)) is not None:
+                    self.healthy[idx] = False
                 failures += 1
                 if failures <= self.max_retries:
                     self.stats["retries"] += 1
@@ -184,10 +200,14 @@ class Router(InferenceClient):
                 )
                 continue
             finally:
-                self.outstanding[idx] -= 1
-            self._remember(session_id, idx)
-            self._seen_version(idx, result.weight_version)
+                self._finished(client)
+            if (idx := self._index(client)) is not None:
+                self._remember(session_id, idx)
+                self._seen_version(idx, result.weight_version)
             self.stats["completed"] += 1
+            self.served[client.url] = self.served.get(client.url, 0) + 1
+            if self.served[client.url] == 1:
+                logger.info("server %s served its first request", client.url)
             result.server = client.url
             return result
         self.stats["lost"] += 1
@@ -195,6 +215,73 @@ class Router(InferenceClient):
             f"request lost after {failures} failure(s) on {len(self.clients)} server(s): "
             f"{'; '.join(errors) or 'no server'}"
         )
+
+    def _index(self, client: InferenceClient) -> int | None:
+        return next((i for i, c in enumerate(self.clients) if c is client), None)
+
+    def _finished(self, client: InferenceClient) -> None:
+        idx = self._index(client)
+        if idx is not None:
+            self.outstanding[idx] -= 1
+            return
+        retired, left = self._retired.pop(id(client), (client, 1))
+        if left > 1:
+            self._retired[id(client)] = (retired, left - 1)
+        else:  # the last request on a removed server is done: close its client
+            asyncio.get_running_loop().create_task(retired.close())
+
+    # ------------------------------------------------------------------ the live server list
+
+    def set_servers(self, epoch: int, urls: list[str]) -> bool:
+        """Swap the server set for the launcher's live list (`inference.server_list`) when `epoch`
+        is newer than the last applied; True when it was. A kept URL keeps its client, health,
+        version and sessions; a new one gets a client from `client_factory` (usable once a probe,
+        started at once, finds it up and inside the window, like a restarted server); a removed one gets no new request, and its
+        requests in flight finish, or fail over as on a dead server, before its client is closed."""
+        if self.servers_epoch is not None and epoch <= self.servers_epoch:
+            return False
+        if not urls:
+            logger.error("server list epoch %d is empty: keeping %s", epoch, self.url)
+            return False
+        by_url = {c.url: i for i, c in enumerate(self.clients)}
+        new = [u for u in urls if u not in by_url]
+        if new and self.client_factory is None:
+            raise ValueError("Router.set_servers: new URLs need a client_factory")
+        old_clients, old_state = self.clients, (self.outstanding, self.healthy, self.versions)
+        keep = [by_url.get(u) for u in urls]
+        self.clients = [
+            old_clients[i] if i is not None else self.client_factory(u)
+            for u, i in zip(urls, keep, strict=True)
+        ]
+        self.outstanding = [old_state[0][i] if i is not None else 0 for i in keep]
+        # a new server is not used before a probe read its version: it may still be at the one it
+        # started with, until the learner's catch-up push (then the window admits it)
+        self.healthy = [old_state[1][i] if i is not None else False for i in keep]
+        self.versions = [old_state[2][i] if i is not None else None for i in keep]
+        moved = {old: new_i for new_i, old in enumerate(keep) if old is not None}
+        for sid, old in list(self._sessions.items()):
+            if old in moved:
+                self._sessions[sid] = moved[old]
+            else:
+                del self._sessions[sid]
+        gone = [i for i in range(len(old_clients)) if i not in moved]
+        for i in gone:
+            client = old_clients[i]
+            if old_state[0][i] > 0:
+                self._retired[id(client)] = (client, old_state[0][i])
+            else:
+                with contextlib.suppress(RuntimeError):  # no running loop: nothing to close on
+                    asyncio.get_running_loop().create_task(client.close())
+        self.servers_epoch = epoch
+        self.url = ",".join(c.url for c in self.clients)
+        if new:
+            with contextlib.suppress(RuntimeError):  # probe the new ones now, not at the next round
+                self._probe_task = asyncio.get_running_loop().create_task(self.check_health())
+        removed = [old_clients[i].url for i in gone]
+        logger.log(logging.WARNING if new or removed else logging.INFO,
+                   "server list epoch %d: routing to %s (added %s, removed %s)", epoch, self.url, new,
+                   removed)  # fmt: skip
+        return True
 
     async def _wait_usable(self, deadline: float) -> bool:
         """Probe (at most every `probe_interval_s`, one probe shared by every waiting request) until
@@ -264,7 +351,10 @@ class Router(InferenceClient):
             except (asyncio.TimeoutError, InferenceError, KeyError, TypeError):
                 return True, None  # up, version unknown: not held back by the window
 
-        results = await asyncio.gather(*(probe(c) for c in self.clients))
+        clients = list(self.clients)
+        results = await asyncio.gather(*(probe(c) for c in clients))
+        if clients != self.clients:  # swapped while probing: these answers are for the old list
+            return [ok for ok, _ in results]
         for i, (ok, version) in enumerate(results):
             if ok != self.healthy[i]:
                 logger.info(
@@ -352,8 +442,11 @@ class Router(InferenceClient):
         await self._all("abort_request", rid, abort_all)
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._health_task
-        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+        for task in (self._health_task, self._probe_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        retired = [c for c, _ in self._retired.values()]
+        self._retired.clear()
+        await asyncio.gather(*(c.close() for c in self.clients + retired), return_exceptions=True)

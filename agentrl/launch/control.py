@@ -4,9 +4,10 @@ its run directory, so they work from any shell that sees the run directory.
 - The launcher rewrites `<run_dir>/launcher_state.json` about once a second: its own PID and
   kind, and per process its role, node, PID, state and restarts.
 - `agentrl scale` writes `<run_dir>/launcher_scale.json` (`{"rollers": N, "servers": M}`); the
-  launcher reads it on its next round, starts or stops rollers, and stops or starts server slots
-  (up to the `inference.num_servers` slots the learner was told about), without touching the
-  learner, then records what it did under `scale` in its state.
+  launcher reads it on its next round, starts or stops rollers, and starts or stops servers
+  (new slots on new ports, handed on through the live server list, `launch/servers.py`; with a
+  Redis queue only the planned slots), without touching the learner, then records what it did
+  under `scale` in its state.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def request_scale(run_dir: Path, rollers: int | None, servers: int | None) -> di
     for name, n in (("--rollers", rollers), ("--servers", servers)):
         if n is not None and n < 0:
             raise ValueError(f"{name}: must be >= 0, not {n}")
+    if servers == 0:
+        raise ValueError("--servers: a run keeps at least one server (the rollers would have none)")
     state = read_state(run_dir)
     if not launcher_alive(state):
         raise RuntimeError(f"the launcher of {run_dir} (pid {state.get('pid')}) is not running")

@@ -18,8 +18,10 @@ of its `start` call and into its child's environment only: not in argv, not in a
 
 Failures: server, roller and service actors have `max_restarts = launcher.max_restarts`; when one
 dies (ray.kill, its node removed) Ray restarts it on a node that fits, the driver sees a fresh
-actor and starts its process again with the current addresses (a server on its old port; the
-learner's ServerWatch brings it to the current version, a roller opens a new queue lease). A child
+actor and starts its process again with the current addresses (a server on its old port when
+that is free on its node; one on a new address goes on the live server list once healthy,
+`launch/servers.py`, which the learner's actor writes on its node; the learner's ServerWatch
+brings it to the current version, a roller opens a new queue lease). A child
 that exits while its actor lives is restarted in the same actor after `launcher.restart_backoff_s`
 (doubled each time), and so is the process of an actor Ray restarted; one budget of
 `max_restarts` covers both. A learner rank is never
@@ -37,11 +39,12 @@ import os
 import secrets
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig
+from agentrl.inference import server_list
 from agentrl.launch.control import write_state
 from agentrl.launch.plan import (
     Addresses,
@@ -54,6 +57,7 @@ from agentrl.launch.plan import (
     service_roles,
 )
 from agentrl.launch.ray_actor import ProcessActor, actor_options, child_threads
+from agentrl.launch.servers import LiveServers, PendingServers
 from agentrl.log import get_logger
 
 logger = get_logger(__name__)
@@ -92,6 +96,7 @@ class Member:
     pending_since: float = 0.0
     died_since: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    env_extra: dict[str, str] = field(default_factory=dict)  # added to `env` at start only
 
 
 class RayRun:
@@ -110,6 +115,8 @@ class RayRun:
         self.addrs = Addresses([])
         self.secrets = _secrets(config)
         self.actor_cls = ray.remote(ProcessActor)
+        self.live: LiveServers | None = None  # the live server list, once the learner's actor exists
+        self.pending: PendingServers | None = None
 
     # -------------------------------------------------------------- starting
     def _actor(self, role: Role, name: str, restarts: int, **options: Any) -> Any:
@@ -219,10 +226,22 @@ class RayRun:
             port = self._get(ranks[0].actor.bind_port.remote(), "learner rank 0")
             nodes = [self._get(m.actor.where.remote(), m.name)["node_id"] for m in ranks]
             dist_env = {"MASTER_ADDR": head["ip"], "MASTER_PORT": str(port), "WORLD_SIZE": str(learner.ranks)}
+        if servers and server_list.carried(
+            self.config.queue
+        ):  # the learner's queue carries it on to the rollers
+            path = str(self.run_dir / server_list.FILE)  # on the learner's node, written by its actor
+            self.live = LiveServers(
+                lambda epoch, urls: self._get(
+                    ranks[0].actor.write_servers.remote(path, epoch, urls), "learner"
+                ),
+                {m.name: url for m, url in zip(servers, self.addrs.servers, strict=True)},
+            )
+            self.pending = PendingServers(self.live)
+            ranks[0].env_extra = {server_list.ENV: path}
         for m in ranks:
             m.env = dist_env and {**dist_env, "RANK": str(m.rank), "LOCAL_RANK": str(nodes[: m.rank].count(nodes[m.rank])),
                                   "LOCAL_WORLD_SIZE": str(nodes.count(nodes[m.rank]))}  # fmt: skip
-            self._start(m, render(learner, self.addrs), m.env)
+            self._start(m, render(learner, self.addrs), {**m.env, **m.env_extra})
         self.members += ranks
         for r in roles:
             if r.kind == "roller":
@@ -316,10 +335,17 @@ class RayRun:
             old = server_url(m.node, m.port)
             self._start_server(m)
             new = server_url(m.node, m.port)
-            if new != old:
-                logger.warning("%s came back at %s, not %s: the %s still use the old address (it is fixed "
-                               "when they start)", m.name, new, old, "learner and rollers"
-                               if m.role.kind == "server" else "rollers")  # fmt: skip
+            if new != old and m.role.kind == "server" and self.live is not None:
+                # on another node (or port): the live list tells the learner and the rollers,
+                # once it answers /health
+                logger.warning("%s came back at %s, not %s: it goes on the server list once healthy",
+                               m.name, new, old)  # fmt: skip
+                self._server_moved(m.name, new)
+            elif new != old:
+                logger.warning("%s came back at %s, not %s: the %s still use the old address (%s)", m.name,
+                               new, old, "learner and rollers" if m.role.kind == "server" else "rollers",
+                               "a Redis or standalone queue carries no server list" if m.role.kind == "server"
+                               else "an env service's address is fixed when they start")  # fmt: skip
         else:
             self._start(m, render(m.role, self.addrs))
         logger.warning(
@@ -335,6 +361,27 @@ class RayRun:
         with (self.run_dir / "launcher.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def _server_moved(self, name: str, url: str) -> None:
+        """Server `name` now serves at `url`: the list names it there once it answers /health (its
+        old address, dead, stays until then: the list is never empty); later rollers are started
+        with the current addresses."""
+        assert self.pending is not None
+        self.pending.add(name, url)
+        self._set_addr(name, url)
+
+    def _set_addr(self, name: str, url: str | None) -> None:
+        slots = {m.name: server_url(m.node, m.port) for m in self.members if m.role.kind == "server"}
+        if url is None:
+            slots.pop(name, None)
+        else:
+            slots[name] = url
+        self.addrs.servers = [slots[n] for n in sorted(slots, key=lambda n: int(n[6:]))]
+
+    def tick(self) -> None:
+        """Each watch round: servers started or moved that now answer /health join the list."""
+        if self.pending is not None:
+            self.pending.poll()
+
     # -------------------------------------------------------------- scale, state, stop
     def scale(self, request: dict) -> str:
         done = []
@@ -349,20 +396,44 @@ class RayRun:
                 self.add_roller(roller_role(self.config, self.common, i))
             done.append(f"rollers {sum(m.role.kind == 'roller' for m in self.members)}")
         if "servers" in request:
-            servers = [m for m in self.members if m.role.kind == "server"]
-            for m in servers[request["servers"] :][::-1]:
-                self._stop(m)
-                self.parked[m.name] = m
-            for name in sorted(self.parked)[: max(0, request["servers"] - len(servers))]:
-                old = self.parked.pop(name)
-                m = Member(
-                    old.role, name, self._actor(old.role, name, self.lc.max_restarts), {}, port=old.port
-                )
-                self._start_server(m)
-                self.members.append(m)
-            done.append(f"servers {sum(m.role.kind == 'server' for m in self.members)}")
+            done.append(self._scale_servers(int(request["servers"])))
         logger.warning("scaled: %s", ", ".join(done))
         return ", ".join(done)
+
+    def _scale_servers(self, want: int) -> str:
+        """Down: the highest slots leave the list, then stop. Up: stopped slots start again, then
+        (with a live list) new slots on actors with `inference.resources`; each joins the list
+        once it answers /health. Without a live list (a Redis queue) only the planned slots."""
+        servers = sorted((m for m in self.members if m.role.kind == "server"), key=lambda m: int(m.name[6:]))
+        if want < 1:
+            return f"servers {len(servers)} (a run keeps at least one server)"
+        for m in servers[want:][::-1]:
+            if self.live is not None:
+                self.live.remove(m.name)
+                self.pending.forget(m.name)
+            self._stop(m)
+            self.parked[m.name] = m
+            self._set_addr(m.name, None)
+        names = sorted(self.parked, key=lambda n: int(n[6:]))[: max(0, want - len(servers))]
+        if self.live is not None:
+            taken = [int(m.name[6:]) for m in servers] + [int(n[6:]) for n in self.parked]
+            top = max(taken) + 1
+            names += [f"server{i}" for i in range(top, top + want - len(servers) - len(names))]
+        template = servers[0].role
+        for name in names:
+            old = self.parked.pop(name, None)
+            role = old.role if old is not None else replace(template, name=name)
+            m = Member(role, name, self._actor(role, name, self.lc.max_restarts), {},
+                       port=old.port if old is not None else 0)  # fmt: skip
+            url = self._start_server(m)
+            self.members.append(m)
+            if self.pending is not None:
+                self.pending.add(name, url)
+            self._set_addr(name, url)
+        n = sum(m.role.kind == "server" for m in self.members)
+        if n < want:
+            return f"servers {n} (all {n} planned slots: a Redis or standalone queue carries no server list)"
+        return f"servers {n}"
 
     def processes(self) -> list[dict[str, Any]]:
         rows = [{"name": m.name, "kind": m.role.kind, "node": f"{m.node} ({m.node_id[:8]})", "node_id": m.node_id,
@@ -454,7 +525,7 @@ def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -
         return watch(
             config,
             "ray",
-            job.supervise,
+            lambda: job.tick() or job.supervise(),
             job.scale,
             job.processes,
             lambda: sum(m.restarts for m in job.members),

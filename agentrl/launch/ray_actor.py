@@ -44,6 +44,13 @@ class ProcessActor:
                 return s.getsockname()[1]
         raise OSError(f"no free port on {ip}")
 
+    def write_servers(self, path: str, epoch: int, urls: list[str]) -> None:
+        """Write the live server list (`inference.server_list`) on this node, for the learner's
+        process here: nodes share no filesystem, so the driver hands it over by call."""
+        from agentrl.inference import server_list
+
+        server_list.write(path, epoch, urls)
+
     def start(self, args: list[str], env: dict[str, str]) -> int:
         """Start `python -m agentrl *args` with `env` added (secrets arrive here, by call); it is
         killed with the actor (ray.kill, node lost), so none is left."""

@@ -54,6 +54,7 @@ def run_id(cfg: AgentRLConfig, resume: bool) -> str:
 
 def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
     """(consumer, hosted server or None) for rank 0."""
+    from agentrl.inference import server_list
     from agentrl.queue.base import create
 
     backend = create(cfg.queue)
@@ -73,6 +74,7 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
         wal_dir=wal_dir,
         run_id=run_id(cfg, resume),
         ledger=Path(cfg.run_dir) / "queue_ledger.jsonl",
+        servers_file=server_list.from_env(),
     )
     server.start()
     log.info("TransferQueue listening on %s (run %s)", cfg.queue.address, server.run_id)
@@ -81,9 +83,11 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
 
 def open_weight_sync(cfg: AgentRLConfig, rank: int) -> Any:
     """The checkpoint engine pushing to `inference.servers` (every rank joins the FSDP gathers)."""
+    from agentrl.inference import server_list
     from agentrl.weight_sync.base import create
 
-    engine = create(cfg.weight_sync, cfg.inference, rank=rank, run_dir=cfg.run_dir)
+    engine = create(cfg.weight_sync, cfg.inference, rank=rank, run_dir=cfg.run_dir,
+                    servers_file=server_list.from_env())  # fmt: skip
     engine.init()
     return engine
 

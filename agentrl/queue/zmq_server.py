@@ -103,9 +103,12 @@ class QueueServer(Admission, Delivery):
         wal_dir: str | Path | None = None,
         run_id: str | None = None,
         ledger: str | Path | None = None,
+        servers_file: str | Path | None = None,
     ) -> None:
         """`run_id`: the run this queue serves (else `config.run_id`, else the WAL's, else new).
-        `ledger`: a JSONL file of trained / dropped group ids (see the module docstring)."""
+        `ledger`: a JSONL file of trained / dropped group ids (see the module docstring).
+        `servers_file`: the launcher's live server list (`inference.server_list`), reread every
+        0.5 s and carried in every reply (`sl`: [epoch, urls]) to the producers' routers."""
         self.config = config
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
@@ -156,6 +159,13 @@ class QueueServer(Admission, Delivery):
             ),
             0,
         )
+        self._servers_file = None
+        if servers_file is not None:
+            from agentrl.inference.server_list import Reader
+
+            self._servers_file = Reader(servers_file)
+        self.servers: list | None = None  # [epoch, urls] of the live server list, once there is one
+        self._next_servers_check = 0.0
         self._init_admission(_run_id(run_id or config.run_id, wal_path))
         self._refusals: dict[str, list[float]] = {}  # kind -> [count since logged, last logged]
         self._nixl: Any = None
@@ -353,6 +363,8 @@ class QueueServer(Admission, Delivery):
         # every reply carries the run's identity and its admissible window (`ms`): a producer
         # learns the run's max_staleness from the queue, not from its own config
         ctl["e"], ctl["v"], ctl["r"], ctl["ms"] = self.epoch, self.version, self.run_id, self.max_staleness
+        if self.servers is not None:
+            ctl["sl"] = self.servers
         if self.finished:
             ctl["fin"] = 1
         self._replies.append((sock, ident, ctl, frames or []))
@@ -517,6 +529,11 @@ class QueueServer(Admission, Delivery):
 
     def _tick(self) -> None:
         now = time.monotonic()
+        if self._servers_file is not None and now >= self._next_servers_check:
+            self._next_servers_check = now + 0.5
+            if (found := self._servers_file.poll()) is not None:
+                self.servers = [found.epoch, list(found.urls)]
+                log.info("server list epoch %d: %s (carried to the producers)", found.epoch, found.urls)
         expired = []
         if now >= self._next_lease_check:
             self._next_lease_check = now + 0.5

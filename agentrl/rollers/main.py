@@ -82,6 +82,10 @@ async def run_roller(config: AgentRLConfig) -> int:
     backend = create_queue(config.queue)
     producer = backend.producer(name=name)
     producer.on_max_staleness = functools.partial(setattr, client, "max_staleness")
+    # the launcher's live server list, carried by the queue's replies (zmq only: a Redis queue
+    # carries none, and its rollers keep the servers they started with)
+    if hasattr(producer, "on_servers"):
+        producer.on_servers = client.set_servers
     metrics = MetricsLogger(config.run_dir, name="roller")
     groups_file = os.path.join(config.run_dir, f"{name}.groups")
     roller = Roller(

@@ -88,13 +88,30 @@ class PushStats:
 class WeightSyncEngine(abc.ABC):
     """Base of the engines; subclasses implement `_init_servers` and `_push`."""
 
-    def __init__(self, urls: list[str], inference: InferenceConfig, rank: int = 0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        inference: InferenceConfig,
+        rank: int = 0,
+        servers_file: str | Path | None = None,
+    ) -> None:
         self.urls = list(urls)
         self.inference = inference
         self.rank = rank
         self.last: PushStats | None = None
         self._bridge: AsyncBridge | None = None
         self.clients: dict[str, WeightUpdateClient] = {}
+        # the launcher's live server list (`inference.server_list`), reread before each push and
+        # while the learner waits for data; None: the servers are `urls` for the whole run
+        self._list = None
+        self._target: list[str] | None = None  # the list's URLs, once read
+        if servers_file is not None and rank == 0:
+            from agentrl.inference.server_list import Reader
+
+            self._list = Reader(servers_file)
+            found = self._list.poll()
+            if found is not None:
+                self.urls, self._target = list(found.urls), list(found.urls)
 
     def init(self) -> None:
         if self.rank == 0:
@@ -106,6 +123,46 @@ class WeightSyncEngine(abc.ABC):
 
     @abc.abstractmethod
     def _init_servers(self) -> None: ...
+
+    def _reread(self) -> list[str]:
+        """Follow the live server list, without blocking: a new URL gets a client and joins
+        `urls` (a server behind: the engine's catch-up brings it to the current version); returns
+        those. A removed URL stays until the next push takes it out (`_take_removed`)."""
+        if self._list is not None and self._bridge is not None and (found := self._list.poll()) is not None:
+            self._target = list(found.urls)
+            logger.warning("server list epoch %d: %s", found.epoch, self._target)
+        if self._target is None:
+            return []
+        from agentrl.inference.base import create_weight_updater
+
+        added = [u for u in self._target if u not in self.urls]
+        for url in added:
+            self.clients[url] = create_weight_updater(self.inference, url)
+        self.urls += added
+        if added:
+            logger.warning("servers %s added to the server list: brought to the current version", added)
+        return added
+
+    def _leaving(self) -> list[str]:
+        """Servers the live list no longer names, not yet taken out."""
+        return [] if self._target is None else [u for u in self.urls if u not in self._target]
+
+    def _take_removed(self) -> list[str]:
+        """Take the servers the list dropped out of `urls` (their clients stay until `_forget`)."""
+        removed = self._leaving()
+        if removed:
+            self.urls = [u for u in self.urls if u not in removed]
+            logger.warning("servers %s removed from the server list: no longer pushed to", removed)
+        return removed
+
+    def _forget(self, urls: list[str]) -> None:
+        for url in urls:
+            client = self.clients.pop(url, None)
+            if client is not None and self._bridge is not None:
+                try:
+                    self._bridge.run(client.close(), timeout_s=10)
+                except Exception as exc:  # closing is best effort
+                    logger.debug("closing client failed: %s", exc)
 
     @abc.abstractmethod
     def push(self, weights: WeightSource, version: int) -> PushStats | None:
@@ -144,16 +201,18 @@ def create(
     urls: list[str] | None = None,
     rank: int = 0,
     run_dir: str | Path = "runs/default",
+    servers_file: str | Path | None = None,
 ) -> WeightSyncEngine:
-    """The engine named by `config.type`, pushing to `urls` (default: `inference.servers`)."""
+    """The engine named by `config.type`, pushing to `urls` (default: `inference.servers`), or to
+    the live list in `servers_file` once it exists (`inference.server_list`)."""
     urls = list(urls if urls is not None else inference.servers)
     if config.type == "broadcast":
         from agentrl.weight_sync.broadcast import BroadcastEngine
 
-        return BroadcastEngine(config, urls, inference, rank)
+        return BroadcastEngine(config, urls, inference, rank, servers_file)
     if config.type == "disk":
         from agentrl.weight_sync.disk import DiskEngine
 
         directory = Path(config.directory) if config.directory else Path(run_dir) / "weights"
-        return DiskEngine(config, urls, inference, rank, directory)
+        return DiskEngine(config, urls, inference, rank, directory, servers_file)
     raise ValueError(f"weight_sync.type: unknown engine {config.type!r}")

@@ -55,6 +55,8 @@ from agentrl.weight_sync.base import PushStats, WeightSource, WeightSyncEngine
 from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from agentrl.config import BroadcastSyncConfig, InferenceConfig
 
 logger = get_logger(__name__)
@@ -117,9 +119,14 @@ def _agree(value: bool) -> bool:
 
 class BroadcastEngine(WeightSyncEngine):
     def __init__(
-        self, config: BroadcastSyncConfig, urls: list[str], inference: InferenceConfig, rank: int
+        self,
+        config: BroadcastSyncConfig,
+        urls: list[str],
+        inference: InferenceConfig,
+        rank: int,
+        servers_file: str | Path | None = None,
     ) -> None:
-        super().__init__(urls, inference, rank)
+        super().__init__(urls, inference, rank, servers_file)
         self.config = config
         self.backend = (
             config.backend if config.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
@@ -228,18 +235,46 @@ class BroadcastEngine(WeightSyncEngine):
         and back), outside their retry backoff. Never blocks."""
         if self.rank != 0 or self.watch is None:
             return []
-        now = time.monotonic()
+        self._reread()  # a server new in the live list is one behind (and never blocks)
+        now, leaving = time.monotonic(), self._leaving()
         return [
             url
             for url, v in self.watch.fresh(self._pushed_at).items()
-            if v != DOWN and (v != version or url not in self.members) and self._retry_at.get(url, 0.0) <= now
+            if v != DOWN
+            and url not in leaving
+            and (v != version or url not in self.members)
+            and self._retry_at.get(url, 0.0) <= now
         ]
+
+    def _follow_list(self) -> None:
+        """Before a push: the servers the live list dropped leave (a member still up is told to
+        destroy its group, then the group is rebuilt without them). New ones join in `_regroup`."""
+        self._reread()
+        removed = self._take_removed()
+        if not removed:
+            return
+        assert self.watch is not None
+        was_member = [u for u in removed if u in self.members]
+        self.dropped = [u for u in self.dropped if u not in removed]
+        for url in removed:
+            self._attempts.pop(url, None)
+            self._retry_at.pop(url, None)
+        if was_member:
+            logger.warning(
+                "servers %s left the server list: rebuilding the weight group without them", was_member
+            )
+            self._leave_group()
+            self._build_group([u for u in self.members if u not in removed])
+        self.watch.forget(removed)
+        self._forget(removed)
 
     def _regroup(self) -> None:
         """Before a push: members probed down leave the group; servers back up join it (dropped
-        ones, and members restarted in place, whose version is not the one last pushed)."""
+        ones, and members restarted in place, whose version is not the one last pushed), and so do
+        servers new in the live server list."""
         if self.watch is None:
             return
+        self._follow_list()
         self.watch.probe_now([u for u in self.urls if u not in self.members])  # not the silent ones
         fresh = self.watch.fresh(self._pushed_at)
         now = time.monotonic()

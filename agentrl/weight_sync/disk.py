@@ -35,9 +35,15 @@ RETRY_S = 5.0
 
 class DiskEngine(WeightSyncEngine):
     def __init__(
-        self, config: DiskSyncConfig, urls: list[str], inference: InferenceConfig, rank: int, directory: Path
+        self,
+        config: DiskSyncConfig,
+        urls: list[str],
+        inference: InferenceConfig,
+        rank: int,
+        directory: Path,
+        servers_file: str | Path | None = None,
     ) -> None:
-        super().__init__(urls, inference, rank)
+        super().__init__(urls, inference, rank, servers_file)
         self.config = config
         self.directory = directory
         self.watch: ServerWatch | None = None
@@ -59,12 +65,25 @@ class DiskEngine(WeightSyncEngine):
         backoff. Never blocks."""
         if self.rank != 0 or self.watch is None:
             return []
-        now = time.monotonic()
+        self._reread()  # a server new in the live list is one behind (and never blocks)
+        now, leaving = time.monotonic(), self._leaving()
         return [
             url
             for url, v in self.watch.fresh(self._pushed_at).items()
-            if v != DOWN and v != version and self._retry_at.get(url, 0.0) <= now
+            if v != DOWN and url not in leaving and v != version and self._retry_at.get(url, 0.0) <= now
         ]
+
+    def _follow_list(self) -> None:
+        """Before a push: take in the live server list (a new server is probed, then loads the
+        version on disk as one behind; a removed one is no longer pushed to)."""
+        self._reread()
+        removed = self._take_removed()
+        if removed:
+            assert self.watch is not None
+            self.watch.forget(removed)
+            self._forget(removed)
+            for url in removed:
+                self._retry_at.pop(url, None)
 
     def push(self, weights: WeightSource, version: int) -> PushStats | None:
         start = time.perf_counter()
@@ -79,6 +98,7 @@ class DiskEngine(WeightSyncEngine):
             stats = self._write(weights, version, out)
             if stats is None:
                 return None
+            self._follow_list()
             targets = [u for u in self.urls if self.watch is None or self.watch.last(u) != DOWN]
         left_out = [u for u in self.urls if u not in targets]
         timeout = self.config.timeout_s

@@ -5,7 +5,9 @@ back (restarted on the same address, or back after a partition) must be brought 
 learner's version before rollers use it again, without waiting for the next trained step.
 `ServerWatch` probes every server concurrently on the weight-sync engine's event loop
 (`AsyncBridge`), each probe bounded by `timeout_s` (alive, then the weight version),
-one round every `interval_s`, and keeps the last answers. `fresh(since)` returns what the
+one round every `interval_s`, and keeps the last answers. Each round probes the servers in
+`clients` at that time: the engine adds a server to it (and `forget`s one) as the launcher's
+live server list moves (`inference.server_list`). `fresh(since)` returns what the
 probes started after `since` saw, without blocking; `probe_now(urls)` asks again at once
 and waits, but never for a server whose last probe timed out.
 
@@ -80,8 +82,16 @@ class ServerWatch:
 
         self._record(urls, self.bridge.run(every(), timeout_s=2 * self.timeout_s + 1), started)
 
+    def forget(self, urls: list[str]) -> None:
+        """Stop probing `urls` (removed from the server list)."""
+        for url in urls:
+            self._seen.pop(url, None)
+            self._silent.discard(url)
+
     async def _probe(self, url: str) -> int:
-        client = self.clients[url]
+        client = self.clients.get(url)
+        if client is None:  # removed from the server list while this round ran
+            return DOWN
         try:
             if not await asyncio.wait_for(client.alive(), self.timeout_s):
                 version = DOWN
@@ -97,14 +107,16 @@ class ServerWatch:
 
     def _record(self, urls: list[str], versions: list[int], started: float) -> None:
         for url, version in zip(urls, versions, strict=True):
+            if url not in self.clients:  # removed while probed
+                continue
             previous = self._seen.get(url, (0.0, None))[1]
             if previous is not None and (previous == DOWN) != (version == DOWN):
                 logger.info("server %s is %s", url, "down" if version == DOWN else f"up at version {version}")
             self._seen[url] = (started, version)
 
     async def _probe_loop(self) -> None:
-        urls = list(self.clients)
         while True:
+            urls = list(self.clients)  # the engine adds and removes servers as the live list moves
             started = time.monotonic()
             self._record(urls, await asyncio.gather(*(self._probe(u) for u in urls)), started)
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))

@@ -231,6 +231,8 @@ def test_a_scale_request_is_seen_once_and_refused_without_a_live_launcher(tmp_pa
     assert watch.poll() is None
     with pytest.raises(ValueError, match="--rollers"):
         request_scale(tmp_path, -1, None)
+    with pytest.raises(ValueError, match="at least one server"):
+        request_scale(tmp_path, None, 0)
     request = request_scale(tmp_path, 3, 1)
     assert watch.poll() == request and request["rollers"] == 3 and request["servers"] == 1
     assert watch.poll() is None  # applied once
@@ -265,7 +267,9 @@ def test_local_scaling_starts_and_stops_rollers_and_server_slots_and_status_list
         assert names == ["server0", "learner", "roller0", "roller1", "roller2"]
         assert supervisor.children[-1].spec.env == {"AGENTRL_ROLLER_INDEX": "2"}
         assert server1.proc.poll() is not None  # stopped by PID
-        assert scaler.apply({"rollers": 1, "servers": 5}) == "rollers 1, servers 2 (all 2 planned slots)"
+        assert scaler.apply({"rollers": 1, "servers": 5}) == (
+            "rollers 1, servers 2 (all 2 planned slots: a Redis or standalone queue carries no server list)"
+        )
         assert [c.name for c in supervisor.children] == ["server0", "learner", "roller0", "server1"]
         assert roller0.proc.poll() is None
         write_state(tmp_path, "local", scaler.processes())

@@ -167,3 +167,52 @@ async def test_no_server_inside_the_window_is_a_counted_loss_after_server_wait_s
         with pytest.raises(RequestLostError, match="behind the admissible window"):
             await asyncio.wait_for(router.generate(PROMPT, PARAMS), 20)
         assert router.stats["lost"] == 1 and router.stats["completed"] == 0
+
+
+async def test_set_servers_adds_and_removes_servers_and_keeps_sessions_on_kept_ones(
+    server: ServerThread, second: ServerThread
+):
+    """The launcher's live server list (carried by the queue): a newer epoch swaps the set, an old
+    one is ignored; a kept server keeps its sessions, a removed one gets no new request."""
+    router = Router([SGLangClient(server.url)], client_factory=SGLangClient)
+    try:
+        assert (await router.generate(PROMPT, PARAMS, session_id="ep")).server == server.url
+        assert router.set_servers(1, [server.url, second.url])
+        assert router.healthy == [True, False]  # the new one is not used before a probe saw it
+        assert not router.set_servers(1, [second.url]) and not router.set_servers(0, [second.url])
+        assert (await router.generate(PROMPT, PARAMS, session_id="ep")).server == server.url
+        await router.check_health()
+        results = await asyncio.gather(*(router.generate(PROMPT, PARAMS) for _ in range(12)))
+        assert {r.server for r in results} == {server.url, second.url}
+        assert router.set_servers(2, [second.url])
+        results = await asyncio.gather(*(router.generate(PROMPT, PARAMS, session_id="ep") for _ in range(4)))
+        assert {r.server for r in results} == {second.url} and router.url == second.url
+        assert router.stats["lost"] == 0
+    finally:
+        await router.close()
+
+
+async def test_a_request_in_flight_on_a_removed_server_fails_over_to_the_new_list(
+    server: ServerThread, hanging: str
+):
+    router = Router([SGLangClient(hanging)], request_timeout_s=1.5, client_factory=SGLangClient)
+    try:
+        task = asyncio.create_task(router.generate(PROMPT, PARAMS))
+        for _ in range(200):  # until the request is on the hanging server
+            if router.outstanding[0] == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert router.outstanding[0] == 1
+        router.set_servers(1, [server.url])
+        assert list(router._retired) and router.outstanding == [0]
+        result = await asyncio.wait_for(task, 30)
+        assert result.server == server.url and router.stats["retries"] == 1 and router.stats["lost"] == 0
+        assert not router._retired  # the removed server's client is closed once its request is done
+    finally:
+        await router.close()
+
+
+def test_set_servers_without_a_factory_refuses_new_urls():
+    router = Router([SGLangClient(_dead_url())])
+    with pytest.raises(ValueError, match="client_factory"):
+        router.set_servers(1, [_dead_url()])

@@ -104,7 +104,9 @@ class Harness:
         self.server: Any = None
         self.consumers: list[Any] = []
 
-    def start(self, groups_per_step: int = 4, max_staleness: int = 1, **fields: Any) -> Harness:
+    def start(
+        self, groups_per_step: int = 4, max_staleness: int = 1, server_args: dict | None = None, **fields: Any
+    ) -> Harness:
         if self.kind == "zmq":
             self.config = ZmqQueueConfig(
                 address="tcp://127.0.0.1:*", wal_dir=str(self.tmp_path / "wal"), **fields
@@ -114,7 +116,7 @@ class Harness:
             self.config = RedisQueueConfig(url=self.redis_url, stream=stream, **fields)
         self.backend = create(self.config)
         self.server = self.backend.server(
-            groups_per_step=groups_per_step, max_staleness=max_staleness
+            groups_per_step=groups_per_step, max_staleness=max_staleness, **(server_args or {})
         ).start()
         self.address = getattr(self.server, "endpoint", None)
         return self

@@ -180,3 +180,38 @@ def test_an_older_sglang_without_the_session_routes_is_pushed_to_tensor_by_tenso
         assert "/begin_weight_update" in state["calls"] and engine.clients[old.url].has_session is False
     finally:
         engine.close()
+
+
+def test_servers_follow_the_live_list_a_new_one_catches_up_a_removed_one_leaves(standins, tmp_path) -> None:
+    """The launcher's live list (`inference.server_list`): a server added to it is behind until
+    the catch-up push gives it the current weights; one removed from it is pushed to no more."""
+    from agentrl.inference import server_list
+
+    first, second = standins
+    path = tmp_path / "servers.json"
+    server_list.write(path, 1, [first.url])
+    engine = create(
+        BroadcastSyncConfig(backend="gloo", bucket_mb=1, timeout_s=20),
+        InferenceConfig(type="sglang", servers=[first.url]),
+        servers_file=path,
+    )
+    engine.init()
+    try:
+        w1 = _weights(1)
+        assert engine.push(lambda: iter(w1.items()), 1).servers_updated == 1
+        server_list.write(path, 2, [first.url, second.url])
+        deadline = time.monotonic() + 30  # the next probe round sees the new server
+        while (late := engine.behind(1)) != [second.url]:
+            assert time.monotonic() < deadline, late
+            time.sleep(0.1)
+        stats = engine.push(lambda: iter(w1.items()), 1)  # the learner loop's catch-up push
+        assert stats.servers_updated == 2 and engine.members == [first.url, second.url]
+        _assert_pushed(second, w1, 1)
+        server_list.write(path, 3, [second.url])
+        w2 = _weights(2)
+        stats = engine.push(lambda: iter(w2.items()), 2)
+        assert stats.servers_updated == 1 and engine.members == [second.url] and stats.servers_dropped == []
+        _assert_pushed(second, w2, 2)
+        assert first.state()["weight_version"] == "1" and first.url not in engine.clients
+    finally:
+        engine.close()

@@ -1,0 +1,106 @@
+"""The live list of inference servers: `{"epoch": E, "urls": [...]}`, in `<run_dir>/servers.json`.
+
+The launcher is its source of truth: it bumps `epoch` on every change (a server up on a new
+address, a server added, one removed) and writes the file on the learner's node (atomically:
+a temporary file renamed over the old one, so a reader sees the old list or the new, never a
+torn one). The learner's weight sync rereads it on every probe round (`watch.ServerWatch`) and
+its TransferQueue rereads it and carries it in every reply to producers, whose router swaps its
+server set when the epoch moves (`router.Router.set_servers`). No filesystem is shared across
+nodes: only the learner's processes read the file; the rollers learn the list from the queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentrl.log import get_logger
+
+logger = get_logger(__name__)
+
+FILE = "servers.json"
+ENV = "AGENTRL_SERVERS_FILE"
+"""Set by the launcher for the learner: the path of the list on the learner's node. Without it
+the learner follows no list (a `servers.json` left in a reused run_dir is never read)."""
+
+
+@dataclass(frozen=True)
+class ServerList:
+    epoch: int
+    urls: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        return {"epoch": self.epoch, "urls": list(self.urls)}
+
+
+def path_in(run_dir: str | Path) -> Path:
+    return Path(run_dir) / FILE
+
+
+def carried(queue: object) -> bool:
+    """Whether this queue carries the list to the rollers: the zmq queue the learner hosts (not a
+    standalone `agentrl queue`, which reads no list, nor Redis)."""
+    return getattr(queue, "type", None) == "zmq" and not getattr(queue, "standalone", False)
+
+
+def from_env() -> Path | None:
+    value = os.environ.get(ENV)
+    return Path(value) if value else None
+
+
+def write(path: str | Path, epoch: int, urls: list[str]) -> None:
+    """Atomically replace `path` with the list (the temporary file sits in the same directory)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"epoch": int(epoch), "urls": [str(u) for u in urls]}))
+    os.replace(tmp, path)
+
+
+def parse(value: object) -> ServerList:
+    """A `ServerList` from its dict form; ValueError on anything else."""
+    if not isinstance(value, dict) or not isinstance(value.get("epoch"), int):
+        raise ValueError(f"server list: expected {{'epoch': int, 'urls': [str]}}, got {value!r}")
+    urls = value.get("urls")
+    if not isinstance(urls, list) or not all(isinstance(u, str) and u for u in urls):
+        raise ValueError(f"server list: 'urls' must be a list of URLs, got {urls!r}")
+    return ServerList(value["epoch"], tuple(urls))
+
+
+def read(path: str | Path) -> ServerList | None:
+    """The list in `path`; None when there is no file. ValueError when it cannot be read."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return parse(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a server list ({exc})") from None
+
+
+class Reader:
+    """Rereads `path` on every `poll()` (a few hundred bytes: cheaper than judging by mtime, whose
+    granularity can hide a rewrite); returns the list when its epoch is newer, else None."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.current: ServerList | None = None
+        self._bad: str | None = None  # the last error logged, so a broken file is logged once
+
+    def poll(self) -> ServerList | None:
+        try:
+            found = read(self.path)
+        except (ValueError, OSError) as exc:  # not the launcher's atomic write: keep the list we have
+            if str(exc) != self._bad:
+                self._bad = str(exc)
+                logger.error("server list %s unreadable, keeping epoch %s: %s", self.path,
+                             None if self.current is None else self.current.epoch, exc)  # fmt: skip
+            return None
+        self._bad = None
+        if found is None or (self.current is not None and found.epoch <= self.current.epoch):
+            return None
+        self.current = found
+        return found
