@@ -45,6 +45,18 @@ USES = {
     "serve": ("inference", "learner"),
     "queue": ("queue", "learner"),
     "warmstart": ("learner", "roller", "env"),
+    # every section, and the launcher: it starts the servers, so none need be given
+    "run": (
+        "learner",
+        "roller",
+        "queue",
+        "inference",
+        "weight_sync",
+        "env",
+        "reward",
+        "launcher",
+        "colocated",
+    ),
 }
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="YAML/TOML preset (see recipes/).", show_default=False)
@@ -277,11 +289,6 @@ def run(
             raise _fail(f"--launcher: choose local or ray, not {launcher!r}")
         ctx.args.append(f"--launcher.type={launcher}")
     cfg = load(config, ctx)
-    if cfg.inference.type == "sglang":
-        raise _fail(
-            "agentrl run starts embedded and vLLM servers: set inference.type: embedded or vllm, or "
-            "start the learner and rollers yourself against your SGLang servers"
-        )
     check_model_path("learner.model_path", cfg.learner.model_path)
     from agentrl.launcher import run as launch
 

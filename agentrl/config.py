@@ -515,10 +515,14 @@ class AgentRLConfig(Section):
         def concerns(*sections: str) -> bool:
             return uses is None or set(sections) <= set(uses)
 
-        if concerns("inference") and self.inference.type == "sglang" and not self.inference.servers:
+        # the clients of the servers need their URLs (`agentrl serve` is one; `agentrl run` starts them)
+        clients = (concerns("inference", "weight_sync") or concerns("inference", "roller")) and not (
+            uses is not None and "launcher" in uses
+        )
+        if clients and self.inference.type == "sglang" and not self.inference.servers:
             raise ValueError(
-                "inference.servers: inference.type='sglang' needs the URLs of running servers "
-                "(agentrl starts embedded and vLLM servers only)"
+                "inference.servers: inference.type='sglang' needs the URLs of running SGLang servers "
+                "(or let `agentrl run` start them: `agentrl serve --backend sglang`, from .venv-sglang)"
             )
         if concerns("learner", "roller") and self.learner.temperature != self.roller.temperature:
             raise ValueError(

@@ -59,7 +59,8 @@ def plan(
         f"--inference.model_path={model}",
     ]
     common += overrides
-    backend = ["--backend", "vllm"] if config.inference.type == "vllm" else []  # inference/vllm_launch.py
+    # a real vLLM (inference/vllm_launch.py) or SGLang (inference/sglang_launch.py) behind `agentrl serve`
+    backend = ["--backend", config.inference.type] if config.inference.type in ("vllm", "sglang") else []
     servers = [
         Role(
             f"server{i}",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.inference.sglang import SGLangClient
-from tests.conftest import find_free_port
+from tests.conftest import REPO, find_free_port
 from tests.sglang_standin import digest
 from tests.unit.weight_sync.test_standin_push import start_standin
 
@@ -94,3 +94,57 @@ def test_learner_and_roller_against_strict_sglang_standins(
 
     assert asyncio.run(version()) == [STEPS, STEPS]
     assert roller.poll() is None  # the roller kept going through every push
+
+
+SHIM = '''"""sglang.launch_server for the test: records SGLang's flags, then serves tests/sglang_standin.py."""
+import argparse, json, pathlib, runpy, sys
+
+parser = argparse.ArgumentParser()
+for flag in ("--model-path", "--host", "--port", "--dtype", "--weight-version"):
+    parser.add_argument(flag, required=True)
+opts, rest = parser.parse_known_args()
+pathlib.Path(__file__).with_name(f"argv-{opts.port}.json").write_text(json.dumps(sys.argv[1:]))
+vocab = json.loads(pathlib.Path(opts.model_path, "config.json").read_text())["vocab_size"]
+sys.argv = ["tests.sglang_standin", "--port", opts.port, "--vocab-size", str(vocab), "--device", "cpu"]
+runpy.run_module("tests.sglang_standin", run_name="__main__")
+'''
+
+
+def test_agentrl_run_starts_sglang_servers_and_trains_against_them(tiny_model: Path, tmp_path: Path) -> None:
+    """`agentrl run --inference.type sglang` plans `agentrl serve --backend sglang` per server
+    (inference/sglang_launch.py), which starts `python -m sglang.launch_server` with SGLang's
+    flags; here that module is a shim serving the strict stand-in, so the whole path (config,
+    plan, launcher, SGLang's command line, health, weight sync, the roller's SGLang client) runs."""
+    shim = tmp_path / "shim" / "sglang"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("")
+    (shim / "launch_server.py").write_text(SHIM)
+    env = {
+        **os.environ,
+        "AGENTRL_SGLANG_PYTHON": sys.executable,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "shim"), str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
+         f"--learner.model_path={tiny_model}", "--learner.warmstart.steps=0", "--learner.max_steps=2",
+         "--learner.groups_per_step=2", "--learner.batch_timeout_s=0.5", "--inference.type=sglang",
+         "--weight_sync.backend=gloo", "--weight_sync.timeout_s=30", "--weight_sync.bucket_mb=1",
+         "--roller.group_size=2", "--roller.max_new_tokens=16", "--roller.max_turns=2",
+         f"--queue.address=tcp://127.0.0.1:{find_free_port()}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    (argv_file,) = shim.glob("argv-*.json")
+    argv = json.loads(argv_file.read_text())
+    assert (
+        argv[argv.index("--model-path") + 1] == str(tiny_model)
+        and argv[argv.index("--weight-version") + 1] == "0"
+    )
+    steps = [json.loads(line) for line in (run_dir / "learner.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["sync/servers_updated"] == 1 for s in steps)
+    logs = run_dir / "logs"
+    assert "SGLang is healthy on" in (logs / "server0.log").read_text()
+    assert "has the weight-update session API" in (logs / "learner.log").read_text()  # SGLang's admin path
+    assert "served its first request" in (logs / "roller0.log").read_text()

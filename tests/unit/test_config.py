@@ -191,6 +191,15 @@ def test_each_command_validates_only_the_sections_it_uses() -> None:
         load_config(None, overrides, uses=("roller", "env", "inference", "queue"))
     with pytest.raises(ConfigError, match=r"inference\.servers"):
         load_config(None, overrides)  # no command named: every check
+    from agentrl.cli import USES
+
+    for command in (
+        "run",
+        "serve",
+    ):  # `agentrl run` starts the SGLang servers; `serve --backend sglang` is one
+        assert load_config(None, overrides, uses=USES[command]).inference.type == "sglang"
+    with pytest.raises(ConfigError, match=r"inference\.servers"):
+        load_config(None, overrides, uses=USES["learner"])
     with pytest.raises(ConfigError, match=r"learner\.lrr"):  # a section's own fields always count
         load_config(None, ["--learner.lrr", "1"], uses=("queue",))
 

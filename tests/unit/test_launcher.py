@@ -49,6 +49,22 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path: Path
     assert not any(pid_alive(pid) for pid in pids)
 
 
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_the_plan_starts_real_engines_behind_agentrl_serve(tmp_path: Path, kind: str) -> None:
+    from agentrl.cli import USES
+    from agentrl.config import AgentRLConfig
+    from agentrl.launcher import plan_children
+
+    data = {"run_dir": str(tmp_path), "inference": {"type": kind}}
+    config = AgentRLConfig.model_validate(
+        data, context={"uses": set(USES["run"])}
+    )  # as `agentrl run` loads it
+    specs = {s.name: s for s in plan_children(config, tmp_path / "c.yaml", "m", [])}
+    server = specs["server0"].args
+    assert "serve" in server and server[server.index("--backend") + 1] == kind
+    assert "--backend" not in specs["learner"].args and "--inference.servers" in specs["learner"].args
+
+
 def test_the_plan_restarts_servers_and_rollers_but_not_the_learner(tmp_path: Path) -> None:
     from agentrl.config import AgentRLConfig
     from agentrl.launcher import plan_children
