@@ -119,6 +119,22 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
+def qwen2_config(shape: ModelPreset, **fields):
+    """The `Qwen2Config` of a preset's shape (tied embeddings), with `fields` added or overridden."""
+    from transformers import Qwen2Config
+
+    dims = dict(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        tie_word_embeddings=True,
+    )
+    return Qwen2Config(**{**dims, **fields})
+
+
 def _training_corpus() -> list[str]:
     """Deterministic text the BPE merges are learned from: chat-template scaffolding,
     tool-call JSON, English and numbers, the text a tiny agent model mostly sees."""
@@ -204,7 +220,6 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import (
         PreTrainedTokenizerFast,
-        Qwen2Config,
         Qwen2ForCausalLM,
         Qwen2ForSequenceClassification,
     )
@@ -231,16 +246,10 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     tokenizer.chat_template = CHAT_TEMPLATE
     assert len(tokenizer) <= shape.vocab_size, (len(tokenizer), shape.vocab_size)
 
-    config = Qwen2Config(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
+    config = qwen2_config(
+        shape,
         max_position_embeddings=4096,
         rope_theta=10000.0,
-        tie_word_embeddings=True,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),

@@ -6,29 +6,18 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+from agentrl.net import free_port
+
 
 def preset_config(preset: str, **overrides: Any):
     """The `Qwen2Config` of an agentrl/tiny_model.py preset (tied embeddings), with `overrides`."""
-    from transformers import Qwen2Config
+    from agentrl.tiny_model import PRESETS, qwen2_config
 
-    from agentrl.tiny_model import PRESETS
-
-    s = PRESETS[preset]
-    fields = dict(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_hidden_layers,
-        num_attention_heads=s.num_attention_heads,
-        num_key_value_heads=s.num_key_value_heads,
-        tie_word_embeddings=True,
-    )
-    return Qwen2Config(**{**fields, **overrides})
+    return qwen2_config(PRESETS[preset], **overrides)
 
 
 def init_gloo(rank: int, world: int, port: int) -> None:
@@ -37,12 +26,6 @@ def init_gloo(rank: int, world: int, port: int) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_ranks(target: Callable[..., None], world: int, args: tuple, timeout_s: float, what: str) -> None:
