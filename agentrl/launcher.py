@@ -54,7 +54,7 @@ from agentrl.launch.control import ScaleWatch, write_state
 from agentrl.launch.plan import Addresses, Role, plan, render, server_url, service_roles
 from agentrl.launch.servers import LiveServers, PendingServers
 from agentrl.log import get_logger, read_metrics
-from agentrl.net import free_port
+from agentrl.net import answers, free_port
 
 logger = get_logger(__name__)
 
@@ -197,21 +197,13 @@ def wait_healthy(
     path: str = "/health",
 ) -> None:
     """Wait until every server answers `path`; fail early if one of `children` exits."""
-    import urllib.request
-
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
     while pending:
         for proc in children or []:
             if proc.poll() is not None:
                 raise RuntimeError(f"process {proc.args!r} exited with code {proc.returncode} while starting")
-        for url in list(pending):
-            try:
-                with urllib.request.urlopen(f"{url}{path}", timeout=2) as resp:
-                    if resp.status == 200:
-                        pending.remove(url)
-            except OSError:
-                pass
+        pending = [url for url in pending if not answers(url, path)]
         if time.monotonic() > deadline:
             raise TimeoutError(f"inference servers {pending} not healthy after {timeout_s}s")
         time.sleep(0.3)

@@ -11,3 +11,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def answers(url: str, path: str = "/health", timeout_s: float = 2.0) -> bool:
+    """Whether `url + path` answers 200 within `timeout_s` (a refused or timed-out request: no)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}{path}", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

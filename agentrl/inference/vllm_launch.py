@@ -31,11 +31,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentrl.log import get_logger
+from agentrl.net import answers
 
 if TYPE_CHECKING:
     from agentrl.config import InferenceConfig
@@ -154,12 +154,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {proc.returncode} while starting")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
+        if answers(url):
+            return
         if time.monotonic() > deadline:
             raise TimeoutError(f"vLLM at {url} not healthy after {timeout_s}s")
         time.sleep(0.5)

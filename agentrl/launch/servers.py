@@ -9,10 +9,10 @@ the queue carries the list on to the rollers, wherever they run.
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Callable
 
 from agentrl.log import get_logger
+from agentrl.net import answers
 
 logger = get_logger(__name__)
 
@@ -62,17 +62,9 @@ class PendingServers:
 
     def poll(self) -> None:
         for name, url in list(self.waiting.items()):
-            if _healthy(url):
+            if answers(url, timeout_s=1):
                 del self.waiting[name]
                 self.live.set(name, url)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def _index(name: str) -> int:

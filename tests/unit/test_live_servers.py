@@ -64,7 +64,7 @@ def _run(tmp_path: Path, monkeypatch, healthy: set[str]):
         lambda e, u: learner.lists.append(("", e, u)), {"server0": run.addrs.servers[0]}
     )
     run.pending = live_servers.PendingServers(run.live)
-    monkeypatch.setattr(live_servers, "_healthy", lambda url: url in healthy)  # no traffic off loopback
+    monkeypatch.setattr(live_servers, "answers", lambda url, **_: url in healthy)  # no traffic off loopback
     created: list[_ServerActor] = []
 
     def new_actor(role, name, restarts, **options):
