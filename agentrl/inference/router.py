@@ -4,11 +4,13 @@ Rollers generate through it without knowing how many servers exist. It sends eac
 to the usable server with the fewest outstanding requests, except that the turns of one
 episode (`session_id`) stay on the server that served its previous turn (its prefix cache
 holds the conversation so far) while that server is usable. A server is usable when it is
-healthy and its weight version is inside the admissible window: at least the newest version
-any server reported minus `max_staleness` (servers are updated together by the learner's
-push, so the newest version seen never exceeds the learner's and the window is never
-stricter than the learner's own). A server restarted at an old version therefore gets no
-work until the learner has pushed the current weights to it.
+healthy and its weight version is inside the admissible window: at least the learner's
+version minus `max_staleness`. The learner's version is the one the queue reports
+(`learner_version`); before the queue has said it, the newest version any server reported
+stands in (the learner publishes a version before it pushes it, so no server is ahead of the
+learner). A server restarted at an old version therefore gets no work until the learner has
+pushed the current weights to it. After a resume from an older checkpoint the versions pushed
+since it are gone, and the window follows the learner back down.
 
 A request that fails because its server is unreachable, times out or errors (5xx) is
 retried on another server. When no server is usable (all down, or all behind the window)
@@ -104,6 +106,7 @@ class Router(InferenceClient):
         self.healthy = [True] * len(clients)
         self.versions: list[int | None] = [None] * len(clients)  # last version each reported
         self.newest = -1  # the newest version any server reported
+        self.learner = -1  # the learner's version as the queue reported it (-1: not yet)
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._health_task: asyncio.Task | None = None
         self._probe_lock = asyncio.Lock()
@@ -118,9 +121,18 @@ class Router(InferenceClient):
 
     def floor(self) -> int | None:
         """The oldest weight version a server may generate with (None: no bound)."""
-        if self.max_staleness is None or self.newest < 0:
+        newest = self.learner if self.learner >= 0 else self.newest
+        if self.max_staleness is None or newest < 0:
             return None
-        return self.newest - self.max_staleness
+        return newest - self.max_staleness
+
+    def learner_version(self, version: int) -> None:
+        """The learner's version, as the queue reported it: the top of the admissible window."""
+        before = self.learner if self.learner >= 0 else self.newest
+        if 0 <= version < before:
+            logger.warning("the learner's version went back from %d to %d (resumed from an older "
+                           "checkpoint): the admissible window follows it", before, version)  # fmt: skip
+        self.learner = version
 
     def _usable(self, i: int) -> bool:
         floor, version = self.floor(), self.versions[i]

@@ -98,10 +98,12 @@ class Producer(abc.ABC):
 
     `max_staleness`: the run's, as the queue told this producer (None until it has), so a roller
     knows the admissible window without its own config; `on_max_staleness(k)` is called when it
-    learns (or the queue changes) it."""
+    learns (or the queue changes) it, and `on_version(v)` with the learner's version each time
+    the queue reports it (it may go down: a learner resumed from an older checkpoint)."""
 
     max_staleness: int | None = None
     on_max_staleness: Callable[[int], None] | None = None
+    on_version: Callable[[int], None] | None = None
 
     @abc.abstractmethod
     async def put(self, group: Group) -> None:

@@ -135,6 +135,8 @@ class RedisProducer(Producer):
                 self.max_staleness = int(k)
                 if self.on_max_staleness is not None:
                     self.on_max_staleness(self.max_staleness)
+            if self.on_version is not None:
+                self.on_version(int(version))
             if granted == 1:
                 return Admission(int(version), int(first_task))
             if granted < 0:

@@ -142,6 +142,7 @@ class ZmqProducer(Producer):
         self._heard = False
         self.max_staleness: int | None = None  # the run's, as the queue says in every reply
         self.on_max_staleness: Callable[[int], None] | None = None
+        self.on_version: Callable[[int], None] | None = None
         # the launcher's live server list, as the queue carries it (`inference.server_list`)
         self.servers: tuple[int, list[str]] | None = None
         self.on_servers: Callable[[int, list[str]], None] | None = None
@@ -264,7 +265,10 @@ class ZmqProducer(Producer):
                 if not self._puts_in_flight():
                     return
                 continue
-            self._version = ctl.get("v", self._version)
+            if "v" in ctl:
+                self._version = int(ctl["v"])
+                if self.on_version is not None:
+                    self.on_version(self._version)
             self._told_max_staleness(ctl.get("ms"))
             self._told_servers(ctl.get("sl"))
             if self._epoch is not None and ctl.get("e") != self._epoch:

@@ -82,6 +82,7 @@ async def run_roller(config: AgentRLConfig) -> int:
     backend = create_queue(config.queue)
     producer = backend.producer(name=name)
     producer.on_max_staleness = functools.partial(setattr, client, "max_staleness")
+    producer.on_version = client.learner_version  # the window's top: the learner's version
     # the launcher's live server list, carried by the queue's replies (zmq only: a Redis queue
     # carries none, and its rollers keep the servers they started with)
     if hasattr(producer, "on_servers"):

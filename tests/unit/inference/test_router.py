@@ -169,6 +169,26 @@ async def test_no_server_inside_the_window_is_a_counted_loss_after_server_wait_s
         assert router.stats["lost"] == 1 and router.stats["completed"] == 0
 
 
+async def test_the_window_follows_the_learners_version_back_after_a_resume(server: ServerThread):
+    """Servers saw version 2, the learner resumed from the checkpoint of version 1 and pushed it:
+    at k=0 the server at 1 is admissible again once the queue says the learner is at 1."""
+    async with Router([SGLangClient(server.url)], max_staleness=0, server_wait_s=1.0) as router:
+        router.newest = 2  # a server reported 2 before the learner died
+        server.engine.weight_version = "1"
+        try:
+            await router.check_health()
+            assert router.floor() == 2
+            with pytest.raises(RequestLostError, match="behind the admissible window"):
+                await asyncio.wait_for(router.generate(PROMPT, PARAMS), 20)
+            router.learner_version(1)
+            assert router.floor() == 1
+            assert (await asyncio.wait_for(router.generate(PROMPT, PARAMS), 20)).server == server.url
+            router.learner_version(2)  # the next step: a server still at 1 is behind again
+            assert router.floor() == 2
+        finally:
+            server.engine.weight_version = "0"
+
+
 async def test_set_servers_adds_and_removes_servers_and_keeps_sessions_on_kept_ones(
     server: ServerThread, second: ServerThread
 ):
