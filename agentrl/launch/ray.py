@@ -19,9 +19,10 @@ of its `start` call and into its child's environment only: not in argv, not in a
 Failures: server, roller and service actors have `max_restarts = launcher.max_restarts`; when one
 dies (ray.kill, its node removed) Ray restarts it on a node that fits, the driver sees a fresh
 actor and starts its process again with the current addresses (a server on its old port when
-that is free on its node; one on a new address goes on the live server list once healthy,
-`launch/servers.py`, which the learner's actor writes on its node; the learner's ServerWatch
-brings it to the current version, a roller opens a new queue lease). A child
+that is free on its node; a server or env service on a new address goes on the live list
+once healthy, `launch/servers.py`, which the learner's actor writes on its node and the queue
+carries to the rollers; the learner's ServerWatch brings a server to the current version, a
+roller opens a new queue lease). A child
 that exits while its actor lives is restarted in the same actor after `launcher.restart_backoff_s`
 (doubled each time), and so is the process of an actor Ray restarted; one budget of
 `max_restarts` covers both. A learner rank is never
@@ -226,15 +227,17 @@ class RayRun:
             port = self._get(ranks[0].actor.bind_port.remote(), "learner rank 0")
             nodes = [self._get(m.actor.where.remote(), m.name)["node_id"] for m in ranks]
             dist_env = {"MASTER_ADDR": head["ip"], "MASTER_PORT": str(port), "WORLD_SIZE": str(learner.ranks)}
-        if servers and server_list.carried(
-            self.config.queue
-        ):  # the learner's queue carries it on to the rollers
+        services = {
+            m.role.kwarg: m.role.url(m.node, m.port) for m in self.members if m.role.kind == "service"
+        }
+        if (servers or services) and server_list.carried(self.config.queue):  # on to the rollers
             path = str(self.run_dir / server_list.FILE)  # on the learner's node, written by its actor
             self.live = LiveServers(
-                lambda epoch, urls: self._get(
-                    ranks[0].actor.write_servers.remote(path, epoch, urls), "learner"
+                lambda epoch, urls, services: self._get(
+                    ranks[0].actor.write_servers.remote(path, epoch, urls, services), "learner"
                 ),
                 {m.name: url for m, url in zip(servers, self.addrs.servers, strict=True)},
+                services,
             )
             self.pending = PendingServers(self.live)
             ranks[0].env_extra = {server_list.ENV: path}
@@ -335,17 +338,16 @@ class RayRun:
             old = server_url(m.node, m.port)
             self._start_server(m)
             new = server_url(m.node, m.port)
-            if new != old and m.role.kind == "server" and self.live is not None:
+            if new != old and self.live is not None:
                 # on another node (or port): the live list tells the learner and the rollers,
-                # once it answers /health
-                logger.warning("%s came back at %s, not %s: it goes on the server list once healthy",
+                # once it answers its health path
+                logger.warning("%s came back at %s, not %s: it goes on the live list once healthy",
                                m.name, new, old)  # fmt: skip
-                self._server_moved(m.name, new)
+                self._moved(m)
             elif new != old:
                 logger.warning("%s came back at %s, not %s: the %s still use the old address (%s)", m.name,
                                new, old, "learner and rollers" if m.role.kind == "server" else "rollers",
-                               "a Redis or standalone queue carries no server list" if m.role.kind == "server"
-                               else "an env service's address is fixed when they start")  # fmt: skip
+                               "a Redis or standalone queue carries no server list")  # fmt: skip
         else:
             self._start(m, render(m.role, self.addrs))
         logger.warning(
@@ -361,13 +363,20 @@ class RayRun:
         with (self.run_dir / "launcher.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def _server_moved(self, name: str, url: str) -> None:
-        """Server `name` now serves at `url`: the list names it there once it answers /health (its
-        old address, dead, stays until then: the list is never empty); later rollers are started
-        with the current addresses."""
+    def _moved(self, m: Member) -> None:
+        """`m`, a server or env service, now serves on a new address: the list names it there once
+        it answers (its old address, dead, stays until then: the list is never empty); rollers
+        started from now on are given the new address."""
         assert self.pending is not None
-        self.pending.add(name, url)
-        self._set_addr(name, url)
+        if isinstance(m.role, ServiceRole):
+            url = m.role.url(m.node, m.port)
+            self.pending.add_service(
+                m.name, m.role.kwarg, server_url(m.node, m.port), m.role.health_path, url
+            )
+            self.addrs.services[m.role.kwarg] = url
+            return
+        self.pending.add(m.name, server_url(m.node, m.port))
+        self._set_addr(m.name, server_url(m.node, m.port))
 
     def _set_addr(self, name: str, url: str | None) -> None:
         slots = {m.name: server_url(m.node, m.port) for m in self.members if m.role.kind == "server"}

@@ -36,6 +36,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from agentrl.inference.server_list import Follower
 from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
 from agentrl.queue.base import (
@@ -103,7 +104,7 @@ class ByteWindow:
                 granted.set_result(None)
 
 
-class ZmqProducer(Producer):
+class ZmqProducer(Follower, Producer):
     """Sends groups to the queue server; one per roller process, shared by its coroutines."""
 
     def __init__(
@@ -142,9 +143,6 @@ class ZmqProducer(Producer):
         self._heard = False
         self.max_staleness: int | None = None  # the run's, as the queue says in every reply
         self.on_max_staleness: Callable[[int], None] | None = None
-        # the launcher's live server list, as the queue carries it (`inference.server_list`)
-        self.servers: tuple[int, list[str]] | None = None
-        self.on_servers: Callable[[int, list[str]], None] | None = None
 
     def _new_lease(self) -> str:
         return f"{self.name}-{os.getpid()}-{os.urandom(3).hex()}"
@@ -266,7 +264,7 @@ class ZmqProducer(Producer):
                 continue
             self._version = ctl.get("v", self._version)
             self._told_max_staleness(ctl.get("ms"))
-            self._told_servers(ctl.get("sl"))
+            self.told(ctl.get("sl"))  # the launcher's live list (`inference.server_list.Follower`)
             if self._epoch is not None and ctl.get("e") != self._epoch:
                 log.warning(
                     "queue server restarted (epoch %s -> %s): re-sending %d requests under lease %s "
@@ -316,16 +314,6 @@ class ZmqProducer(Producer):
         self.max_staleness = int(ms)
         if self.on_max_staleness is not None:
             self.on_max_staleness(self.max_staleness)
-
-    def _told_servers(self, sl: list | None) -> None:
-        if not sl or (self.servers is not None and sl[0] <= self.servers[0]):
-            return
-        self.servers = (int(sl[0]), [str(u) for u in sl[1]])
-        if self.on_servers is not None:
-            try:
-                self.on_servers(*self.servers)
-            except Exception as exc:  # a bad list must not stop the producer's replies
-                log.error("applying server list epoch %d failed: %s", self.servers[0], exc)
 
     def _check_run(self, ctl: dict) -> bool:
         """Adopt the server's run id, or fail on another run's queue / a finished run; True: stop."""

@@ -42,3 +42,60 @@ def test_a_producer_hears_each_new_epoch_of_the_server_list(zmq_queue: Harness, 
 
     told = asyncio.run(go())
     assert told == [(1, ["http://127.0.0.1:1", "http://127.0.0.1:2"]), (2, ["http://127.0.0.1:2"])]
+
+
+def test_an_env_service_that_moved_reaches_new_episodes_and_a_client_in_flight(
+    zmq_queue: Harness, tmp_path: Path, monkeypatch
+) -> None:
+    """The live list's `services` (env kwarg -> URL), carried by the queue to a producer whose
+    `on_services` is the roller's `live_services`: Search-R1 episodes built by `env_factory` after
+    the move get the retriever's new URL, and the retriever client of an episode already running
+    sends its next search there (the old retriever is stopped: nothing answers at the old URL)."""
+    import json
+
+    from agentrl.config import EnvConfig
+    from agentrl.envs import base
+    from agentrl.envs.registry import env_factory
+    from agentrl.envs.search.retriever import BM25Retriever
+    from agentrl.envs.search.server import RetrieverServer
+
+    monkeypatch.setattr(base.live_services, "urls", {})  # this process's map, restored after
+    monkeypatch.setattr(base.live_services, "epoch", 0)
+    corpus = tmp_path / "corpus.jsonl"
+    docs = [{"id": "0", "contents": '"Quorvel Guild"\nThe Quorvel Guild was founded by Dravo Kelmir.'}]
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    path = tmp_path / "servers.json"
+    zmq_queue.start(server_args={"servers_file": path})
+    task = {"id": "q", "question": "Who founded the Quorvel Guild?", "golden_answers": ["Dravo Kelmir"]}
+
+    async def go() -> tuple[str, str, str]:
+        old, new = RetrieverServer(BM25Retriever(corpus)), RetrieverServer(BM25Retriever(corpus))
+        old_url, new_url = f"{await old.start()}/retrieve", f"{await new.start()}/retrieve"
+        producer = zmq_queue.producer()
+        producer.on_services = base.live_services.update
+        make_env = env_factory(EnvConfig(name="search_r1", kwargs={"retriever_url": old_url}))
+        running = make_env()
+        try:
+            running.reset(task)
+            first = await running.step("<search> Quorvel Guild </search>")
+            assert "Dravo Kelmir" in first.observation  # answered by the retriever at old_url
+            server_list.write(path, 2, ["http://127.0.0.1:1"], {"retriever_url": new_url})
+            await old.stop()  # its node is gone: the old URL answers no more
+            deadline = time.monotonic() + 30  # the server rereads the file every 0.5 s
+            while base.live_services.epoch < 2:
+                assert time.monotonic() < deadline, f"services not carried; producer has {producer.servers}"
+                await producer.acquire_start(1)
+                await producer.release_start(1)
+                await asyncio.sleep(0.1)
+            second = await running.step("<search> Quorvel Guild </search>")
+            return second.observation, make_env().retriever_url, new_url
+        finally:
+            producer.close()
+            closing = running.close()
+            if closing is not None:
+                await closing
+            await new.stop()
+
+    observation, fresh_url, new_url = asyncio.run(go())
+    assert "Dravo Kelmir" in observation  # the episode in flight reached the retriever at new_url
+    assert fresh_url == new_url and base.live_services.urls == {"retriever_url": new_url}
