@@ -338,7 +338,7 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
             failed = supervisor.failed()
             raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None
         live = None
-        if servers and server_list.carried(config.queue):  # the learner's queue carries it on to the rollers
+        if servers:  # the learner reads it and the queue carries it on to the rollers, whichever backend
             path = server_list.path_in(run_dir)
             live = LiveServers(
                 functools.partial(server_list.write, path), {c.name: c.spec.health_url for c in servers}
@@ -464,7 +464,7 @@ class LocalScaler:
                 self.pending.add(name, spec.health_url)
         n = len(self._of("server"))
         if n < want and self.live is None:
-            return f"servers {n} (all {n} planned slots: a Redis or standalone queue carries no server list)"
+            return f"servers {n} (all {n} planned slots: this run has no live server list)"
         if n < want:
             template = self._of("server")[0].spec
             taken = [int(c.name[6:]) for c in self._of("server")] + [int(k[6:]) for k in self.parked]

@@ -4,20 +4,23 @@
 
 The launcher is its source of truth: it bumps `epoch` on every change (a server up on a new
 address, a server added, one removed, an env service back on another node) and writes the file
-on the learner's node (atomically:
-a temporary file renamed over the old one, so a reader sees the old list or the new, never a
-torn one). The learner's weight sync rereads it on every probe round (`watch.ServerWatch`) and
-its TransferQueue rereads it and carries it in every reply to producers, whose router swaps its
-server set when the epoch moves (`router.Router.set_servers`), and whose env services map
-(`envs.base.live_services`) gives new episodes, and retries of requests in flight, the
-services' new URLs. No filesystem is shared across nodes: only the learner's processes read the
-file; the rollers learn the list from the queue.
+on the learner's node (atomically: a temporary file renamed over the old one, so a reader sees
+the old list or the new, never a torn one). The learner's weight sync rereads it on every probe
+round (`watch.ServerWatch`), and the queue carries it to the producers, whichever backend: the
+learner's hosted zmq queue rereads the file itself and puts it in every reply (`sl`); a learner
+using a standalone `agentrl queue` or Redis hands it on (`Publisher`: an `sl` message, a Redis
+key the producers' heartbeat reads). A producer (`Follower`) has its router swap its server
+set when the epoch moves (`router.Router.set_servers`), and the env services map
+(`envs.base.live_services`) give new episodes, and retries of requests in flight, the services'
+new URLs. No filesystem is shared across nodes: only the learner's processes read the file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,12 +47,6 @@ class ServerList:
 
 def path_in(run_dir: str | Path) -> Path:
     return Path(run_dir) / FILE
-
-
-def carried(queue: object) -> bool:
-    """Whether this queue carries the list to the rollers: the zmq queue the learner hosts (not a
-    standalone `agentrl queue`, which reads no list, nor Redis)."""
-    return getattr(queue, "type", None) == "zmq" and not getattr(queue, "standalone", False)
 
 
 def from_env() -> Path | None:
@@ -146,3 +143,42 @@ class Follower:
 def as_wire(found: ServerList) -> list:
     """The list as a queue carries it (`sl` in the zmq replies, a Redis key's value)."""
     return [found.epoch, list(found.urls), dict(found.services)]
+
+
+class Publisher:
+    """For a learner whose queue it does not host (a standalone `agentrl queue`, Redis): reads the
+    list in `path` every `every_s` in a daemon thread (the learner may block for data meanwhile)
+    and hands it to `send` (`as_wire`): each newer epoch at once, and the current one again
+    every `resend_s` (a restarted standalone queue has forgotten it)."""
+
+    def __init__(self, path: str | Path, send: Callable[[list], None], every_s: float = 0.5,
+                 resend_s: float = 10.0) -> None:  # fmt: skip
+        self.reader, self.send, self.every_s, self.resend_s = Reader(path), send, every_s, resend_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="agentrl-server-list", daemon=True)
+
+    def start(self) -> Publisher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        resend_at, failing = 0.0, False
+        while True:
+            found = self.reader.poll()
+            due = found is not None or (self.reader.current is not None and time.monotonic() >= resend_at)
+            if due:
+                try:
+                    self.send(as_wire(self.reader.current))
+                    resend_at, failing = time.monotonic() + self.resend_s, False
+                except Exception as exc:  # the queue away for a while: sent again next round
+                    if not failing:
+                        logger.warning("could not hand the server list (epoch %d) to the queue: %s",
+                                       self.reader.current.epoch, exc)  # fmt: skip
+                    failing = True
+            if self._stop.wait(self.every_s):
+                return

@@ -5,8 +5,8 @@ its run directory, so they work from any shell that sees the run directory.
   kind, and per process its role, node, PID, state and restarts.
 - `agentrl scale` writes `<run_dir>/launcher_scale.json` (`{"rollers": N, "servers": M}`); the
   launcher reads it on its next round, starts or stops rollers, and starts or stops servers
-  (new slots on new ports, handed on through the live server list, `launch/servers.py`; with a
-  Redis queue only the planned slots), without touching the learner, then records what it did
+  (new slots on new ports, handed on through the live server list, `launch/servers.py`),
+  without touching the learner, then records what it did
   under `scale` in its state.
 """
 

@@ -230,7 +230,7 @@ class RayRun:
         services = {
             m.role.kwarg: m.role.url(m.node, m.port) for m in self.members if m.role.kind == "service"
         }
-        if (servers or services) and server_list.carried(self.config.queue):  # on to the rollers
+        if servers or services:  # the learner reads it, its queue (any backend) carries it on
             path = str(self.run_dir / server_list.FILE)  # on the learner's node, written by its actor
             self.live = LiveServers(
                 lambda epoch, urls, services: self._get(
@@ -338,16 +338,12 @@ class RayRun:
             old = server_url(m.node, m.port)
             self._start_server(m)
             new = server_url(m.node, m.port)
-            if new != old and self.live is not None:
+            if new != old:
                 # on another node (or port): the live list tells the learner and the rollers,
                 # once it answers its health path
                 logger.warning("%s came back at %s, not %s: it goes on the live list once healthy",
                                m.name, new, old)  # fmt: skip
                 self._moved(m)
-            elif new != old:
-                logger.warning("%s came back at %s, not %s: the %s still use the old address (%s)", m.name,
-                               new, old, "learner and rollers" if m.role.kind == "server" else "rollers",
-                               "a Redis or standalone queue carries no server list")  # fmt: skip
         else:
             self._start(m, render(m.role, self.addrs))
         logger.warning(
@@ -441,7 +437,7 @@ class RayRun:
             self._set_addr(name, url)
         n = sum(m.role.kind == "server" for m in self.members)
         if n < want:
-            return f"servers {n} (all {n} planned slots: a Redis or standalone queue carries no server list)"
+            return f"servers {n} (all {n} planned slots: this run has no live server list)"
         return f"servers {n}"
 
     def processes(self) -> list[dict[str, Any]]:

@@ -580,7 +580,36 @@ class ZmqConsumer(Consumer):
     def metrics(self) -> dict[str, Any]:
         return self._call({"k": "stats"})[0]["m"]
 
+    def follow_servers(self, path: Any) -> None:
+        """Hand the launcher's live list in `path` on to this (standalone) queue, which carries it
+        to the producers: a `server_list.Publisher` thread, with its own socket and signer."""
+        from agentrl.inference.server_list import Publisher
+
+        self._sl = {"sock": None, "auth": Authenticator(self.auth.secret)}
+        self._publisher = Publisher(path, self._send_servers).start()
+
+    def _send_servers(self, sl: list) -> None:
+        if self._sl["sock"] is None:  # created and used by the publisher's thread only
+            self._sl["sock"] = sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.address)
+        sock, body = self._sl["sock"], msgpack.packb({"k": "sl", "sl": sl, "rid": 0})
+        sock.send_multipart([self._sl["auth"].sign(body), body])
+        while sock.poll(5000):  # its answer (or an earlier one, late); none: sent again next round
+            msg = sock.recv_multipart()
+            reply = msgpack.unpackb(msg[1], raw=False) if len(msg) > 1 else {}
+            if reply.get("k") == "err":
+                raise QueueError(f"queue refused the server list: {reply.get('msg')}")
+            if not sock.poll(0):
+                return
+        raise TimeoutError("no answer from the queue within 5s")
+
     def close(self) -> None:
+        publisher = getattr(self, "_publisher", None)
+        if publisher is not None:
+            publisher.stop()
+            if self._sl["sock"] is not None:
+                self._sl["sock"].close(linger=0)
         self._sock.close(linger=0)
         if self._own_context:
             self._ctx.term()

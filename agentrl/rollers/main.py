@@ -85,9 +85,8 @@ async def run_roller(config: AgentRLConfig) -> int:
     producer.on_max_staleness = functools.partial(setattr, client, "max_staleness")
     # the launcher's live list, carried by the queue (`inference.server_list.Follower`): the
     # servers for the router, the env services' URLs for new episodes and retriever-like clients
-    if hasattr(producer, "on_servers"):
-        producer.on_servers = client.set_servers
-        producer.on_services = live_services.update
+    producer.on_servers = client.set_servers
+    producer.on_services = live_services.update
     metrics = MetricsLogger(config.run_dir, name="roller")
     groups_file = os.path.join(config.run_dir, f"{name}.groups")
     roller = Roller(

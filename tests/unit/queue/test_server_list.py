@@ -99,3 +99,44 @@ def test_an_env_service_that_moved_reaches_new_episodes_and_a_client_in_flight(
     observation, fresh_url, new_url = asyncio.run(go())
     assert "Dravo Kelmir" in observation  # the episode in flight reached the retriever at new_url
     assert fresh_url == new_url and base.live_services.urls == {"retriever_url": new_url}
+
+
+def test_a_learner_on_a_queue_it_does_not_host_hands_the_list_on(queue: Harness, tmp_path: Path) -> None:
+    """A standalone zmq queue (the learner's consumer connects over TCP; the queue reads no file)
+    and a real redis-server: the learner's consumer follows the launcher's file
+    (`follow_servers`) and the queue carries each newer epoch, servers and env services, to a
+    producer's hooks, once each, in order."""
+    path = tmp_path / "servers.json"
+    queue.start(**({"heartbeat_s": 0.2} if queue.kind == "redis" else {}))
+    consumer = queue.consumer()
+    consumer.follow_servers(path)
+
+    async def go() -> tuple[list, list]:
+        producer, servers, services = queue.producer(), [], []
+        producer.on_servers = lambda epoch, urls: servers.append((epoch, urls))
+        producer.on_services = lambda epoch, urls: services.append((epoch, urls))
+
+        async def until(epoch: int) -> None:
+            deadline = time.monotonic() + 30  # the learner rereads the file every 0.5 s
+            while producer.servers is None or producer.servers[0] < epoch:
+                assert time.monotonic() < deadline, (
+                    f"epoch {epoch} not carried; producer has {producer.servers}"
+                )
+                await producer.acquire_start(1)
+                await producer.release_start(1)
+                await asyncio.sleep(0.1)
+
+        try:
+            server_list.write(path, 1, ["http://127.0.0.1:1"])
+            await until(1)
+            server_list.write(
+                path, 2, ["http://127.0.0.1:1", "http://127.0.0.1:2"], {"retriever_url": "http://h:3"}
+            )
+            await until(2)
+        finally:
+            producer.close()
+        return servers, services
+
+    servers, services = asyncio.run(go())
+    assert servers == [(1, ["http://127.0.0.1:1"]), (2, ["http://127.0.0.1:1", "http://127.0.0.1:2"])]
+    assert services == [(2, {"retriever_url": "http://h:3"})]  # told when the services moved only
