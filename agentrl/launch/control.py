@@ -90,7 +90,7 @@ def status_table(run_dir: Path):
     """Each process (role, node, PID, state, restarts), the learner's version, the queue's counts."""
     from rich.table import Table
 
-    from agentrl.launcher import _last
+    from agentrl.launch.progress import _last
 
     state = read_state(run_dir)
     alive = launcher_alive(state)

@@ -40,7 +40,7 @@ import os
 import secrets
 import time
 import urllib.request
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ from agentrl.launch.plan import (
     service_roles,
 )
 from agentrl.launch.ray_actor import ProcessActor, actor_options, child_threads
-from agentrl.launch.servers import LiveServers, PendingServers
+from agentrl.launch.servers import LiveServers, PendingServers, scale_ray_servers
 from agentrl.log import get_logger
 
 logger = get_logger(__name__)
@@ -406,39 +406,7 @@ class RayRun:
         return ", ".join(done)
 
     def _scale_servers(self, want: int) -> str:
-        """Down: the highest slots leave the list, then stop. Up: stopped slots start again, then
-        (with a live list) new slots on actors with `inference.resources`; each joins the list
-        once it answers /health. Without a live list (a Redis queue) only the planned slots."""
-        servers = sorted((m for m in self.members if m.role.kind == "server"), key=lambda m: int(m.name[6:]))
-        if want < 1:
-            return f"servers {len(servers)} (a run keeps at least one server)"
-        for m in servers[want:][::-1]:
-            if self.live is not None:
-                self.live.remove(m.name)
-                self.pending.forget(m.name)
-            self._stop(m)
-            self.parked[m.name] = m
-            self._set_addr(m.name, None)
-        names = sorted(self.parked, key=lambda n: int(n[6:]))[: max(0, want - len(servers))]
-        if self.live is not None:
-            taken = [int(m.name[6:]) for m in servers] + [int(n[6:]) for n in self.parked]
-            top = max(taken) + 1
-            names += [f"server{i}" for i in range(top, top + want - len(servers) - len(names))]
-        template = servers[0].role
-        for name in names:
-            old = self.parked.pop(name, None)
-            role = old.role if old is not None else replace(template, name=name)
-            m = Member(role, name, self._actor(role, name, self.lc.max_restarts), {},
-                       port=old.port if old is not None else 0)  # fmt: skip
-            url = self._start_server(m)
-            self.members.append(m)
-            if self.pending is not None:
-                self.pending.add(name, url)
-            self._set_addr(name, url)
-        n = sum(m.role.kind == "server" for m in self.members)
-        if n < want:
-            return f"servers {n} (all {n} planned slots: this run has no live server list)"
-        return f"servers {n}"
+        return scale_ray_servers(self, want)
 
     def processes(self) -> list[dict[str, Any]]:
         rows = [{"name": m.name, "kind": m.role.kind, "node": f"{m.node} ({m.node_id[:8]})", "node_id": m.node_id,
@@ -508,7 +476,8 @@ def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -
     """Run the job on the Ray cluster at `launcher.address`; like `launcher.launch`."""
     import ray
 
-    from agentrl.launcher import _warm_model, watch
+    from agentrl.launch.progress import watch
+    from agentrl.launcher import _warm_model
 
     run_dir = Path(config.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
