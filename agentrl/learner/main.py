@@ -62,6 +62,11 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
     servers_file = server_list.from_env()  # the launcher's live list, handed on to the rollers
     if cfg.queue.type != "zmq" or cfg.queue.standalone:
         if cfg.queue.type != "zmq":
+            # the run's admission window in `<stream>:state` (Redis is the server): without it no
+            # roller is ever admitted
+            backend.server(
+                groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.max_staleness
+            ).start().stop()
             consumer = backend.consumer("rank0")
         else:
             consumer = backend.consumer(
