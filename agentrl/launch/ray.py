@@ -39,7 +39,6 @@ import json
 import os
 import secrets
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,7 @@ from agentrl.launch.plan import (
 from agentrl.launch.ray_actor import ProcessActor, actor_options, child_threads
 from agentrl.launch.servers import LiveServers, PendingServers, scale_ray_servers
 from agentrl.log import get_logger
+from agentrl.net import answers
 
 logger = get_logger(__name__)
 
@@ -460,13 +460,7 @@ def _secrets(config: AgentRLConfig) -> dict[str, str]:
 def _wait_healthy(urls: list[str], path: str, timeout_s: float = 300) -> None:
     deadline, pending = time.monotonic() + timeout_s, list(urls)
     while pending:
-        for url in list(pending):
-            try:
-                with urllib.request.urlopen(f"{url}{path}", timeout=2) as resp:
-                    if resp.status == 200:
-                        pending.remove(url)
-            except OSError:
-                pass
+        pending = [url for url in pending if not answers(url, path, timeout_s=2)]
         if pending and time.monotonic() > deadline:
             raise TimeoutError(f"{pending} not healthy after {timeout_s:.0f}s (their logs are in logs/)")
         time.sleep(0.3)
