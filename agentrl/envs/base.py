@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from logging import INFO, WARNING
 from typing import Any, NamedTuple
 
 from agentrl.log import get_logger
@@ -135,9 +136,9 @@ class LiveServices:
         if epoch <= self.epoch:
             return
         moved = {k: v for k, v in urls.items() if self.urls.get(k) != v}
-        self.epoch, self.urls = epoch, dict(urls)
-        for kwarg, url in moved.items():
-            logger.warning("env service %s is now at %s (epoch %d)", kwarg, url, epoch)
+        first, self.epoch, self.urls = not self.urls, epoch, dict(urls)
+        for kwarg, url in moved.items():  # the first map names where they started: no move
+            logger.log(INFO if first else WARNING, "env service %s is at %s (epoch %d)", kwarg, url, epoch)
 
     def url(self, kwarg: str, given: str) -> str:
         """The current URL of the service env kwarg `kwarg` points at; `given` if none moved."""
