@@ -43,17 +43,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from agentrl.config import AgentRLConfig, save_resolved
 from agentrl.inference import server_list
-from agentrl.launch.control import ScaleWatch, write_state
 from agentrl.launch.plan import Addresses, Role, plan, render, server_url, service_roles
-from agentrl.launch.servers import LiveServers, PendingServers
-from agentrl.log import get_logger, read_metrics
+from agentrl.launch.progress import watch
+from agentrl.launch.servers import LiveServers, LocalScaler
+from agentrl.log import get_logger
 from agentrl.net import answers, free_port
 
 logger = get_logger(__name__)
@@ -277,16 +276,6 @@ def local_spec(role: Role, addrs: Addresses, ports: list[int]) -> ChildSpec:
     return ChildSpec(role.name, _agentrl(*args), role.env, role.restart)
 
 
-def new_server_spec(template: ChildSpec, name: str, port: int) -> ChildSpec:
-    """Another server slot like `template` (rendered by `plan.render`: `serve --host H --port P
-    ...`), bound to `port` on the same host."""
-    args = list(template.args)
-    at = args.index("--port") + 1
-    host = args[args.index("--host") + 1]
-    args[at] = str(port)
-    return ChildSpec(name, args, dict(template.env), True, server_url(host, port))
-
-
 def _warm_model(run_dir: Path) -> Path | None:
     """The warm start a previous attempt of this run finished, if any (resume skips redoing it)."""
     path = run_dir / "warmstart"
@@ -338,7 +327,7 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
             failed = supervisor.failed()
             raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None
         live = None
-        if servers and server_list.carried(config.queue):  # the learner's queue carries it on to the rollers
+        if servers:  # the learner reads it and the queue carries it on to the rollers, whichever backend
             path = server_list.path_in(run_dir)
             live = LiveServers(
                 functools.partial(server_list.write, path), {c.name: c.spec.health_url for c in servers}
@@ -401,95 +390,6 @@ def _log_exit(supervisor: Supervisor, child: Child, why: str) -> None:
                  child.proc.returncode, why, child.log_path, supervisor.tail(child))  # fmt: skip
 
 
-class LocalScaler:
-    """`agentrl scale` on this machine: rollers are started (with the next index) or stopped
-    (highest index first, SIGTERM: in-flight groups are finished and put). Servers: with a live
-    server list (`launch/servers.py`; a zmq queue carries it to the rollers) a scale-down stops the
-    highest slots and takes them off the list, a scale-up restarts stopped slots on their port and
-    then starts new slots on new ports, each put on the list once it answers /health; without one
-    (a Redis queue), only the planned slots are stopped and started again."""
-
-    def __init__(
-        self, supervisor: Supervisor, roller_args: list[str], live: LiveServers | None = None
-    ) -> None:
-        self.supervisor = supervisor
-        self.roller_args = roller_args  # every roller runs the same command line, told its index by env
-        self.parked: dict[str, ChildSpec] = {}  # server slots stopped by a scale-down
-        self.live = live
-        self.pending = PendingServers(live) if live is not None else None
-
-    def tick(self) -> None:
-        """Each watch round: servers started by a scale-up that now answer join the list."""
-        if self.pending is not None:
-            self.pending.poll()
-
-    def _of(self, prefix: str) -> list[Child]:
-        found = [
-            c
-            for c in self.supervisor.children
-            if c.name.startswith(prefix) and c.name[len(prefix) :].isdigit()
-        ]
-        return sorted(found, key=lambda c: int(c.name[len(prefix) :]))
-
-    def apply(self, request: dict) -> str:
-        done = []
-        if "rollers" in request:
-            rollers = self._of("roller")
-            for child in rollers[request["rollers"] :][::-1]:
-                self._remove(child)
-            next_index = int(rollers[-1].name[6:]) + 1 if rollers else 0
-            for i in range(next_index, next_index + request["rollers"] - len(rollers)):
-                spec = ChildSpec(f"roller{i}", self.roller_args, {"AGENTRL_ROLLER_INDEX": str(i)}, True)
-                self.supervisor.run(spec)
-            done.append(f"rollers {len(self._of('roller'))}")
-        if "servers" in request:
-            done.append(self._scale_servers(int(request["servers"])))
-        logger.warning("scaled: %s", ", ".join(done))
-        return ", ".join(done)
-
-    def _scale_servers(self, want: int) -> str:
-        servers = self._of("server")
-        if want < 1:
-            return f"servers {len(servers)} (a run keeps at least one server)"
-        for child in servers[want:][::-1]:
-            self.parked[child.name] = child.spec
-            if self.live is not None:  # off the list first: no new request or push goes to it
-                self.live.remove(child.name)
-                self.pending.forget(child.name)
-            self._remove(child)
-        for name in sorted(self.parked, key=lambda n: int(n[6:]))[: max(0, want - len(servers))]:
-            spec = self.parked.pop(name)
-            self.supervisor.run(spec)
-            if self.pending is not None:
-                self.pending.add(name, spec.health_url)
-        n = len(self._of("server"))
-        if n < want and self.live is None:
-            return f"servers {n} (all {n} planned slots: a Redis or standalone queue carries no server list)"
-        if n < want:
-            template = self._of("server")[0].spec
-            taken = [int(c.name[6:]) for c in self._of("server")] + [int(k[6:]) for k in self.parked]
-            for i in range(max(taken) + 1, max(taken) + 1 + want - n):
-                spec = new_server_spec(template, f"server{i}", free_port())
-                self.supervisor.run(spec)
-                self.pending.add(spec.name, spec.health_url)
-        return f"servers {len(self._of('server'))}"
-
-    def _remove(self, child: Child) -> None:
-        self.supervisor.stop(child)
-        self.supervisor.children.remove(child)
-
-    def processes(self) -> list[dict]:
-        rows = []
-        for c in self.supervisor.children:
-            code = c.proc.poll()
-            state = "running" if code is None else ("restarting" if c.restart_at else f"exited {code}")
-            rows.append({"name": c.name, "kind": c.name.rstrip("0123456789"), "node": "localhost",
-                         "pid": c.proc.pid, "state": state, "restarts": c.restarts})  # fmt: skip
-        rows += [{"name": n, "kind": "server", "node": "-", "pid": None, "state": "scaled down", "restarts": 0}
-                 for n in self.parked]  # fmt: skip
-        return rows
-
-
 def _watch(config: AgentRLConfig, supervisor: Supervisor, learner: Child, scaler: LocalScaler) -> int:
     """Show live progress, supervise and apply `agentrl scale` until the learner finishes or the
     run must stop; the state `agentrl status` shows is rewritten each round."""
@@ -504,121 +404,6 @@ def _watch(config: AgentRLConfig, supervisor: Supervisor, learner: Child, scaler
         scaler.processes,
         lambda: sum(c.restarts for c in supervisor.children),
     )
-
-
-def watch(
-    config: AgentRLConfig,
-    kind: str,
-    supervise_once: Callable[[], str | None],
-    apply_scale: Callable[[Any], Any],
-    processes: Callable[[], list],
-    restarts: Callable[[], int],
-    **state: Any,
-) -> int:
-    """Both launchers' main loop, every 0.5 s: one supervision round (`"done"`, `"failed"` or None),
-    a pending `agentrl scale` request applied, the state `agentrl status` reads rewritten (`state`:
-    extra fields of it), the live table refreshed. 0 when the run is done, 1 when it failed."""
-    from rich.live import Live
-
-    run_dir = Path(config.run_dir)
-    scale, last = ScaleWatch(run_dir), None
-    with Live(progress_table(run_dir, config), refresh_per_second=1, transient=False) as live:
-        while True:
-            outcome = supervise_once()
-            request = scale.poll()
-            if request is not None and outcome is None:
-                last = apply_scale(request)
-            write_state(run_dir, kind, processes(), scale=last, scale_id=scale.last_id, **state)
-            live.update(progress_table(run_dir, config, restarts()))
-            if outcome == "failed":
-                live.stop()
-                return 1
-            if outcome == "done":
-                break
-            time.sleep(0.5)
-    finish(run_dir)
-    return 0
-
-
-def progress_table(run_dir: Path, config: AgentRLConfig, restarts: int = 0):
-    """One table from the learner's and rollers' metrics records."""
-    from rich.table import Table
-
-    learner = _last(run_dir / "learner.jsonl")
-    rollers = [_last(p) for p in sorted(run_dir.glob("roller*.jsonl"))]
-    table = Table(title=f"agentrl run — {run_dir}", show_header=False)
-    step = learner.get("step", 0)
-    table.add_row("step / version", f"{step} / {config.learner.max_steps}")
-    table.add_row("reward (last batch)", _fmt(learner.get("reward/mean")))
-    table.add_row("staleness (mean / max in batch)", "{} / {}".format(*map(_fmt, staleness(learner))))
-    table.add_row("episodes/s (all rollers)", _fmt(sum(r.get("roller/episodes_per_s", 0.0) for r in rollers)))
-    table.add_row("queue depth", _fmt(learner.get("queue/depth")))
-    table.add_row("weight push (s)", _fmt(learner.get("sync/push_s")))
-    table.add_row("restarts (servers, rollers)", str(restarts))
-    return table
-
-
-def staleness(record: dict) -> tuple[float | None, int | None]:
-    """(mean, max) staleness of a learner record's batch, from its `staleness/<k>` histogram."""
-    hist = {
-        int(k.split("/")[1]): v for k, v in record.items() if k.startswith("staleness/") and k[10:].isdigit()
-    }
-    total = sum(hist.values())
-    if not total:
-        return None, None
-    return sum(k * n for k, n in hist.items()) / total, max(k for k, n in hist.items() if n)
-
-
-def _fmt(value: object) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else ("-" if value is None else str(value))
-
-
-def _last(path: Path) -> dict:
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.startswith("{")]
-        import json
-
-        return json.loads(lines[-1]) if lines else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def finish(run_dir: Path) -> Path | None:
-    """Plot reward and staleness per step; print where the records are."""
-    path = run_dir / "learner.jsonl"
-    if not path.exists():
-        return None
-    records = read_metrics(path)
-    plot = run_dir / "reward_staleness.png"
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot written")
-        plot = None
-    if plot is not None and records:
-        steps = [r["step"] for r in records]
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-        ax1.plot(steps, [r.get("reward/mean", float("nan")) for r in records])
-        ax1.set_ylabel("mean reward")
-        mean_max = [staleness(r) for r in records]
-        ax2.plot(steps, [m if m is not None else float("nan") for m, _ in mean_max], label="mean")
-        ax2.plot(steps, [x if x is not None else float("nan") for _, x in mean_max], label="max")
-        ax2.set_ylabel("staleness (versions)")
-        ax2.set_xlabel("learner version")
-        ax2.legend()
-        fig.tight_layout()
-        fig.savefig(plot)
-        plt.close(fig)
-    print(f"metrics: {path}")
-    if plot is not None:
-        print(f"plot:    {plot}")
-    return plot
 
 
 def run(config: AgentRLConfig, resume: bool = False) -> int:

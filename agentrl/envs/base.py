@@ -21,7 +21,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from logging import INFO, WARNING
 from typing import Any, NamedTuple
+
+from agentrl.log import get_logger
+
+logger = get_logger(__name__)
 
 Messages = list[dict[str, Any]]
 Observation = Messages | str | None
@@ -105,13 +110,47 @@ class Service:
     """A helper process `agentrl run` starts for an env (e.g. a retriever) before the rollers.
 
     `args` are `agentrl` arguments where `{port}` is replaced by a free port; once `health_path`
-    answers, env kwarg `kwarg` is set to `http://127.0.0.1:{port}{url_path}` for every process."""
+    answers, env kwarg `kwarg` is set to `http://<host>:{port}{url_path}` for every process. If
+    the service comes back elsewhere (Ray restarted it on another node), the rollers hear its new
+    URL through the queue (`live_services`)."""
 
     name: str
     args: list[str]
     kwarg: str
     url_path: str = ""
     health_path: str = "/health"
+
+
+class LiveServices:
+    """Where this process's env services are now: env kwarg -> URL, as the launcher's live map
+    says (`inference.server_list`; a roller's queue producer calls `update` with each epoch it
+    is carried). `env_factory` builds each new env with these URLs over `env.kwargs`, and a
+    client that resolves its URL per request (`url`, e.g. the retriever client) follows a move
+    even in the middle of an episode. Empty (every URL as configured) outside a launched run."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.urls: dict[str, str] = {}
+
+    def update(self, epoch: int, urls: dict[str, str]) -> None:
+        if epoch <= self.epoch:
+            return
+        moved = {k: v for k, v in urls.items() if self.urls.get(k) != v}
+        first, self.epoch, self.urls = not self.urls, epoch, dict(urls)
+        for kwarg, url in moved.items():  # the first map names where they started: no move
+            logger.log(INFO if first else WARNING, "env service %s is at %s (epoch %d)", kwarg, url, epoch)
+
+    def url(self, kwarg: str, given: str) -> str:
+        """The current URL of the service env kwarg `kwarg` points at; `given` if none moved."""
+        return self.urls.get(kwarg, given)
+
+    def kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`kwargs` with the current URL of each service kwarg it names."""
+        return {k: self.urls.get(k, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+
+
+live_services = LiveServices()
+"""This process's map (one roller per process, one run)."""
 
 
 def as_step_result(value: Any) -> StepResult:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentrl.config import EnvConfig
-from agentrl.envs.base import Env
+from agentrl.envs.base import Env, live_services
 from agentrl.envs.tool_env import ToolEnv
 
 BUILTIN_ENVS = {
@@ -75,7 +75,8 @@ def env_factory(config: EnvConfig) -> Callable[[], Env]:
     The tool options (`tool_parser`, `tool_timeout_s`, `max_tool_output_chars`) apply to
     ToolEnvs; setting one for an env that has no tools is an error, not silently ignored.
     An env whose constructor takes a `sandbox` parameter gets `config.sandbox` (unless
-    `env.kwargs` names one)."""
+    `env.kwargs` names one). A kwarg naming an env service the launcher started gets the
+    service's current URL (`base.live_services`: it follows a service Ray moved)."""
     cls = load_env_class(config.name)
     kwargs: dict[str, Any] = dict(config.kwargs)
     if "sandbox" in inspect.signature(cls).parameters:
@@ -95,8 +96,8 @@ def env_factory(config: EnvConfig) -> Callable[[], Env]:
                 f"env.{changed[0]}: {cls.__name__} is not a ToolEnv, so tool options do not apply to it"
             )
 
-    def make() -> Env:
-        return cls(**kwargs)
+    def make() -> Env:  # the env services where they are now (`base.live_services`)
+        return cls(**live_services.kwargs(kwargs))
 
     try:
         make().close()  # fail at start-up, not in the first episode, on bad kwargs

@@ -5,8 +5,8 @@ its run directory, so they work from any shell that sees the run directory.
   kind, and per process its role, node, PID, state and restarts.
 - `agentrl scale` writes `<run_dir>/launcher_scale.json` (`{"rollers": N, "servers": M}`); the
   launcher reads it on its next round, starts or stops rollers, and starts or stops servers
-  (new slots on new ports, handed on through the live server list, `launch/servers.py`; with a
-  Redis queue only the planned slots), without touching the learner, then records what it did
+  (new slots on new ports, handed on through the live server list, `launch/servers.py`),
+  without touching the learner, then records what it did
   under `scale` in its state.
 """
 
@@ -90,7 +90,7 @@ def status_table(run_dir: Path):
     """Each process (role, node, PID, state, restarts), the learner's version, the queue's counts."""
     from rich.table import Table
 
-    from agentrl.launcher import _last
+    from agentrl.launch.progress import _last
 
     state = read_state(run_dir)
     alive = launcher_alive(state)

@@ -45,6 +45,7 @@ class Addresses:
     servers: list[str]  # http://host:port of each server slot
     queue: str | None = None  # tcp://host:port the learner binds (None: the config's queue.address)
     master_address: str | None = None  # weight-sync rendezvous host (None: the config's)
+    services: dict[str, str] = field(default_factory=dict)  # env kwarg -> URL of a service that moved
 
 
 def plan(
@@ -135,6 +136,8 @@ def render(role: Role, addrs: Addresses, bind: tuple[str, int] | None = None) ->
         args.append(f"--queue.address={addrs.queue}")
     if role.kind == "learner" and addrs.master_address is not None:
         args.append(f"--weight_sync.master_address={addrs.master_address}")
+    # after the plan's flags, so these win: a service back on another node, where it is now
+    args += [f"--env.kwargs.{kwarg}={url}" for kwarg, url in addrs.services.items()]
     return args
 
 

@@ -19,9 +19,10 @@ of its `start` call and into its child's environment only: not in argv, not in a
 Failures: server, roller and service actors have `max_restarts = launcher.max_restarts`; when one
 dies (ray.kill, its node removed) Ray restarts it on a node that fits, the driver sees a fresh
 actor and starts its process again with the current addresses (a server on its old port when
-that is free on its node; one on a new address goes on the live server list once healthy,
-`launch/servers.py`, which the learner's actor writes on its node; the learner's ServerWatch
-brings it to the current version, a roller opens a new queue lease). A child
+that is free on its node; a server or env service on a new address goes on the live list
+once healthy, `launch/servers.py`, which the learner's actor writes on its node and the queue
+carries to the rollers; the learner's ServerWatch brings a server to the current version, a
+roller opens a new queue lease). A child
 that exits while its actor lives is restarted in the same actor after `launcher.restart_backoff_s`
 (doubled each time), and so is the process of an actor Ray restarted; one budget of
 `max_restarts` covers both. A learner rank is never
@@ -38,8 +39,7 @@ import json
 import os
 import secrets
 import time
-import urllib.request
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +57,9 @@ from agentrl.launch.plan import (
     service_roles,
 )
 from agentrl.launch.ray_actor import ProcessActor, actor_options, child_threads
-from agentrl.launch.servers import LiveServers, PendingServers
+from agentrl.launch.servers import LiveServers, PendingServers, scale_ray_servers
 from agentrl.log import get_logger
+from agentrl.net import answers
 
 logger = get_logger(__name__)
 
@@ -226,15 +227,17 @@ class RayRun:
             port = self._get(ranks[0].actor.bind_port.remote(), "learner rank 0")
             nodes = [self._get(m.actor.where.remote(), m.name)["node_id"] for m in ranks]
             dist_env = {"MASTER_ADDR": head["ip"], "MASTER_PORT": str(port), "WORLD_SIZE": str(learner.ranks)}
-        if servers and server_list.carried(
-            self.config.queue
-        ):  # the learner's queue carries it on to the rollers
+        services = {
+            m.role.kwarg: m.role.url(m.node, m.port) for m in self.members if m.role.kind == "service"
+        }
+        if servers or services:  # the learner reads it, its queue (any backend) carries it on
             path = str(self.run_dir / server_list.FILE)  # on the learner's node, written by its actor
             self.live = LiveServers(
-                lambda epoch, urls: self._get(
-                    ranks[0].actor.write_servers.remote(path, epoch, urls), "learner"
+                lambda epoch, urls, services: self._get(
+                    ranks[0].actor.write_servers.remote(path, epoch, urls, services), "learner"
                 ),
                 {m.name: url for m, url in zip(servers, self.addrs.servers, strict=True)},
+                services,
             )
             self.pending = PendingServers(self.live)
             ranks[0].env_extra = {server_list.ENV: path}
@@ -335,17 +338,12 @@ class RayRun:
             old = server_url(m.node, m.port)
             self._start_server(m)
             new = server_url(m.node, m.port)
-            if new != old and m.role.kind == "server" and self.live is not None:
+            if new != old:
                 # on another node (or port): the live list tells the learner and the rollers,
-                # once it answers /health
-                logger.warning("%s came back at %s, not %s: it goes on the server list once healthy",
+                # once it answers its health path
+                logger.warning("%s came back at %s, not %s: it goes on the live list once healthy",
                                m.name, new, old)  # fmt: skip
-                self._server_moved(m.name, new)
-            elif new != old:
-                logger.warning("%s came back at %s, not %s: the %s still use the old address (%s)", m.name,
-                               new, old, "learner and rollers" if m.role.kind == "server" else "rollers",
-                               "a Redis or standalone queue carries no server list" if m.role.kind == "server"
-                               else "an env service's address is fixed when they start")  # fmt: skip
+                self._moved(m)
         else:
             self._start(m, render(m.role, self.addrs))
         logger.warning(
@@ -361,13 +359,20 @@ class RayRun:
         with (self.run_dir / "launcher.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def _server_moved(self, name: str, url: str) -> None:
-        """Server `name` now serves at `url`: the list names it there once it answers /health (its
-        old address, dead, stays until then: the list is never empty); later rollers are started
-        with the current addresses."""
+    def _moved(self, m: Member) -> None:
+        """`m`, a server or env service, now serves on a new address: the list names it there once
+        it answers (its old address, dead, stays until then: the list is never empty); rollers
+        started from now on are given the new address."""
         assert self.pending is not None
-        self.pending.add(name, url)
-        self._set_addr(name, url)
+        if isinstance(m.role, ServiceRole):
+            url = m.role.url(m.node, m.port)
+            self.pending.add_service(
+                m.name, m.role.kwarg, server_url(m.node, m.port), m.role.health_path, url
+            )
+            self.addrs.services[m.role.kwarg] = url
+            return
+        self.pending.add(m.name, server_url(m.node, m.port))
+        self._set_addr(m.name, server_url(m.node, m.port))
 
     def _set_addr(self, name: str, url: str | None) -> None:
         slots = {m.name: server_url(m.node, m.port) for m in self.members if m.role.kind == "server"}
@@ -401,39 +406,7 @@ class RayRun:
         return ", ".join(done)
 
     def _scale_servers(self, want: int) -> str:
-        """Down: the highest slots leave the list, then stop. Up: stopped slots start again, then
-        (with a live list) new slots on actors with `inference.resources`; each joins the list
-        once it answers /health. Without a live list (a Redis queue) only the planned slots."""
-        servers = sorted((m for m in self.members if m.role.kind == "server"), key=lambda m: int(m.name[6:]))
-        if want < 1:
-            return f"servers {len(servers)} (a run keeps at least one server)"
-        for m in servers[want:][::-1]:
-            if self.live is not None:
-                self.live.remove(m.name)
-                self.pending.forget(m.name)
-            self._stop(m)
-            self.parked[m.name] = m
-            self._set_addr(m.name, None)
-        names = sorted(self.parked, key=lambda n: int(n[6:]))[: max(0, want - len(servers))]
-        if self.live is not None:
-            taken = [int(m.name[6:]) for m in servers] + [int(n[6:]) for n in self.parked]
-            top = max(taken) + 1
-            names += [f"server{i}" for i in range(top, top + want - len(servers) - len(names))]
-        template = servers[0].role
-        for name in names:
-            old = self.parked.pop(name, None)
-            role = old.role if old is not None else replace(template, name=name)
-            m = Member(role, name, self._actor(role, name, self.lc.max_restarts), {},
-                       port=old.port if old is not None else 0)  # fmt: skip
-            url = self._start_server(m)
-            self.members.append(m)
-            if self.pending is not None:
-                self.pending.add(name, url)
-            self._set_addr(name, url)
-        n = sum(m.role.kind == "server" for m in self.members)
-        if n < want:
-            return f"servers {n} (all {n} planned slots: a Redis or standalone queue carries no server list)"
-        return f"servers {n}"
+        return scale_ray_servers(self, want)
 
     def processes(self) -> list[dict[str, Any]]:
         rows = [{"name": m.name, "kind": m.role.kind, "node": f"{m.node} ({m.node_id[:8]})", "node_id": m.node_id,
@@ -487,13 +460,7 @@ def _secrets(config: AgentRLConfig) -> dict[str, str]:
 def _wait_healthy(urls: list[str], path: str, timeout_s: float = 300) -> None:
     deadline, pending = time.monotonic() + timeout_s, list(urls)
     while pending:
-        for url in list(pending):
-            try:
-                with urllib.request.urlopen(f"{url}{path}", timeout=2) as resp:
-                    if resp.status == 200:
-                        pending.remove(url)
-            except OSError:
-                pass
+        pending = [url for url in pending if not answers(url, path, timeout_s=2)]
         if pending and time.monotonic() > deadline:
             raise TimeoutError(f"{pending} not healthy after {timeout_s:.0f}s (their logs are in logs/)")
         time.sleep(0.3)
@@ -503,7 +470,8 @@ def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -
     """Run the job on the Ray cluster at `launcher.address`; like `launcher.launch`."""
     import ray
 
-    from agentrl.launcher import _warm_model, watch
+    from agentrl.launch.progress import watch
+    from agentrl.launcher import _warm_model
 
     run_dir = Path(config.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)

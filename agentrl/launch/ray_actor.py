@@ -44,12 +44,12 @@ class ProcessActor:
                 return s.getsockname()[1]
         raise OSError(f"no free port on {ip}")
 
-    def write_servers(self, path: str, epoch: int, urls: list[str]) -> None:
+    def write_servers(self, path: str, epoch: int, urls: list[str], services: dict | None = None) -> None:
         """Write the live server list (`inference.server_list`) on this node, for the learner's
         process here: nodes share no filesystem, so the driver hands it over by call."""
         from agentrl.inference import server_list
 
-        server_list.write(path, epoch, urls)
+        server_list.write(path, epoch, urls, services)
 
     def start(self, args: list[str], env: dict[str, str]) -> int:
         """Start `python -m agentrl *args` with `env` added (secrets arrive here, by call); it is

@@ -59,14 +59,25 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
 
     backend = create(cfg.queue)
     server = None
-    if cfg.queue.type != "zmq":
-        return backend.consumer("rank0"), None
-    hello = {"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness}
-    if cfg.queue.standalone:
-        consumer = backend.consumer("rank0", hello=hello)
-        log.info("TransferQueue: consuming from the standalone queue at %s (run %s)", cfg.queue.address,
-                 consumer.run_id)  # fmt: skip
+    servers_file = server_list.from_env()  # the launcher's live list, handed on to the rollers
+    if cfg.queue.type != "zmq" or cfg.queue.standalone:
+        if cfg.queue.type != "zmq":
+            # the run's admission window in `<stream>:state` (Redis is the server): without it no
+            # roller is ever admitted
+            backend.server(
+                groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.max_staleness
+            ).start().stop()
+            consumer = backend.consumer("rank0")
+        else:
+            consumer = backend.consumer(
+                "rank0", hello={"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness}
+            )
+            log.info("TransferQueue: consuming from the standalone queue at %s (run %s)", cfg.queue.address,
+                     consumer.run_id)  # fmt: skip
+        if servers_file is not None:  # the queue is not ours: we hand the list on (server_list.Publisher)
+            consumer.follow_servers(servers_file)
         return consumer, None
+    hello = {"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness}
     wal_dir = cfg.queue.wal_dir or str(Path(cfg.run_dir) / "queue_wal")
     server = backend.server(
         groups_per_step=cfg.learner.groups_per_step,
@@ -74,7 +85,7 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
         wal_dir=wal_dir,
         run_id=run_id(cfg, resume),
         ledger=Path(cfg.run_dir) / "queue_ledger.jsonl",
-        servers_file=server_list.from_env(),
+        servers_file=servers_file,
     )
     server.start()
     log.info("TransferQueue listening on %s (run %s)", cfg.queue.address, server.run_id)

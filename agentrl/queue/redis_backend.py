@@ -21,7 +21,9 @@ Redis's clock). Every acquire / put / release and the producer's heartbeat (ever
 `heartbeat_s`) renews it for `roller_lease_s`; the scripts (and the learner's polls) reap lapsed
 leases: their credits leave `started` (`admission_reclaimed`) and the lease id joins
 `<stream>:lapsed`, so a late producer's put under it raises `LeaseLapsed` and it starts a fresh
-lease. A closing producer gives back what it holds. Durability is Redis's own (AOF/RDB); the MAC of the
+lease. A closing producer gives back what it holds. The launcher's live list (servers, env
+services: `inference.server_list`) is `<stream>:servers`, set by the learner and read by each
+producer's heartbeat. Durability is Redis's own (AOF/RDB); the MAC of the
 zmq backend is replaced by Redis AUTH/TLS in the URL. The ids set grows with the run.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections import deque
@@ -36,6 +39,7 @@ from typing import Any
 
 import msgpack
 
+from agentrl.inference.server_list import Follower
 from agentrl.log import get_logger
 from agentrl.queue.base import Admission, Backend, Batch, Consumer, LeaseLapsed, Producer, check_drop_reason
 from agentrl.queue.redis_scripts import (
@@ -64,7 +68,7 @@ async def _poll_pause() -> None:
     await asyncio.sleep(POLL_S)
 
 
-class RedisProducer(Producer):
+class RedisProducer(Follower, Producer):
     """Roller side over `redis.asyncio`; holds its admission credits under a lease (see the module
     docstring) renewed by every call and by a heartbeat task started with the first call."""
 
@@ -99,10 +103,14 @@ class RedisProducer(Producer):
             )
 
     async def _heartbeat_loop(self) -> None:
-        """Renews the lease; a lapsed one (a stall longer than the lease) is replaced by a fresh one."""
+        """Renews the lease; a lapsed one (a stall longer than the lease) is replaced by a fresh one.
+        Reads the launcher's live list too (`<stream>:servers`, set by the learner)."""
         while True:
             if await self._ping(keys=self._lease_keys, args=[self.lease, self.ttl_ms]) < 0:
                 self._lapsed()
+            sl = await self._redis.get(f"{self.stream}:servers")
+            if sl is not None:
+                self.told(json.loads(sl))
             await asyncio.sleep(self.heartbeat_s)
 
     def _lapsed(self) -> str:
@@ -340,7 +348,17 @@ class RedisConsumer(Consumer):
             "age_s_max": ages[-1] if ages else 0.0,
         }
 
+    def follow_servers(self, path: Any) -> None:
+        """Hand the launcher's live list in `path` on to the producers: `<stream>:servers`, which
+        their heartbeat reads (`server_list.Publisher`, a thread; redis-py's client is thread-safe)."""
+        from agentrl.inference.server_list import Publisher
+
+        key = f"{self.stream}:servers"
+        self._publisher = Publisher(path, lambda sl: self._redis.set(key, json.dumps(sl))).start()
+
     def close(self) -> None:
+        if getattr(self, "_publisher", None) is not None:
+            self._publisher.stop()
         self._redis.close()
 
 

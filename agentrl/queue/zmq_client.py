@@ -36,6 +36,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from agentrl.inference.server_list import Follower
 from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
 from agentrl.queue.base import (
@@ -103,7 +104,7 @@ class ByteWindow:
                 granted.set_result(None)
 
 
-class ZmqProducer(Producer):
+class ZmqProducer(Follower, Producer):
     """Sends groups to the queue server; one per roller process, shared by its coroutines."""
 
     def __init__(
@@ -143,9 +144,6 @@ class ZmqProducer(Producer):
         self.max_staleness: int | None = None  # the run's, as the queue says in every reply
         self.on_max_staleness: Callable[[int], None] | None = None
         self.on_version: Callable[[int], None] | None = None
-        # the launcher's live server list, as the queue carries it (`inference.server_list`)
-        self.servers: tuple[int, list[str]] | None = None
-        self.on_servers: Callable[[int, list[str]], None] | None = None
 
     def _new_lease(self) -> str:
         return f"{self.name}-{os.getpid()}-{os.urandom(3).hex()}"
@@ -270,7 +268,7 @@ class ZmqProducer(Producer):
                 if self.on_version is not None:
                     self.on_version(self._version)
             self._told_max_staleness(ctl.get("ms"))
-            self._told_servers(ctl.get("sl"))
+            self.told(ctl.get("sl"))  # the launcher's live list (`inference.server_list.Follower`)
             if self._epoch is not None and ctl.get("e") != self._epoch:
                 log.warning(
                     "queue server restarted (epoch %s -> %s): re-sending %d requests under lease %s "
@@ -320,16 +318,6 @@ class ZmqProducer(Producer):
         self.max_staleness = int(ms)
         if self.on_max_staleness is not None:
             self.on_max_staleness(self.max_staleness)
-
-    def _told_servers(self, sl: list | None) -> None:
-        if not sl or (self.servers is not None and sl[0] <= self.servers[0]):
-            return
-        self.servers = (int(sl[0]), [str(u) for u in sl[1]])
-        if self.on_servers is not None:
-            try:
-                self.on_servers(*self.servers)
-            except Exception as exc:  # a bad list must not stop the producer's replies
-                log.error("applying server list epoch %d failed: %s", self.servers[0], exc)
 
     def _check_run(self, ctl: dict) -> bool:
         """Adopt the server's run id, or fail on another run's queue / a finished run; True: stop."""
@@ -596,7 +584,36 @@ class ZmqConsumer(Consumer):
     def metrics(self) -> dict[str, Any]:
         return self._call({"k": "stats"})[0]["m"]
 
+    def follow_servers(self, path: Any) -> None:
+        """Hand the launcher's live list in `path` on to this (standalone) queue, which carries it
+        to the producers: a `server_list.Publisher` thread, with its own socket and signer."""
+        from agentrl.inference.server_list import Publisher
+
+        self._sl = {"sock": None, "auth": Authenticator(self.auth.secret)}
+        self._publisher = Publisher(path, self._send_servers).start()
+
+    def _send_servers(self, sl: list) -> None:
+        if self._sl["sock"] is None:  # created and used by the publisher's thread only
+            self._sl["sock"] = sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.address)
+        sock, body = self._sl["sock"], msgpack.packb({"k": "sl", "sl": sl, "rid": 0})
+        sock.send_multipart([self._sl["auth"].sign(body), body])
+        while sock.poll(5000):  # its answer (or an earlier one, late); none: sent again next round
+            msg = sock.recv_multipart()
+            reply = msgpack.unpackb(msg[1], raw=False) if len(msg) > 1 else {}
+            if reply.get("k") == "err":
+                raise QueueError(f"queue refused the server list: {reply.get('msg')}")
+            if not sock.poll(0):
+                return
+        raise TimeoutError("no answer from the queue within 5s")
+
     def close(self) -> None:
+        publisher = getattr(self, "_publisher", None)
+        if publisher is not None:
+            publisher.stop()
+            if self._sl["sock"] is not None:
+                self._sl["sock"].close(linger=0)
         self._sock.close(linger=0)
         if self._own_context:
             self._ctx.term()

@@ -25,10 +25,13 @@ from typing import Any
 import numpy as np
 import zmq
 
+from agentrl.log import get_logger
 from agentrl.queue.base import DROP_REASONS
 from agentrl.queue.frames import pack
 from agentrl.queue.zmq_admission import PeerRefused
 from agentrl.types import Group
+
+log = get_logger("queue.server")
 
 
 @dataclass(slots=True)
@@ -201,6 +204,23 @@ class Delivery:
 
     def _on_stats(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
         self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"], "m": self._metrics()})
+
+    def _on_sl(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
+        """A learner consuming from this standalone queue hands on the launcher's live list
+        (`inference.server_list.Publisher`), carried from now on in every reply (`sl`). The
+        learner's list replaces what the queue has, whatever its epoch (a new launcher life
+        starts again at epoch 1); producers apply newer epochs only."""
+        from agentrl.inference.server_list import as_wire, parse
+
+        sl = ctl.get("sl")
+        if not isinstance(sl, list) or len(sl) != 3:
+            raise ValueError(f"server list: expected [epoch, urls, services], got {sl!r}")
+        found = parse({"epoch": sl[0], "urls": sl[1], "services": sl[2]})
+        if self.servers != as_wire(found):
+            self.servers = as_wire(found)
+            log.info("server list epoch %d from the learner: %s %s (carried to the producers)", found.epoch,
+                     list(found.urls), found.services)  # fmt: skip
+        self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"]})
 
     def _on_ping(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
         self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"]})

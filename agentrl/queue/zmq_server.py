@@ -51,6 +51,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from agentrl.inference.server_list import Reader, as_wire
 from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
 from agentrl.queue.base import QueueError
@@ -108,7 +109,8 @@ class QueueServer(Admission, Delivery):
         """`run_id`: the run this queue serves (else `config.run_id`, else the WAL's, else new).
         `ledger`: a JSONL file of trained / dropped group ids (see the module docstring).
         `servers_file`: the launcher's live server list (`inference.server_list`), reread every
-        0.5 s and carried in every reply (`sl`: [epoch, urls]) to the producers' routers."""
+        0.5 s and carried in every reply (`sl`: [epoch, urls, services]) to the producers (their
+        routers, and their env services map)."""
         self.config = config
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
@@ -161,10 +163,8 @@ class QueueServer(Admission, Delivery):
         )
         self._servers_file = None
         if servers_file is not None:
-            from agentrl.inference.server_list import Reader
-
             self._servers_file = Reader(servers_file)
-        self.servers: list | None = None  # [epoch, urls] of the live server list, once there is one
+        self.servers: list | None = None  # [epoch, urls, services] of the live list, once there is one
         self._next_servers_check = 0.0
         self._init_admission(_run_id(run_id or config.run_id, wal_path))
         self._refusals: dict[str, list[float]] = {}  # kind -> [count since logged, last logged]
@@ -532,7 +532,7 @@ class QueueServer(Admission, Delivery):
         if self._servers_file is not None and now >= self._next_servers_check:
             self._next_servers_check = now + 0.5
             if (found := self._servers_file.poll()) is not None:
-                self.servers = [found.epoch, list(found.urls)]
+                self.servers = as_wire(found)
                 log.info("server list epoch %d: %s (carried to the producers)", found.epoch, found.urls)
         expired = []
         if now >= self._next_lease_check:

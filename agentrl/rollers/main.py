@@ -50,6 +50,7 @@ def roller_index(config: AgentRLConfig) -> int:
 async def run_roller(config: AgentRLConfig) -> int:
     from transformers import AutoTokenizer
 
+    from agentrl.envs.base import live_services
     from agentrl.envs.registry import env_factory, load_env_class
     from agentrl.inference.router import from_config as create_router
     from agentrl.queue.base import create as create_queue
@@ -83,10 +84,10 @@ async def run_roller(config: AgentRLConfig) -> int:
     producer = backend.producer(name=name)
     producer.on_max_staleness = functools.partial(setattr, client, "max_staleness")
     producer.on_version = client.learner_version  # the window's top: the learner's version
-    # the launcher's live server list, carried by the queue's replies (zmq only: a Redis queue
-    # carries none, and its rollers keep the servers they started with)
-    if hasattr(producer, "on_servers"):
-        producer.on_servers = client.set_servers
+    # the launcher's live list, carried by the queue (`inference.server_list.Follower`): the
+    # servers for the router, the env services' URLs for new episodes and retriever-like clients
+    producer.on_servers = client.set_servers
+    producer.on_services = live_services.update
     metrics = MetricsLogger(config.run_dir, name="roller")
     groups_file = os.path.join(config.run_dir, f"{name}.groups")
     roller = Roller(

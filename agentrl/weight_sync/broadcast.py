@@ -294,7 +294,12 @@ class BroadcastEngine(WeightSyncEngine):
             logger.error("servers %s stopped answering: leaving them out of this push", dead)
             self._drop(dead)
         if back:
-            logger.info("servers %s are up again: rebuilding the weight group with them", back)
+            added = [u for u in back if u not in self.members and u not in self.dropped]  # new in the list
+            again = [u for u in back if u not in added]
+            if added:
+                logger.info("servers %s added: rebuilding the weight group with them", added)
+            if again:
+                logger.info("servers %s are up again: rebuilding the weight group with them", again)
             self.dropped = [u for u in self.dropped if u not in back]
             for url in back:  # retried with backoff should this rejoin not bring it to the version
                 self._attempts[url] = self._attempts.get(url, 0) + 1

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.launch.netns import netns_argv, netns_available
-from agentrl.launcher import staleness
+from agentrl.launch.progress import staleness
 from agentrl.log import read_metrics
 from agentrl.queue.account import account
 from tests.conftest import REPO

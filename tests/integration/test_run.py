@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.launcher import staleness
+from agentrl.launch.progress import staleness
 from agentrl.log import read_metrics
 from tests.conftest import REPO, find_free_port, pid_alive, run_agentrl
 

@@ -80,8 +80,9 @@ def test_scale_servers_up_and_down_under_agentrl_run(tiny_model: Path, tmp_path:
         text = _text(learner_log)
         assert f"servers ['{new}'] added to the server list" in text, text[-4000:]
         assert re.search(r"are behind version \d+: pushing the current weights now", text) or re.search(
-            r"are up again: rebuilding the weight group", text
+            rf"servers \['{new}'\] added: rebuilding the weight group", text
         ), text[-4000:]
+        assert not re.search(rf"servers \['{new}'\] are up again", text), text[-4000:]  # it was never down
         _scale(run_dir, 1)
         _wait("server1 off the list", lambda: json.loads((run_dir / "servers.json").read_text())["epoch"] == 3,
               proc, log)  # fmt: skip

@@ -284,7 +284,7 @@ def test_local_scaling_starts_and_stops_rollers_and_server_slots_and_status_list
         assert supervisor.children[-1].spec.env == {"AGENTRL_ROLLER_INDEX": "2"}
         assert server1.proc.poll() is not None  # stopped by PID
         assert scaler.apply({"rollers": 1, "servers": 5}) == (
-            "rollers 1, servers 2 (all 2 planned slots: a Redis or standalone queue carries no server list)"
+            "rollers 1, servers 2 (all 2 planned slots: this run has no live server list)"
         )
         assert [c.name for c in supervisor.children] == ["server0", "learner", "roller0", "server1"]
         assert roller0.proc.poll() is None

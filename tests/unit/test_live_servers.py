@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from agentrl.launch import ray as ray_launch
 from agentrl.launch import servers as live_servers
 from tests.unit.test_launcher import _config, _Ray
 
@@ -43,7 +44,7 @@ class _ServerActor:
 class _LearnerActor:
     def __init__(self) -> None:
         self.lists: list[tuple[str, int, list[str]]] = []
-        self.write_servers = type("M", (), {"remote": lambda p, e, u: self.lists.append((p, e, u))})()
+        self.write_servers = type("M", (), {"remote": lambda p, e, u, s=None: self.lists.append((p, e, u))})()
 
 
 def _run(tmp_path: Path, monkeypatch, healthy: set[str]):
@@ -61,10 +62,11 @@ def _run(tmp_path: Path, monkeypatch, healthy: set[str]):
     run.members = [ray_launch.Member(role, "server0", actor, {}, node="10.0.0.2", port=4001)]
     learner = _LearnerActor()
     run.live = live_servers.LiveServers(
-        lambda e, u: learner.lists.append(("", e, u)), {"server0": run.addrs.servers[0]}
+        lambda e, u, s: learner.lists.append(("", e, u)), {"server0": run.addrs.servers[0]}
     )
     run.pending = live_servers.PendingServers(run.live)
-    monkeypatch.setattr(live_servers, "answers", lambda url, **_: url in healthy)  # no traffic off loopback
+    # no traffic off loopback: a server "answers" once the test says so
+    monkeypatch.setattr(live_servers, "answers", lambda url, path="/health", **_: url in healthy)
     created: list[_ServerActor] = []
 
     def new_actor(role, name, restarts, **options):
@@ -108,12 +110,59 @@ def test_scale_servers_adds_actors_for_new_slots_and_takes_removed_ones_off_the_
     assert run.scale({"servers": 0}).startswith("servers 2 (a run keeps at least one")
 
 
+def test_an_env_service_ray_restarts_on_another_node_reaches_the_rollers_at_its_new_address(
+    tmp_path, monkeypatch
+):
+    """Search-R1's retriever (a service role) back on another node: once it answers its health
+    path the live map names it there (published to the learner's node, carried on to the
+    rollers by the queue), and a roller started after that is given the new URL (its flag after
+    the plan's, so it wins)."""
+    from agentrl.config import parse_overrides
+    from agentrl.launch.plan import roller_role, service_roles
+
+    run, _, _, _ = _run(tmp_path, monkeypatch, set())
+    env = {"name": "search_r1", "kwargs": {"retriever_url": "auto"}}
+    run.config = _config(tmp_path, env=env, type="ray", restart_backoff_s=0.0)
+    (role,) = service_roles(run.config)
+    service = _ServerActor("10.0.0.3")
+    service.fresh, service.started = False, 1
+    old_flag = role.override("10.0.0.3", 4200)
+    roller = _ServerActor("10.0.0.4")
+    roller.fresh, roller.started = False, 1
+    run.members = [
+        ray_launch.Member(role, "retriever", service, {}, node="10.0.0.3", port=4200),
+        ray_launch.Member(
+            roller_role(run.config, ["--config", "c.yaml", old_flag], 0), "roller0", roller, {}
+        ),
+    ]
+    published: list[tuple] = []
+    run.live = live_servers.LiveServers(lambda e, u, s: published.append((e, u, s)),
+                                        {"server0": "http://10.0.0.2:4001"}, {"retriever_url": role.url("10.0.0.3", 4200)})  # fmt: skip
+    run.pending = live_servers.PendingServers(run.live)
+    healthy: set[str] = set()
+    monkeypatch.setattr(live_servers, "answers", lambda url, path="/health", **_: url + path in healthy)
+    service.fresh, service.ip = True, "10.0.0.8"  # its node was removed: Ray placed it on another
+    assert run.supervise() is None and run.supervise() is None and service.started == 2
+    assert service.args[service.args.index("--host") + 1] == "10.0.0.8"
+    run.tick()
+    assert len(published) == 1  # not on the map before it answers
+    healthy.add("http://10.0.0.8:4200/health")
+    run.tick()
+    new = "http://10.0.0.8:4200/retrieve"
+    assert published[-1] == (2, ["http://10.0.0.2:4001"], {"retriever_url": new})
+    roller.fresh = True  # a roller Ray restarts from now on
+    assert run.supervise() is None and run.supervise() is None and roller.started == 2
+    assert dict(parse_overrides(roller.args[1:]))["env.kwargs.retriever_url"] == new
+
+
 def test_the_learners_actor_writes_the_list_on_its_node(tmp_path: Path) -> None:
     from agentrl.inference import server_list
     from agentrl.launch.ray_actor import ProcessActor
 
     actor = ProcessActor("learner", str(tmp_path / "learner.log"), str(tmp_path))
-    actor.write_servers(str(tmp_path / "run" / "servers.json"), 4, ["http://10.0.0.7:4001"])
+    actor.write_servers(
+        str(tmp_path / "run" / "servers.json"), 4, ["http://10.0.0.7:4001"], {"u": "http://h:1"}
+    )
     assert server_list.read(tmp_path / "run" / "servers.json") == server_list.ServerList(
-        4, ("http://10.0.0.7:4001",)
+        4, ("http://10.0.0.7:4001",), {"u": "http://h:1"}
     )

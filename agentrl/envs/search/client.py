@@ -13,6 +13,7 @@ Connection errors and 5xx are retried a few times with backoff, then raised as
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -50,17 +51,27 @@ def format_passages(hits: list[Any]) -> str:
 
 
 class RetrieverClient:
-    """One aiohttp session to a retriever; `close()` it when done."""
+    """One aiohttp session to a retriever; `close()` it when done. `url` may be a function giving
+    the current URL, asked again on every attempt (a retriever that moved, `base.live_services`)."""
 
     def __init__(
-        self, url: str, topk: int = 3, timeout_s: float = 60.0, retries: int = 2, backoff_s: float = 0.5
+        self,
+        url: str | Callable[[], str],
+        topk: int = 3,
+        timeout_s: float = 60.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
     ) -> None:
-        self.url = retrieve_url(url)
+        self._url = url
         self.topk = topk
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def url(self) -> str:
+        return retrieve_url(self._url() if callable(self._url) else self._url)
 
     async def search(self, queries: list[str], topk: int | None = None) -> list[list[dict[str, Any]]]:
         """Hits (`{"document": {...}, "score": s}`) of each query, best first."""
@@ -73,22 +84,21 @@ class RetrieverClient:
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            url = self.url
             try:
-                async with self._session.post(self.url, json=payload) as response:
+                async with self._session.post(url, json=payload) as response:
                     if 400 <= response.status < 500:
-                        raise RetrieverError(f"{self.url} refused the request: {await response.text()}")
+                        raise RetrieverError(f"{url} refused the request: {await response.text()}")
                     if response.status >= 500:
-                        last = RetrieverError(f"{self.url} answered {response.status}")
+                        last = RetrieverError(f"{url} answered {response.status}")
                         continue
                     body = await response.json()
             except (aiohttp.ClientError, TimeoutError) as exc:
-                last = RetrieverError(f"{self.url} unreachable: {type(exc).__name__}: {exc}")
+                last = RetrieverError(f"{url} unreachable: {type(exc).__name__}: {exc}")
                 continue
             result = body.get("result") if isinstance(body, dict) else None
             if not isinstance(result, list) or len(result) != len(queries):
-                raise RetrieverError(
-                    f"{self.url} answered without one result list per query: {str(body)[:200]}"
-                )
+                raise RetrieverError(f"{url} answered without one result list per query: {str(body)[:200]}")
             return [[{"document": _document(h), "score": _score(h)} for h in row] for row in result]
         assert last is not None
         raise last

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
-from agentrl.envs.base import Env, Messages, Service, StepResult, Transcript
+from agentrl.envs.base import Env, Messages, Service, StepResult, Transcript, live_services
 from agentrl.envs.parsers import TagParser
 from agentrl.envs.search.client import RetrieverClient, format_passages
 from agentrl.envs.search.data import normalize_task
@@ -120,9 +120,12 @@ class SearchR1Env(Env):
         self.answer: str | None = None
         self.metrics = {"search_calls": 0, "invalid_actions": 0, "tool_calls": 0, "tool_errors": 0}
 
+    def _current_url(self) -> str:  # the retriever where it is now, if the launcher moved it
+        return live_services.url("retriever_url", self.retriever_url)
+
     def client(self) -> RetrieverClient:
         if self._client is None:
-            self._client = RetrieverClient(self.retriever_url, self.topk, timeout_s=self.retriever_timeout_s)
+            self._client = RetrieverClient(self._current_url, self.topk, timeout_s=self.retriever_timeout_s)
         return self._client
 
     def reset(self, task: dict[str, Any]) -> Messages:
@@ -205,6 +208,8 @@ class SearchToolEnv(ToolEnv):
         self.retriever_timeout_s = retriever_timeout_s
         self._client: RetrieverClient | None = None
 
+    _current_url = SearchR1Env._current_url
+
     @tool
     async def search(self, query: str) -> str:
         """Search the knowledge corpus and return the best matching documents.
@@ -213,7 +218,7 @@ class SearchToolEnv(ToolEnv):
             query: What to look up, e.g. "founder of the Xalud Conservatory".
         """
         if self._client is None:
-            self._client = RetrieverClient(self.retriever_url, self.topk, timeout_s=self.retriever_timeout_s)
+            self._client = RetrieverClient(self._current_url, self.topk, timeout_s=self.retriever_timeout_s)
         hits = (await self._client.search([query]))[0]
         return format_passages(hits).strip() or "No documents matched the query."
 

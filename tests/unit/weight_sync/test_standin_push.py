@@ -182,9 +182,12 @@ def test_an_older_sglang_without_the_session_routes_is_pushed_to_tensor_by_tenso
         engine.close()
 
 
-def test_servers_follow_the_live_list_a_new_one_catches_up_a_removed_one_leaves(standins, tmp_path) -> None:
+def test_servers_follow_the_live_list_a_new_one_catches_up_a_removed_one_leaves(
+    standins, tmp_path, caplog
+) -> None:
     """The launcher's live list (`inference.server_list`): a server added to it is behind until
-    the catch-up push gives it the current weights; one removed from it is pushed to no more."""
+    the catch-up push gives it the current weights (logged as added, not as up again); one
+    removed from it is pushed to no more."""
     from agentrl.inference import server_list
 
     first, second = standins
@@ -204,8 +207,12 @@ def test_servers_follow_the_live_list_a_new_one_catches_up_a_removed_one_leaves(
         while (late := engine.behind(1)) != [second.url]:
             assert time.monotonic() < deadline, late
             time.sleep(0.1)
-        stats = engine.push(lambda: iter(w1.items()), 1)  # the learner loop's catch-up push
+        with caplog.at_level("INFO", logger="agentrl.weight_sync.broadcast"):
+            stats = engine.push(lambda: iter(w1.items()), 1)  # the learner loop's catch-up push
         assert stats.servers_updated == 2 and engine.members == [first.url, second.url]
+        said = [r.getMessage() for r in caplog.records]
+        assert f"servers ['{second.url}'] added: rebuilding the weight group with them" in said, said
+        assert not any("up again" in m for m in said), said
         _assert_pushed(second, w1, 1)
         server_list.write(path, 3, [second.url])
         w2 = _weights(2)
