@@ -67,7 +67,7 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
             backend.server(
                 groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.max_staleness
             ).start().stop()
-            consumer = backend.consumer("rank0")
+            consumer = backend.consumer("rank0", ledger=Path(cfg.run_dir) / "queue_ledger.jsonl")
         else:
             consumer = backend.consumer(
                 "rank0", hello={"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness}

@@ -25,6 +25,11 @@ lease. A closing producer gives back what it holds. The launcher's live list (se
 services: `inference.server_list`) is `<stream>:servers`, set by the learner and read by each
 producer's heartbeat. Durability is Redis's own (AOF/RDB); the MAC of the
 zmq backend is replaced by Redis AUTH/TLS in the URL. The ids set grows with the run.
+
+The per-group account (`account.py`): a consumer given a `ledger` path keeps `ledger.py`'s
+ledger, as a hosted zmq server does: what it dropped as stale or skipped, and at its close the
+ids still in the stream. `<stream>:state` counts `trained` beside the drops, so the queue's
+group invariant holds on Redis's metrics too.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import msgpack
 from agentrl.inference.server_list import Follower
 from agentrl.log import get_logger
 from agentrl.queue.base import Admission, Backend, Batch, Consumer, LeaseLapsed, Producer, check_drop_reason
+from agentrl.queue.ledger import Ledger
 from agentrl.queue.redis_scripts import (
     ACQUIRE,
     BYE,
@@ -59,13 +65,14 @@ log = get_logger("queue.redis")
 POLL_S = 0.02
 
 
-async def _poll_pause() -> None:
+async def _poll_pause(seconds: float = POLL_S) -> None:
     """Sleep between polls, and honour a cancellation that redis-py may have swallowed while it
-    retried a command (seen with `asyncio.wait_for` around a waiting `acquire_start`)."""
+    retried a command (seen with `asyncio.wait_for` around a waiting `acquire_start`, and with
+    a cancelled heartbeat that went on renewing its lease)."""
     task = asyncio.current_task()
     if task is not None and getattr(task, "cancelling", lambda: 0)():
         raise asyncio.CancelledError
-    await asyncio.sleep(POLL_S)
+    await asyncio.sleep(seconds)
 
 
 class RedisProducer(Follower, Producer):
@@ -111,7 +118,7 @@ class RedisProducer(Follower, Producer):
             sl = await self._redis.get(f"{self.stream}:servers")
             if sl is not None:
                 self.told(json.loads(sl))
-            await asyncio.sleep(self.heartbeat_s)
+            await _poll_pause(self.heartbeat_s)
 
     def _lapsed(self) -> str:
         old, self.lease = self.lease, self._new_lease()
@@ -197,7 +204,7 @@ class RedisAdmission:
 class RedisConsumer(Consumer):
     """Learner rank over one Redis consumer group; blocking calls."""
 
-    def __init__(self, config: Any, name: str) -> None:
+    def __init__(self, config: Any, name: str, ledger: str | None = None) -> None:
         import redis
 
         self.config, self.name = config, name
@@ -220,6 +227,10 @@ class RedisConsumer(Consumer):
             f"{self.stream}:lapsed",
         ]
         self._next_claim = 0.0
+        self.ledger = None
+        if ledger is not None:  # a life of a durable queue: Redis keeps the stream across ours
+            version = int(self._redis.hget(self.state, "version") or 0)
+            self.ledger = Ledger(ledger, f"redis-{os.urandom(4).hex()}", durable=True, version=version)
         self._read_pending()  # what this name held and had not acked
 
     def _read_pending(self) -> None:
@@ -313,16 +324,21 @@ class RedisConsumer(Consumer):
         )
 
     def _remove(self, group_ids: list[str], dropped: str | None = None) -> None:
-        entries = [self._entry_of.pop(g) for g in group_ids if g in self._entry_of]
-        if not entries:
+        present = [g for g in group_ids if g in self._entry_of]
+        if not present:
             return
+        entries = [self._entry_of.pop(g) for g in present]
         pipe = self._redis.pipeline()
         pipe.xack(self.stream, self.config.consumer_group, *entries)
         pipe.xdel(self.stream, *entries)
+        fate = "trained" if dropped is None else f"dropped_{dropped}"
+        pipe.hincrby(self.state, fate, len(entries))
         if dropped is not None:
-            pipe.hincrby(self.state, f"dropped_{dropped}", len(entries))
             pipe.hincrby(self.state, "started", -len(entries))  # admission replaces them
         pipe.execute()
+        if self.ledger is not None:
+            version = int(self._redis.hget(self.state, "version") or 0)
+            self.ledger.write({fate: present, "v": version})
 
     def ack(self, group_ids: list[str], dropped: str | None = None) -> None:
         check_drop_reason(dropped)
@@ -332,15 +348,21 @@ class RedisConsumer(Consumer):
         self._redis.hset(self.state, "version", int(version))
 
     def metrics(self) -> dict[str, Any]:
-        state = {k.decode(): int(v) for k, v in self._redis.hgetall(self.state).items()}
-        pending = self._redis.xpending(self.stream, self.config.consumer_group)["pending"]
-        depth = self._redis.xlen(self.stream) - pending
+        pipe = self._redis.pipeline(transaction=True)  # one snapshot (MULTI/EXEC): invariants hold in it
+        pipe.hgetall(self.state)
+        pipe.xpending(self.stream, self.config.consumer_group)
+        pipe.xlen(self.stream)
+        pipe.hvals(f"{self.stream}:held")
+        pipe.zcard(f"{self.stream}:leases")
+        state, pending, length, held, leases = pipe.execute()
+        state = {k.decode(): int(v) for k, v in state.items()}
+        pending = pending["pending"]
+        depth = length - pending
         ages = sorted(self._ages)
-        held = [int(v) for v in self._redis.hvals(f"{self.stream}:held")]
         return {
             **state,
-            "leased": sum(held),
-            "leases": self._redis.zcard(f"{self.stream}:leases"),
+            "leased": sum(int(v) for v in held),
+            "leases": leases,
             "depth": depth,
             "inflight": pending,
             "age_s_mean": sum(ages) / len(ages) if ages else 0.0,
@@ -359,6 +381,10 @@ class RedisConsumer(Consumer):
     def close(self) -> None:
         if getattr(self, "_publisher", None) is not None:
             self._publisher.stop()
+        if self.ledger is not None and not self.ledger.closed:
+            self._give_back()
+            remaining = [fields[b"gid"].decode() for _, fields in self._redis.xrange(self.stream) if fields]
+            self.ledger.close(remaining)
         self._redis.close()
 
 
@@ -375,5 +401,5 @@ class RedisBackend(Backend):
         c = self.config
         return RedisProducer(c.url, c.stream, c.capacity_groups, c.heartbeat_s, c.roller_lease_s, name)
 
-    def consumer(self, name: str = "rank0", **kwargs: Any) -> RedisConsumer:
-        return RedisConsumer(self.config, name)
+    def consumer(self, name: str = "rank0", ledger: str | None = None, **kwargs: Any) -> RedisConsumer:
+        return RedisConsumer(self.config, name, ledger)

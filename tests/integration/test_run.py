@@ -54,6 +54,34 @@ def test_closed_loop_run_keeps_its_invariants(tiny_model: Path, tmp_path: Path, 
     assert (tmp_path / "hf" / "latest" / "model.safetensors").exists()
 
 
+def test_a_run_on_redis_trains_and_accounts_for_every_group(
+    tiny_model: Path, tmp_path: Path, redis_url: str
+) -> None:
+    """`queue.type: redis` under `agentrl run`: the learner writes the admission window (before,
+    no roller was ever admitted) and the ledger, so the per-group account holds as on zmq."""
+    import yaml
+
+    from agentrl.queue.account import account
+
+    recipe = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
+    recipe["queue"] = {"type": "redis", "url": redis_url, "stream": f"test:{tmp_path.name}"}
+    config = tmp_path / "redis.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    run_dir = tmp_path / "run"
+    result = run_agentrl(
+        "run", "--config", str(config), f"--run_dir={run_dir}", "--max_staleness=0",
+        f"--learner.model_path={tiny_model}", "--learner.max_steps=3", "--learner.groups_per_step=2",
+        "--learner.warmstart.steps=0", "--roller.group_size=4", "--roller.max_turns=2",
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir / "learner.jsonl")] == [1, 2, 3]
+    acct = account(run_dir)
+    summary = acct.summary()
+    assert acct.put and acct.lost == 0 and acct.duplicated == 0 and acct.leaked_credits == 0, summary
+    assert acct.step_residuals and all(r == (0, 0) for r in acct.step_residuals), acct.step_residuals
+
+
 def _child_pids(output: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\S+) \(pid (\d+)\)", output)}
 

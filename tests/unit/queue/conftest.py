@@ -4,9 +4,6 @@ redis-server (started here on a free loopback port, stopped by PID)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +14,6 @@ import pytest
 from agentrl.config import RedisQueueConfig, ZmqQueueConfig
 from agentrl.queue import create
 from agentrl.types import Episode, Group
-from tests.conftest import find_free_port
 
 SECRET = "queue-test-secret-0123456789abcdef"
 
@@ -53,47 +49,6 @@ def put_all(producer_factory: Any, groups: list[Group], concurrent: bool = False
             producer.close()
 
     asyncio.run(go())
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server on a free loopback port for the whole session."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server; .ci/run does)")
-    port = find_free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    client.close()
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 class Harness:
