@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from agentrl.inference.decode import lean_decoder
 from agentrl.inference.sampling import SamplingParams, sample
 from agentrl.log import get_logger
 
@@ -147,10 +148,13 @@ class Engine:
         model: torch.nn.Module | None = None,
         tokenizer: Any = None,
         replica: Any = None,
+        lean_decode: bool = True,
     ) -> None:
         """`model_path` is loaded with `from_pretrained` unless `model` is given: then that module
         (already on `device`, in `dtype`) is served as it is, and `model_path`, if set, only names
-        where the tokenizer is (or pass `tokenizer`). `replica`: see the module docstring."""
+        where the tokenizer is (or pass `tokenizer`). `replica`: see the module docstring.
+        `lean_decode`: decode steps of a plain Qwen2 model skip transformers' per-call machinery
+        (agentrl/inference/decode.py; same logits); False always uses the model's forward."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if model is None and model_path is None:
@@ -182,6 +186,7 @@ class Engine:
         self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.max_batch_size = max_batch_size
         self.weight_version = "0"
+        self._lean = lean_decoder(self.model) if lean_decode else None
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._waiting: queue.Queue[Request] = queue.Queue()
@@ -492,7 +497,8 @@ class Engine:
         return logits
 
     def _decode_step(self) -> None:
-        self._publish(("decode", self._batch.last.cpu()))
+        if self.replica is not None and self.replica.size > 1:
+            self._publish(("decode", self._batch.last.cpu()))
         logits = self._decode_rows()
         self.steps += 1
         self._sample_and_advance(logits, first=0)
@@ -501,7 +507,12 @@ class Engine:
         b = self._batch
         ones = torch.ones(len(b.reqs), 1, dtype=b.mask.dtype, device=b.mask.device)
         mask = torch.cat([b.mask, ones], dim=1)
-        logits, keys, values = self._forward(b.last[:, None], mask, b.positions[:, None], b.keys, b.values)
+        if self._lean is not None:
+            logits, keys, values = self._lean(b.last, mask, b.positions, b.keys, b.values)
+        else:
+            logits, keys, values = self._forward(
+                b.last[:, None], mask, b.positions[:, None], b.keys, b.values
+            )
         b.keys, b.values, b.mask, b.positions = keys, values, mask, b.positions + 1
         return logits
 
@@ -553,10 +564,9 @@ class Engine:
         )
         b.last[first:] = tokens
         keep = list(range(first))
-        for j, req in enumerate(rows):
-            token = int(tokens[j])
+        for j, (req, token, logprob) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):
             req.output_ids.append(token)
-            req.logprobs.append(float(logprobs[j]))
+            req.logprobs.append(logprob)
             reason = self._finish_reason(req, token)
             if reason is None:
                 keep.append(first + j)
