@@ -255,7 +255,7 @@ class Engine(BufferPhases, ReplicaFollowing):
 
                     dt = state[name]
                     tensor = distribute_tensor(tensor, dt.device_mesh, dt.placements, src_data_rank=None)
-                    tensor = tensor.tolocal()
+                    tensor = tensor.to_local()
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         if weight_version is not None:
             self.weight_version = str(weight_version)
