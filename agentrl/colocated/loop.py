@@ -154,6 +154,9 @@ def run(cfg: AgentRLConfig) -> int:
     metrics = MetricsLogger(cfg.run_dir, "learner") if rank == 0 else None
     if lock.is_leader:
         engine.start()
+    # one event loop for every step: asyncio.run() (Python 3.11) reprs its main task, results and
+    # all, when it restores the SIGINT handler: ~50 ms per step of numpy array printing
+    gen_loop = asyncio.new_event_loop()
     log.info("colocated: %d ranks, %d replica(s) of tg=%d, %d groups/step", world, replicas, cc.tg,
              lc.groups_per_step)  # fmt: skip
     try:
@@ -170,7 +173,7 @@ def run(cfg: AgentRLConfig) -> int:
             if lock.is_leader:
                 first = (learner.version * replicas + replica_index) * per_replica
                 chunk = [tasks[first + i] for i in range(per_replica)]
-                mine = asyncio.run(_generate_groups(cfg, chunk, engine, make_env, renderer))
+                mine = gen_loop.run_until_complete(_generate_groups(cfg, chunk, engine, make_env, renderer))
                 engine.end_phase()
             else:
                 engine.follow()
@@ -219,6 +222,7 @@ def run(cfg: AgentRLConfig) -> int:
                          batch.metrics.get("reward/mean", math.nan), t_gen, t_reshard, t_train)  # fmt: skip
         export(learner)
     finally:
+        gen_loop.close()
         if lock.is_leader:
             engine.stop()
         if metrics is not None:

@@ -8,9 +8,12 @@ parameters, partial results on abort (so a roller can resume), and weight loads 
 land inside a step. The loop here is compact:
 
 * one engine thread owns the model; HTTP handlers hand it requests and commands;
-* running sequences share one left-padded KV cache (a `DynamicCache` built from per-layer
-  tensors); new requests are prefilled together and concatenated into the running batch
-  between decode steps, finished ones are dropped and leading all-padding columns trimmed;
+* running sequences share one left-padded KV cache (per-layer tensors, agentrl/inference/batch.py);
+  new requests are prefilled together and concatenated into the running batch between decode
+  steps, finished ones are dropped and leading all-padding columns trimmed;
+* prefill runs the model's forward (a `DynamicCache` built from those tensors); decode steps of a
+  plain Qwen2 model run agentrl/inference/decode.py's lean step (the same math without
+  transformers' per-call overhead), any other model its own forward;
 * each step samples every row with its own temperature / top-k / top-p / min-p and returns
   the log-prob of the sampled token under the distribution actually sampled from (tempered
   and truncated), taken from the same forward pass;
@@ -19,10 +22,11 @@ land inside a step. The loop here is compact:
 Colocated mode (agentrl/colocated) builds the engine on a module it already holds (`model=`:
 its parameters are the generation buffers the reshard fills, no second `from_pretrained`) and
 between phases calls `release()` (KV cache dropped; parameter storage freed on CPU, offloaded to
-pinned CPU memory on CUDA) and `rebuild()`. With a `replica` (agentrl/colocated/lockstep.py) the
-model is one tensor-parallel shard: this engine, the replica's leader, broadcasts every change
-of the running batch (prefill inputs, the sampled tokens of each decode step, the rows kept) so
-the followers run the identical forward on their shards; only the leader samples.
+pinned CPU memory on CUDA) and `rebuild()` (agentrl/inference/buffers.py). With a `replica`
+(agentrl/colocated/lockstep.py) the model is one tensor-parallel shard: this engine, the
+replica's leader, broadcasts every change of the running batch (prefill inputs, the sampled
+tokens of each decode step, the rows kept) so the followers run the identical forward on their
+shards (agentrl/inference/replica.py); only the leader samples.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ from typing import Any
 
 import torch
 
+from agentrl.inference.batch import Batch, local, merge, select
+from agentrl.inference.buffers import BufferPhases
+from agentrl.inference.decode import lean_decoder
+from agentrl.inference.replica import ReplicaFollowing
 from agentrl.inference.sampling import SamplingParams, sample
 from agentrl.log import get_logger
 
@@ -63,73 +71,7 @@ class Request:
     abort_message: str | None = None
 
 
-@dataclass
-class _Batch:
-    """Running rows: per-layer K/V `[B, H, L, D]`, padding mask `[B, L]`, next position, last token."""
-
-    reqs: list[Request]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    mask: torch.Tensor
-    positions: torch.Tensor
-    last: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return self.mask.shape[1]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (sharing its storage), the tensor itself otherwise."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim=dim)
-
-
-def _merge(a: _Batch | None, b: _Batch) -> _Batch:
-    if a is None or not a.reqs:
-        return b
-    length = max(a.length, b.length)
-    return _Batch(
-        reqs=a.reqs + b.reqs,
-        keys=[
-            torch.cat([_left_pad(x, length, 2), _left_pad(y, length, 2)])
-            for x, y in zip(a.keys, b.keys, strict=True)
-        ],
-        values=[
-            torch.cat([_left_pad(x, length, 2), _left_pad(y, length, 2)])
-            for x, y in zip(a.values, b.values, strict=True)
-        ],
-        mask=torch.cat([_left_pad(a.mask, length, 1), _left_pad(b.mask, length, 1)]),
-        positions=torch.cat([a.positions, b.positions]),
-        last=torch.cat([a.last, b.last]),
-    )
-
-
-def _select(batch: _Batch, keep: list[int]) -> _Batch | None:
-    if not keep:
-        return None
-    idx = torch.tensor(keep, device=batch.mask.device)
-    mask = batch.mask.index_select(0, idx)
-    start = int(mask.any(0).int().argmax())  # first column any kept row uses
-    return _Batch(
-        reqs=[batch.reqs[i] for i in keep],
-        keys=[k.index_select(0, idx)[:, :, start:] for k in batch.keys],
-        values=[v.index_select(0, idx)[:, :, start:] for v in batch.values],
-        mask=mask[:, start:],
-        positions=batch.positions.index_select(0, idx),
-        last=batch.last.index_select(0, idx),
-    )
-
-
-class Engine:
+class Engine(BufferPhases, ReplicaFollowing):
     """Owns a model and a thread that decodes all admitted requests together.
 
     Start-up: `Engine(...)` loads the model; `start()` launches the `_generate_loop` thread.
@@ -147,10 +89,13 @@ class Engine:
         model: torch.nn.Module | None = None,
         tokenizer: Any = None,
         replica: Any = None,
+        lean_decode: bool = True,
     ) -> None:
         """`model_path` is loaded with `from_pretrained` unless `model` is given: then that module
         (already on `device`, in `dtype`) is served as it is, and `model_path`, if set, only names
-        where the tokenizer is (or pass `tokenizer`). `replica`: see the module docstring."""
+        where the tokenizer is (or pass `tokenizer`). `replica`: see the module docstring.
+        `lean_decode`: decode steps of a plain Qwen2 model skip transformers' per-call machinery
+        (agentrl/inference/decode.py; same logits); False always uses the model's forward."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if model is None and model_path is None:
@@ -182,6 +127,7 @@ class Engine:
         self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.max_batch_size = max_batch_size
         self.weight_version = "0"
+        self._lean = lean_decoder(self.model) if lean_decode else None
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._waiting: queue.Queue[Request] = queue.Queue()
@@ -189,7 +135,7 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = False
         self._paused = False
-        self._batch: _Batch | None = None
+        self._batch: Batch | None = None
         self._held: list[Request] = []  # admitted while paused; start on continue
         self._thread: threading.Thread | None = None
         self.steps = 0
@@ -284,7 +230,7 @@ class Engine:
         wrong = [
             f"{n}: got {list(t.shape)}, model has {list(state[n].shape)}"
             for n, t in tensors.items()
-            if n in state and tuple(t.shape) not in (tuple(state[n].shape), tuple(_local(state[n]).shape))
+            if n in state and tuple(t.shape) not in (tuple(state[n].shape), tuple(local(state[n]).shape))
         ]
         problems = []
         if unknown:
@@ -303,7 +249,7 @@ class Engine:
         state = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in tensors.items():
-                target = _local(state[name])
+                target = local(state[name])
                 if tuple(tensor.shape) != tuple(target.shape):  # a full tensor for a TP shard
                     from torch.distributed.tensor import distribute_tensor
 
@@ -314,83 +260,6 @@ class Engine:
         if weight_version is not None:
             self.weight_version = str(weight_version)
         logger.info("loaded %d tensors; weight_version=%s", len(tensors), self.weight_version)
-
-    # ------------------------------------------------------------------ buffers between phases
-
-    def _param_storages(self) -> list[torch.Tensor]:
-        """The local tensor of each parameter, one per storage (tied weights appear once)."""
-        seen, out = set(), []
-        for param in self.model.parameters():
-            if not hasattr(param, "to_local") and not param.untyped_storage().resizable():
-                param.data = param.data.clone()  # from_pretrained's mmapped storage cannot be freed in place
-            local = _local(param.data)
-            key = local.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                out.append(local)
-        return out
-
-    @property
-    def released(self) -> bool:
-        return self._offloaded is not None
-
-    def release(self, params: bool = True) -> int:
-        """Drop the KV cache and (with `params`) give the parameters' memory back; returns the
-        parameter bytes released. `params=False` suits buffers someone else frees and refills (the
-        HybridEngine's generation buffers, agentrl/hybrid/reshard.py). On
-        CUDA each storage is first copied to pinned CPU memory (`rebuild()` copies it back); on CPU
-        the storage is freed (`UntypedStorage.resize_(0)`, as FSDP2 frees unsharded parameters) and
-        `rebuild(weights)` must refill it. Only between phases: nothing may be running or held."""
-        if self.num_running or self._held or not self._waiting.empty():
-            raise RuntimeError("release() with requests in flight: finish or abort them first")
-        if self._offloaded is not None:
-            return 0
-        self._batch = None
-        if not params:
-            return 0
-        self._offloaded = []
-        for local in self._param_storages():
-            copy = None
-            if local.is_cuda:
-                copy = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
-                copy.copy_(local, non_blocking=True)
-            self._offloaded.append((local, copy))
-        if any(copy is not None for _, copy in self._offloaded):
-            torch.cuda.current_stream().synchronize()  # the copies land before the storage goes
-        self._offloaded_bytes = [local.untyped_storage().nbytes() for local, _ in self._offloaded]
-        for local, _ in self._offloaded:
-            local.untyped_storage().resize_(0)
-        total = sum(self._offloaded_bytes)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return total
-
-    def rebuild(
-        self, weights: dict[str, torch.Tensor] | None = None, weight_version: str | None = None
-    ) -> None:
-        """Re-allocate the parameters released by `release()`: restored from the CPU copies (CUDA),
-        then overwritten by `weights` if given; on CPU, where nothing was kept, `weights` must
-        cover every parameter."""
-        if self._offloaded is None:
-            if weights is not None:
-                self.load_weights(weights, weight_version)
-            return
-        kept = all(copy is not None for _, copy in self._offloaded)
-        if weights is None and not kept:
-            raise ValueError("rebuild() after a CPU release needs the weights (the storage was freed)")
-        if not kept:
-            missing = [n for n, _ in self.model.named_parameters() if n not in weights]
-            if missing:
-                raise ValueError(f"rebuild() weights lack parameters {missing[:5]}")
-        for (local, copy), nbytes in zip(self._offloaded, self._offloaded_bytes, strict=True):
-            local.untyped_storage().resize_(nbytes)
-            if copy is not None:
-                local.copy_(copy, non_blocking=True)
-        self._offloaded = None
-        if weights is not None:
-            self.load_weights(weights, weight_version)
-        elif weight_version is not None:
-            self.weight_version = str(weight_version)
 
     # ------------------------------------------------------------------ the loop
 
@@ -487,12 +356,13 @@ class Engine:
         pad = (mask == 0)[:, None, :, None]
         keys = [k.masked_fill(pad, 0) for k in keys]
         values = [v.masked_fill(pad, 0) for v in values]
-        new = _Batch(reqs, keys, values, mask, mask.sum(1), torch.zeros(len(reqs), dtype=torch.long))
-        self._batch = _merge(self._batch, new)
+        new = Batch(reqs, keys, values, mask, mask.sum(1), torch.zeros(len(reqs), dtype=torch.long))
+        self._batch = merge(self._batch, new)
         return logits
 
     def _decode_step(self) -> None:
-        self._publish(("decode", self._batch.last.cpu()))
+        if self.replica is not None and self.replica.size > 1:
+            self._publish(("decode", self._batch.last.cpu()))
         logits = self._decode_rows()
         self.steps += 1
         self._sample_and_advance(logits, first=0)
@@ -501,7 +371,12 @@ class Engine:
         b = self._batch
         ones = torch.ones(len(b.reqs), 1, dtype=b.mask.dtype, device=b.mask.device)
         mask = torch.cat([b.mask, ones], dim=1)
-        logits, keys, values = self._forward(b.last[:, None], mask, b.positions[:, None], b.keys, b.values)
+        if self._lean is not None:
+            logits, keys, values = self._lean(b.last, mask, b.positions, b.keys, b.values)
+        else:
+            logits, keys, values = self._forward(
+                b.last[:, None], mask, b.positions[:, None], b.keys, b.values
+            )
         b.keys, b.values, b.mask, b.positions = keys, values, mask, b.positions + 1
         return logits
 
@@ -509,40 +384,7 @@ class Engine:
         """Keep only rows `keep` of the running batch (on every rank of a replica)."""
         if self._batch is not None and len(keep) < len(self._batch.reqs):
             self._publish(("keep", keep))
-            self._batch = _select(self._batch, keep)
-
-    # ------------------------------------------------------------------ tensor-parallel replica
-
-    def _publish(self, op: tuple) -> None:
-        if self.replica is not None and self.replica.size > 1:
-            self.replica.publish(op)
-
-    def end_phase(self) -> None:
-        """(any thread, leader) Release the followers' `follow()` after what is queued before it."""
-        self.call(lambda: self._publish(("end",))).result()
-
-    def follow(self) -> int:
-        """(a follower rank of a replica, its own thread) Mirror the leader's running batch — the
-        same prefill inputs, the leader's sampled tokens, the same rows kept — so every TP collective
-        inside the forward meets its peers; returns the decode steps run when the leader ends the
-        phase. Followers never sample and never see requests."""
-        steps = 0
-        with torch.no_grad():
-            while True:
-                op = self.replica.receive()
-                if op[0] == "prefill":
-                    self._prefill_rows(op[1], op[2], [None] * len(op[1]))
-                elif op[0] == "decode":
-                    self._batch.last = op[1].to(self.device)
-                    self._decode_rows()
-                    steps += 1
-                elif op[0] == "keep":
-                    self._batch = _select(self._batch, op[1])
-                elif op[0] == "end":
-                    self._batch = None
-                    return steps
-                else:
-                    raise RuntimeError(f"unknown lock-step op {op[0]!r} from the replica's leader")
+            self._batch = select(self._batch, keep)
 
     def _sample_and_advance(self, logits: torch.Tensor, first: int) -> None:
         """Sample rows `first…` of the batch from `logits`, append, and retire finished rows."""
@@ -553,10 +395,9 @@ class Engine:
         )
         b.last[first:] = tokens
         keep = list(range(first))
-        for j, req in enumerate(rows):
-            token = int(tokens[j])
+        for j, (req, token, logprob) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):
             req.output_ids.append(token)
-            req.logprobs.append(float(logprobs[j]))
+            req.logprobs.append(logprob)
             reason = self._finish_reason(req, token)
             if reason is None:
                 keep.append(first + j)
