@@ -339,3 +339,9 @@ def _check_supported(layout: HybridLayout) -> None:
             "group's ranks by global rank, so the lm_head's logits all-gather would come out permuted; "
             f"use tg <= t ({tr.t}), or t = 1"
         )
+    if tr.t > 1 and tr.t % ge.tg:
+        raise NotImplementedError(
+            f"generation tg={ge.tg} does not divide the training t={tr.t}: a generation TP group would "
+            "then hold its shards out of rank order (the same permuted logits gather as tg > t); use a "
+            f"tg that divides t ({tr.t})"
+        )
