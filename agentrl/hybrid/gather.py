@@ -136,7 +136,10 @@ def coalesced_units(slot_lists: list[list[GenSlot]], groups: dict[str, Group]) -
             for q, block in enumerate(group.order):
                 outputs[q].append(slot.buffer.narrow(0, block * rows, rows))
         gathered = sum(slot.nbytes for slot in slots)
-        units.append(Unit(group, slots, outputs, gathered + gathered // group.size))
+        # gloo flattens the inputs into a copy, except one contiguous input (a column-wise block;
+        # a row-wise block is the transposed view of the training shard)
+        packed = len(slots) > 1 or slots[0].kind == "row"
+        units.append(Unit(group, slots, outputs, gathered + (gathered // group.size if packed else 0)))
     return units
 
 
