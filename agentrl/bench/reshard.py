@@ -6,12 +6,16 @@ preset with FSDP2 (meta init, so no rank ever holds a full copy), and for each g
 (tg, dg) times, median of `--repeats`, the slowest rank each time:
 
 - reshard: `HybridEngine.to_generation()`: all-gathers in the micro-DP group (the norms over the
-  FSDP group), parameters up to `--bucket-bytes` in buckets through a staging buffer, larger ones
-  in place; at dg = 1 the generation shard is a view of the training shard (only norms move);
+  FSDP group); on gloo one `allgather_coalesced` per bucket of parameters up to `--bucket-bytes`
+  and per larger parameter, straight into the generation buffers (gloo packs and unpacks in its
+  own flat buffers); at dg = 1 the generation shard is a view of the training shard (only norms
+  move);
 - raw: one `all_gather_into_tensor` of the same bytes (the generation shard) in the same micro-DP
   group — the lower bound;
 - naive: every parameter gathered whole on every rank (`DTensor.full_tensor()`, the FSDP group),
   then the generation shard sliced out of it.
+
+The three take turns within each repeat (the machine's load falls on all alike).
 
 `ratios.vs_raw_allgather` = raw / reshard and `ratios.vs_naive` = naive / reshard, taken on the
 layouts with tg > 1 and dg > 1 (where the reshard both gathers and shards; the worst of them).
@@ -38,21 +42,25 @@ from agentrl.bench.common import emit, print_table
 LAYOUTS = {2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1)]}
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median over `repeats` of the slowest rank's seconds for `fn()` (one warm-up first)."""
+def _timed(fns: dict, repeats: int) -> dict[str, float]:
+    """Per name, the median over `repeats` of the slowest rank's seconds for its `fn()` (one
+    warm-up each first). The functions take turns within every repeat, so a load that comes and
+    goes on a shared machine falls on all of them alike."""
     import torch
     import torch.distributed as dist
 
-    fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
+    for fn in fns.values():
         fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(elapsed.item())
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _say(rank: int, message: str) -> None:
@@ -124,11 +132,11 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
             else:
                 raw_out.copy_(raw_in)
 
-        _say(rank, f"{preset} world={world} tg={tg} dg={dg}: timing")
-        raw_s = _timed(raw, repeats)
+        _say(rank, f"{preset} world={world} tg={tg} dg={dg}: timing ({engine.transport})")
+        timed = _timed({"raw": raw, "reshard": lambda engine=engine: (engine.release(), engine.to_generation()),
+                        "naive": lambda engine=engine: (engine.release(), _naive(engine))}, repeats)  # fmt: skip
+        raw_s, reshard_s, naive_s = timed["raw"], timed["reshard"], timed["naive"]
         del raw_out, raw_in
-        reshard_s = _timed(lambda engine=engine: (engine.release(), engine.to_generation()), repeats)
-        naive_s = _timed(lambda engine=engine: (engine.release(), _naive(engine)), repeats)
         engine.release()
         _say(
             rank,
@@ -157,6 +165,7 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
                 "raw_allgather_s": raw_s,
                 "naive_s": naive_s,
                 "collectives": stats.collectives,
+                "transport": engine.transport,
                 "peak_param_bytes": engine.training_bytes + max(seen) - baseline,
                 "bound_bytes": train_map + gen_map,
                 "staging_bytes": engine.staging_bytes,

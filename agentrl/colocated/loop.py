@@ -3,22 +3,24 @@
     torchrun --nproc_per_node=2 -m agentrl.colocated.loop --config recipes/quickstart_colocated.yaml
     (what `agentrl run` starts for `mode: colocated`; see agentrl/colocated/launch.py)
 
-Start-up (every rank, in this order, because each creates process groups): the hybrid layout
-(FSDP2 over all S ranks for training; `colocated.tg`-way TP replicas, S/tg of them, for
-generation), the meshes, the learner (the actor sharded by the HybridEngine's FSDP2 placement,
-AdamW, LR schedule), the TP generation model whose parameters the HybridEngine binds to its
-buffers, the replica's lock-step channel, and the engine on that module (no second copy of the
-weights is ever loaded). Each replica's leader starts the engine thread.
+Start-up (`ColocatedRank`, every rank, in this order, because each creates process groups): the
+hybrid layout (training: `colocated.t`-way tensor parallel times FSDP2 over the S/t dp ranks, a
+(dp, tp) mesh, or FSDP2 over all S ranks at t = 1; generation: `colocated.tg`-way TP replicas,
+S/tg of them), the meshes, the learner (the actor sharded by the HybridEngine's training layout,
+AdamW, LR schedule, data parallel over the dp mesh: hybrid/backend.py), the TP generation model
+whose parameters the HybridEngine binds to its buffers, the replica's lock-step channel, and the
+engine on that module (no second copy of the weights is ever loaded). Each replica's leader
+starts the engine thread.
 
-One step, a short script:
+One step, a short script (`ColocatedRank.generate`, then `.train`):
 
     1. reshard: training shards -> generation buffers (all-gather inside each micro-DP group)
     2. generate: each replica's leader runs its share of the step's groups with the roller's agent
        loop (`run_episode`, the same envs, tools and rewards) on its engine; followers replay
     3. release: KV cache and generation buffers go (the training shards stay)
     4. share: every rank gets every group (all_gather_object); the tokens carry version v
-    5. train: advantages, packing over the S ranks, recompute, forward/backward, AdamW
-       (the learner's own functions); version v+1
+    5. train: advantages, packing over the S/t dp ranks (the t ranks of a TP group get the same
+       micro-batches), recompute, forward/backward, AdamW (the learner's own functions); version v+1
     6. log: generation / reshard / training seconds, peak memory per rank, reward, staleness
 
 Generation runs on the weights of version v and training consumes them at version v: the loop is
@@ -46,12 +48,13 @@ log = get_logger("colocated")
 
 def build_learner(cfg: AgentRLConfig, meshes: Any) -> Any:
     """The learner's `Learner` through its backend seam, the actor sharded with the HybridEngine's
-    FSDP2 placement (each parameter on its TP dim, so every training shard lies inside a
-    generation shard)."""
+    training layout (tensor parallel over `meshes.train_tp` when `colocated.t > 1`, then FSDP2 over
+    `meshes.train`, each parameter on its TP dim, so every training shard lies inside a generation
+    shard); the backend's data parallel is the dp mesh (hybrid/backend.py)."""
     import functools
 
+    from agentrl.hybrid.backend import HybridFSDP2Backend
     from agentrl.hybrid.reshard import shard_training_model
-    from agentrl.learner import backend as backends
     from agentrl.learner.loop import Learner, lr_lambda
 
     lc = cfg.learner
@@ -61,14 +64,36 @@ def build_learner(cfg: AgentRLConfig, meshes: Any) -> Any:
         )
     if lc.loss.advantage == "gae":
         raise ValueError("learner.loss.advantage: gae is not supported in mode: colocated (no critic yet)")
-    backend = backends.create(lc.backend)
+    if lc.backend != "fsdp2":
+        raise ValueError(f"learner.backend: {lc.backend!r}; mode: colocated trains with fsdp2")
+    backend = HybridFSDP2Backend(meshes.train)
     torch.manual_seed(lc.seed)
     schedule = lr_lambda(lc.schedule, lc.max_steps * lc.mini_batches)
-    actor = backend.build("policy", lc.model_path, name="actor", optim=lc.optim, lr_lambda=schedule,
-                          shard=functools.partial(shard_training_model, mesh=meshes.train))  # fmt: skip
+    shard = functools.partial(shard_training_model, mesh=meshes.train, tp_mesh=meshes.train_tp)
+    actor = backend.build(
+        "policy", lc.model_path, name="actor", optim=lc.optim, lr_lambda=schedule, shard=shard
+    )
     config = actor.module.config
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     return Learner(lc, Path(cfg.run_dir), backend, actor, None, config.vocab_size, pad)
+
+
+def pack_by_dp(learner: Any, batch: Any) -> list[list[Any]]:
+    """`learner.loop.pack` with the batch split over the dp ranks, not over all ranks: the `t` ranks
+    of one TP group get the same micro-batches (their TP collectives pair the same tokens)."""
+    from agentrl.learner.packing import plan_microbatches
+    from agentrl.learner.train_step import recompute_logprobs
+
+    cfg, loss, backend = learner.cfg, learner.cfg.loss, learner.backend
+    if batch.trainable_tokens == 0:
+        return []
+    plans = [plan_microbatches(samples, cfg.micro_batch_tokens, backend.dp_size, backend.dp_rank,
+                               cfg.pad_multiple, learner.pad_id) for samples in batch.mini_batches]  # fmt: skip
+    plans = [[mb.to(learner.device) for mb in plan] for plan in plans]
+    if loss.off_policy == "decoupled" or (loss.off_policy == "tis" and cfg.mini_batches > 1):
+        for plan in plans:
+            recompute_logprobs(backend, learner.actor, plan, "old_logp", cfg.temperature)
+    return plans
 
 
 def _lockstep(meshes: Any) -> Any:
@@ -110,121 +135,151 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+class ColocatedRank:
+    """One rank of the colocated loop: its layouts, learner, HybridEngine, replica and engine.
+    `generate()` and `train(groups)` are collective: every rank calls them in step."""
+
+    def __init__(self, cfg: AgentRLConfig):
+        from transformers import AutoTokenizer
+
+        from agentrl.envs.registry import env_factory, load_env_class
+        from agentrl.hybrid.layout import GenLayout, HybridLayout, TrainLayout
+        from agentrl.hybrid.reshard import HybridEngine, build_meshes
+        from agentrl.hybrid.tp import parallelize_generation_model
+        from agentrl.inference.engine import Engine
+        from agentrl.learner import fsdp
+        from agentrl.rollers.chat import ChatRenderer
+        from agentrl.rollers.tasks import TaskSource
+
+        self.cfg = cfg
+        self.rank, self.world, self.device = fsdp.init_distributed()
+        cc, lc = cfg.colocated, cfg.learner
+        if self.world != cc.num_processes:
+            raise ValueError(f"colocated.num_processes={cc.num_processes}, but {self.world} ranks started")
+        layout = HybridLayout(
+            TrainLayout(t=cc.t, d=self.world // cc.t), GenLayout(tg=cc.tg, dg=self.world // cc.tg)
+        )
+        self.meshes = build_meshes(layout, self.device.type)
+        self.learner = build_learner(cfg, self.meshes)
+        self.gen_model = parallelize_generation_model(self.learner.model.config, self.meshes.tp)
+        self.hybrid = HybridEngine(self.learner.model, self.gen_model, layout, self.meshes)
+        self.lock = _lockstep(self.meshes)
+        tokenizer = AutoTokenizer.from_pretrained(lc.model_path)
+        self.engine = Engine(lc.model_path, device=str(self.device), model=self.gen_model, tokenizer=tokenizer,
+                             max_batch_size=cc.max_batch_size, replica=self.lock, cpu_threads=None)  # fmt: skip
+        self.replicas = self.world // cc.tg
+        self.replica_index = self.meshes.gen.mesh.tolist().index(self.lock.ranks)
+        if lc.groups_per_step % self.replicas:
+            raise ValueError(
+                f"learner.groups_per_step={lc.groups_per_step} must split evenly over {self.replicas} replicas"
+            )
+        self.per_replica = lc.groups_per_step // self.replicas
+        self.make_env = env_factory(cfg.env)
+        self.tasks = TaskSource(
+            cfg.roller.tasks, load_env_class(cfg.env.name), cfg.roller.seed, **cfg.roller.task_kwargs
+        )
+        self.renderer = ChatRenderer(tokenizer, self.make_env().tool_schemas or None)
+        if self.lock.is_leader:
+            self.engine.start()
+        # one event loop for every step: asyncio.run() (Python 3.11) reprs its main task, results and
+        # all, when it restores the SIGINT handler: ~50 ms per step of numpy array printing
+        self.gen_loop = asyncio.new_event_loop()
+        log.info("colocated: %d ranks, training t=%d x dp=%d, %d generation replica(s) of tg=%d, %d groups/step",
+                 self.world, cc.t, self.world // cc.t, self.replicas, cc.tg, lc.groups_per_step)  # fmt: skip
+
+    def generate(self) -> tuple[list[Group], dict[str, float]]:
+        """Steps 1-4: reshard, generate on the rank-local replica, release, share. Every rank
+        returns every group of the step (version v) and the phases' metrics."""
+        engine, learner, lock = self.engine, self.learner, self.lock
+        # 1. reshard: training shards -> generation buffers
+        t0 = time.perf_counter()
+        stats = self.hybrid.to_generation()
+        engine.weight_version = str(learner.version)
+        t_reshard = time.perf_counter() - t0
+
+        # 2. generate on the rank-local replica (leader schedules, followers replay)
+        t0 = time.perf_counter()
+        mine: list[Group] = []
+        if lock.is_leader:
+            first = (learner.version * self.replicas + self.replica_index) * self.per_replica
+            chunk = [self.tasks[first + i] for i in range(self.per_replica)]
+            mine = self.gen_loop.run_until_complete(
+                _generate_groups(self.cfg, chunk, engine, self.make_env, self.renderer)
+            )
+            engine.end_phase()
+        else:
+            engine.follow()
+        t_gen = time.perf_counter() - t0
+
+        # 3. release: KV cache (engine thread, between steps) and generation buffers
+        t0 = time.perf_counter()
+        if lock.is_leader:
+            engine.call(lambda: engine.release(params=False)).result()
+        self.hybrid.release()
+        t_release = time.perf_counter() - t0
+
+        # 4. share: every rank gets every group
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        groups = [g for part in gathered for g in part]
+        return groups, {"time/generation_s": t_gen, "time/reshard_s": t_reshard, "time/release_s": t_release,
+                        "reshard/collectives": stats.collectives, "reshard/bytes": stats.bytes_out}  # fmt: skip
+
+    def train(self, groups: list[Group]) -> dict[str, float]:
+        """Step 5: advantages, packing over the dp ranks, recompute, forward/backward, AdamW (the
+        learner's own functions); version v+1. Returns the step's metrics (the same on every rank)."""
+        from agentrl.learner.data import prepare_batch
+        from agentrl.learner.train_step import optimizer_step
+
+        learner, lc = self.learner, self.cfg.learner
+        t0 = time.perf_counter()
+        batch = prepare_batch(groups, advantage=lc.loss.advantage, loss_agg=lc.loss.loss_agg,
+                              vocab_size=learner.vocab_size, learner_version=learner.version,
+                              mini_batches=lc.mini_batches, max_seq_tokens=lc.max_seq_tokens,
+                              overlong=lc.loss.overlong)  # fmt: skip
+        plans = pack_by_dp(learner, batch)
+        steps = [optimizer_step(learner.backend, learner.actor, plan, lc, learner.version) for plan in plans]
+        t_train = time.perf_counter() - t0
+        staleness = max(g.staleness(learner.version) for g in groups)
+        learner.version += 1
+        learner.consumed_groups += len(groups)
+        m = {k: sum(s[k] for s in steps) / len(steps) for k in (steps[-1] if steps else {})}
+        m.update(batch.metrics)
+        m.update(
+            {"time/train_s": t_train, "groups_consumed": learner.consumed_groups, "staleness/max": staleness}
+        )
+        return m
+
+    def close(self) -> None:
+        self.gen_loop.close()
+        if self.lock.is_leader:
+            self.engine.stop()
+
+
 def run(cfg: AgentRLConfig) -> int:
     """Every rank: train `learner.max_steps` colocated steps; returns the final version."""
-    from transformers import AutoTokenizer
+    from agentrl.learner.loop import export
 
-    from agentrl.envs.registry import env_factory, load_env_class
-    from agentrl.hybrid.layout import GenLayout, HybridLayout, TrainLayout
-    from agentrl.hybrid.reshard import HybridEngine, build_meshes
-    from agentrl.hybrid.tp import parallelize_generation_model
-    from agentrl.inference.engine import Engine
-    from agentrl.learner import fsdp
-    from agentrl.learner.data import prepare_batch
-    from agentrl.learner.loop import export, pack
-    from agentrl.learner.train_step import optimizer_step
-    from agentrl.rollers.chat import ChatRenderer
-    from agentrl.rollers.tasks import TaskSource
-
-    rank, world, device = fsdp.init_distributed()
-    cc, lc = cfg.colocated, cfg.learner
-    if world % cc.tg:
-        raise ValueError(f"colocated.tg={cc.tg} must divide the {world} ranks")
-    layout = HybridLayout(TrainLayout(d=world), GenLayout(tg=cc.tg, dg=world // cc.tg))
-    meshes = build_meshes(layout, device.type)
-    learner = build_learner(cfg, meshes)
-    gen_model = parallelize_generation_model(learner.model.config, meshes.tp)
-    hybrid = HybridEngine(learner.model, gen_model, layout, meshes)
-    lock = _lockstep(meshes)
-    tokenizer = AutoTokenizer.from_pretrained(lc.model_path)
-    engine = Engine(lc.model_path, device=str(device), model=gen_model, tokenizer=tokenizer,
-                    max_batch_size=cc.max_batch_size, replica=lock, cpu_threads=None)  # fmt: skip
-    replicas = world // cc.tg
-    replica_index = meshes.gen.mesh.tolist().index(lock.ranks)
-    if lc.groups_per_step % replicas:
-        raise ValueError(
-            f"learner.groups_per_step={lc.groups_per_step} must split evenly over {replicas} replicas"
-        )
-    per_replica = lc.groups_per_step // replicas
-    make_env = env_factory(cfg.env)
-    tasks = TaskSource(
-        cfg.roller.tasks, load_env_class(cfg.env.name), cfg.roller.seed, **cfg.roller.task_kwargs
-    )
-    renderer = ChatRenderer(tokenizer, make_env().tool_schemas or None)
-    metrics = MetricsLogger(cfg.run_dir, "learner") if rank == 0 else None
-    if lock.is_leader:
-        engine.start()
-    # one event loop for every step: asyncio.run() (Python 3.11) reprs its main task, results and
-    # all, when it restores the SIGINT handler: ~50 ms per step of numpy array printing
-    gen_loop = asyncio.new_event_loop()
-    log.info("colocated: %d ranks, %d replica(s) of tg=%d, %d groups/step", world, replicas, cc.tg,
-             lc.groups_per_step)  # fmt: skip
+    r = ColocatedRank(cfg)
+    learner = r.learner
+    metrics = MetricsLogger(cfg.run_dir, "learner") if r.rank == 0 else None
     try:
-        while learner.version < lc.max_steps:
-            # 1. reshard: training shards -> generation buffers
-            t0 = time.perf_counter()
-            stats = hybrid.to_generation()
-            engine.weight_version = str(learner.version)
-            t_reshard = time.perf_counter() - t0
-
-            # 2. generate on the rank-local replica (leader schedules, followers replay)
-            t0 = time.perf_counter()
-            mine: list[Group] = []
-            if lock.is_leader:
-                first = (learner.version * replicas + replica_index) * per_replica
-                chunk = [tasks[first + i] for i in range(per_replica)]
-                mine = gen_loop.run_until_complete(_generate_groups(cfg, chunk, engine, make_env, renderer))
-                engine.end_phase()
-            else:
-                engine.follow()
-            t_gen = time.perf_counter() - t0
-
-            # 3. release: KV cache (engine thread, between steps) and generation buffers
-            t0 = time.perf_counter()
-            if lock.is_leader:
-                engine.call(lambda: engine.release(params=False)).result()
-            hybrid.release()
-            t_release = time.perf_counter() - t0
-
-            # 4. share: every rank gets every group
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, mine)
-            groups = [g for part in gathered for g in part]
-
-            # 5. train with the learner's own steps
-            t0 = time.perf_counter()
-            batch = prepare_batch(groups, advantage=lc.loss.advantage, loss_agg=lc.loss.loss_agg,
-                                  vocab_size=learner.vocab_size, learner_version=learner.version,
-                                  mini_batches=lc.mini_batches, max_seq_tokens=lc.max_seq_tokens,
-                                  overlong=lc.loss.overlong)  # fmt: skip
-            plans = pack(learner, batch)
-            steps = [
-                optimizer_step(learner.backend, learner.actor, plan, lc, learner.version) for plan in plans
-            ]
-            t_train = time.perf_counter() - t0
-            learner.version += 1
-            learner.consumed_groups += len(groups)
-
+        while learner.version < cfg.learner.max_steps:
+            groups, m = r.generate()
+            m.update(r.train(groups))
             # 6. log
-            peak: list[Any] = [None] * world
-            dist.all_gather_object(peak, _peak_memory_bytes(device))
+            peak: list[Any] = [None] * r.world
+            dist.all_gather_object(peak, _peak_memory_bytes(r.device))
             if metrics is not None:
-                m = {k: sum(s[k] for s in steps) / len(steps) for k in (steps[-1] if steps else {})}
-                m.update(batch.metrics)
-                m.update({"time/generation_s": t_gen, "time/reshard_s": t_reshard, "time/release_s": t_release,
-                          "time/train_s": t_train, "reshard/collectives": stats.collectives,
-                          "reshard/bytes": stats.bytes_out, "memory/peak_param_bytes": hybrid.peak_param_bytes,
-                          "groups_consumed": learner.consumed_groups,
-                          "staleness/max": max(g.staleness(learner.version - 1) for g in groups)})  # fmt: skip
-                m.update({f"memory/peak_rss_bytes_rank{r}": v for r, v in enumerate(peak)})
+                m["memory/peak_param_bytes"] = r.hybrid.peak_param_bytes
+                m.update({f"memory/peak_rss_bytes_rank{i}": v for i, v in enumerate(peak)})
                 metrics.log(m, learner.version)
                 log.info("version %d  reward %.3f  gen %.1fs  reshard %.2fs  train %.1fs", learner.version,
-                         batch.metrics.get("reward/mean", math.nan), t_gen, t_reshard, t_train)  # fmt: skip
+                         m.get("reward/mean", math.nan), m["time/generation_s"], m["time/reshard_s"],
+                         m["time/train_s"])  # fmt: skip
         export(learner)
     finally:
-        gen_loop.close()
-        if lock.is_leader:
-            engine.stop()
+        r.close()
         if metrics is not None:
             metrics.close()
     return learner.version

@@ -111,6 +111,49 @@ def reorder(buffer: torch.Tensor, order: list[int]) -> None:
         del temp
 
 
+@dataclass
+class Unit:
+    """One `allgather_coalesced` call (gloo): a bucket's slots, or one large slot alone. gloo packs
+    the inputs into one flat tensor, gathers into a flat output and copies each rank's part into
+    `outputs[q]` (C++; ProcessGroupGloo's AsyncAllgatherCoalescedWork), so the generation buffers
+    are filled with no staging or copy-out in Python, blocks in layout order included."""
+
+    group: Group
+    slots: list[GenSlot]
+    outputs: list[list[torch.Tensor]]  # [group rank q][slot]: the view of block order[q] of its buffer
+    temp_bytes: int  # gloo's flat input and flat output while the call runs
+
+
+def coalesced_units(slot_lists: list[list[GenSlot]], groups: dict[str, Group]) -> list[Unit]:
+    """The units of `slot_lists`; the slots' buffers must be allocated (a view cannot be taken of
+    a released storage; the views stay valid across release and allocate, which resize it)."""
+    units = []
+    for slots in slot_lists:
+        group = groups[slots[0].group]
+        outputs: list[list] = [[] for _ in range(group.size)]
+        for slot in slots:
+            rows = slot.buffer.shape[0] // group.size
+            for q, block in enumerate(group.order):
+                outputs[q].append(slot.buffer.narrow(0, block * rows, rows))
+        gathered = sum(slot.nbytes for slot in slots)
+        # gloo flattens the inputs into a copy, except one contiguous input (a column-wise block;
+        # a row-wise block is the transposed view of the training shard)
+        packed = len(slots) > 1 or slots[0].kind == "row"
+        units.append(Unit(group, slots, outputs, gathered + (gathered // group.size if packed else 0)))
+    return units
+
+
+def all_gather_coalesced(unit: Unit, inputs: list[torch.Tensor]):
+    """Start `unit`'s gather of this rank's `inputs` (one per slot, shaped like a block); returns
+    the work. `ProcessGroup.allgather_coalesced`, the call under `dist.all_gather_coalesced`
+    (whose Python wrapper torch 2.13 marks as to be deprecated)."""
+    from torch._C._distributed_c10d import AllgatherOptions
+
+    opts = AllgatherOptions()
+    opts.asyncOp = True
+    return unit.group.pg.allgather_coalesced(unit.outputs, inputs, opts)
+
+
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """`dist.all_gather_single` (torch 2.13's name for `all_gather_into_tensor`, the deprecated
     alias), or the older name on older torch: one allgather_base collective."""

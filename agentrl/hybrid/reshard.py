@@ -43,7 +43,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from agentrl.hybrid.gather import Group, all_gather_single, plan_buckets, reorder, unpack
+from agentrl.hybrid.gather import (
+    Group,
+    all_gather_coalesced,
+    all_gather_single,
+    coalesced_units,
+    plan_buckets,
+    reorder,
+    unpack,
+)
 from agentrl.hybrid.layout import HybridLayout, box_numel
 from agentrl.hybrid.tp import fsdp_shard_placement, param_specs, tensor_parallelize, tp_dim
 
@@ -133,8 +141,10 @@ class HybridEngine:
         layout: HybridLayout,
         meshes: HybridMeshes,
         bucket_bytes: int = BUCKET_BYTES,
+        transport: str = "auto",
     ):
         import torch.distributed as dist
+        from torch.distributed.fsdp import FSDPModule
 
         _check_supported(layout)
         self.layout, self.meshes = layout, meshes
@@ -151,6 +161,8 @@ class HybridEngine:
             "micro": Group.of(meshes.gen.get_group("dg"), lambda r: layout.gen_coords(r).micro_dp),
             "fsdp": Group.of(meshes.train.get_group(), lambda r: layout.train_coords(r).d),
         }
+        self._fsdp_modules = [m for m in train_model.modules() if isinstance(m, FSDPModule)]
+        self._owners: dict[str, tuple[nn.Module, str]] = {}
         self._reshard_training()
         self.slots = [self._bind(spec) for spec in param_specs(train_model)]
         if getattr(gen_model.config, "tie_word_embeddings", False):
@@ -160,6 +172,26 @@ class HybridEngine:
         self.added_bytes = sum(s.nbytes for s in self.slots if not s.view)
         sizes = {name: group.size for name, group in self.groups.items()}
         self.in_place, self.buckets = plan_buckets([s for s in self.slots if not s.view], sizes, bucket_bytes)
+        if transport == "auto":
+            gloo = all(dist.get_backend(g.pg) == "gloo" for g in self.groups.values())
+            transport = "coalesced" if gloo else "staging"
+        if transport not in ("coalesced", "staging"):
+            raise ValueError(f"transport={transport!r}: 'auto', 'coalesced' (gloo) or 'staging'")
+        self.transport = transport
+        self.peak_param_bytes = self.training_bytes  # of this engine's own accounting
+        self._allocated = False
+        if transport == "coalesced":
+            # one allgather_coalesced per bucket and per large parameter; gloo's flat input and
+            # output of at most MAX_STAGING calls are alive at once (inside gloo)
+            self.allocate()
+            self.units = coalesced_units([[s] for s in self.in_place] + [b.slots for b in self.buckets],
+                                         self.groups)  # fmt: skip
+            self.release()
+            temps = sorted((u.temp_bytes for u in self.units), reverse=True)
+            self.bucket_staging_bytes = self.reorder_bytes = 0
+            self.staging_bytes = sum(temps[:MAX_STAGING])
+            return
+        self.units = []
         stagings = sorted((self.groups[b.group].size * b.numel * b.slots[0].buffer.element_size()
                            for b in self.buckets), reverse=True)  # fmt: skip
         # a group whose rank order is not its block order (tg < t) reorders an in-place buffer
@@ -170,8 +202,6 @@ class HybridEngine:
         self.bucket_staging_bytes = sum(stagings[:MAX_STAGING])
         self.reorder_bytes = max(blocks, default=0)
         self.staging_bytes = max(self.bucket_staging_bytes, self.reorder_bytes)  # never both alive
-        self.peak_param_bytes = self.training_bytes  # of this engine's own accounting
-        self._allocated = False
 
     # public --------------------------------------------------------------------------------
     def to_generation(self, probe: Callable[[], None] | None = None) -> ReshardStats:
@@ -182,53 +212,76 @@ class HybridEngine:
 
         self._reshard_training()
         start = time.perf_counter()
-        collectives, pending = 0, []
         with torch.no_grad():
             self.allocate()
-            # large parameters: in place in their own buffers, issued async and waited for
-            # together (no Python round trip between collectives, nothing extra held)
-            for slot in self.in_place:
-                group = self.groups[slot.group]
-                local = self._block(slot)
-                own = slot.buffer.narrow(0, group.index * local.shape[0], local.shape[0])
-                own.copy_(local)
-                work = all_gather_single(slot.buffer, own, group=group.pg, async_op=True)
-                pending.append((slot, group, work))
-                collectives += 1
-                if probe is not None:
-                    probe()
-            inflight: deque = deque()
-            for bucket in self.buckets:
-                group = self.groups[bucket.group]
-                first = bucket.slots[0].buffer
-                staging = torch.empty(group.size * bucket.numel, dtype=first.dtype, device=first.device)
-                own = staging.narrow(0, group.index * bucket.numel, bucket.numel)
-                for slot, offset in zip(bucket.slots, bucket.offsets, strict=True):
-                    local = self._block(slot)
-                    own.narrow(0, offset, local.numel()).view(local.shape).copy_(local)
-                work = all_gather_single(staging, own, group=group.pg, async_op=True)
-                inflight.append((bucket, staging, work, group))
-                del staging, own, work
-                collectives += 1
-                if probe is not None:
-                    probe()
-                if len(inflight) == MAX_STAGING:
-                    unpack(*inflight.popleft())
-                    if probe is not None:
-                        probe()
-            while inflight:
-                unpack(*inflight.popleft())
-            for slot, group, work in pending:
-                work.wait()
-                if group.permuted:
-                    reorder(slot.buffer, group.order)
-                    if probe is not None:
-                        probe()
+            if self.transport == "coalesced":
+                collectives = self._gather_coalesced(probe)
+            else:
+                collectives = self._gather_staged(probe)
         self._allocated = True
         self.peak_param_bytes = max(
             self.peak_param_bytes, self.training_bytes + self.added_bytes + self.staging_bytes
         )
         return ReshardStats(time.perf_counter() - start, collectives, self.generation_bytes)
+
+    def _gather_coalesced(self, probe: Callable[[], None] | None) -> int:
+        """gloo: each unit in one call, at most MAX_STAGING in flight."""
+        inflight: deque = deque()
+        for unit in self.units:
+            inflight.append(all_gather_coalesced(unit, [self._block(slot) for slot in unit.slots]))
+            if probe is not None:
+                probe()
+            if len(inflight) == MAX_STAGING:
+                inflight.popleft().wait()
+        while inflight:
+            inflight.popleft().wait()
+        return len(self.units)
+
+    def _gather_staged(self, probe: Callable[[], None] | None) -> int:
+        """Any backend: large parameters in place, small ones in buckets through a staging buffer."""
+        import torch
+
+        collectives, pending = 0, []
+        # large parameters: in place in their own buffers, issued async and waited for
+        # together (no Python round trip between collectives, nothing extra held)
+        for slot in self.in_place:
+            group = self.groups[slot.group]
+            local = self._block(slot)
+            own = slot.buffer.narrow(0, group.index * local.shape[0], local.shape[0])
+            own.copy_(local)
+            work = all_gather_single(slot.buffer, own, group=group.pg, async_op=True)
+            pending.append((slot, group, work))
+            collectives += 1
+            if probe is not None:
+                probe()
+        inflight: deque = deque()
+        for bucket in self.buckets:
+            group = self.groups[bucket.group]
+            first = bucket.slots[0].buffer
+            staging = torch.empty(group.size * bucket.numel, dtype=first.dtype, device=first.device)
+            own = staging.narrow(0, group.index * bucket.numel, bucket.numel)
+            for slot, offset in zip(bucket.slots, bucket.offsets, strict=True):
+                local = self._block(slot)
+                own.narrow(0, offset, local.numel()).view(local.shape).copy_(local)
+            work = all_gather_single(staging, own, group=group.pg, async_op=True)
+            inflight.append((bucket, staging, work, group))
+            del staging, own, work
+            collectives += 1
+            if probe is not None:
+                probe()
+            if len(inflight) == MAX_STAGING:
+                unpack(*inflight.popleft())
+                if probe is not None:
+                    probe()
+        while inflight:
+            unpack(*inflight.popleft())
+        for slot, group, work in pending:
+            work.wait()
+            if group.permuted:
+                reorder(slot.buffer, group.order)
+                if probe is not None:
+                    probe()
+        return collectives
 
     def allocate(self) -> None:
         """Give every generation buffer its storage again (contents undefined until filled)."""
@@ -249,8 +302,10 @@ class HybridEngine:
 
     # internals -----------------------------------------------------------------------------
     def _train_param(self, name: str) -> nn.Parameter:
-        module, leaf = _owner(self.train_model, name)
-        return getattr(module, leaf)
+        owner = self._owners.get(name)
+        if owner is None:
+            owner = self._owners[name] = _owner(self.train_model, name)
+        return getattr(*owner)
 
     def _block(self, slot: GenSlot) -> torch.Tensor:
         """This rank's training block of `slot`, in the buffer's orientation."""
@@ -260,11 +315,8 @@ class HybridEngine:
     def _reshard_training(self) -> None:
         """Put FSDP2 back in its sharded state (a forward with reshard_after_forward=False leaves
         the full parameters registered), so the parameters read below are the shards."""
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in self.train_model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        for module in self._fsdp_modules:
+            module.reshard()
 
     def _bind(self, spec) -> GenSlot:
         import torch
@@ -338,4 +390,10 @@ def _check_supported(layout: HybridLayout) -> None:
             "strided across the (dp, tp) training mesh out of rank order, and torch orders a process "
             "group's ranks by global rank, so the lm_head's logits all-gather would come out permuted; "
             f"use tg <= t ({tr.t}), or t = 1"
+        )
+    if tr.t > 1 and tr.t % ge.tg:
+        raise NotImplementedError(
+            f"generation tg={ge.tg} does not divide the training t={tr.t}: a generation TP group would "
+            "then hold its shards out of rank order (the same permuted logits gather as tg > t); use a "
+            f"tg that divides t ({tr.t})"
         )

@@ -65,6 +65,15 @@ def test_reshard_refuses_the_layouts_it_does_not_run():
         _check_supported(HybridLayout(TrainLayout(p=2, t=1, d=2), GenLayout(pg=2, tg=1, dg=2)))
     with pytest.raises(NotImplementedError, match="generation tg=4 above the training t=2"):
         _check_supported(HybridLayout(TrainLayout(t=2, d=2), GenLayout(tg=4, dg=1)))
+    # t=3, d=2, tg=2: the layout is valid, but one generation TP group is ranks (3, 2) in that
+    # order, which torch's process group would hold as (2, 3)
+    odd = HybridLayout(TrainLayout(t=3, d=2), GenLayout(tg=2, dg=3))
+    assert any(row != sorted(row) for row in odd.gen_mesh())
+    with pytest.raises(NotImplementedError, match="generation tg=2 does not divide the training t=3"):
+        _check_supported(odd)
+    for t, d, tg in ((2, 2, 2), (2, 2, 1), (4, 2, 2), (4, 1, 2), (2, 1, 2)):  # tg | t: rows in rank order
+        rows = HybridLayout(TrainLayout(t=t, d=d), GenLayout(tg=tg, dg=t * d // tg)).gen_mesh()
+        assert all(row == sorted(row) for row in rows), (t, d, tg)
 
 
 def test_reorder_puts_blocks_in_layout_order():
