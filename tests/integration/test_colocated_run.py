@@ -33,6 +33,7 @@ def test_colocated_run_trains_on_policy_with_per_phase_metrics(tiny_model: Path,
     assert (run_dir / "hf" / "latest" / "config.json").exists()
 
 
+LR = 1e-3
 STEPS = 2  # the second step generates on the weights the first one updated
 # (t, tg): FSDP2 + TP over both ranks (d = 1; tg = 2, dg = 1: every generation parameter a view
 # of its training shard), then FSDP2 over both ranks (t = 1) replaying the same groups
@@ -52,7 +53,7 @@ def _tp_worker(rank: int, world: int, port: int, model: str, out_dir: str) -> No
     results = []
     for t, tg in LAYOUTS:
         args = [f"--run_dir={out_dir}/t{t}", f"--learner.model_path={model}", "--learner.warmstart.steps=0",
-                "--learner.groups_per_step=2", "--learner.mini_batches=2", "--learner.optim.lr=1e-3",
+                "--learner.groups_per_step=2", "--learner.mini_batches=2", f"--learner.optim.lr={LR}",
                 "--roller.group_size=4",
                 "--roller.max_new_tokens=8", "--learner.micro_batch_tokens=64",
                 f"--colocated.t={t}", f"--colocated.tg={tg}"]  # fmt: skip
@@ -107,8 +108,10 @@ def test_colocated_tp_training_equals_fsdp_training(tiny_model: Path, tmp_path: 
         # the same weights as the t = 2 one at every step
         assert a["mismatch_kl/k3"] < 1e-6 and b["mismatch_kl/k3"] < 1e-6, (a, b)
         assert abs(a["ratio_mean"] - b["ratio_mean"]) < 1e-5
-    # the exported checkpoints hold the same trained weights
+    # the exported checkpoints hold the same trained weights. AdamW moves each weight by about lr
+    # per update whatever its gradient's size, so fp32 noise in a near-zero gradient shows up as a
+    # small fraction of lr (1.6e-5 seen at lr 1e-3); a wrong split or scale moves weights by ~lr
     tensors = [load_file(tmp_path / f"t{t}" / "hf" / "latest" / "model.safetensors") for t, _ in LAYOUTS]
     assert tensors[0].keys() == tensors[1].keys()
     for name, value in tensors[0].items():
-        assert (value - tensors[1][name]).abs().max() < 1e-5, name
+        assert (value - tensors[1][name]).abs().max() < 0.05 * LR, name
