@@ -119,9 +119,11 @@ def _wait_for(predicate, what: str, run: Run, timeout: float = 120) -> None:
 
 
 class Freezer:
-    """A TCP relay in front of the inference server that can stop passing requests on: a roller
-    behind it whose generations hang (mid-episode, its groups admitted and not put).
-    `held` counts the generation requests (POSTs) it swallowed while frozen."""
+    """A TCP relay in front of the inference server that can stop passing generation requests on:
+    a roller behind it whose generations hang (mid-episode, its groups admitted and not put).
+    `held` counts the generation requests (POSTs) it swallowed while frozen. Health and version
+    probes (GETs) still pass: a roller whose router waits for the server to reach the learner's
+    version must see it get there, or it never sends a generation request to hang."""
 
     def __init__(self, target_url: str) -> None:
         self.target = ("127.0.0.1", int(target_url.rsplit(":", 1)[1]))
@@ -144,9 +146,11 @@ class Freezer:
             threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
+        swallowing = False  # this connection's POST was swallowed: so is all that follows on it
         try:
             while data := src.recv(65536):
-                if requests and self.frozen.is_set():
+                if requests and self.frozen.is_set() and (swallowing or b"POST " in data):
+                    swallowing = True
                     self.held += data.count(b"POST ")
                     continue  # swallowed: the server never sees it, the roller waits for its answer
                 dst.sendall(data)
