@@ -124,8 +124,6 @@ def _stop_on_signals() -> tuple[threading.Event, list[int]]:
 def _finish_run(cfg: AgentRLConfig, consumer: Any, server: Any) -> None:
     """Tell the queue the run is over, and give the rollers a moment to hear it and leave."""
     consumer.finish()
-    if cfg.queue.type != "zmq":
-        return
     q = cfg.queue
 
     def leases() -> int:

@@ -152,9 +152,8 @@ class Consumer(abc.ABC):
         """Queue depth, bytes, groups in/out, dropped for staleness, ages at consumption."""
 
     def finish(self) -> None:  # noqa: B027 - a no-op is the right default, not a missing override
-        """The run is over: tell the producers (the zmq queue answers them `RunOver`). Backends
-        with no channel back to the producers (Redis) do nothing; their rollers stop on `max_groups`
-        or a signal."""
+        """The run is over: tell the producers (they get `RunOver`: the zmq queue answers so, Redis
+        keeps a `finished` flag that their calls read)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -21,7 +21,9 @@ Redis's clock). Every acquire / put / release and the producer's heartbeat (ever
 `heartbeat_s`) renews it for `roller_lease_s`; the scripts (and the learner's polls) reap lapsed
 leases: their credits leave `started` (`admission_reclaimed`) and the lease id joins
 `<stream>:lapsed`, so a late producer's put under it raises `LeaseLapsed` and it starts a fresh
-lease. A closing producer gives back what it holds. The launcher's live list (servers, env
+lease. A closing producer gives back what it holds. The learner's `finish` sets `finished` in
+`<stream>:state`: a producer's next put or acquire raises `RunOver`, and the learner waits for
+the leases to leave before its last count; a learner's start clears it. The launcher's live list (servers, env
 services: `inference.server_list`) is `<stream>:servers`, set by the learner and read by each
 producer's heartbeat. Durability is Redis's own (AOF/RDB); the MAC of the
 zmq backend is replaced by Redis AUTH/TLS in the URL. The ids set grows with the run.
@@ -46,7 +48,16 @@ import msgpack
 
 from agentrl.inference.server_list import Follower
 from agentrl.log import get_logger
-from agentrl.queue.base import Admission, Backend, Batch, Consumer, LeaseLapsed, Producer, check_drop_reason
+from agentrl.queue.base import (
+    Admission,
+    Backend,
+    Batch,
+    Consumer,
+    LeaseLapsed,
+    Producer,
+    RunOver,
+    check_drop_reason,
+)
 from agentrl.queue.ledger import Ledger
 from agentrl.queue.redis_scripts import (
     ACQUIRE,
@@ -128,8 +139,14 @@ class RedisProducer(Follower, Producer):
         )
         return old
 
+    async def _check_run(self) -> None:
+        """The learner's `finish` sets `finished` in `<stream>:state`: the run is over."""
+        if await self._redis.hget(f"{self.stream}:state", "finished") == b"1":
+            raise RunOver("the run is over (the learner finished)")
+
     async def put(self, group: Group) -> None:
         self._start()
+        await self._check_run()
         frames = encode_group(group)
         while await self._redis.xlen(self.stream) >= self.capacity:
             await _poll_pause()
@@ -143,6 +160,7 @@ class RedisProducer(Follower, Producer):
     async def acquire_start(self, n: int = 1) -> Admission:
         self._start()
         while True:
+            await self._check_run()
             granted, version, first_task, k = await self._acquire(
                 keys=self._lease_keys, args=[n, self.lease, self.ttl_ms]
             )
@@ -195,6 +213,7 @@ class RedisAdmission:
             state, mapping={"groups_per_step": self.groups_per_step, "max_staleness": self.max_staleness}
         )
         self._redis.hsetnx(state, "version", 0)
+        self._redis.hdel(state, "finished")  # a new (or resumed) learner: the run goes on
         return self
 
     def stop(self) -> None:
@@ -346,6 +365,10 @@ class RedisConsumer(Consumer):
 
     def publish_version(self, version: int) -> None:
         self._redis.hset(self.state, "version", int(version))
+
+    def finish(self) -> None:
+        """The run is over: producers' next put or acquire raises `RunOver` (rollers exit 0)."""
+        self._redis.hset(self.state, "finished", 1)
 
     def metrics(self) -> dict[str, Any]:
         pipe = self._redis.pipeline(transaction=True)  # one snapshot (MULTI/EXEC): invariants hold in it

@@ -173,6 +173,27 @@ def test_the_producer_reports_the_learners_version_also_when_it_goes_back(queue:
     assert heard[-1] == 1
 
 
+def test_after_the_learner_finishes_a_producer_is_told_the_run_is_over(queue: Harness) -> None:
+    """zmq answers `RunOver`; Redis has no channel back, so its `finished` flag is read by every
+    put and acquire (before, a Redis roller went on putting groups nobody would train)."""
+    queue.start(groups_per_step=2, max_staleness=0)
+    consumer = queue.consumer()
+
+    async def go() -> None:
+        producer = queue.producer()
+        try:
+            await asyncio.wait_for(producer.acquire_start(1), timeout=10)
+            await asyncio.to_thread(consumer.finish)
+            with pytest.raises(RunOver):
+                await asyncio.wait_for(producer.acquire_start(1), timeout=10)
+            with pytest.raises(RunOver):
+                await asyncio.wait_for(producer.put(make_group(seed=3)), timeout=10)
+        finally:
+            producer.close()
+
+    asyncio.run(go())
+
+
 def test_nobody_waits_silently_for_a_queue_that_is_not_there(zmq_queue: Harness, free_port: int) -> None:
     zmq_queue.start(connect_timeout_s=1.0, heartbeat_s=0.2, roller_lease_s=1.0)
     producer = zmq_queue.backend.producer(address=f"tcp://127.0.0.1:{free_port}")
