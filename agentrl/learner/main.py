@@ -60,6 +60,7 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
     backend = create(cfg.queue)
     server = None
     servers_file = server_list.from_env()  # the launcher's live list, handed on to the rollers
+    hello = {"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness}
     if cfg.queue.type != "zmq" or cfg.queue.standalone:
         if cfg.queue.type != "zmq":
             # the run's admission window in `<stream>:state` (Redis is the server): without it no
@@ -69,15 +70,12 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
             ).start().stop()
             consumer = backend.consumer("rank0", ledger=Path(cfg.run_dir) / "queue_ledger.jsonl")
         else:
-            consumer = backend.consumer(
-                "rank0", hello={"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness}
-            )
+            consumer = backend.consumer("rank0", hello=hello)
             log.info("TransferQueue: consuming from the standalone queue at %s (run %s)", cfg.queue.address,
                      consumer.run_id)  # fmt: skip
         if servers_file is not None:  # the queue is not ours: we hand the list on (server_list.Publisher)
             consumer.follow_servers(servers_file)
         return consumer, None
-    hello = {"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness}
     wal_dir = cfg.queue.wal_dir or str(Path(cfg.run_dir) / "queue_wal")
     server = backend.server(
         groups_per_step=cfg.learner.groups_per_step,

@@ -354,10 +354,10 @@ class RedisConsumer(Consumer):
         pipe.hincrby(self.state, fate, len(entries))
         if dropped is not None:
             pipe.hincrby(self.state, "started", -len(entries))  # admission replaces them
-        pipe.execute()
+        pipe.hget(self.state, "version")  # for the ledger row, in the same round trip
+        version = pipe.execute()[-1]
         if self.ledger is not None:
-            version = int(self._redis.hget(self.state, "version") or 0)
-            self.ledger.write({fate: present, "v": version})
+            self.ledger.write({fate: present, "v": int(version or 0)})
 
     def ack(self, group_ids: list[str], dropped: str | None = None) -> None:
         check_drop_reason(dropped)
