@@ -51,6 +51,34 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, mi
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
 
 
+def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) draw per row [B, 1]: from the row's own generator where it has one (a seeded
+    request's stream: one draw per token, whatever else shares the batch), else from torch's."""
+    if all(g is None for g in generators):
+        return torch.rand(len(generators), 1, device=device)
+    return torch.cat([torch.rand(1, generator=g, device=g.device if g is not None else device)
+                      for g in generators]).to(device)[:, None]  # fmt: skip
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row whose CDF interval holds `u` [B, 1] scaled by the row's total mass:
+    an exact categorical draw from `probs` [B, V] (unnormalised is fine). A token of zero mass
+    is never returned: its interval is empty, and the scaled draw is kept below the total."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` [B, V], by inverse transform on one uniform per row.
+
+    `torch.multinomial` costs ~450 µs for a [16, 1024] batch on one CPU thread and ~50 µs per
+    seeded row; this is one batched cumsum and searchsorted plus ~3 µs per seeded row's draw, the
+    same distribution (tests/unit/inference/test_sampling.py checks the frequencies)."""
+    return inverse_cdf(probs, uniforms(generators, probs.device))
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -85,16 +113,7 @@ def sample(
     else:
         logp = scaled.log_softmax(dim=-1)
         probs = logp.exp()
-    seeded = [i for i, g in enumerate(generators) if g is not None]
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    tokens = torch.empty(len(params), dtype=torch.long, device=device)
-    if not seeded:
-        tokens = torch.multinomial(probs, 1).squeeze(1)
-    elif unseeded:
-        idx = torch.tensor(unseeded, device=device)
-        tokens[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
-    for i in seeded:
-        tokens[i] = torch.multinomial(probs[i], 1, generator=generators[i]).squeeze()
+    tokens = draw(probs, generators)
     if any_greedy:
         raw = logits.log_softmax(dim=-1)
         arg = logits.argmax(dim=-1)
