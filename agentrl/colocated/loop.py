@@ -78,24 +78,6 @@ def build_learner(cfg: AgentRLConfig, meshes: Any) -> Any:
     return Learner(lc, Path(cfg.run_dir), backend, actor, None, config.vocab_size, pad)
 
 
-def pack_by_dp(learner: Any, batch: Any) -> list[list[Any]]:
-    """`learner.loop.pack` with the batch split over the dp ranks, not over all ranks: the `t` ranks
-    of one TP group get the same micro-batches (their TP collectives pair the same tokens)."""
-    from agentrl.learner.packing import plan_microbatches
-    from agentrl.learner.train_step import recompute_logprobs
-
-    cfg, loss, backend = learner.cfg, learner.cfg.loss, learner.backend
-    if batch.trainable_tokens == 0:
-        return []
-    plans = [plan_microbatches(samples, cfg.micro_batch_tokens, backend.dp_size, backend.dp_rank,
-                               cfg.pad_multiple, learner.pad_id) for samples in batch.mini_batches]  # fmt: skip
-    plans = [[mb.to(learner.device) for mb in plan] for plan in plans]
-    if loss.off_policy == "decoupled" or (loss.off_policy == "tis" and cfg.mini_batches > 1):
-        for plan in plans:
-            recompute_logprobs(backend, learner.actor, plan, "old_logp", cfg.temperature)
-    return plans
-
-
 def _lockstep(meshes: Any) -> Any:
     """This rank's replica channel: a gloo group over its TP ranks (every rank creates all of them)."""
     from agentrl.colocated.lockstep import Lockstep
@@ -229,6 +211,7 @@ class ColocatedRank:
         """Step 5: advantages, packing over the dp ranks, recompute, forward/backward, AdamW (the
         learner's own functions); version v+1. Returns the step's metrics (the same on every rank)."""
         from agentrl.learner.data import prepare_batch
+        from agentrl.learner.loop import pack
         from agentrl.learner.train_step import optimizer_step
 
         learner, lc = self.learner, self.cfg.learner
@@ -237,7 +220,7 @@ class ColocatedRank:
                               vocab_size=learner.vocab_size, learner_version=learner.version,
                               mini_batches=lc.mini_batches, max_seq_tokens=lc.max_seq_tokens,
                               overlong=lc.loss.overlong)  # fmt: skip
-        plans = pack_by_dp(learner, batch)
+        plans = pack(learner, batch)
         steps = [optimizer_step(learner.backend, learner.actor, plan, lc, learner.version) for plan in plans]
         t_train = time.perf_counter() - t0
         staleness = max(g.staleness(learner.version) for g in groups)

@@ -14,8 +14,9 @@ since it are gone, and the window follows the learner back down.
 
 A request that fails because its server is unreachable, times out or errors (5xx) is
 retried on another server. When no server is usable (all down, or all behind the window)
-the request waits for one — probing every `probe_interval_s`, shared by all waiting
-requests — for at most `server_wait_s`, instead of burning its retries on a server that is
+the request waits for one — probing at once, then after `FIRST_PROBE_S` and twice as long each
+time up to `probe_interval_s`, waiters that wake together sharing one probe — for at most
+`server_wait_s`, instead of burning its retries on a server that is
 restarting. After `max_retries + 1` failures, or that long without a usable server, it
 raises `RequestLostError`, counted in `stats["lost"]` — a request is never dropped silently
 and never waits without a bound. A background `_health_loop` marks servers down and up
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     from agentrl.config import InferenceConfig
 
 logger = get_logger(__name__)
+
+FIRST_PROBE_S = 0.02  # the first wait between probes while no server is usable (then doubled)
 
 
 def from_config(config: InferenceConfig, max_staleness: int | None = None) -> Router:
@@ -296,14 +299,17 @@ class Router(InferenceClient):
         return True
 
     async def _wait_usable(self, deadline: float) -> bool:
-        """Probe (at most every `probe_interval_s`, one probe shared by every waiting request) until
-        a server is usable or `deadline` passes; True when one is."""
+        """Probe until a server is usable or `deadline` passes; True when one is. The wait between
+        probes starts at FIRST_PROBE_S and doubles up to `probe_interval_s` (waiters that wake
+        together share one probe): a server behind the window is usually waiting for a push that is under
+        way (at max_staleness 0 every step waits for one), a restarting one for seconds."""
         loop = asyncio.get_running_loop()
         started = loop.time()
+        interval = min(FIRST_PROBE_S, self.probe_interval_s)
         try:
             while True:
-                async with self._probe_lock:
-                    if loop.time() - self._last_probe >= self.probe_interval_s:
+                async with self._probe_lock:  # after each wait, unless another waiter just probed
+                    if loop.time() - self._last_probe >= min(FIRST_PROBE_S, self.probe_interval_s) / 2:
                         await self.check_health()
                         self._last_probe = loop.time()
                 if any(self._usable(i) for i in range(len(self.clients))):
@@ -315,7 +321,8 @@ class Router(InferenceClient):
                     self._last_wait_log = loop.time()
                     logger.warning("%s; waiting up to %.0fs for one (inference.server_wait_s)",
                                    self._unusable_reason(), remaining)  # fmt: skip
-                await asyncio.sleep(min(self.probe_interval_s, remaining))
+                await asyncio.sleep(min(interval, remaining))
+                interval = min(2 * interval, self.probe_interval_s)
         finally:
             waited = loop.time() - started
             if waited > 0.01:

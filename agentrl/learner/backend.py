@@ -79,6 +79,11 @@ class LearnerBackend(Protocol):
 
     rank: int
     world_size: int
+    dp_rank: int
+    dp_size: int
+    """The data-parallel index and size: the ranks that see different data (each packs its own
+    micro-batches). `rank` and `world_size` unless the model is also tensor parallel (the `t`
+    ranks of a TP group run the same micro-batches; hybrid/backend.py)."""
     device: torch.device
 
     def build(

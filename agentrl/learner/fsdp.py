@@ -206,6 +206,7 @@ class FSDP2Backend:
 
     def __init__(self) -> None:
         self.rank, self.world_size, self.device = init_distributed()
+        self.dp_rank, self.dp_size = self.rank, self.world_size
 
     def build(
         self,

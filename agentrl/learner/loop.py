@@ -400,11 +400,13 @@ def _prepare(learner: Learner, groups: list[Group], tally: RunTally):
 
 def pack(learner: Learner, batch) -> list[list[MicroBatch]]:
     """Step 3: each mini-batch packed into this rank's micro-batches, on the device, with the
-    frozen policies' log-probs the objective needs (π_old / π_prox, π_ref)."""
-    cfg, loss = learner.cfg, learner.cfg.loss
+    frozen policies' log-probs the objective needs (π_old / π_prox, π_ref). The batch is split
+    over the backend's data-parallel ranks (under tensor parallel the ranks of a TP group get the
+    same micro-batches)."""
+    cfg, loss, backend = learner.cfg, learner.cfg.loss, learner.backend
     if batch.trainable_tokens == 0:
         return []
-    plans = [plan_microbatches(samples, cfg.micro_batch_tokens, learner.world_size, learner.rank,
+    plans = [plan_microbatches(samples, cfg.micro_batch_tokens, backend.dp_size, backend.dp_rank,
                                cfg.pad_multiple, learner.pad_id) for samples in batch.mini_batches]  # fmt: skip
     plans = [[mb.to(learner.device) for mb in plan] for plan in plans]
     needs_old = loss.off_policy == "decoupled" or (loss.off_policy == "tis" and cfg.mini_batches > 1)

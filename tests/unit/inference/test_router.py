@@ -189,6 +189,44 @@ async def test_the_window_follows_the_learners_version_back_after_a_resume(serve
             server.engine.weight_version = "0"
 
 
+async def test_a_request_behind_the_window_probes_soon_then_less_often(server: ServerThread, monkeypatch):
+    """At k=0 every step waits for a push already under way: the waiting request probes at once,
+    after FIRST_PROBE_S, then twice as long each time up to probe_interval_s, and goes as soon as
+    a probe sees the pushed version (here the 5th)."""
+    from agentrl.inference import router as router_mod
+
+    async with Router([SGLangClient(server.url)], max_staleness=0, server_wait_s=30.0, probe_interval_s=0.2,
+                      health_interval_s=3600) as router:  # fmt: skip
+        router.learner_version(1)  # the learner published 1; the server is still at 0
+        await router.start()  # the health loop probes once, then sleeps past the test
+        while router.versions != [0]:
+            await asyncio.sleep(0.01)
+        probes, sleeps = [], []
+        real_check, real_sleep = router.check_health, asyncio.sleep
+
+        async def check_health() -> None:
+            probes.append(len(sleeps))
+            if len(probes) == 5:
+                server.engine.weight_version = "1"  # the push lands
+            await real_check()
+
+        async def sleep(seconds: float, *args) -> None:
+            if seconds > 0:  # the event loop's and aiohttp's sleep(0) yields are not waits
+                sleeps.append(round(seconds, 6))
+            await real_sleep(seconds, *args)
+
+        monkeypatch.setattr(router, "check_health", check_health)
+        monkeypatch.setattr(router_mod.asyncio, "sleep", sleep)
+        try:
+            assert (await asyncio.wait_for(router.generate(PROMPT, PARAMS), 20)).server == server.url
+        finally:
+            monkeypatch.undo()
+            server.engine.weight_version = "0"
+        first = router_mod.FIRST_PROBE_S
+        assert probes == [0, 1, 2, 3, 4], (probes, sleeps)
+        assert sleeps[:4] == [first, 2 * first, 4 * first, min(8 * first, 0.2)]
+
+
 async def test_set_servers_adds_and_removes_servers_and_keeps_sessions_on_kept_ones(
     server: ServerThread, second: ServerThread
 ):
