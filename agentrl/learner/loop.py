@@ -398,6 +398,17 @@ def _prepare(learner: Learner, groups: list[Group], tally: RunTally):
     return batch
 
 
+def row_tokens(setting: int | None, model: Any) -> int | None:
+    """`learner.pack_row_tokens` for `model`: None (one row per micro-batch) or the row width
+    (0: rows as wide as the longest sequence, unless the attention is flash attention's varlen)."""
+    if setting is None:
+        return None
+    if setting == 0:
+        attn = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "")
+        return None if attn.startswith("flash") else 1  # 1: every row as wide as the longest sequence
+    return setting
+
+
 def pack(learner: Learner, batch) -> list[list[MicroBatch]]:
     """Step 3: each mini-batch packed into this rank's micro-batches, on the device, with the
     frozen policies' log-probs the objective needs (π_old / π_prox, π_ref). The batch is split
@@ -406,8 +417,9 @@ def pack(learner: Learner, batch) -> list[list[MicroBatch]]:
     cfg, loss, backend = learner.cfg, learner.cfg.loss, learner.backend
     if batch.trainable_tokens == 0:
         return []
+    rows = row_tokens(cfg.pack_row_tokens, learner.model)
     plans = [plan_microbatches(samples, cfg.micro_batch_tokens, backend.dp_size, backend.dp_rank,
-                               cfg.pad_multiple, learner.pad_id) for samples in batch.mini_batches]  # fmt: skip
+                               cfg.pad_multiple, learner.pad_id, rows) for samples in batch.mini_batches]  # fmt: skip
     plans = [[mb.to(learner.device) for mb in plan] for plan in plans]
     needs_old = loss.off_policy == "decoupled" or (loss.off_policy == "tis" and cfg.mini_batches > 1)
     for plan in plans:

@@ -6,6 +6,12 @@ attention mask is given and builds a block-diagonal causal mask, so sequences in
 attend to each other (tests check packed == padded loss and gradients). Rows are padded only
 to a multiple of `pad_multiple`; the padding forms its own dummy sequence with mask 0.
 
+One row suits flash attention's varlen kernels, which attend within each sequence only. Under
+SDPA or eager attention the block-diagonal mask is dense: one row of N sequences of length L
+costs N² L² attention against N L² for N rows. So a micro-batch can also be packed in several
+rows (`row_tokens`: each row at most that many real tokens or the longest sequence, first fit
+decreasing, padded to the widest row); `learner.pack_row_tokens` chooses (learner/loop.py).
+
 Per-position tensors are aligned to the *predicting* position: position p of a sequence
 carries the target token p+1 with its loss mask, behaviour log-prob, version, advantage,
 aggregation weight and token reward. The last position of each sequence predicts nothing (mask 0).
@@ -113,22 +119,35 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def packed_microbatch(samples: list[Sample], pad_multiple: int = 8, pad_id: int = 0) -> MicroBatch:
-    """All `samples` in one row with per-sequence position ids; padding is its own sequence."""
-    parts = [_aligned(s) for s in samples]
+def packed_microbatch(
+    samples: list[Sample], pad_multiple: int = 8, pad_id: int = 0, row_tokens: int | None = None
+) -> MicroBatch:
+    """`samples` packed with per-sequence position ids: in one row, or with `row_tokens` in rows
+    of at most max(row_tokens, longest sample) real tokens (first fit decreasing), every row
+    padded to the widest. Padding is its own sequence (index len(samples), mask 0); sequence
+    `i` keeps index `i` whichever row it lands in."""
+    if row_tokens is None or len(samples) <= 1:
+        rows = [list(range(len(samples)))]
+    else:
+        rows = first_fit_decreasing([len(s) for s in samples], max(row_tokens, *(len(s) for s in samples)))
     real = sum(len(s) for s in samples)
-    pad = _round_up(max(real, 1), pad_multiple) - real
-    seq_idx = [np.full(len(s), i, dtype=np.int64) for i, s in enumerate(samples)]
-    if pad:
-        parts.append(_padding(pad, pad_id))
-        seq_idx.append(np.full(pad, len(samples), dtype=np.int64))
+    width = _round_up(max(1, *(sum(len(samples[i]) for i in row) for row in rows)), pad_multiple)
+    parts, seq_idx = [], []
+    for row in rows:
+        for i in row:
+            parts.append(_aligned(samples[i]))
+            seq_idx.append(np.full(len(samples[i]), i, dtype=np.int64))
+        pad = width - sum(len(samples[i]) for i in row)
+        if pad:
+            parts.append(_padding(pad, pad_id))
+            seq_idx.append(np.full(pad, len(samples), dtype=np.int64))
     cat = {k: torch.from_numpy(np.concatenate([p[k] for p in parts])) for k in parts[0]}
     return MicroBatch(
-        input_ids=cat.pop("input_ids")[None],
-        position_ids=cat.pop("position_ids")[None],
+        input_ids=cat.pop("input_ids").view(len(rows), width),
+        position_ids=cat.pop("position_ids").view(len(rows), width),
         attention_mask=None,
         seq_idx=torch.from_numpy(np.concatenate(seq_idx)),
-        num_seqs=len(samples) + (1 if pad else 0),
+        num_seqs=len(samples) + (1 if real < len(rows) * width else 0),
         real_tokens=real,
         **cat,
     )
@@ -192,14 +211,17 @@ def plan_microbatches(
     rank: int = 0,
     pad_multiple: int = 8,
     pad_id: int = 0,
+    row_tokens: int | None = None,
 ) -> list[MicroBatch]:
-    """This rank's packed micro-batches; every rank gets the same count (empty ones pad the count)."""
+    """This rank's packed micro-batches (each of at most `budget` real tokens, in rows as
+    `packed_microbatch`'s `row_tokens`); every rank gets the same count (empty ones pad it)."""
     per_rank = balance_across_ranks([len(s) for s in samples], world_size)
     bins_per_rank = [first_fit_decreasing([len(samples[i]) for i in idx], budget) for idx in per_rank]
     count = max(1, *(len(b) for b in bins_per_rank))
     mine = per_rank[rank]
     mbs = [
-        packed_microbatch([samples[mine[j]] for j in b], pad_multiple, pad_id) for b in bins_per_rank[rank]
+        packed_microbatch([samples[mine[j]] for j in b], pad_multiple, pad_id, row_tokens)
+        for b in bins_per_rank[rank]
     ]
     while len(mbs) < count:
         mbs.append(packed_microbatch([], pad_multiple, pad_id))

@@ -87,17 +87,24 @@ def _loss_and_grads(model, mb, cfg):
     return logp.detach(), loss.detach(), grads
 
 
+@pytest.mark.parametrize("row_tokens", [None, 1, 40])
 @pytest.mark.parametrize("policy_loss", ["ppo_clip", "gspo"])
-def test_packed_equals_padded_loss_and_grads(model, policy_loss):
+def test_packed_equals_padded_loss_and_grads(model, policy_loss, row_tokens):
+    """One row, rows as wide as the longest sequence, and rows of 40 tokens alike."""
     cfg = LossConfig(policy_loss=policy_loss, entropy_coef=0.01, off_policy="tis")
     samples = _samples(2, seed=3, min_len=5, max_len=30)
-    packed = packed_microbatch(samples, pad_multiple=16)
+    packed = packed_microbatch(samples, pad_multiple=16, row_tokens=row_tokens)
+    assert packed.input_ids.shape[0] == (1 if row_tokens is None else len(first_fit_decreasing(
+        [len(s) for s in samples], max(row_tokens, *(len(s) for s in samples)))))  # fmt: skip
     padded = padded_microbatch(samples)
     lp_packed, loss_packed, g_packed = _loss_and_grads(model, packed, cfg)
     lp_padded, loss_padded, g_padded = _loss_and_grads(model, padded, cfg)
-    torch.testing.assert_close(
-        lp_packed[packed.mask.bool()], lp_padded[padded.mask.bool()], rtol=1e-6, atol=1e-7
-    )
+    for i in range(len(samples)):  # rows may hold the sequences in another order
+        at_packed, at_padded = (
+            (packed.seq_idx == i) & packed.mask.bool(),
+            (padded.seq_idx == i) & padded.mask.bool(),
+        )
+        torch.testing.assert_close(lp_packed[at_packed], lp_padded[at_padded], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-6, atol=1e-9)  # logits are cast to fp32
     assert g_packed.keys() == g_padded.keys()
     for name in g_packed:
@@ -116,6 +123,36 @@ def test_without_position_resets_sequences_would_attend_to_each_other(model):
     first = len(samples[0])
     torch.testing.assert_close(a[:first], b[:first])  # the first sequence sees nothing else either way
     assert not torch.allclose(a[first:], b[first:])
+
+
+def test_rows_hold_at_most_their_width_and_every_sequence_once():
+    samples = _samples(3, seed=1, min_len=4, max_len=50)
+    longest = max(len(s) for s in samples)
+    mb = packed_microbatch(samples, pad_multiple=8, row_tokens=1)
+    rows, width = mb.input_ids.shape
+    assert rows > 1 and width % 8 == 0 and width < longest + 8
+    seq = mb.seq_idx.view(rows, width)
+    pos = mb.position_ids
+    for i, s in enumerate(samples):  # sequence i sits whole in one row, positions 0..len-1
+        where = (seq == i).nonzero()
+        assert len(where) == len(s) and len(set(where[:, 0].tolist())) == 1
+        assert pos[where[:, 0], where[:, 1]].tolist() == list(range(len(s)))
+        assert mb.input_ids[where[:, 0], where[:, 1]].tolist() == s.tokens.tolist()
+    assert float(mb.mask[mb.seq_idx == len(samples)].sum()) == 0.0
+    assert mb.real_tokens == sum(len(s) for s in samples) and mb.num_seqs == len(samples) + 1
+
+
+def test_row_width_follows_the_attention_implementation():
+    from types import SimpleNamespace
+
+    from agentrl.learner.loop import row_tokens
+
+    def model(attn):
+        return SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn))
+
+    assert row_tokens(0, model("sdpa")) == 1 and row_tokens(0, model("eager")) == 1
+    assert row_tokens(0, model("flash_attention_2")) is None
+    assert row_tokens(None, model("sdpa")) is None and row_tokens(256, model("flash_attention_2")) == 256
 
 
 def test_padded_plan_covers_all_samples_within_budget():
