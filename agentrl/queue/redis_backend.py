@@ -22,7 +22,8 @@ Redis's clock). Every acquire / put / release and the producer's heartbeat (ever
 leases: their credits leave `started` (`admission_reclaimed`) and the lease id joins
 `<stream>:lapsed`, so a late producer's put under it raises `LeaseLapsed` and it starts a fresh
 lease. A closing producer gives back what it holds. The learner's `finish` sets `finished` in
-`<stream>:state`: a producer's next put or acquire raises `RunOver`, and the learner waits for
+`<stream>:state`: a producer's next put or acquire raises `RunOver` (the PUT and ACQUIRE scripts
+read it, so no group is taken after it), and the learner waits for
 the leases to leave before its last count; a learner's start clears it. The launcher's live list (servers, env
 services: `inference.server_list`) is `<stream>:servers`, set by the learner and read by each
 producer's heartbeat. Durability is Redis's own (AOF/RDB); the MAC of the
@@ -74,6 +75,7 @@ from agentrl.types import Group, decode_group, encode_group
 log = get_logger("queue.redis")
 
 POLL_S = 0.02
+RUN_OVER = "the run is over (the learner finished)"
 
 
 async def _poll_pause(seconds: float = POLL_S) -> None:
@@ -139,31 +141,39 @@ class RedisProducer(Follower, Producer):
         )
         return old
 
-    async def _check_run(self) -> None:
-        """The learner's `finish` sets `finished` in `<stream>:state`: the run is over."""
-        if await self._redis.hget(f"{self.stream}:state", "finished") == b"1":
-            raise RunOver("the run is over (the learner finished)")
-
     async def put(self, group: Group) -> None:
+        """Waits while the stream is full; the learner's `finish` (`finished` in `<stream>:state`,
+        read by that wait and, atomically with the put, by the PUT script) raises RunOver."""
         self._start()
-        await self._check_run()
         frames = encode_group(group)
-        while await self._redis.xlen(self.stream) >= self.capacity:
+        while True:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                length, finished = (
+                    await pipe.xlen(self.stream).hget(f"{self.stream}:state", "finished").execute()
+                )
+            if finished == b"1":
+                raise RunOver(RUN_OVER)
+            if length < self.capacity:
+                break
             await _poll_pause()
         lens = msgpack.packb([len(f) for f in frames])
         keys = [self.stream, f"{self.stream}:ids", *self._lease_keys]
         args = [group.group_id, group.min_version, lens, b"".join(frames), self.lease, self.ttl_ms]
-        if await self._put(keys=keys, args=args) < 0:
+        taken = await self._put(keys=keys, args=args)
+        if taken == -2:
+            raise RunOver(RUN_OVER)
+        if taken < 0:
             old = self._lapsed()
             raise LeaseLapsed(f"lease {old} lapsed; group {group.group_id} was not taken")
 
     async def acquire_start(self, n: int = 1) -> Admission:
         self._start()
         while True:
-            await self._check_run()
             granted, version, first_task, k = await self._acquire(
                 keys=self._lease_keys, args=[n, self.lease, self.ttl_ms]
             )
+            if granted == -2:
+                raise RunOver(RUN_OVER)
             if int(k) >= 0 and int(k) != self.max_staleness:
                 self.max_staleness = int(k)
                 if self.on_max_staleness is not None:

@@ -71,11 +71,13 @@ return c
 )
 
 # KEYS: stream, ids, state, leases, held, lapsed; ARGV: gid, minv, lens, data, lease, ttl_ms.
-# -1: the lease lapsed (not taken); 0: a duplicate; 1: added. Either of the last spends a credit.
+# -2: the run is over (the learner finished; not taken); -1: the lease lapsed (not taken);
+# 0: a duplicate; 1: added. Either of the last spends a credit.
 PUT = (
     NOW
     + REAP
     + """
+if redis.call('HGET', KEYS[3], 'finished') == '1' then return -2 end
 if touch(KEYS[4], KEYS[6], ARGV[5], ARGV[6]) < 0 then return -1 end
 if tonumber(redis.call('HGET', KEYS[5], ARGV[5]) or 0) > 0 then
   redis.call('HINCRBY', KEYS[5], ARGV[5], -1)
@@ -121,13 +123,14 @@ return redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[4], 'ST
 """
 
 # KEYS: state, leases, held, lapsed; ARGV: n, lease, ttl_ms. {granted, version, first task, k};
-# granted -1: the lease lapsed.
+# granted -1: the lease lapsed; -2: the run is over (the learner finished).
 ACQUIRE = (
     NOW
     + REAP
     + """
 reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-local s = redis.call('HMGET', KEYS[1], 'version', 'started', 'groups_per_step', 'max_staleness')
+local s = redis.call('HMGET', KEYS[1], 'version', 'started', 'groups_per_step', 'max_staleness', 'finished')
+if s[5] == '1' then return {-2, tonumber(s[1] or 0), -1, -1} end
 if not s[3] then return {0, -1, -1, -1} end
 local v, started, gps, k = tonumber(s[1] or 0), tonumber(s[2] or 0), tonumber(s[3]), tonumber(s[4])
 if touch(KEYS[2], KEYS[4], ARGV[2], ARGV[3]) < 0 then return {-1, v, -1, k} end

@@ -194,6 +194,39 @@ def test_after_the_learner_finishes_a_producer_is_told_the_run_is_over(queue: Ha
     asyncio.run(go())
 
 
+def test_redis_takes_no_group_after_the_finish_even_from_a_put_already_past_its_wait(
+    tmp_path: Path, secret: str, redis_url: str
+) -> None:
+    """A put that read `finished` unset, then reached Redis after the learner's finish: the PUT
+    script itself refuses it (RunOver), so the learner's last count stays the last."""
+    queue = Harness("redis", tmp_path, redis_url)
+    try:
+        queue.start(groups_per_step=2, max_staleness=0)
+        consumer = queue.consumer()
+
+        async def go() -> None:
+            producer = queue.producer()
+            try:
+                await asyncio.wait_for(producer.acquire_start(1), timeout=10)
+                script = producer._put
+
+                async def finished_meanwhile(**kwargs):  # the learner finishes between wait and put
+                    await asyncio.to_thread(consumer.finish)
+                    return await script(**kwargs)
+
+                producer._put = finished_meanwhile
+                before = await producer._redis.xlen(producer.stream)
+                with pytest.raises(RunOver):
+                    await asyncio.wait_for(producer.put(make_group(seed=4)), timeout=10)
+                assert await producer._redis.xlen(producer.stream) == before
+            finally:
+                producer.close()
+
+        asyncio.run(go())
+    finally:
+        queue.close()
+
+
 def test_nobody_waits_silently_for_a_queue_that_is_not_there(zmq_queue: Harness, free_port: int) -> None:
     zmq_queue.start(connect_timeout_s=1.0, heartbeat_s=0.2, roller_lease_s=1.0)
     producer = zmq_queue.backend.producer(address=f"tcp://127.0.0.1:{free_port}")
