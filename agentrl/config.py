@@ -20,8 +20,11 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, model_validator
 
+from agentrl.log import get_logger
 from agentrl.rewards.config import RewardConfig
 from agentrl.section import Section
+
+log = get_logger("config")
 
 
 class ConfigError(ValueError):
@@ -669,6 +672,35 @@ def apply_override(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _switch_backend(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """`--queue.type redis` over a file whose queue section is zmq's: the file's keys that the new
+    backend does not have (zmq's `address`) are dropped, with a log line, instead of failing
+    validation; keys both have (and later overrides) stay."""
+    *path, _ = dotted.split(".")
+    node: Any = data
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or node.get("type") in (None, value):
+        return
+    model: Any = AgentRLConfig
+    for part in path:
+        field = (
+            model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        )
+        members = _models_in(field.annotation) if field is not None else []
+        if len(members) > 1:
+            members = [m for m in members if m.model_fields["type"].default == value]
+        if len(members) != 1:
+            return  # not a tagged union here, or an unknown type: validation says so
+        model = members[0]
+    dropped = [k for k in node if k != "type" and k not in model.model_fields]
+    for k in dropped:
+        del node[k]
+    if dropped:
+        log.info("--%s %s: the preset's %s keys for type %s dropped: %s", dotted, value, ".".join(path),
+                 node.get("type"), ", ".join(dropped))  # fmt: skip
+
+
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
     """The config models an annotation holds: itself, or each member of a tagged union."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -730,6 +762,8 @@ def load_config(
     ones the calling command reads; None: all of them)."""
     data = _read_preset(Path(path)) if path else {}
     for key, value in parse_overrides(overrides or []):
+        if key.endswith(".type"):
+            _switch_backend(data, key, value)
         apply_override(data, key, value)
     try:
         return AgentRLConfig.model_validate(data, context={"uses": set(uses)} if uses is not None else None)

@@ -99,6 +99,26 @@ def test_backend_fields_without_type_keep_default_backend() -> None:
     assert cfg.queue.type == "zmq" and cfg.queue.capacity_groups == 7
 
 
+def test_switching_a_backend_on_the_command_line_drops_the_presets_keys_it_does_not_have(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """quickstart.yaml's queue is zmq with an `address`: `--queue.type redis` drops that key (a
+    log line says so) instead of refusing the run; keys the new type has, and overrides, stay."""
+    recipes = Path(__file__).parents[2] / "recipes"
+    with caplog.at_level("INFO", logger="agentrl.config"):
+        cfg = load_config(
+            recipes / "quickstart.yaml", ["--queue.type", "redis", "--queue.capacity_groups", "9"]
+        )
+    assert cfg.queue.type == "redis" and cfg.queue.capacity_groups == 9
+    assert "queue keys for type zmq dropped: address" in caplog.text
+    cfg = load_config(recipes / "swe.yaml", ["--env.sandbox.type", "docker"])  # a nested union
+    assert cfg.env.sandbox.type == "docker" and cfg.env.sandbox.memory_mb == 1024
+    with pytest.raises(ConfigError, match="does not match any of the expected tags"):
+        load_config(recipes / "quickstart.yaml", ["--queue.type", "rabbitmq"])
+    with pytest.raises(ConfigError, match="address"):  # a key given for the new type is still checked
+        load_config(recipes / "quickstart.yaml", ["--queue.type", "redis", "--queue.address", "tcp://x:1"])
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
