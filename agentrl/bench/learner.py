@@ -11,7 +11,9 @@
        backward, AdamW.
    ratio = ours tokens/s ÷ bare tokens/s (target ≥ 0.9, i.e. ≤ 10% framework overhead).
 2. packed_vs_padded — our step on a long-tailed (log-normal) length distribution, packed into
-   token-budget rows vs padded rows under the same token budget; tokens/s counts real tokens.
+   token-budget micro-batches (in the learner's own rows: `learner.pack_row_tokens`, the bare
+   step of 1 gets the same) vs padded rows under the same token budget; tokens/s counts real
+   tokens.
 3. critic_cost — a PPO step (`loss.advantage: gae`: the critic's forward for the old values,
    GAE, the actor's step, the critic's step) on the same episodes as the actor-only step of 1:
    ratio = PPO seconds per step ÷ actor-only seconds per step (about 2 would mean the critic
@@ -66,10 +68,12 @@ def _clock(device) -> tuple[float, float]:
 
 def _ours(learner, groups, padded: bool = False) -> tuple[tuple[float, float], int]:
     from agentrl.learner.data import prepare_batch
+    from agentrl.learner.loop import row_tokens
     from agentrl.learner.packing import padded_plan, plan_microbatches
     from agentrl.learner.train_step import optimizer_step
 
     cfg = learner.cfg
+    rows = row_tokens(cfg.pack_row_tokens, learner.model)  # the learner's own layout (loop.pack)
     t0, c0 = _clock(learner.device)
     batch = prepare_batch(groups, advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg, vocab_size=learner.vocab_size,
                           learner_version=0)  # fmt: skip
@@ -77,7 +81,7 @@ def _ours(learner, groups, padded: bool = False) -> tuple[tuple[float, float], i
     plan = (
         padded_plan(samples, cfg.micro_batch_tokens)
         if padded
-        else plan_microbatches(samples, cfg.micro_batch_tokens)
+        else plan_microbatches(samples, cfg.micro_batch_tokens, row_tokens=rows)
     )
     optimizer_step(learner.backend, learner.actor, [mb.to(learner.device) for mb in plan], cfg, 0)
     t1, c1 = _clock(learner.device)
@@ -88,14 +92,17 @@ def _ppo(learner, groups) -> tuple[tuple[float, float], int]:
     """The loop's steps 2-4 under `loss.advantage: gae`: GAE from the critic, actor and critic steps."""
     from agentrl.learner.critic import critic_step, gae_advantages
     from agentrl.learner.data import prepare_batch
+    from agentrl.learner.loop import row_tokens
     from agentrl.learner.packing import plan_microbatches
     from agentrl.learner.train_step import optimizer_step
 
     cfg = learner.cfg
+    rows = row_tokens(cfg.pack_row_tokens, learner.model)
     t0, c0 = _clock(learner.device)
     batch = prepare_batch(groups, advantage="gae", loss_agg=cfg.loss.loss_agg, vocab_size=learner.vocab_size,
                           learner_version=0)  # fmt: skip
-    plan = [mb.to(learner.device) for mb in plan_microbatches(batch.mini_batches[0], cfg.micro_batch_tokens)]
+    plan = [mb.to(learner.device) for mb in plan_microbatches(batch.mini_batches[0], cfg.micro_batch_tokens,
+                                                             row_tokens=rows)]  # fmt: skip
     gae_advantages(learner.backend, learner.critic, [plan], cfg.loss)
     optimizer_step(learner.backend, learner.actor, plan, cfg, 0)
     critic_step(learner.backend, learner.critic, plan, cfg.critic)
@@ -132,6 +139,9 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     vocab = PRESETS[preset].vocab_size
     cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5})
     learner = build_learner(cfg, workdir / f"run-{preset}")
+    from agentrl.learner.loop import row_tokens
+
+    rows = row_tokens(cfg.pack_row_tokens, learner.model)  # the learner's own layout, for the bare loop too
     ppo_cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5},
                             loss={"advantage": "gae"}, critic={"optim": {"lr": 1e-5}})  # fmt: skip
     ppo = build_learner(ppo_cfg, workdir / f"run-ppo-{preset}")
@@ -149,7 +159,7 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     for i in range(steps + 1):  # step 0 warms up every path
         samples = prepare_batch(uniform[i], advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg, vocab_size=vocab,
                                 learner_version=0).mini_batches[0]  # fmt: skip
-        bare_plan = plan_microbatches(samples, budget)
+        bare_plan = plan_microbatches(samples, budget, row_tokens=rows)
         runs = {
             "ours": lambda i=i: _ours(learner, uniform[i]),
             "bare": lambda p=bare_plan: (
@@ -196,7 +206,7 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
         "ppo_tok_s": med_wall["ppo"],
         "critic_cost": basis["ours"] / basis["ppo"],  # PPO step time ÷ actor-only step time
         "critic_cost_wall": med_wall["ours"] / med_wall["ppo"],
-        "non_padding_packed": non_padding_fraction(plan_microbatches(tail_samples, budget)),
+        "non_padding_packed": non_padding_fraction(plan_microbatches(tail_samples, budget, row_tokens=rows)),
         "non_padding_padded": non_padding_fraction(padded_plan(tail_samples, budget)),
         "tokens_per_step_uniform": counts["ours"],
         "tokens_per_step_tailed": counts["packed"],
