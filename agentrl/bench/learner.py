@@ -68,12 +68,10 @@ def _clock(device) -> tuple[float, float]:
 
 def _ours(learner, groups, padded: bool = False) -> tuple[tuple[float, float], int]:
     from agentrl.learner.data import prepare_batch
-    from agentrl.learner.loop import row_tokens
     from agentrl.learner.packing import padded_plan, plan_microbatches
     from agentrl.learner.train_step import optimizer_step
 
     cfg = learner.cfg
-    rows = row_tokens(cfg.pack_row_tokens, learner.model)  # the learner's own layout (loop.pack)
     t0, c0 = _clock(learner.device)
     batch = prepare_batch(groups, advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg, vocab_size=learner.vocab_size,
                           learner_version=0)  # fmt: skip
@@ -81,7 +79,7 @@ def _ours(learner, groups, padded: bool = False) -> tuple[tuple[float, float], i
     plan = (
         padded_plan(samples, cfg.micro_batch_tokens)
         if padded
-        else plan_microbatches(samples, cfg.micro_batch_tokens, row_tokens=rows)
+        else plan_microbatches(samples, cfg.micro_batch_tokens, row_tokens=learner.pack_rows)
     )
     optimizer_step(learner.backend, learner.actor, [mb.to(learner.device) for mb in plan], cfg, 0)
     t1, c1 = _clock(learner.device)
@@ -92,17 +90,15 @@ def _ppo(learner, groups) -> tuple[tuple[float, float], int]:
     """The loop's steps 2-4 under `loss.advantage: gae`: GAE from the critic, actor and critic steps."""
     from agentrl.learner.critic import critic_step, gae_advantages
     from agentrl.learner.data import prepare_batch
-    from agentrl.learner.loop import row_tokens
     from agentrl.learner.packing import plan_microbatches
     from agentrl.learner.train_step import optimizer_step
 
     cfg = learner.cfg
-    rows = row_tokens(cfg.pack_row_tokens, learner.model)
     t0, c0 = _clock(learner.device)
     batch = prepare_batch(groups, advantage="gae", loss_agg=cfg.loss.loss_agg, vocab_size=learner.vocab_size,
                           learner_version=0)  # fmt: skip
     plan = [mb.to(learner.device) for mb in plan_microbatches(batch.mini_batches[0], cfg.micro_batch_tokens,
-                                                             row_tokens=rows)]  # fmt: skip
+                                                             row_tokens=learner.pack_rows)]  # fmt: skip
     gae_advantages(learner.backend, learner.critic, [plan], cfg.loss)
     optimizer_step(learner.backend, learner.actor, plan, cfg, 0)
     critic_step(learner.backend, learner.critic, plan, cfg.critic)
@@ -139,9 +135,7 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     vocab = PRESETS[preset].vocab_size
     cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5})
     learner = build_learner(cfg, workdir / f"run-{preset}")
-    from agentrl.learner.loop import row_tokens
-
-    rows = row_tokens(cfg.pack_row_tokens, learner.model)  # the learner's own layout, for the bare loop too
+    rows = learner.pack_rows  # the learner's own layout (loop.pack), for the bare loop too
     ppo_cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5},
                             loss={"advantage": "gae"}, critic={"optim": {"lr": 1e-5}})  # fmt: skip
     ppo = build_learner(ppo_cfg, workdir / f"run-ppo-{preset}")

@@ -305,11 +305,11 @@ class Router(InferenceClient):
         way (at max_staleness 0 every step waits for one), a restarting one for seconds."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        interval = min(FIRST_PROBE_S, self.probe_interval_s)
+        first = interval = min(FIRST_PROBE_S, self.probe_interval_s)
         try:
             while True:
                 async with self._probe_lock:  # after each wait, unless another waiter just probed
-                    if loop.time() - self._last_probe >= min(FIRST_PROBE_S, self.probe_interval_s) / 2:
+                    if loop.time() - self._last_probe >= first / 2:
                         await self.check_health()
                         self._last_probe = loop.time()
                 if any(self._usable(i) for i in range(len(self.clients))):

@@ -109,6 +109,11 @@ class Learner:
         return self.actor.optimizer
 
     @property
+    def pack_rows(self) -> int | None:
+        """The `row_tokens` this learner packs with (`learner.pack_row_tokens` for its model)."""
+        return row_tokens(self.cfg.pack_row_tokens, self.model)
+
+    @property
     def rank(self) -> int:
         return self.backend.rank
 
@@ -417,9 +422,8 @@ def pack(learner: Learner, batch) -> list[list[MicroBatch]]:
     cfg, loss, backend = learner.cfg, learner.cfg.loss, learner.backend
     if batch.trainable_tokens == 0:
         return []
-    rows = row_tokens(cfg.pack_row_tokens, learner.model)
     plans = [plan_microbatches(samples, cfg.micro_batch_tokens, backend.dp_size, backend.dp_rank,
-                               cfg.pad_multiple, learner.pad_id, rows) for samples in batch.mini_batches]  # fmt: skip
+                               cfg.pad_multiple, learner.pad_id, learner.pack_rows) for samples in batch.mini_batches]  # fmt: skip
     plans = [[mb.to(learner.device) for mb in plan] for plan in plans]
     needs_old = loss.off_policy == "decoupled" or (loss.off_policy == "tis" and cfg.mini_batches > 1)
     for plan in plans:

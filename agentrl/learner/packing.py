@@ -130,14 +130,15 @@ def packed_microbatch(
         rows = [list(range(len(samples)))]
     else:
         rows = first_fit_decreasing([len(s) for s in samples], max(row_tokens, *(len(s) for s in samples)))
-    real = sum(len(s) for s in samples)
-    width = _round_up(max(1, *(sum(len(samples[i]) for i in row) for row in rows)), pad_multiple)
+    filled = [sum(len(samples[i]) for i in row) for row in rows]
+    real = sum(filled)
+    width = _round_up(max(1, *filled), pad_multiple)
     parts, seq_idx = [], []
-    for row in rows:
+    for row, used in zip(rows, filled, strict=True):
         for i in row:
             parts.append(_aligned(samples[i]))
             seq_idx.append(np.full(len(samples[i]), i, dtype=np.int64))
-        pad = width - sum(len(samples[i]) for i in row)
+        pad = width - used
         if pad:
             parts.append(_padding(pad, pad_id))
             seq_idx.append(np.full(pad, len(samples), dtype=np.int64))
