@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(sys.argv[1:] if argv is None else argv)
     if opts.step is not None:
         return child(opts)
-    python = opts.python or str(ROOT / ".venv" / "bin" / "python")
-    if not Path(python).exists():
+    python = opts.python or str(ROOT / ".venv" / "bin" / "python")  # made by the install step if missing
+    if opts.dry_run and not Path(python).exists():
         python = sys.executable
     gpu = shutil.which("nvidia-smi") is not None
     device = "cpu" if opts.dry_run else "cuda"
