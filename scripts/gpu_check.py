@@ -22,8 +22,8 @@ stops starting steps when `--budget-s` would be exceeded and says so):
                  pick their own devices (bench sync pushes a CPU model over gloo; bench peer's
                  colocated row trains on CUDA when torch sees it).
 
-One GPU and NCCL: NCCL refuses two ranks of one communicator on the same device ("Duplicate GPU
-detected"), so with one GPU the pushes put the server and the learner on the same device and are
+One GPU and NCCL: NCCL refuses two ranks of one communicator on the same device (its "Duplicate
+GPU detected" check), so with one GPU the pushes put the server and the learner on the same device and are
 expected to fail there; with two or more the server takes `cuda:1`. Each step reports `pass`,
 `fail` (with the error) or `skipped` (with the reason); the report says which ran on what.
 
@@ -96,19 +96,7 @@ def step_command(name: str, python: str, workdir: Path, device: str) -> list[str
     if name == "install":
         return ["make", "setup", "vllm"]
     if name == "bench_sync":
-        return [
-            python,
-            "-m",
-            "agentrl",
-            "bench",
-            "sync",
-            "--preset",
-            "mini",
-            "--repeats",
-            "1",
-            "--bucket-mb",
-            "1",
-        ]
+        return [python, "-m", "agentrl", "bench", *"sync --preset mini --repeats 1 --bucket-mb 1".split()]
     if name == "bench_peer":
         return [python, "-m", "agentrl", "bench", "peer", "--steps", "3", "--prompts-per-step", "2",
                 "--completions", "4", "--length", "8"]  # fmt: skip
