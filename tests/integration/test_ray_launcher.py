@@ -95,3 +95,36 @@ def test_ray_launcher_places_by_resources_survives_actor_node_and_learner_loss(
     assert not out["secret_in_ray_state"] and not out["secret_in_cmdlines"] and not out["secret_in_logs"]
     # Ray's own shutdown left nothing behind that had to be stopped by PID, and nothing survived that
     assert out["left_after_kill"] == [], out
+
+
+@pytest.mark.timeout(600)
+def test_ray_gives_each_learner_rank_its_own_gpu_and_a_rank_without_cuda_refuses(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Two ranks asking `{GPU: 1}` on a node with two fake GPUs (`ray_gpu_scenario.py`): each is told
+    `cuda:0` with its own GPU id in CUDA_VISIBLE_DEVICES (not its index on the node, which its
+    process could not see), and, finding no CUDA device, refuses to start instead of training on
+    the CPU; the run ends with an error."""
+    pytest.importorskip("ray", reason="ray is not installed (make setup installs the ray extra)")
+    why = netns_available()
+    if why:
+        pytest.skip(f"Ray tests need a loopback-only network namespace: {why}")
+    run_dir = tmp_path / "run"
+    scenario = [
+        sys.executable,
+        str(REPO / "tests/integration/ray_gpu_scenario.py"),
+        str(tiny_model),
+        str(run_dir),
+    ]
+    result = subprocess.run(netns_argv(scenario), capture_output=True, text=True, timeout=560, cwd=REPO)
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
+    assert result.returncode == 0 and lines, result.stderr[-4000:]
+    out = json.loads(lines[-1])
+    assert out["returncode"] == 1, out["driver"]
+    ranks, ids = zip(*out["gpu_ids"], strict=True)  # the driver's log: what Ray gave each rank's actor
+    assert sorted(ranks) == ["0", "1"] and sorted(ids) == ["0", "1"], out["driver"]
+    refused = [out[name]["refused"] for name in ("learner", "learner-rank1")]
+    assert all(r is not None for r in refused), [out[n]["tail"] for n in ("learner", "learner-rank1")]
+    assert {r[0] for r in refused} == {"cuda:0"} and {r[1] for r in refused} == {"0"}
+    assert sorted(r[2] for r in refused) == ["0", "1"]  # each rank sees only its own GPU
+    assert not out["learner"]["on_cpu"] and not out["learner-rank1"]["on_cpu"]
