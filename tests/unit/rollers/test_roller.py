@@ -228,3 +228,5 @@ async def test_an_engine_error_fails_the_group_with_the_servers_message(tokenize
         roller.fatal
     )
     assert "Timeout" not in roller.fatal
+    router = roller.client.stats  # reported as roller/server_errors and roller/requests_lost
+    assert router["server_errors"] >= 2 and router["lost"] >= 1
