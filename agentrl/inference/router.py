@@ -18,11 +18,11 @@ engine failed the request, e.g. on NaN weights) is held back from routing — `H
 its first such failure, twice as long after each next one in a row, up to `HOLD_MAX_S` — even
 while its health check answers, and gets work again when the hold ends; one success ends its run
 of failures. So a server whose every request fails is marked unhealthy and its error reaches the
-rollers (`RequestLostError` carries it), instead of absorbing every request. When no server is usable (all down, or all behind the window)
-the request waits for one — probing at once, then after `FIRST_PROBE_S` and twice as long each
-time up to `probe_interval_s`, waiters that wake together sharing one probe — for at most
-`server_wait_s`, instead of burning its retries on a server that is
-restarting. After `max_retries + 1` failures, or that long without a usable server, it
+rollers (`RequestLostError` carries it), instead of absorbing every request. When no server is
+usable (all down, failing, or all behind the window) the request waits for one — probing at
+once, then after `FIRST_PROBE_S` and twice as long each time up to `probe_interval_s`, waiters
+that wake together sharing one probe — for at most `server_wait_s`, instead of burning its
+retries on a server that is restarting. After `max_retries + 1` failures, or that long without a usable server, it
 raises `RequestLostError`, counted in `stats["lost"]` — a request is never dropped silently
 and never waits without a bound. A background `_health_loop` marks servers down and up
 again and reads their versions. Admin calls (weight updates, pause, abort) fan out to
@@ -319,9 +319,8 @@ class Router(InferenceClient):
                 del self._sessions[sid]
         gone = [i for i in range(len(old_clients)) if i not in moved]
         for i in gone:
-            self._failing.pop(id(old_clients[i]), None)
-        for i in gone:
             client = old_clients[i]
+            self._failing.pop(id(client), None)
             if old_state[0][i] > 0:
                 self._retired[id(client)] = (client, old_state[0][i])
             else:
