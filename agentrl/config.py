@@ -243,7 +243,11 @@ class InferenceConfig(Section):
     over the whole vocabulary, before top-k/top-p (SGLang 0.5.23's default, srt/layers/sampler.py;
     what the learner recomputes). "truncated": the top-k/top-p-restricted, renormalised distribution
     the tokens are drawn from (embedded server; vLLM's processed log-probs); the learner cannot
-    recompute it, so it needs roller.top_p: 1 and roller.top_k: -1."""
+    recompute it, so it needs roller.top_p: 1 and roller.top_k: -1. Truncation order: the embedded
+    server (as SGLang) keeps a token when it is among the top_k most likely and the tempered mass
+    strictly above it is at most top_p, both on the full distribution; vLLM 0.32 applies min_p, then
+    top_k, then top_p on the top-k-renormalised distribution (`apply_top_k_top_p`), and has no mode
+    that reports full tempered log-probs, so with inference.type: vllm top_p / top_k are refused."""
     servers: list[str] = Field(default_factory=list)
     """URLs of running servers; empty means `agentrl run` starts `num_servers` embedded ones."""
     num_servers: int = Field(1, ge=1)
@@ -560,6 +564,13 @@ class AgentRLConfig(Section):
                 "recomputes log-probs of the distribution the rollers sampled from"
             )
         truncating = self.roller.top_p < 1 or self.roller.top_k > 0
+        if concerns("inference", "roller") and self.inference.type == "vllm" and truncating:
+            raise ValueError(
+                f"roller.top_p={self.roller.top_p} / roller.top_k={self.roller.top_k} with inference.type: vllm: "
+                "vLLM 0.32 reports log-probs after top-k/top-p (processed_logprobs) or before temperature "
+                "(raw_logprobs), never the tempered full distribution the learner recomputes; set "
+                "roller.top_p: 1 and roller.top_k: -1, or use inference.type: embedded or sglang"
+            )
         if concerns("inference", "roller") and self.inference.logprobs == "truncated" and truncating:
             raise ValueError(
                 f"inference.logprobs: 'truncated' with roller.top_p={self.roller.top_p} / roller.top_k="

@@ -7,7 +7,10 @@ implementation returns the same `GenerateResult`: token ids exactly as sampled, 
 behaviour log-prob of each, why generation stopped, and the weight version that produced
 them. Errors fall into three kinds the router acts on: `BadRequestError` (the request is
 wrong; retrying elsewhere will not help), `ServerUnavailableError` (connection refused,
-timeout, 5xx; try another server) and `RequestLostError` (the router ran out of servers).
+timeout, 5xx; try another server; `ServerError` when the server answered with its own
+failure) and `RequestLostError` (the router ran out of servers). A finish reason "abort" is
+only ever a resumable interruption (a pause for a weight update, an abort call): an engine
+failure is an error, never an abort.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ class ServerUnavailableError(InferenceError):
     """The server could not be reached, timed out or failed (5xx); another server may succeed."""
 
 
+class ServerError(ServerUnavailableError):
+    """The server answered and failed the request (HTTP 5xx: its engine failed, e.g. on NaN weights);
+    the message is the server's. Another server may succeed; the router holds this one back."""
+
+
 class RequestLostError(InferenceError):
     """No server could complete the request within the router's retries (counted by the router)."""
 
@@ -52,7 +60,8 @@ class GenerateResult:
     """Behaviour log-prob of each generated token (empty if the server returned none)."""
     finish_reason: str
     """"stop" (EOS, stop token or string), "length" (max_new_tokens / context) or "abort"
-    (aborted or paused: resubmit prompt + output_ids to continue)."""
+    (aborted or paused, e.g. for a weight update: resubmit prompt + output_ids to continue; a
+    failed request raises instead)."""
     weight_version: int
     """Weight version that generated the output. The embedded server reports the version behind
     the first generated token (older if an update landed mid-request, so staleness is never

@@ -17,7 +17,10 @@ land inside a step. The loop here is compact:
 * each step samples every row with its own temperature / top-k / top-p / min-p and returns
   the log-prob of the sampled token under the distribution actually sampled from (tempered
   and truncated), taken from the same forward pass;
-* commands (weight loads, abort, pause, continue) run between steps, in arrival order.
+* commands (weight loads, abort, pause, continue) run between steps, in arrival order;
+* a step that raises (NaN weights, say) fails the requests in it as engine errors — SGLang's
+  finish reason with status 500, which the HTTP server answers as an error, not as a resumable
+  abort — and the server goes on; repeats of one error are logged rate-limited (`StepErrors`).
 
 Colocated mode (agentrl/colocated) builds the engine on a module it already holds (`model=`:
 its parameters are the generation buffers the reshard fills, no second `from_pretrained`) and
@@ -69,6 +72,59 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
     abort_message: str | None = None
+
+
+def engine_error(message: str) -> dict[str, Any]:
+    """The finish reason of a request the engine failed: SGLang 0.5.23's `FINISH_ABORT(message,
+    HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")` (`srt/managers/schedule_batch.py`),
+    which its HTTP server answers as an HTTP 500 error, never as a resumable abort."""
+    return {"type": "abort", "message": message, "status_code": 500, "err_type": "InternalServerError"}
+
+
+def error_status(finish_reason: dict[str, Any] | None) -> int | None:
+    """The HTTP status a finish reason stands for (an engine error: 500; a bad request: 400), or None
+    for a plain abort (pause, weight update, abort request: resubmit to continue). SGLang 0.5.23's
+    `TokenizerManager._handle_abort_finish_reason` turns a status in [400, 600) into an error."""
+    status = (finish_reason or {}).get("status_code")
+    return status if isinstance(status, int) and 400 <= status < 600 else None
+
+
+class StepErrors:
+    """The log of failing generation steps, rate-limited: a step that fails the same way over and
+    over (NaN weights fail every step) logs its first failure with the traceback, then one line per
+    `every_s` counting the repeats, and one line when steps succeed again."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self.every_s = every_s
+        self.error: str | None = None  # the error of the failures in a row; None after a success
+        self.repeats = 0  # failures with that error not yet logged
+        self.total = 0  # failures in a row
+        self._logged = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        error, now = f"{type(exc).__name__}: {exc}", time.monotonic()
+        self.total += 1
+        if error != self.error:
+            self._flush()
+            self.error, self._logged = error, now
+            logger.error("generation step failed; its requests fail with HTTP 500: %s", error, exc_info=exc)
+            return
+        self.repeats += 1
+        if now - self._logged >= self.every_s:
+            self._flush()
+            self._logged = now
+
+    def succeeded(self) -> None:
+        if self.error is not None:
+            self._flush()
+            logger.warning("generation steps succeed again after %d failed in a row", self.total)
+            self.error, self.total = None, 0
+
+    def _flush(self) -> None:
+        if self.repeats:
+            logger.error("generation step failed %d more time(s) with the same error since the last "
+                         "report: %s", self.repeats, self.error)  # fmt: skip
+            self.repeats = 0
 
 
 class Engine(BufferPhases, ReplicaFollowing):
@@ -138,6 +194,7 @@ class Engine(BufferPhases, ReplicaFollowing):
         self._batch: Batch | None = None
         self._held: list[Request] = []  # admitted while paused; start on continue
         self._thread: threading.Thread | None = None
+        self._errors = StepErrors()
         self.steps = 0
 
     # ------------------------------------------------------------------ public, any thread
@@ -269,17 +326,23 @@ class Engine(BufferPhases, ReplicaFollowing):
         while not self._stopping:
             self._run_commands()
             admitted = self._admit()
+            stepped = False
             try:
                 if admitted:
+                    stepped = True
                     self._prefill(admitted)
                 if self._batch is not None and not self._paused:
+                    stepped = True
                     self._decode_step()
             except Exception as exc:  # keep serving: fail the rows in this step, not the server
-                logger.exception("generation step failed")
+                self._errors.failed(exc)
                 for req in admitted + (self._batch.reqs if self._batch else []):
                     if req.finish_reason is None:
-                        self._finish(req, {"type": "abort", "message": f"engine error: {exc}"})
+                        self._finish(req, engine_error(f"engine error: {type(exc).__name__}: {exc}"))
                 self._keep([])
+            else:
+                if stepped:
+                    self._errors.succeeded()
             if (self._batch is None or self._paused) and not admitted and self._commands.empty():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -390,6 +453,8 @@ class Engine(BufferPhases, ReplicaFollowing):
         """Sample rows `first…` of the batch from `logits`, append, and retire finished rows."""
         b = self._batch
         rows = b.reqs[first:]
+        if torch.isnan(logits).any():  # NaN weights: say so, rather than fail somewhere in sampling
+            raise FloatingPointError("the model's logits are NaN: are its weights finite?")
         tokens, logprobs = sample(
             logits, [r.params for r in rows], [r.generator for r in rows], self.full_logprobs
         )

@@ -13,11 +13,16 @@ pushed the current weights to it. After a resume from an older checkpoint the ve
 since it are gone, and the window follows the learner back down.
 
 A request that fails because its server is unreachable, times out or errors (5xx) is
-retried on another server. When no server is usable (all down, or all behind the window)
-the request waits for one — probing at once, then after `FIRST_PROBE_S` and twice as long each
-time up to `probe_interval_s`, waiters that wake together sharing one probe — for at most
-`server_wait_s`, instead of burning its retries on a server that is
-restarting. After `max_retries + 1` failures, or that long without a usable server, it
+retried on another server. A server that answers with its own failure (`ServerError`: its
+engine failed the request, e.g. on NaN weights) is held back from routing — `HOLD_FIRST_S` after
+its first such failure, twice as long after each next one in a row, up to `HOLD_MAX_S` — even
+while its health check answers, and gets work again when the hold ends; one success ends its run
+of failures. So a server whose every request fails is marked unhealthy and its error reaches the
+rollers (`RequestLostError` carries it), instead of absorbing every request. When no server is
+usable (all down, failing, or all behind the window) the request waits for one — probing at
+once, then after `FIRST_PROBE_S` and twice as long each time up to `probe_interval_s`, waiters
+that wake together sharing one probe — for at most `server_wait_s`, instead of burning its
+retries on a server that is restarting. After `max_retries + 1` failures, or that long without a usable server, it
 raises `RequestLostError`, counted in `stats["lost"]` — a request is never dropped silently
 and never waits without a bound. A background `_health_loop` marks servers down and up
 again and reads their versions. Admin calls (weight updates, pause, abort) fan out to
@@ -36,8 +41,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agentrl.inference.base import (
@@ -46,6 +53,7 @@ from agentrl.inference.base import (
     InferenceClient,
     InferenceError,
     RequestLostError,
+    ServerError,
     ServerUnavailableError,
 )
 from agentrl.log import get_logger
@@ -56,6 +64,8 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 FIRST_PROBE_S = 0.02  # the first wait between probes while no server is usable (then doubled)
+HOLD_FIRST_S = 1.0  # how long a server that failed a request with its own error gets no work (then doubled)
+HOLD_MAX_S = 30.0  # the longest such hold
 
 
 def from_config(config: InferenceConfig, max_staleness: int | None = None) -> Router:
@@ -74,6 +84,15 @@ def from_config(config: InferenceConfig, max_staleness: int | None = None) -> Ro
         server_wait_s=config.server_wait_s,
         max_staleness=max_staleness,
     )
+
+
+@dataclass
+class _Failing:
+    """A server's run of `ServerError`s with no success between them."""
+
+    count: int
+    held_until: float  # time.monotonic() before which it gets no work
+    error: str
 
 
 class Router(InferenceClient):
@@ -116,7 +135,8 @@ class Router(InferenceClient):
         self._last_probe = float("-inf")
         self._last_wait_log = float("-inf")
         self.stats = {"requests": 0, "completed": 0, "retries": 0, "lost": 0, "bad_requests": 0,
-                      "waits": 0, "waited_s": 0.0}  # fmt: skip
+                      "server_errors": 0, "waits": 0, "waited_s": 0.0}  # fmt: skip
+        self._failing: dict[int, _Failing] = {}  # by id(client): servers failing with their own error
         self.served: dict[str, int] = {}  # requests completed, per server URL
         self.url = ",".join(c.url for c in clients)
 
@@ -139,6 +159,9 @@ class Router(InferenceClient):
 
     def _usable(self, i: int) -> bool:
         floor, version = self.floor(), self.versions[i]
+        failing = self._failing.get(id(self.clients[i]))
+        if failing is not None and time.monotonic() < failing.held_until:
+            return False
         return self.healthy[i] and (floor is None or version is None or version >= floor)
 
     def _seen_version(self, i: int, version: int | None) -> None:
@@ -204,6 +227,8 @@ class Router(InferenceClient):
                 errors.append(f"{client.url}: {type(exc).__name__}: {exc}")
                 if (idx := self._index(client)) is not None:
                     self.healthy[idx] = False
+                if isinstance(exc, ServerError):
+                    self._server_failed(client, str(exc))
                 failures += 1
                 if failures <= self.max_retries:
                     self.stats["retries"] += 1
@@ -219,6 +244,8 @@ class Router(InferenceClient):
             if (idx := self._index(client)) is not None:
                 self._remember(session_id, idx)
                 self._seen_version(idx, result.weight_version)
+            if self._failing.pop(id(client), None) is not None:
+                logger.warning("server %s serves requests again", client.url)
             self.stats["completed"] += 1
             self.served[client.url] = self.served.get(client.url, 0) + 1
             if self.served[client.url] == 1:
@@ -230,6 +257,17 @@ class Router(InferenceClient):
             f"request lost after {failures} failure(s) on {len(self.clients)} server(s): "
             f"{'; '.join(errors) or 'no server'}"
         )
+
+    def _server_failed(self, client: InferenceClient, error: str) -> None:
+        """Hold `client`'s server back: it answered a request with its own failure."""
+        self.stats["server_errors"] += 1
+        failing = self._failing.get(id(client))
+        count = failing.count + 1 if failing is not None else 1
+        hold = min(HOLD_FIRST_S * 2 ** (count - 1), HOLD_MAX_S)
+        self._failing[id(client)] = _Failing(count, time.monotonic() + hold, error)
+        if count == 1 or hold < HOLD_MAX_S:
+            logger.error("server %s failed %d request(s) in a row with its own error; no work for it "
+                         "for %.0fs: %s", client.url, count, hold, error)  # fmt: skip
 
     def _index(self, client: InferenceClient) -> int | None:
         return next((i for i, c in enumerate(self.clients) if c is client), None)
@@ -282,6 +320,7 @@ class Router(InferenceClient):
         gone = [i for i in range(len(old_clients)) if i not in moved]
         for i in gone:
             client = old_clients[i]
+            self._failing.pop(id(client), None)
             if old_state[0][i] > 0:
                 self._retired[id(client)] = (client, old_state[0][i])
             else:
@@ -330,16 +369,28 @@ class Router(InferenceClient):
                 self.stats["waited_s"] += waited
 
     def _unusable_reason(self) -> str:
-        down = [c.url for c, ok in zip(self.clients, self.healthy, strict=True) if not ok]
+        failing = {id(c): f for c in self.clients if (f := self._failing.get(id(c))) is not None}
+        down = [
+            c.url for c, ok in zip(self.clients, self.healthy, strict=True) if not ok and id(c) not in failing
+        ]
+        held = [
+            f"{c.url} ({f.count} in a row, last: {f.error[:300]})"
+            for c in self.clients
+            if (f := failing.get(id(c)))
+        ]
         behind = [
             f"{c.url} at version {v}"
             for i, (c, v) in enumerate(zip(self.clients, self.versions, strict=True))
-            if self.healthy[i] and not self._usable(i)
+            if self.healthy[i] and id(c) not in failing and not self._usable(i)
         ]
-        parts = ([f"down: {', '.join(down)}"] if down else []) + (
-            [f"behind the admissible window (>= version {self.floor()}): {', '.join(behind)}"]
-            if behind
-            else []
+        parts = (
+            ([f"down: {', '.join(down)}"] if down else [])
+            + ([f"failing requests with their own error: {'; '.join(held)}"] if held else [])
+            + (
+                [f"behind the admissible window (>= version {self.floor()}): {', '.join(behind)}"]
+                if behind
+                else []
+            )
         )
         return "no usable inference server (" + "; ".join(parts or ["none configured"]) + ")"
 

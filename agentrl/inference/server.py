@@ -4,7 +4,9 @@ Rollers, weight sync and tests reach it exactly as they reach a real SGLang serv
 routes, field names and response shapes; see `protocol.py`). Handlers validate input and
 hand work to the `Engine` thread: generation requests join its running batch, weight
 loads and pause/abort run between decode steps. Bad input gets HTTP 4xx with a message
-and never disturbs other requests. It binds 127.0.0.1 unless told otherwise. Keys follow
+and never disturbs other requests; a request the engine failed gets HTTP 500 with the engine's
+error, as SGLang answers one (`TokenizerManager._handle_abort_finish_reason`), while a request
+aborted by a pause or an abort call answers 200 with `finish_reason.type == "abort"`. It binds 127.0.0.1 unless told otherwise. Keys follow
 SGLang 0.5.23's `decide_request_auth` (`srt/utils/auth.py`): `/health*`, `/ready*` and
 `/metrics*` are always open; with an API key every other route needs `Authorization: Bearer
 <key>`; with an admin key the admin routes (weight updates, pause, abort) need the admin key
@@ -25,7 +27,7 @@ from pydantic import ValidationError
 
 from agentrl.inference import admin
 from agentrl.inference import protocol as P
-from agentrl.inference.engine import Engine, Request
+from agentrl.inference.engine import Engine, Request, error_status
 from agentrl.inference.protocol import ENGINE, STATE, BadInput, parse
 from agentrl.inference.sampling import SamplingParams
 from agentrl.log import get_logger
@@ -175,6 +177,11 @@ async def generate(request: web.Request) -> web.Response:
     finally:
         for req, *_ in items:
             state["rids"].discard(req.rid)
+    failed = next((r for r, *_ in items if error_status(r.finish_reason) is not None), None)
+    if failed is not None:  # SGLang 0.5.23: FastAPI's HTTPException body (400: `_create_error_response`)
+        status, message = error_status(failed.finish_reason), failed.finish_reason.get("message", "")
+        reply = {"error": {"message": message}} if status == 400 else {"detail": message}
+        return web.json_response(reply, status=status)
     out = [_response(r, sp, lp, body.return_text_in_logprobs, engine) for r, sp, lp, _ in items]
     return web.json_response(out[0] if single and len(out) == 1 else out)
 

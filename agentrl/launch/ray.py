@@ -11,6 +11,10 @@ reports its node's IP and binds a free port there, and the driver renders the ot
 lines with what was reported. Start-up order: env services, servers (until each answers /health),
 the learner's ranks in one placement group (PACK; rank 0's node address and a port it bound are
 the torch.distributed rendezvous, the TransferQueue and the weight-sync master), the rollers.
+Each learner rank's device comes from the GPUs Ray gave its actor (`launch/devices.py`: `cuda:0`,
+its own first GPU, or `cpu` when `learner.resources` asks for none), passed as `AGENTRL_DEVICE`;
+a rank or server that asked for GPUs and got none, or that cannot see the one it was given,
+refuses to start rather than fall back to the CPU.
 
 Secrets (the queue's `secret_env` and `launcher.forward_env`) go to each actor as an argument
 of its `start` call and into its child's environment only: not in argv, not in a runtime_env
@@ -46,6 +50,7 @@ from typing import Any
 from agentrl.config import AgentRLConfig
 from agentrl.inference import server_list
 from agentrl.launch.control import write_state
+from agentrl.launch.devices import DEVICE_ENV, check_gpu_index, ray_device
 from agentrl.launch.plan import (
     Addresses,
     Role,
@@ -158,8 +163,26 @@ class RayRun:
         m.state = "running"
         logger.info("started %s on %s (node %s, pid %d)", m.name, m.node, m.node_id[:8], m.pid)
 
+    def _device(self, m: Member, what: str) -> str:
+        """The device of `m`'s process from the GPUs Ray gave its actor (`launch/devices.py`); raises
+        when its role asked for GPUs and got none, or when it is an embedded server whose
+        `inference.device` names a GPU it was not given."""
+        info = self._get(m.actor.where.remote(), m.name, kind=m.role.kind)
+        gpu_ids = info.get("gpu_ids", [])
+        device = ray_device(
+            what, RESOURCES_KEY.get(m.role.kind, "resources"), float(m.role.resources.get("GPU", 0)), gpu_ids
+        )
+        if device != "cpu":
+            logger.info("%s: Ray gave GPU id(s) %s (CUDA_VISIBLE_DEVICES=%s): %s", what, gpu_ids,
+                        info.get("cuda_visible_devices"), device)  # fmt: skip
+        if m.role.kind == "server" and self.config.inference.type == "embedded":
+            check_gpu_index(what, "inference.device", self.config.inference.device, gpu_ids)
+        return device
+
     def _start_server(self, m: Member) -> str:
         """A server or env service on its actor's node, on its old port when that is free there."""
+        if m.role.kind == "server":
+            self._device(m, m.name)
         ip = self._get(m.actor.where.remote(), m.name, kind=m.role.kind)["ip"]
         m.port = self._get(m.actor.bind_port.remote(m.port), m.name)
         self._start(m, render(m.role, self.addrs, (ip, m.port)))
@@ -168,7 +191,9 @@ class RayRun:
     def run_warmstart(self) -> None:
         role = Role("warmstart", "learner", [], dict(self.config.learner.resources))
         m = Member(role, "warmstart", self._actor(role, "warmstart", 0), {})
-        self._start(m, ["warmstart", "--config", str(self.config_path)])
+        self._start(
+            m, ["warmstart", "--config", str(self.config_path)], {DEVICE_ENV: self._device(m, "warmstart")}
+        )
         while (code := self._get(m.actor.poll.remote(), "warmstart")["code"]) is None:
             time.sleep(1)
         self.ray.kill(m.actor)
@@ -244,6 +269,7 @@ class RayRun:
         for m in ranks:
             m.env = dist_env and {**dist_env, "RANK": str(m.rank), "LOCAL_RANK": str(nodes[: m.rank].count(nodes[m.rank])),
                                   "LOCAL_WORLD_SIZE": str(nodes.count(nodes[m.rank]))}  # fmt: skip
+            m.env = {**m.env, DEVICE_ENV: self._device(m, f"learner rank {m.rank}")}
             self._start(m, render(learner, self.addrs), {**m.env, **m.env_extra})
         self.members += ranks
         for r in roles:

@@ -23,7 +23,11 @@ class ProcessActor:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "actor_pid": os.getpid()}
+        return {
+            "ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "actor_pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],  # what Ray gave it; its child sees only these
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }  # fmt: skip
 
     def bind_port(self, prefer: int = 0) -> int:
         """A port free on this node's address (`prefer` when it is free)."""

@@ -34,22 +34,27 @@ log = get_logger("learner.fsdp")
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world_size, device); initialises the default process group if needed."""
-    use_cuda = torch.cuda.is_available()
+    """(rank, world_size, device); initialises the default process group if needed. The device is
+    what the launcher gave this rank (`agentrl.launch.devices.local_device`: the Ray launcher's
+    `AGENTRL_DEVICE`, else torchrun's `LOCAL_RANK`); a rank told to use a GPU it cannot see
+    raises instead of falling back to the CPU."""
+    from agentrl.launch.devices import local_device
+
+    name, why = local_device(os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group("nccl" if use_cuda else "gloo")
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         else:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if use_cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
+    log.info("rank %d of %d on %s (%s), %s", rank, world, device, why, dist.get_backend())
+    return rank, world, device
 
 
 def load_model(path: str | Path, device: torch.device) -> nn.Module:

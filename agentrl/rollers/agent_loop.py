@@ -6,7 +6,8 @@ Steps of an episode:
 1. `env.reset(task)` gives the opening messages; the prompt is rendered once.
 2. Each turn: generate from the exact ids so far. If the server aborts the request
    (weights are being updated), resubmit prompt + tokens so far; the new tokens carry
-   the new weight version. Generated ids, behaviour log-probs and versions are kept as
+   the new weight version. A request the server failed is not an abort: it raises (the
+   router retried it elsewhere first) and the episode fails with the server's message. Generated ids, behaviour log-probs and versions are kept as
    the server returned them (mask 1).
 3. `env.step(text)` answers with an observation: chat messages (rendered as the
    template's delta after the closed assistant turn) or raw text (appended verbatim,

@@ -308,14 +308,21 @@ class Roller:
             self._report()
 
     def _report(self) -> None:
+        from agentrl.inference.router import Router
+
         snap = self.stats.snapshot()
         if self.reward_model is not None:
             snap.update(self.reward_model.metrics())
+        if isinstance(self.client, Router):  # requests lost after retries; requests servers failed
+            snap["roller/requests_lost"] = self.client.stats["lost"]
+            snap["roller/server_errors"] = self.client.stats["server_errors"]
         logger.info(
-            "episodes %d (%.1f/s)  groups put %d  reward %.3f  tool errors %d/%d  in flight %d  staleness ≤ %d",
+            "episodes %d (%.1f/s)  groups put %d  failed %d  reward %.3f  tool errors %d/%d  in flight %d  "
+            "staleness ≤ %d",
             snap["roller/episodes"],
             snap["roller/episodes_per_s"],
             snap["roller/groups_put"],
+            snap["roller/groups_failed"],
             snap["roller/reward_mean"],
             snap["roller/tool_errors"],
             snap["roller/tool_calls"],

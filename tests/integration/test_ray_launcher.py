@@ -4,7 +4,9 @@ learner's two gloo ranks packed on the learner node), a roller actor killed and 
 removed, a roller added by `agentrl scale`, a server actor killed, all mid-run; then the learner's
 node removed, which ends the run with its last checkpoint, and `--resume` continues it on a new
 learner node; the
-per-group account across both lives still 0 lost / 0 trained twice / 0 credits leaked."""
+per-group account across both lives still 0 lost / 0 trained twice / 0 credits leaked. And
+(`ray_gpu_scenario.py`) two learner ranks asking for a GPU each on Ray's fake GPUs: each is told
+its own GPU, and refuses to start when it cannot see it."""
 
 from __future__ import annotations
 
@@ -24,22 +26,15 @@ from tests.conftest import REPO
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
-@pytest.mark.timeout(900)
-def test_ray_launcher_places_by_resources_survives_actor_node_and_learner_loss(
-    tiny_model: Path, tmp_path: Path
-) -> None:
+def run_scenario(script: str, model: Path, run_dir: Path, timeout_s: float) -> tuple[dict, str]:
+    """Run `tests/integration/<script>` in a loopback-only namespace; its JSON line of findings and
+    the tail of the run's driver log."""
     pytest.importorskip("ray", reason="ray is not installed (make setup installs the ray extra)")
     why = netns_available()
     if why:
         pytest.skip(f"Ray tests need a loopback-only network namespace: {why}")
-    run_dir = tmp_path / "run"
-    scenario = [
-        sys.executable,
-        str(REPO / "tests/integration/ray_scenario.py"),
-        str(tiny_model),
-        str(run_dir),
-    ]
-    result = subprocess.run(netns_argv(scenario), capture_output=True, text=True, timeout=840, cwd=REPO)
+    scenario = [sys.executable, str(REPO / "tests/integration" / script), str(model), str(run_dir)]
+    result = subprocess.run(netns_argv(scenario), capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
     lines = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
     driver = (
         (run_dir / "driver.log").read_text(errors="replace")[-4000:]
@@ -47,7 +42,15 @@ def test_ray_launcher_places_by_resources_survives_actor_node_and_learner_loss(
         else ""
     )
     assert result.returncode == 0 and lines, result.stderr[-4000:] + driver
-    out = json.loads(lines[-1])
+    return json.loads(lines[-1]), driver
+
+
+@pytest.mark.timeout(900)
+def test_ray_launcher_places_by_resources_survives_actor_node_and_learner_loss(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    out, driver = run_scenario("ray_scenario.py", tiny_model, run_dir, 840)
     assert out["returncode"] == 0, driver
 
     # placed where the resources said (node ids from Ray's state API)
@@ -95,3 +98,22 @@ def test_ray_launcher_places_by_resources_survives_actor_node_and_learner_loss(
     assert not out["secret_in_ray_state"] and not out["secret_in_cmdlines"] and not out["secret_in_logs"]
     # Ray's own shutdown left nothing behind that had to be stopped by PID, and nothing survived that
     assert out["left_after_kill"] == [], out
+
+
+@pytest.mark.timeout(600)
+def test_ray_gives_each_learner_rank_its_own_gpu_and_a_rank_without_cuda_refuses(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Two ranks asking `{GPU: 1}` on a node with two fake GPUs (`ray_gpu_scenario.py`): each is told
+    `cuda:0` with its own GPU id in CUDA_VISIBLE_DEVICES (not its index on the node, which its
+    process could not see), and, finding no CUDA device, refuses to start instead of training on
+    the CPU; the run ends with an error."""
+    out, driver = run_scenario("ray_gpu_scenario.py", tiny_model, tmp_path / "run", 560)
+    assert out["returncode"] == 1, driver
+    ranks, ids = zip(*out["gpu_ids"], strict=True)  # the driver's log: what Ray gave each rank's actor
+    assert sorted(ranks) == ["0", "1"] and sorted(ids) == ["0", "1"], driver
+    refused = [out[name]["refused"] for name in ("learner", "learner-rank1")]
+    assert all(r is not None for r in refused), [out[n]["tail"] for n in ("learner", "learner-rank1")]
+    assert {r[0] for r in refused} == {"cuda:0"} and {r[1] for r in refused} == {"0"}
+    assert sorted(r[2] for r in refused) == ["0", "1"]  # each rank sees only its own GPU
+    assert not out["learner"]["on_cpu"] and not out["learner-rank1"]["on_cpu"]

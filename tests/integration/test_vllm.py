@@ -2,7 +2,8 @@
 
 One server for the module (~35 s to healthy with --enforce-eager, more on a busy machine).
 Checked: the completion contract (log-probs equal HF's fp32 at temperature 1, so the
-model's generation_config.json, rigged here with a repetition penalty, is not applied);
+model's generation_config.json, rigged here with a repetition penalty, is not applied); with
+top-k / top-p, log-probs of vLLM's truncated distribution (top-k, then top-p) to fp32 noise;
 abort by rid; pause with a request in flight (partial output with its log-probs); a
 broadcast push (gloo, the worker extension) after which vLLM's log-probs equal HF's on the
 learner's exported checkpoint and differ from the old weights' (the tied head included); a
@@ -151,6 +152,37 @@ def test_completion_contract(served: Served, learner) -> None:
     )
     assert stop.finish_reason == "stop" and stop.output_ids == result.output_ids[:1]
     assert stop.matched == result.output_ids[0]
+
+
+def vllm_truncated_logprobs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    """log_softmax of the distribution vLLM 0.32 samples from: tempered, then top-k, then top-p on the
+    top-k-renormalised probabilities (`apply_top_k_top_p_pytorch`, vllm/v1/sample/ops/topk_topp_sampler.py)."""
+    scaled = logits / temperature
+    ascending, order = scaled.sort(dim=-1)
+    ascending = ascending.masked_fill(ascending < ascending[:, -top_k : -top_k + 1], float("-inf"))
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - top_p
+    drop[:, -1] = False
+    ascending = ascending.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, ascending).log_softmax(dim=-1)
+
+
+def test_truncated_sampling_reports_the_top_k_then_top_p_distribution(served: Served, learner) -> None:
+    """With top-k / top-p, vLLM's log-probs (processed_logprobs) are those of its truncated distribution,
+    in its order, not the full tempered ones the learner recomputes: why the config refuses top_p / top_k
+    with inference.type: vllm."""
+    params = {**SAMPLING, "temperature": 0.8, "top_k": 8, "top_p": 0.7}
+    result = run(_generate(served.url, params=params))
+    with torch.no_grad():
+        logits = learner(torch.tensor([PROMPT + result.output_ids])).logits[0].float()[len(PROMPT) - 1 : -1]
+    tokens = torch.arange(len(result.output_ids)), torch.tensor(result.output_ids)
+    truncated = vllm_truncated_logprobs(logits, 0.8, 8, 0.7)[tokens]
+    full = torch.log_softmax(logits / 0.8, dim=-1)[tokens]  # what the learner recomputes
+    served_lp = torch.tensor(result.logprobs)
+    assert (served_lp - truncated).abs().max().item() < 1e-4, (served_lp, truncated)
+    assert (served_lp - full).abs().max().item() > 1e-2  # a -log Z offset on every truncated step
 
 
 def _in_flight(url: str, call, rid: str = "long-1"):

@@ -2,7 +2,8 @@
 
 With "full" (SGLang 0.5.23's semantics) the embedded server's log-probs under top-p / top-k
 sampling equal `learner.train_step.forward_logprobs` on the same tokens to < 1e-4 (fp32);
-"truncated" log-probs do not, so a config asking for them with truncation is refused."""
+"truncated" log-probs do not, so a config asking for them with truncation is refused, and so is
+top-p / top-k with vLLM, whose log-probs are always of the truncated distribution."""
 
 from __future__ import annotations
 
@@ -70,3 +71,14 @@ def test_truncated_logprobs_with_truncation_are_refused_naming_the_fields():
             {"inference": {"type": "sglang", "servers": ["http://127.0.0.1:1"], "logprobs": "truncated"}}
         )
     AgentRLConfig.model_validate({"roller": {"top_p": 0.9, "top_k": 20}})  # full (default): accepted
+
+
+def test_top_p_or_top_k_with_vllm_is_refused_naming_the_fields():
+    """vLLM 0.32 reports log-probs after top-k/top-p (processed_logprobs: tests/integration/test_vllm.py
+    checks its truncation order) or before temperature (raw_logprobs), never the full tempered
+    distribution the learner recomputes."""
+    for roller, field in (({"top_p": 0.9}, r"roller\.top_p=0\.9"), ({"top_k": 20}, r"roller\.top_k=20")):
+        with pytest.raises(ValidationError, match=field + r".*inference\.type: vllm"):
+            AgentRLConfig.model_validate({"inference": {"type": "vllm"}, "roller": roller})
+    no_truncation = {"roller": {"temperature": 0.7}, "learner": {"temperature": 0.7}}
+    AgentRLConfig.model_validate({"inference": {"type": "vllm"}, **no_truncation})  # accepted

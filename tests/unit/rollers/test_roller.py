@@ -8,18 +8,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from agentrl.bench.scripted_server import Reply, ScriptedServer
-from agentrl.config import EnvConfig, RollerConfig, ZmqQueueConfig
+from agentrl.config import EnvConfig, InferenceConfig, RollerConfig, ZmqQueueConfig
 from agentrl.envs.registry import env_factory
 from agentrl.envs.toy import CalculatorEnv, safe_eval
+from agentrl.inference.router import from_config
 from agentrl.inference.sglang import SGLangClient
 from agentrl.queue.base import create as create_queue
 from agentrl.rollers.chat import ChatRenderer
 from agentrl.rollers.roller import Roller
 from agentrl.rollers.tasks import read_task_file, task_stream
 from tests.conftest import find_free_port
+from tests.unit.inference.conftest import ServerThread
 
 
 class CalculatorPolicy:
@@ -47,7 +50,10 @@ def tokenizer(tiny_model: Path):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-async def _setup(tokenizer, groups_per_step: int, max_staleness: int, wrong: bool = False, **roller_kwargs):
+async def _setup(
+    tokenizer, groups_per_step: int, max_staleness: int, wrong: bool = False, client=None, **roller_kwargs
+):
+    """`client`: generate through it instead of a client of the scripted server."""
     server = ScriptedServer(CalculatorPolicy(tokenizer, wrong))
     url = await server.start()
     qcfg = ZmqQueueConfig(address=f"tcp://127.0.0.1:{find_free_port()}", auth="none")
@@ -58,7 +64,7 @@ async def _setup(tokenizer, groups_per_step: int, max_staleness: int, wrong: boo
     make_env = env_factory(EnvConfig(name="toy_calculator"))
     config = RollerConfig(group_size=3, max_concurrent_episodes=12, log_every_s=60, **roller_kwargs)
     tasks = task_stream("builtin", CalculatorEnv, seed=0)
-    client = SGLangClient(url)
+    client = client or SGLangClient(url)
     roller = Roller(
         config, make_env, tasks, client, ChatRenderer(tokenizer, make_env().tool_schemas), producer
     )
@@ -196,3 +202,33 @@ async def test_roller_gives_up_after_too_many_failures_in_a_row(tokenizer) -> No
     finally:
         await close()
     assert stats.groups_failed >= 3 and roller.fatal.startswith("3 groups in a row failed")
+
+
+async def test_an_engine_error_fails_the_group_with_the_servers_message(tokenizer, tiny_model: Path) -> None:
+    """A server whose engine fails every request (NaN weights): the roller's request is lost with the
+    server's own error after the router's retries — not resubmitted as an abort until the episode
+    times out — and its group fails, counted."""
+    nan_server = ServerThread(tiny_model)
+    with torch.no_grad():
+        for p in nan_server.engine.model.parameters():
+            p.fill_(float("nan"))
+    nan_server.start()
+    inference = InferenceConfig(
+        servers=[nan_server.url], max_retries=1, server_wait_s=2, request_timeout_s=120
+    )
+    _server, roller, _consumer, close = await _setup(
+        tokenizer, groups_per_step=1, max_staleness=0, client=from_config(inference),
+        max_consecutive_failures=1, episode_timeout_s=600,
+    )  # fmt: skip
+    try:
+        stats = await asyncio.wait_for(roller.run(), 120)  # returns by itself: one failed group is fatal
+    finally:
+        await close()
+        nan_server.stop()
+    assert stats.groups_failed >= 1 and stats.groups_put == 0 and stats.episodes == 0
+    assert re.search(r"request lost after \d failure\(s\).*HTTP 500.*logits are NaN", roller.fatal), (
+        roller.fatal
+    )
+    assert "Timeout" not in roller.fatal
+    router = roller.client.stats  # reported as roller/server_errors and roller/requests_lost
+    assert router["server_errors"] >= 2 and router["lost"] >= 1
