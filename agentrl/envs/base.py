@@ -1,6 +1,7 @@
 """The environment API: one `Env` instance per episode, plain Python, sync or async.
 
     class MyEnv(Env):
+        required_task_fields = ("question", "answer")   # checked for every task at start-up
         def reset(self, task):            # -> the prompt: chat messages (or raw text)
             return [{"role": "user", "content": task["question"]}]
         def step(self, action_text):      # -> (observation, reward, done, info)
@@ -13,7 +14,8 @@ template, e.g. `{"role": "tool", "content": ...}`), a raw string appended verbat
 (continuation protocols such as Search-R1's `<information>` blocks), or None. Any
 method may be a coroutine. `tools` (rendered into the prompt through the chat
 template's `tools=`) and `stop` (extra stop strings for generation) are class or
-instance attributes.
+instance attributes; `required_task_fields` (a class attribute) names the task fields the env
+reads, so a task file that lacks one is refused at start-up instead of failing mid-run.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class Env:
     """Tools rendered into the prompt (see ToolEnv); empty for tool-less envs."""
     stop: Sequence[str] = ()
     """Extra stop strings for generation (e.g. `</search>`)."""
+    required_task_fields: Sequence[str | tuple[str, ...]] = ()
+    """Fields every task must carry (present and not null) for this env; a tuple names
+    alternatives, one of which suffices. The roller checks every task of a task file against
+    them at start-up and names the file, line and missing field (`missing_task_fields`)."""
 
     def __init__(self, **kwargs: Any) -> None:
         if kwargs:
@@ -99,6 +105,16 @@ class Env:
     def generate_tasks(cls, num: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
         """Synthetic tasks for envs that can make their own (used when no task file is given)."""
         raise NotImplementedError(f"{cls.__name__} has no task generator: give the roller a task file")
+
+    @classmethod
+    def missing_task_fields(cls, task: dict[str, Any]) -> list[str]:
+        """The `required_task_fields` that `task` lacks, alternatives joined by " or "."""
+        missing = []
+        for required in cls.required_task_fields:
+            names = (required,) if isinstance(required, str) else tuple(required)
+            if all(task.get(name) is None for name in names):
+                missing.append(" or ".join(repr(name) for name in names))
+        return missing
 
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:

@@ -46,6 +46,7 @@ class ToolEnv(Env):
 
     system_prompt: str | None = None
     """System message put before the task's prompt (None: the chat template's default)."""
+    required_task_fields = (("messages", "prompt", "question"),)  # what `prompt` reads
 
     def __init__(
         self,

@@ -75,6 +75,7 @@ class CalculatorEnv(ToolEnv):
     """Answer arithmetic questions, using the calculator tool."""
 
     system_prompt = "You are a calculator agent. Use the calculator tool, then answer with the number only."
+    required_task_fields = (("messages", "prompt", "question"), "answer")
 
     def __init__(self, format_bonus: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -195,6 +196,7 @@ class LookupEnv(Env):
     context stays short and a tiny model learns the two one-token copies in minutes."""
 
     stop = ("</lookup>", "</answer>")
+    required_task_fields = ("question", "table", "answer")
 
     def __init__(self, max_lookups: int = 2, teacher_error_rate: float = 0.0) -> None:
         super().__init__()

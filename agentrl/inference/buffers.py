@@ -3,7 +3,8 @@
 `BufferPhases` is a part of `agentrl.inference.engine.Engine`: `release()` drops the KV cache and
 (with `params`) frees the parameters' storage (offloaded to pinned CPU memory first on CUDA),
 `rebuild()` re-allocates and refills it. The HybridEngine (agentrl/hybrid/reshard.py) frees and
-fills its own generation buffers and calls `release(params=False)`.
+fills its own generation buffers and calls `release(params=False)`, so the CUDA offload below is
+reached only by a direct `release()` (scripts/gpu_check.py runs it); it has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -11,6 +12,28 @@ from __future__ import annotations
 import torch
 
 from agentrl.inference.batch import local as _local
+
+
+def storage_bytes(local: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage behind `local`: every view that shares it (tied
+    or packed parameters at other offsets), not only `local`'s own elements."""
+    storage = local.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=local.device).set_(storage, 0, (storage.nbytes(),))
+
+
+def offload_storage(local: torch.Tensor) -> torch.Tensor:
+    """A host copy of `local`'s whole storage (pinned when it is on CUDA, so the copy can overlap);
+    the caller synchronises before the storage is freed."""
+    whole = storage_bytes(local)
+    copy = torch.empty(whole.shape, dtype=torch.uint8, pin_memory=whole.is_cuda)
+    copy.copy_(whole, non_blocking=whole.is_cuda)
+    return copy
+
+
+def restore_storage(local: torch.Tensor, copy: torch.Tensor) -> None:
+    """Re-allocate `local`'s freed storage and fill it from `offload_storage`'s copy."""
+    local.untyped_storage().resize_(copy.numel())
+    storage_bytes(local).copy_(copy, non_blocking=local.is_cuda)
 
 
 class BufferPhases:
@@ -49,11 +72,7 @@ class BufferPhases:
             return 0
         self._offloaded = []
         for local in self._param_storages():
-            copy = None
-            if local.is_cuda:
-                copy = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
-                copy.copy_(local, non_blocking=True)
-            self._offloaded.append((local, copy))
+            self._offloaded.append((local, offload_storage(local) if local.is_cuda else None))
         if any(copy is not None for _, copy in self._offloaded):
             torch.cuda.current_stream().synchronize()  # the copies land before the storage goes
         self._offloaded_bytes = [local.untyped_storage().nbytes() for local, _ in self._offloaded]
@@ -82,9 +101,10 @@ class BufferPhases:
             if missing:
                 raise ValueError(f"rebuild() weights lack parameters {missing[:5]}")
         for (local, copy), nbytes in zip(self._offloaded, self._offloaded_bytes, strict=True):
-            local.untyped_storage().resize_(nbytes)
             if copy is not None:
-                local.copy_(copy, non_blocking=True)
+                restore_storage(local, copy)
+            else:
+                local.untyped_storage().resize_(nbytes)
         self._offloaded = None
         if weights is not None:
             self.load_weights(weights, weight_version)

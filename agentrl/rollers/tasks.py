@@ -1,7 +1,9 @@
 """Where a roller's tasks come from: a JSONL or Parquet file, or the env's generator.
 
 Tasks are plain dicts handed to `Env.reset`, numbered 0, 1, 2, ... (`TaskSource`). Files are
-read once and cycled through in a fresh seeded shuffle per epoch; the built-in generator
+read once, every task checked against the fields the env declares it needs
+(`Env.required_task_fields`: a missing one is refused at start-up, naming the file, line and
+field, not when the env meets it mid-run), and cycled through in a fresh seeded shuffle per epoch; the built-in generator
 (`Env.generate_tasks`) is asked for new chunks forever, each from its own seed, so synthetic
 runs never repeat a chunk. Rollers of one run take their task numbers from the queue's shared
 cursor (see `TaskSource`).
@@ -21,8 +23,9 @@ from agentrl.envs.base import Env
 CHUNK = 1024
 
 
-def read_task_file(path: str | Path) -> list[dict[str, Any]]:
-    """All tasks of a JSONL (one object per line) or Parquet file; bad lines name their number."""
+def read_task_file(path: str | Path, env_cls: type[Env] | None = None) -> list[dict[str, Any]]:
+    """All tasks of a JSONL (one object per line) or Parquet file; bad lines name their number,
+    as does a task missing a field `env_cls` requires (`Env.required_task_fields`)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"roller.tasks: file not found: {path}")
@@ -33,7 +36,10 @@ def read_task_file(path: str | Path) -> list[dict[str, Any]]:
             raise ValueError(
                 "roller.tasks: reading Parquet needs pyarrow (pip install 'agentrl[search]')"
             ) from exc
-        return pq.read_table(path).to_pylist()
+        rows = pq.read_table(path).to_pylist()
+        for number, task in enumerate(rows):
+            _check_fields(task, env_cls, f"{path}: row {number}")
+        return rows
     tasks = []
     with path.open() as f:
         for number, line in enumerate(f, 1):
@@ -45,10 +51,20 @@ def read_task_file(path: str | Path) -> list[dict[str, Any]]:
                 raise ValueError(f"roller.tasks: {path}:{number}: not JSON: {exc}") from None
             if not isinstance(task, dict):
                 raise ValueError(f"roller.tasks: {path}:{number}: a task must be a JSON object")
+            _check_fields(task, env_cls, f"{path}:{number}")
             tasks.append(task)
     if not tasks:
         raise ValueError(f"roller.tasks: {path} holds no tasks")
     return tasks
+
+
+def _check_fields(task: dict[str, Any], env_cls: type[Env] | None, where: str) -> None:
+    missing = env_cls.missing_task_fields(task) if env_cls is not None else []
+    if missing:
+        raise ValueError(
+            f"roller.tasks: {where}: the task lacks field {', '.join(missing)}, which "
+            f"{env_cls.__name__} needs (its required_task_fields; keys here: {sorted(task)[:20]})"
+        )
 
 
 class TaskSource:
@@ -69,7 +85,7 @@ class TaskSource:
                 raise ValueError(
                     "roller.task_kwargs: only the built-in generator takes options, not a task file"
                 )
-            self._tasks = read_task_file(spec)
+            self._tasks = read_task_file(spec, env_cls)
         self._cached: tuple[int, list[Any]] = (-1, [])  # (chunk or epoch, its tasks or order)
 
     def __getitem__(self, i: int) -> dict[str, Any]:

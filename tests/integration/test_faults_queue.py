@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -216,15 +217,25 @@ def test_learner_killed_twice_durability_off_then_on_and_resumed(
     before = run.steps()
     learner = run.learner(ckpt, durable, "--resume")
     run.wait_steps(before + 1, learner)
+    # killed while the durable queue holds groups it acknowledged that nobody trained yet
+    _wait_for(lambda: account(run.dir).lost_ids, "a group acknowledged and not yet trained", run)
     _kill9(learner)  # durable: the WAL keeps them
+    held = account(run.dir).lost_ids  # acknowledged by the durable life, neither trained nor dropped
     before = run.steps()
     learner = run.learner(ckpt, durable, "--resume")
     assert run.finish(learner, 300) == 0, run.tail()
     assert run.finish(roller, 60) == 0, run.tail()
     assert run.steps() > before
-    summary = run.check_account(max_lost_undurable=(k + 2) * GPS)
     final = account(run.dir).final
-    assert final["version"] == 5 and final["recovered"] >= 0
+    assert final["version"] == 5
+    # the third life recovered from the WAL at least what the durable life held (a put it stored
+    # but died before acknowledging is recovered too), and counted what it says it recovered
+    said = re.findall(
+        r"WAL: recovered (\d+) unacked groups", sorted(run.tmp.glob("*-learner.log"))[-1].read_text()
+    )
+    assert held and [int(n) for n in said] == [final["recovered"]], (len(held), said, final["recovered"])
+    assert final["recovered"] >= len(held), (len(held), final["recovered"])
+    summary = run.check_account(max_lost_undurable=(k + 2) * GPS)
     assert final["dropped_stale"] <= GPS, summary  # the resumed queue did not flood with stale groups
     told = max(r.get("queue/lost_undurable", 0) for r in read_jsonl(run.dir / "learner.jsonl"))
     assert told >= summary["lost_undurable"]  # the second life's queue counted what the first lost

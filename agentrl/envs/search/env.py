@@ -82,10 +82,15 @@ def synthetic_retriever(kwargs: dict[str, Any], task_kwargs: dict[str, Any], run
     ]  # fmt: skip
 
 
+QA_TASK_FIELDS = ("question", ("golden_answers", "answers", "answer", "reward_model"))
+"""What `normalize_task` needs of a record: a question and its gold answers in one of the layouts."""
+
+
 class SearchR1Env(Env):
     """Search-augmented QA with the `<search>` / `<answer>` tag protocol."""
 
     stop = ("</search>", "</answer>")
+    required_task_fields = QA_TASK_FIELDS
 
     def __init__(
         self,
@@ -186,6 +191,7 @@ class SearchToolEnv(ToolEnv):
         "you lack a fact, as many times as you need. When you know the answer, reply with it "
         "inside <answer> and </answer>, e.g. <answer> Beijing </answer>."
     )
+    required_task_fields = QA_TASK_FIELDS
 
     def __init__(
         self,

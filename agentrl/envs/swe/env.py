@@ -96,6 +96,7 @@ class SWEEnv(ToolEnv):
     """Fix a repository's issue with bash and an editor in a sandbox; reward 1 iff its tests pass."""
 
     system_prompt = SYSTEM_PROMPT
+    required_task_fields = ("instance_id", "problem_statement", "FAIL_TO_PASS", ("repo_dir", "image"))
 
     def __init__(
         self,

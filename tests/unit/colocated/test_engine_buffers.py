@@ -109,3 +109,17 @@ def test_rebuild_on_cpu_needs_every_parameter(tiny_model: Path):
     partial.pop(names[-1])
     with pytest.raises(ValueError, match="lack parameters"):
         engine.rebuild(partial)
+
+
+def test_offload_keeps_every_view_of_a_shared_storage():
+    """The offload copies a parameter's whole storage: a second parameter viewing the same storage
+    at another offset (packed weights) comes back too, not only the view the storage was found by."""
+    from agentrl.inference.buffers import offload_storage, restore_storage
+
+    flat = torch.arange(24, dtype=torch.float32)
+    first, second = flat[:8].view(2, 4), flat[8:].view(4, 4)  # one storage, two parameters
+    expected = (first.clone(), second.clone())
+    copy = offload_storage(first)
+    first.untyped_storage().resize_(0)  # what release() does after the copy
+    restore_storage(first, copy)
+    assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])

@@ -5,26 +5,39 @@ that the requests our clients send are ones those servers take, and that the res
 clients parse (and our embedded server produces) have those servers' shapes. Written by
 reading, not copied:
 
-* SGLang, commit 001067fffe33427bee0ed2f007fb7551a1d76b44 (v0.5.x line):
-  `python/sglang/srt/managers/io_struct.py` — `GenerateReqInput`, `InitWeightsUpdateGroupReqInput`,
-  `UpdateWeightsFromDistributedReqInput`, `UpdateWeightFromDiskReqInput`, `AbortReq`,
-  `DestroyWeightsUpdateGroupReqInput`; `python/sglang/srt/sampling/sampling_params.py`
-  (commit 00c17caf) — `SamplingParams` (API fields only); response `meta_info` as filled by
-  `tokenizer_manager` (finish_reason from `BaseFinishReason.to_json()`, logprob triples).
+* SGLang 0.5.23, the PyPI wheel (`pip download --no-deps sglang==0.5.23`):
+  - `sglang/srt/managers/io_struct.py` — `GenerateReqInput` (API-facing fields), and the msgspec
+    request structs (each inherits `BaseReq`'s `rid` and `http_worker_ipc`):
+    `InitWeightsUpdateGroupReqInput`, `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`,
+    `UpdateWeightsFromDistributedReqInput`, `UpdateWeightFromDiskReqInput`,
+    `DestroyWeightsUpdateGroupReqInput`, `AbortReq`, `PauseGenerationReqInput`,
+    `ContinueGenerationReqInput`; the `*ReqOutput` structs (`success`, `message`);
+  - `sglang/srt/sampling/sampling_params.py` — `SamplingParams` (API fields) and `verify`
+    (`top_k` must be ≥ 1 or −1, `top_p` in (0, 1], ...);
+  - `sglang/srt/entrypoints/http_server.py` — the routes: `POST /begin_weight_update`,
+    `/end_weight_update` and the other weight-update routes answer `{"success", "message"}`
+    with 200, or 400 when `success` is false; `GET /model_info` (`model_info`: the served
+    `weight_version` among the model's fields; there is no `/get_weight_version`);
+    `GET /ping` (`sagemaker_health`: 200 with an empty body while healthy, paused or not,
+    else 503); response `meta_info` as `tokenizer_manager.py` fills it (`finish_reason` from
+    `BaseFinishReason.to_json()`, the logprob triples, `weight_version` and the optional
+    `weight_versions` spans of `srt/utils/weight_versions.py`).
 * vLLM, `vllm/entrypoints/openai/completion/protocol.py` (commit 002032ee2b18) —
   `CompletionRequest`, `CompletionResponse`, `CompletionResponseChoice`, `CompletionLogProbs`;
   `vllm/entrypoints/serve/dev/rlhf/api_router.py` (commit 0100a2129224) — weight transfer,
   pause/resume, abort routes.
 
-Request models forbid extra fields: a field our client sends that the server does not know
-fails the contract (SGLang's dataclasses would raise on it).
+Request models forbid extra fields. SGLang 0.5.23 itself ignores a field it does not know
+(`srt/utils/msgspec_utils.py` `msgspec_struct_pydantic_core_schema`: `extra_behavior="ignore"`),
+so a misspelled or stale field our client sends would be dropped there without a word; here it
+fails the contract instead.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Closed(BaseModel):
@@ -52,6 +65,7 @@ class SGLangSamplingParams(Closed):
     repetition_penalty: float = Field(1.0, gt=0, le=2)
     min_new_tokens: int = Field(0, ge=0)
     n: int = 1
+    beam_width: int | None = Field(None, ge=1)
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -60,15 +74,23 @@ class SGLangSamplingParams(Closed):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    custom_params: dict[str, Any] | None = None
     stream_interval: int | None = None
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
+    custom_params: dict[str, Any] | None = None
+    watermark: dict[str, Any] | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:  # `SamplingParams.verify`
+        if v < 1 and v != -1:
+            raise ValueError(f"top_k must be -1 (whole vocabulary) or at least 1, got {v}")
+        return v
 
 
 class SGLangGenerateReq(Closed):
-    """The API-facing part of `GenerateReqInput` (multimodal, LoRA and disaggregation fields omitted:
-    our client never sends them)."""
+    """The API-facing part of `GenerateReqInput` (multimodal, LoRA, disaggregation and routing
+    fields omitted: our client never sends them)."""
 
     rid: str | list[str] | None = None
     session_id: str | None = None
@@ -88,9 +110,20 @@ class SGLangGenerateReq(Closed):
     priority: int | None = None
     extra_key: str | list[str] | None = None
     routing_key: str | None = None
+    conversation_id: str | None = None
 
 
-class SGLangInitGroupReq(Closed):
+class SGLangBaseReq(Closed):
+    """`BaseReq`: the fields every msgspec request struct inherits."""
+
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+
+
+Selector = Literal["target", "draft", "all"]
+
+
+class SGLangInitGroupReq(SGLangBaseReq):
     master_address: str
     master_port: int
     rank_offset: int
@@ -99,7 +132,17 @@ class SGLangInitGroupReq(Closed):
     backend: str = "nccl"
 
 
-class SGLangUpdateDistributedReq(Closed):
+class SGLangBeginUpdateReq(SGLangBaseReq):
+    """`BeginWeightUpdateReqInput`: opens the session `/update_weights_from_distributed` needs."""
+
+    selector: Selector = "all"
+
+
+class SGLangEndUpdateReq(SGLangBaseReq):
+    """`EndWeightUpdateReqInput`: no fields of its own (the version travels with each bucket)."""
+
+
+class SGLangUpdateDistributedReq(SGLangBaseReq):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -108,10 +151,11 @@ class SGLangUpdateDistributedReq(Closed):
     abort_all_requests: bool = False
     weight_version: str | None = None  # a string in SGLang, not an int
     load_format: str | None = None
+    selector: Selector = "all"
     torch_empty_cache: bool = False
 
 
-class SGLangUpdateDiskReq(Closed):
+class SGLangUpdateDiskReq(SGLangBaseReq):
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
@@ -125,19 +169,24 @@ class SGLangUpdateDiskReq(Closed):
     manifest: dict[str, Any] | None = None
 
 
-class SGLangDestroyGroupReq(Closed):
+class SGLangDestroyGroupReq(SGLangBaseReq):
     group_name: str = "weight_update_group"
 
 
-class SGLangAbortReq(Closed):
+class SGLangAbortReq(SGLangBaseReq):
     rid: str | None = ""
     abort_all: bool = False
     finished_reason: dict[str, Any] | None = None
     abort_message: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None
 
 
-class SGLangPauseReq(Closed):
+class SGLangPauseReq(SGLangBaseReq):
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class SGLangContinueReq(SGLangBaseReq):
+    torch_empty_cache: bool = True
 
 
 class SGLangFinishReason(Closed):
@@ -149,6 +198,12 @@ class SGLangFinishReason(Closed):
     err_type: str | None = None
 
 
+class SGLangWeightVersionSpan(Closed):
+    version: str
+    start: int
+    end: int
+
+
 class SGLangMetaInfo(Open):
     id: str
     finish_reason: SGLangFinishReason | None
@@ -156,6 +211,7 @@ class SGLangMetaInfo(Open):
     completion_tokens: int
     cached_tokens: int
     weight_version: str
+    weight_versions: list[SGLangWeightVersionSpan] | None = None
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
 
 
@@ -166,8 +222,20 @@ class SGLangGenerateResp(Open):
 
 
 class SGLangWeightResp(Open):
+    """`{"success", "message"}` of the weight-update routes (begin/end included);
+    `/update_weights_from_disk` adds `num_paused_requests`."""
+
     success: bool
     message: str
+    num_paused_requests: int | None = None
+
+
+class SGLangModelInfo(Open):
+    """`GET /model_info` (`model_info` in http_server.py): the fields a client relies on."""
+
+    model_path: str
+    is_generation: bool
+    weight_version: str  # "default" until an update sets one (`srt/arg_groups/fields/serving.py`)
 
 
 # ------------------------------------------------------------------------------------ vLLM

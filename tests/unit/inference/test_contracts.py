@@ -1,6 +1,6 @@
-"""Contract tests: our SGLang client and embedded server against schemas of SGLang's API.
+"""Contract tests: our SGLang client and embedded server against schemas of SGLang 0.5.23's API.
 
-`schemas.py` says which SGLang sources (file + commit) each schema was written from."""
+`schemas.py` names the files of the 0.5.23 wheel each schema was written from."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from agentrl.inference.base import BadRequestError
 from agentrl.inference.sglang import SGLangClient
 from tests.conftest import find_free_port
 from tests.unit.inference import schemas as S
@@ -26,25 +27,71 @@ SAMPLING = {
 }
 
 
+WEIGHT_ROUTES = {
+    "/init_weights_update_group": S.SGLangInitGroupReq,
+    "/begin_weight_update": S.SGLangBeginUpdateReq,
+    "/update_weights_from_distributed": S.SGLangUpdateDistributedReq,
+    "/end_weight_update": S.SGLangEndUpdateReq,
+    "/update_weights_from_disk": S.SGLangUpdateDiskReq,
+    "/destroy_weights_update_group": S.SGLangDestroyGroupReq,
+}
+CONTROL_ROUTES = {
+    "/abort_request": S.SGLangAbortReq,
+    "/pause_generation": S.SGLangPauseReq,
+    "/continue_generation": S.SGLangContinueReq,
+}
+
+
 class Recorder:
-    """A stand-in SGLang server that records every request and answers `{"success": true}`."""
+    """A recording stand-in with SGLang 0.5.23's routes for what our client calls, answering as
+    `srt/entrypoints/http_server.py` does (see schemas.py): weight-update routes
+    `{"success", "message"}`, `/abort_request` an empty 200, `GET /ping` an empty 200 (503 when
+    `healthy` is False), `GET /model_info` the version the last update carried ("default" before
+    any); any other route (e.g. the removed `/get_weight_version`) 404 as FastAPI answers it."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[str, dict | None]] = []
+        self.seen: list[tuple[str, str, dict | None]] = []  # (method, path, body)
+        self.version = "default"
+        self.healthy = True
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else None
-        self.seen.append((request.path, body))
-        if request.path == "/get_weight_version":
-            return web.json_response({"weight_version": "default"})
-        return web.json_response({"success": True, "message": ""})
+        self.seen.append((request.method, request.path, body))
+        route = (request.method, request.path)
+        if route[0] == "POST" and request.path in WEIGHT_ROUTES:
+            if request.path.startswith("/update_weights") and body.get("weight_version") is not None:
+                self.version = body["weight_version"]
+            extra = {"num_paused_requests": 0} if request.path == "/update_weights_from_disk" else {}
+            return web.json_response({"success": True, "message": "Success", **extra})
+        if route == ("POST", "/abort_request"):
+            return web.Response(status=200)
+        if route[0] == "POST" and request.path in CONTROL_ROUTES:
+            return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+        if route == ("GET", "/ping"):
+            return web.Response(status=200 if self.healthy else 503)
+        if route == ("GET", "/model_info"):
+            return web.json_response(
+                {
+                    "model_path": "/m",
+                    "served_model_name": "/m",
+                    "tokenizer_path": "/m",
+                    "is_generation": True,
+                    "weight_version": self.version,
+                    "load_format": "auto",
+                }
+            )
+        return web.json_response({"detail": "Not Found"}, status=404)
 
 
 @pytest.fixture
 async def recorder() -> AsyncIterator[tuple[Recorder, str]]:
     rec = Recorder()
     app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", rec.handle)
+
+    async def route(request: web.Request) -> web.Response:  # looked up per request: a test may swap it
+        return await rec.handle(request)
+
+    app.router.add_route("*", "/{tail:.*}", route)
     runner = web.AppRunner(app, shutdown_timeout=0.5)
     await runner.setup()
     port = find_free_port()
@@ -57,34 +104,65 @@ def test_generate_request_is_a_valid_sglang_request():
     payload = SGLangClient("http://x").generate_payload([1, 2, 3], SAMPLING, rid="r1", session_id="ep1")
     S.SGLangGenerateReq.model_validate(payload)
     S.SGLangSamplingParams.model_validate(payload["sampling_params"])
+    with pytest.raises(ValueError, match="top_k"):  # SamplingParams.verify refuses 0
+        S.SGLangSamplingParams.model_validate({"top_k": 0})
 
 
-async def test_admin_requests_match_sglang_dataclasses(recorder):
+async def test_admin_requests_match_sglang_0_5_23(recorder):
+    """A push as the broadcast engine runs it — group, session, bucket, end — then the disk and
+    control routes: every request our client sends is one 0.5.23 takes, on a route it has, and the
+    version comes back from `/model_info` as the update set it."""
     rec, url = recorder
     async with SGLangClient(url) as client:
+        assert await client.alive()
+        assert await client.get_weight_version() == 0  # "default": nothing pushed yet
         await client.init_weights_update_group("127.0.0.1", 29500, 1, 3, "wg", "nccl")
-        await client.update_weights_from_distributed(["a"], ["bfloat16"], [[2, 3]], "wg", weight_version=4)
+        await client.begin_weight_update()
+        assert client.has_session and client.flattened_buckets
+        await client.update_weights_from_distributed(
+            ["a", "b"], ["bfloat16", "float32"], [[2, 3], [4]], "wg", weight_version=4, flattened=True
+        )
+        await client.end_weight_update(weight_version=4)
+        assert await client.get_weight_version() == 4  # what the bucket carried, read back
         await client.update_weights_from_disk("/ckpt", weight_version=5)
+        assert await client.get_weight_version() == 5
         await client.destroy_weights_update_group("wg")
         await client.abort_request(rid="r1")
         await client.abort_request(abort_all=True)
         await client.pause_generation()
         await client.continue_generation()
-        assert await client.get_weight_version() == 0  # SGLang's "default"
-    schema = {
-        "/init_weights_update_group": S.SGLangInitGroupReq,
-        "/update_weights_from_distributed": S.SGLangUpdateDistributedReq,
-        "/update_weights_from_disk": S.SGLangUpdateDiskReq,
-        "/destroy_weights_update_group": S.SGLangDestroyGroupReq,
-        "/abort_request": S.SGLangAbortReq,
-        "/pause_generation": S.SGLangPauseReq,
-    }
+        rec.healthy = False
+        assert not await client.alive()  # /ping's 503
+    schema = {**WEIGHT_ROUTES, **CONTROL_ROUTES}
     checked = set()
-    for path, body in rec.seen:
-        if path in schema:
+    for method, path, body in rec.seen:
+        if method == "GET":
+            assert path in ("/ping", "/model_info") and body is None, (method, path)
+        else:
             schema[path].model_validate(body)
-            checked.add(path)
-    assert checked == set(schema)
+        checked.add(path)
+    assert checked == {*schema, "/ping", "/model_info"}
+    update = next(b for m, p, b in rec.seen if p == "/update_weights_from_distributed")
+    assert update["weight_version"] == "4" and update["load_format"] == "flattened_bucket"
+
+
+async def test_client_reads_failure_replies_of_the_session_routes(recorder):
+    """0.5.23 answers a refused begin/end with 400 `{"success": false}`, and has no
+    `/get_weight_version` (404): each is an error, never a silent success."""
+    rec, url = recorder
+
+    async def refuse(request: web.Request) -> web.Response:
+        rec.seen.append((request.method, request.path, await request.json()))
+        reply = {"success": False, "message": "no weight-update session is open"}
+        return web.json_response(S.SGLangWeightResp(**reply).model_dump(exclude_none=True), status=400)
+
+    handle, rec.handle = rec.handle, refuse
+    async with SGLangClient(url) as client:
+        with pytest.raises(BadRequestError, match="no weight-update session"):
+            await client.end_weight_update()
+        rec.handle = handle
+        with pytest.raises(BadRequestError, match="404"):
+            await client.http.request("GET", "/get_weight_version")
 
 
 def test_client_parses_sglang_responses():
@@ -126,8 +204,19 @@ async def test_embedded_server_speaks_sglang_shapes(server: ServerThread):
         async with s.post(server.url + "/update_weights_from_disk", json={"model_path": "/nope"}) as r:
             assert r.status == 400
             S.SGLangWeightResp.model_validate(await r.json())
-        async with s.get(server.url + "/get_weight_version") as r:
-            assert isinstance((await r.json())["weight_version"], str)
+        async with s.get(server.url + "/model_info") as r:
+            S.SGLangModelInfo.model_validate(await r.json())
+        async with s.get(server.url + "/ping") as r:
+            assert r.status == 200
+        for path, model in (
+            ("/begin_weight_update", S.SGLangBeginUpdateReq),
+            ("/end_weight_update", S.SGLangEndUpdateReq),
+        ):
+            async with s.post(server.url + path, json=model().model_dump(exclude_none=True)) as r:
+                assert r.status == 200, await r.text()
+                S.SGLangWeightResp.model_validate(await r.json())
+        async with s.post(server.url + "/end_weight_update", json={}) as r:  # no session open: refused
+            assert r.status == 400 and not S.SGLangWeightResp.model_validate(await r.json()).success
         # a top_k SGLang refuses (0) is refused here too
         bad = {"input_ids": [4], "sampling_params": {"top_k": 0}}
         async with s.post(server.url + "/generate", json=bad) as r:

@@ -174,7 +174,9 @@ async def test_failed_groups_are_counted_and_release_admission(tokenizer) -> Non
 
 def test_task_files(tmp_path: Path) -> None:
     good = tmp_path / "tasks.jsonl"
-    good.write_text('{"id": 1, "question": "a"}\n\n{"id": 2, "question": "b"}\n')
+    good.write_text(
+        '{"id": 1, "question": "a", "answer": "1"}\n\n{"id": 2, "question": "b", "answer": "2"}\n'
+    )
     stream = task_stream(str(good), CalculatorEnv, seed=0)
     assert sorted(next(stream)["id"] for _ in range(2)) == [1, 2]
     bad = tmp_path / "bad.jsonl"
