@@ -606,7 +606,7 @@ def sandbox_exec(
     except SandboxError as exc:
         hint = ""
         if "min_isolation" in str(exc) and min_isolation is None:
-            hint = (" To run trusted code anyway: --min-isolation namespaces (gives up bubblewrap's seccomp "
+            hint = (". To run trusted code anyway: --min-isolation namespaces (gives up bubblewrap's seccomp "
                     "filter: the code may make namespaces and mounts) or --min-isolation rlimits (gives up all "
                     "isolation: host filesystem, network and processes, resource limits only).")  # fmt: skip
         raise _fail(str(exc) + hint, code=3) from None

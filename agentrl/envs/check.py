@@ -145,10 +145,7 @@ def check_run_budget(config: Any, tokenizer_path: str) -> Budget:
     naming the field otherwise)."""
     import asyncio
 
-    from transformers import AutoTokenizer
-
     from agentrl.envs.registry import env_factory, load_env_class
-    from agentrl.rollers.chat import ChatRenderer
     from agentrl.rollers.tasks import TaskSource
 
     cls = load_env_class(config.env.name)
@@ -159,6 +156,10 @@ def check_run_budget(config: Any, tokenizer_path: str) -> Budget:
         env_config = env_config.model_copy(update={"kwargs": {**env_config.kwargs, **placeholders}})
     make_env = env_factory(env_config)
     tasks = TaskSource(config.roller.tasks, cls, config.roller.seed, **config.roller.task_kwargs)
+    from transformers import AutoTokenizer  # after the env's own errors, which need none of it
+
+    from agentrl.rollers.chat import ChatRenderer
+
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(tokenizer_path), make_env().tool_schemas or None)
     context = model_context(tokenizer_path, config.inference.context_length)
     return asyncio.run(require_budget(make_env, tasks, renderer, config.roller, context))
