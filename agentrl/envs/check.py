@@ -154,15 +154,22 @@ def check_run_budget(config: Any, tokenizer_path: str) -> Budget:
     if services:  # the launcher starts these and fills in their URLs; no prompt depends on them
         placeholders = {s.kwarg: f"http://127.0.0.1:9{s.url_path}" for s in services}
         env_config = env_config.model_copy(update={"kwargs": {**env_config.kwargs, **placeholders}})
-    make_env = env_factory(env_config)
-    tasks = TaskSource(config.roller.tasks, cls, config.roller.seed, **config.roller.task_kwargs)
-    from transformers import AutoTokenizer  # after the env's own errors, which need none of it
+    try:  # the env's own code may raise anything: one line naming the env, not a traceback
+        make_env = env_factory(env_config)
+        tasks = TaskSource(config.roller.tasks, cls, config.roller.seed, **config.roller.task_kwargs)
+        schemas = make_env().tool_schemas
+        from transformers import AutoTokenizer  # after the env's own errors, which need none of it
 
-    from agentrl.rollers.chat import ChatRenderer
+        from agentrl.rollers.chat import ChatRenderer
 
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tokenizer_path), make_env().tool_schemas or None)
-    context = model_context(tokenizer_path, config.inference.context_length)
-    return asyncio.run(require_budget(make_env, tasks, renderer, config.roller, context))
+        renderer = ChatRenderer(AutoTokenizer.from_pretrained(tokenizer_path), schemas or None)
+        context = model_context(tokenizer_path, config.inference.context_length)
+        return asyncio.run(require_budget(make_env, tasks, renderer, config.roller, context))
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"env.name: {config.env.name}: {type(exc).__name__}: {exc} (agentrl env check "
+                         f"{config.env.name} shows more)") from exc  # fmt: skip
 
 
 # --------------------------------------------------------------------------- env check

@@ -156,6 +156,14 @@ def test_an_unknown_env_in_a_config_is_one_line_and_the_traceback_comes_with_deb
     missing = run_agentrl("run", "--config", str(config), "--env.name=examples.word_tools:WordToolz")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "has no class 'WordToolz'; did you mean examples.word_tools:WordTools?" in missing.stderr
+    (tmp_path / "broken_env.py").write_text(
+        "from agentrl.envs import Env\n\n\nclass Broken(Env):\n    def __init__(self):\n"
+        "        raise RuntimeError('broken on purpose')\n"
+    )
+    broken = run_agentrl("run", "--config", str(config), "--env.name=broken_env:Broken",
+                         env={"PYTHONPATH": f"{tmp_path}:{REPO}"})  # fmt: skip
+    assert broken.returncode == 2 and "Traceback" not in broken.stderr
+    assert "agentrl: env.name: broken_env:Broken: RuntimeError: broken on purpose" in broken.stderr
 
 
 def test_a_missing_model_path_names_the_directory_it_looked_in_and_the_recipes_preset(tmp_path: Path) -> None:
