@@ -345,8 +345,8 @@ async def check_env(config: Any, tokenizer_path: str | None) -> Report:
     try:
         tasks = TaskSource(config.roller.tasks, cls, config.roller.seed, **config.roller.task_kwargs)
         task = tasks[0]
-    except (ValueError, NotImplementedError, TypeError) as exc:
-        report.add("tasks", str(exc), "fail")
+    except Exception as exc:  # user code (the generator) or a bad task file: the finding
+        report.add("tasks", f"{type(exc).__name__}: {exc}", "fail")
         return report
     report.add("tasks", f"{config.roller.tasks}; task 0 has keys {sorted(task)}")
     report.schemas = list(env.tool_schemas)
@@ -355,7 +355,11 @@ async def check_env(config: Any, tokenizer_path: str | None) -> Report:
     renderer = _renderer(tokenizer_path, report.schemas, report)
     if renderer is not None:
         context = model_context(tokenizer_path, config.inference.context_length)
-        budget = await prompt_budget(make_env, tasks, renderer, config.roller, context)
+        try:
+            budget = await prompt_budget(make_env, tasks, renderer, config.roller, context)
+        except Exception as exc:  # the env's prompt() / reset(): the finding
+            report.add("prompt budget", f"rendering a prompt raised {type(exc).__name__}: {exc}", "fail")
+            return report
         r = config.roller
         fits = (f"longest of {PROMPTS_CHECKED} prompts {budget.prompt_tokens} tokens; roller.max_total_tokens "
                 f"{r.max_total_tokens}, max_new_tokens {r.max_new_tokens}, max_turns {r.max_turns}; model "

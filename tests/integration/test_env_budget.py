@@ -22,55 +22,6 @@ from tests.integration.test_weight_sync import wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-UNIT_ENV = '''
-import json
-
-from agentrl.envs import ToolEnv, tool
-
-FACTORS = {("km", "m"): 1000, ("m", "cm"): 100, ("kg", "g"): 1000, ("h", "min"): 60}
-
-
-class UnitConverter(ToolEnv):
-    system_prompt = (
-        "You convert quantities between units. First look up the conversion factor with the "
-        "factor tool, then multiply with the multiply tool, then reply with the number only."
-    )
-
-    @tool
-    def factor(self, source: str, target: str) -> int:
-        """Look up how many target units make one source unit.
-
-        Args:
-            source: The unit converted from, e.g. "km".
-            target: The unit converted to, e.g. "m".
-        """
-        return FACTORS[(source, target)]
-
-    @tool
-    def multiply(self, a: int, b: int) -> int:
-        """Multiply two integers.
-
-        Args:
-            a: The first factor.
-            b: The second factor.
-        """
-        return a * b
-
-    @classmethod
-    def generate_tasks(cls, num, seed=0):
-        pairs = sorted(FACTORS)
-        tasks = []
-        for i in range(num):
-            source, target = pairs[(seed + i) % len(pairs)]
-            amount = 2 + (seed + i) % 7
-            tasks.append({"id": f"u{i}", "question": f"How many {target} are {amount} {source}?",
-                          "answer": str(amount * FACTORS[(source, target)])})
-        return tasks
-
-    def reward(self, transcript):
-        return float(transcript.final_text.strip() == self.task["answer"])
-'''
-
 REFUSAL = re.compile(
     r"the prompt of task '(u\d)' is (\d+) tokens \(chat template with 2 tool\(s\)\), which leaves \d+ of "
     r"roller\.max_total_tokens 256 for a turn of roller\.max_new_tokens 24: no episode can generate a whole "
@@ -81,7 +32,8 @@ REFUSAL = re.compile(
 def test_a_two_tool_env_over_the_quickstart_budget_is_refused_then_runs_with_the_suggested_one(
     processes, tiny_model: Path, tmp_path: Path
 ) -> None:
-    (tmp_path / "unit_env.py").write_text(UNIT_ENV)
+    # a new env file in the directory the user runs from (the unit tests' env, copied)
+    (tmp_path / "unit_env.py").write_text((REPO / "tests/unit/envs/unit_env.py").read_text())
     env = {**os.environ, "PYTHONPATH": str(REPO), "AGENTRL_QUEUE_SECRET": "x" * 32, "COLUMNS": "400"}
     common = ["--config", str(REPO / "recipes/quickstart.yaml"), "--env.name=unit_env:UnitConverter",
               "--env.kwargs={}", f"--learner.model_path={tiny_model}", f"--run_dir={tmp_path / 'run'}"]  # fmt: skip

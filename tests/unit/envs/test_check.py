@@ -3,78 +3,28 @@ replayed through the real parser, tools and reward, malformed calls."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from agentrl.config import AgentRLConfig, EnvConfig, RollerConfig
-from agentrl.envs import ToolEnv, tool
 from agentrl.envs.check import check_env, prompt_budget
 from agentrl.envs.registry import load_env_class
 from agentrl.rollers.chat import ChatRenderer
+from tests.unit.envs.unit_env import UnitConverter
 
 QUICKSTART_BUDGET = {"max_total_tokens": 256, "max_new_tokens": 24, "max_turns": 3}
 
 
-class Units(ToolEnv):
-    """Two tools and a long system prompt: its prompt exceeds the quickstart's budget."""
-
-    system_prompt = (
-        "You convert quantities between units. First look up the conversion factor with the factor "
-        "tool, then multiply with the multiply tool, then reply with the number only."
-    )
-
-    @tool
-    def factor(self, source: str, target: str) -> int:
-        """Look up how many target units make one source unit.
-
-        Args:
-            source: The unit converted from, e.g. "km".
-            target: The unit converted to, e.g. "m".
-        """
-        return {("km", "m"): 1000, ("kg", "g"): 1000}[(source, target)]
-
-    @tool
-    def multiply(self, a: int, b: int) -> int:
-        """Multiply two integers.
-
-        Args:
-            a: The first factor.
-            b: The second factor.
-        """
-        return a * b
-
-    @classmethod
-    def generate_tasks(cls, num, seed=0):
-        return [{"id": f"u{i}", "question": f"How many m are {i + 2} km?", "amount": i + 2,
-                 "answer": str((i + 2) * 1000)} for i in range(num)]  # fmt: skip
-
-    def reward(self, transcript):
-        return float(transcript.final_text.strip() == self.task["answer"])
-
-    def demonstrate(self, task):
-        call1 = json.dumps({"name": "factor", "arguments": {"source": "km", "target": "m"}})
-        call2 = json.dumps({"name": "multiply", "arguments": {"a": task["amount"], "b": 1000}})
-        return [
-            *self.prompt(task),
-            {"role": "assistant", "content": f"<tool_call>\n{call1}\n</tool_call>"},
-            {"role": "tool", "name": "factor", "content": "1000"},
-            {"role": "assistant", "content": f"<tool_call>\n{call2}\n</tool_call>"},
-            {"role": "tool", "name": "multiply", "content": task["answer"]},
-            {"role": "assistant", "content": task["answer"]},
-        ]
-
-
-class WrongReward(Units):
+class WrongReward(UnitConverter):
     """Its demonstration answers right, but its reward pays for nothing."""
 
     def reward(self, transcript):
         return 0.0
 
 
-class Fragile(Units):
+class Fragile(UnitConverter):
     """Raises on a malformed call instead of answering it with an error."""
 
     async def step(self, action_text):
@@ -85,14 +35,14 @@ class Fragile(Units):
 
 @pytest.fixture
 def renderer(tiny_model: Path) -> ChatRenderer:
-    return ChatRenderer(AutoTokenizer.from_pretrained(tiny_model), Units().tool_schemas)
+    return ChatRenderer(AutoTokenizer.from_pretrained(tiny_model), UnitConverter().tool_schemas)
 
 
 async def test_a_prompt_over_the_budget_names_its_length_the_fields_and_a_budget_that_fits(renderer) -> None:
-    tasks = Units.generate_tasks(4)
+    tasks = UnitConverter.generate_tasks(4)
     roller = RollerConfig(**QUICKSTART_BUDGET)
-    budget = await prompt_budget(Units, tasks, renderer, roller, context=4096)
-    length = max(len(renderer.prompt_ids(Units().prompt(t))) for t in tasks)
+    budget = await prompt_budget(UnitConverter, tasks, renderer, roller, context=4096)
+    length = max(len(renderer.prompt_ids(UnitConverter().prompt(t))) for t in tasks)
     assert budget.prompt_tokens == length > 256
     assert budget.problem.startswith(
         f"the prompt of task {budget.task_id!r} is {length} tokens (chat template with 2"
@@ -101,15 +51,15 @@ async def test_a_prompt_over_the_budget_names_its_length_the_fields_and_a_budget
     suggested = 64 * -(-(length + 3 * 48) // 64)
     assert f"--roller.max_total_tokens {suggested}" in budget.problem
     fitted = await prompt_budget(
-        Units, tasks, renderer, roller.model_copy(update={"max_total_tokens": suggested}), 4096
+        UnitConverter, tasks, renderer, roller.model_copy(update={"max_total_tokens": suggested}), 4096
     )
     assert fitted.problem is None and fitted.warnings == []
     # a context smaller than prompt + one turn is the model's limit, not the roller's
-    small = await prompt_budget(Units, tasks, renderer, roller, context=length)
+    small = await prompt_budget(UnitConverter, tasks, renderer, roller, context=length)
     assert f"does not fit the model's context of {length} tokens" in small.problem
     # room for one turn but not for max_turns: a warning, not an error
     tight = await prompt_budget(
-        Units, tasks, renderer, roller.model_copy(update={"max_total_tokens": length + 30}), None
+        UnitConverter, tasks, renderer, roller.model_copy(update={"max_total_tokens": length + 30}), None
     )
     assert tight.problem is None and "episodes may end with finish 'context'" in tight.warnings[0]
 
@@ -125,7 +75,10 @@ def _findings(report) -> dict[str, tuple[str, str]]:
 
 async def test_env_check_replays_the_demonstration_and_tries_malformed_calls(tiny_model: Path) -> None:
     report = await check_env(
-        _config(f"{__name__}:Units", tiny_model, max_total_tokens=640, max_new_tokens=64), str(tiny_model)
+        _config(
+            "tests.unit.envs.unit_env:UnitConverter", tiny_model, max_total_tokens=640, max_new_tokens=64
+        ),
+        str(tiny_model),
     )
     found = _findings(report)
     assert not report.failed, report.findings
@@ -139,7 +92,9 @@ async def test_env_check_replays_the_demonstration_and_tries_malformed_calls(tin
 
 
 async def test_env_check_reports_the_budget_a_reward_that_pays_nothing_and_a_crash(tiny_model: Path) -> None:
-    found = _findings(await check_env(_config(f"{__name__}:Units", tiny_model), str(tiny_model)))
+    found = _findings(
+        await check_env(_config("tests.unit.envs.unit_env:UnitConverter", tiny_model), str(tiny_model))
+    )
     status, result = found["prompt budget"]
     assert status == "fail" and "roller.max_total_tokens 256" in result and "tokens (chat template" in result
     assert (
@@ -154,9 +109,11 @@ async def test_env_check_reports_the_budget_a_reward_that_pays_nothing_and_a_cra
 
 
 def test_a_class_the_module_lacks_is_named_as_missing_with_the_closest() -> None:
+    module = "tests.unit.envs.unit_env"
     with pytest.raises(
-        ValueError, match=rf"'{__name__}' \(.*\) has no class 'Unitz'; did you mean {__name__}:Units\?"
+        ValueError,
+        match=rf"'{module}' \(.*\) has no class 'UnitConvrt'; did you mean {module}:UnitConverter\?",
     ):
-        load_env_class(f"{__name__}:Unitz")
+        load_env_class(f"{module}:UnitConvrt")
     with pytest.raises(ValueError, match=r"unknown env 'toy_lookupp' \(did you mean toy_lookup\?\)"):
         load_env_class("toy_lookupp")
