@@ -77,9 +77,30 @@ BENCHMARKS = {
 }
 
 
+DEBUG = False
+"""`agentrl --debug ...`: errors in the user's env or config come with their traceback."""
+
+
+@app.callback()
+def _options(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the traceback behind an error message.")
+    ] = False,
+) -> None:
+    global DEBUG
+    DEBUG = debug
+
+
 def _fail(message: str, code: int = 2) -> typer.Exit:
     typer.echo(f"agentrl: {message}", err=True)
     return typer.Exit(code)
+
+
+def _user_error(exc: Exception, code: int = 2) -> typer.Exit:
+    """A clean one-line error for a mistake in the user's env or config (raised as is with --debug)."""
+    if DEBUG:
+        raise exc
+    return _fail(str(exc), code)
 
 
 def load(config: Path | None, ctx: typer.Context) -> AgentRLConfig:
@@ -93,10 +114,12 @@ def load(config: Path | None, ctx: typer.Context) -> AgentRLConfig:
         raise _fail(str(exc)) from None
 
 
-def check_model_path(field: str, value: str, preset: str = "tiny") -> None:
+def check_model_path(field: str, value: str, preset: str | None = None) -> None:
     """Exit with a config error naming `field` unless `value` is a checkpoint directory or looks
     like a hub id (`org/name`); transformers' own error for a missing path is a traceback about
-    repo ids."""
+    repo ids. The hint's preset: `preset`, else the directory's name where it is one
+    (`runs/models/mini`), else tiny; a relative path says which directory it was looked up in."""
+    import os
     import re
 
     path = Path(value).expanduser()
@@ -104,8 +127,10 @@ def check_model_path(field: str, value: str, preset: str = "tiny") -> None:
         return
     if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith("."):
         return  # a hub id: transformers fetches it where a hub is reachable
+    preset = preset or (path.name if path.name in MODEL_PRESETS else "tiny")
+    where = "" if path.is_absolute() else f" (relative to the current directory {os.getcwd()})"
     raise _fail(
-        f"{field}: {value} is not a checkpoint directory (make one: agentrl init-model {preset} {value})"
+        f"{field}: {value} is not a checkpoint directory{where}; make one: agentrl init-model {preset} {value}"
     )
 
 
@@ -154,8 +179,8 @@ def roller(
 
     try:
         raise typer.Exit(asyncio.run(run_roller(cfg)))
-    except ValueError as exc:  # bad env / task / inference settings found while wiring
-        raise _fail(str(exc)) from None
+    except ValueError as exc:  # bad env / task / budget / inference settings found while wiring
+        raise _user_error(exc) from None
 
 
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
@@ -290,6 +315,13 @@ def run(
         ctx.args.append(f"--launcher.type={launcher}")
     cfg = load(config, ctx)
     check_model_path("learner.model_path", cfg.learner.model_path)
+    from agentrl.envs.check import check_run_budget
+    from agentrl.rollers.main import tokenizer_path
+
+    try:  # the env loads and its prompts fit the roller's budget (`agentrl env check`, cheap part)
+        check_run_budget(cfg, tokenizer_path(cfg))
+    except ValueError as exc:
+        raise _user_error(exc) from None
     from agentrl.launcher import run as launch
 
     raise typer.Exit(launch(cfg, resume=resume))
@@ -354,6 +386,8 @@ def warmstart(ctx: typer.Context, config: ConfigOpt = None) -> None:
         train(cfg)
     except NotImplementedError as exc:
         raise _fail(f"env.name: {exc}") from None
+    except ValueError as exc:  # an env that does not load
+        raise _user_error(exc) from None
 
 
 @app.command("eval", context_settings=OVERRIDES, epilog=CONFIG_HELP)
@@ -450,6 +484,34 @@ def doctor(ctx: typer.Context, config: ConfigOpt = None) -> None:
     raise typer.Exit(run_doctor(cfg))
 
 
+env_app = typer.Typer(help="Check an environment before training on it.", no_args_is_help=True)
+app.add_typer(env_app, name="env")
+
+
+@env_app.command("check", context_settings=OVERRIDES, epilog=CONFIG_HELP)
+def env_check(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="The env: a built-in name or module:Class.")],
+    config: ConfigOpt = None,
+) -> None:
+    """Check an env like a first episode would: its prompt's tokens against the roller's budget,
+    its tool schemas, `demonstrate()` through the parser, the tools and `reward`, malformed calls.
+    Exits 1 on a problem. The tokenizer: roller.tokenizer_path, else inference.model_path, else
+    learner.model_path; give --env.kwargs for an env other than the config's own."""
+    import asyncio
+
+    from rich.console import Console
+
+    ctx.args = [f"--env.name={name}", *ctx.args]
+    cfg = load(config, ctx)
+    from agentrl.envs.check import check_env, render_report
+    from agentrl.rollers.main import tokenizer_path
+
+    report = asyncio.run(check_env(cfg, tokenizer_path(cfg)))
+    Console().print(render_report(report, cfg.env.name))
+    raise typer.Exit(1 if report.failed else 0)
+
+
 config_app = typer.Typer(help="Inspect the run configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
@@ -542,7 +604,12 @@ def sandbox_exec(
     try:
         typer.echo(json.dumps(asyncio.run(run_one())))
     except SandboxError as exc:
-        raise _fail(str(exc), code=3) from None
+        hint = ""
+        if "min_isolation" in str(exc) and min_isolation is None:
+            hint = (". To run trusted code anyway: --min-isolation namespaces (gives up bubblewrap's seccomp "
+                    "filter: the code may make namespaces and mounts) or --min-isolation rlimits (gives up all "
+                    "isolation: host filesystem, network and processes, resource limits only).")  # fmt: skip
+        raise _fail(str(exc) + hint, code=3) from None
 
 
 @sandbox_app.command("info")

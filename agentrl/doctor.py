@@ -9,6 +9,7 @@ on the spot; nothing is assumed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import platform
@@ -28,6 +29,11 @@ OPTIONAL_PACKAGES = {
     "bm25s": "search",
     "mcp": "mcp",
 }
+SEPARATE_ENVS = {
+    "vllm": "make vllm: vLLM in its own .venv-vllm",
+    "sglang": "make sglang on a GPU node: SGLang in its own .venv-sglang",
+}
+"""Backends that pin their own torch: installed by the Makefile in an environment of their own."""
 OPTIONAL_BINARIES = ["redis-server", "dockerd", "bwrap", "unshare"]
 
 
@@ -120,7 +126,12 @@ def run_doctor(config: AgentRLConfig) -> int:
     table.add_row("transformers", _version("transformers") or "missing")
     for module, extra in OPTIONAL_PACKAGES.items():
         found = importlib.util.find_spec(module) is not None
-        hint = escape(f"absent (pip install 'agentrl[{extra}]')")
+        hint = escape(f"absent ({SEPARATE_ENVS.get(module) or f'pip install agentrl[{extra}]'})")
+        if module == "vllm" and not found:
+            from agentrl.inference.vllm_launch import find_python
+
+            with contextlib.suppress(FileNotFoundError):
+                hint = f"in {find_python(config.inference.vllm.python)}"
         table.add_row(module, (_version(module) or "present") if found else hint)
     for binary in OPTIONAL_BINARIES:
         table.add_row(binary, shutil.which(binary) or "absent")

@@ -13,6 +13,7 @@ inherit its current directory.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -39,9 +40,11 @@ def load_env_class(name: str) -> type[Env]:
     """The Env subclass named by `name` (a built-in name or `module.path:ClassName`)."""
     target = BUILTIN_ENVS.get(name, name)
     if ":" not in target:
+        close = difflib.get_close_matches(name, BUILTIN_ENVS, n=1)
         raise ValueError(
-            f"env.name: unknown env {name!r}; use a built-in ({', '.join(BUILTIN_ENVS)}) "
-            "or a dotted path like my_pkg.envs:MyEnv"
+            f"env.name: unknown env {name!r}"
+            + (f" (did you mean {close[0]}?)" if close else "")
+            + f"; use a built-in ({', '.join(BUILTIN_ENVS)}) or a dotted path like my_pkg.envs:MyEnv"
         )
     module_name, _, attr = target.partition(":")
     try:
@@ -49,6 +52,17 @@ def load_env_class(name: str) -> type[Env]:
     except Exception as exc:  # an env module that fails to import, for whatever reason
         raise ValueError(f"env.name: cannot import {module_name!r} for env {name!r}: {exc}") from exc
     cls = getattr(module, attr, None)
+    if cls is None:
+        envs = [
+            k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, Env) and v is not Env
+        ]
+        close = difflib.get_close_matches(attr, envs, n=1)
+        hint = (
+            f"; did you mean {module_name}:{close[0]}?"
+            if close
+            else f" (its Env classes: {', '.join(envs) or 'none'})"
+        )
+        raise ValueError(f"env.name: {module_name!r} ({module.__file__}) has no class {attr!r}{hint}")
     if not (isinstance(cls, type) and issubclass(cls, Env)):
         raise ValueError(f"env.name: {target!r} is not an agentrl Env subclass")
     return cls

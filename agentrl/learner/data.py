@@ -70,6 +70,17 @@ def invalid_reason(group: Group, vocab_size: int, max_seq_tokens: int | None) ->
     return None if generated else "no_generated_tokens"
 
 
+def no_generation_why(group: Group) -> str:
+    """Why a group's episodes generated nothing, from their finish reasons and prompt length."""
+    reasons = Counter(ep.finish_reason or "unknown" for ep in group.episodes)
+    prompt = max(int(ep.metrics.get("prompt_tokens", ep.num_tokens)) for ep in group.episodes)
+    ended = ", ".join(f"{r} ×{n}" for r, n in reasons.most_common())
+    why = f"{len(group.episodes)} episodes ended with no generated token: {ended}; prompt {prompt} tokens"
+    if reasons.get("context"):
+        why += " (the prompt fills roller.max_total_tokens: raise it; agentrl env check shows the budget)"
+    return why
+
+
 def _weights(samples: list[Sample], mode: str) -> None:
     lengths = [int(s.loss_mask[1:].sum()) for s in samples]
     for s, w in zip(samples, token_weights(lengths, mode, sum(lengths), len(samples)), strict=True):
@@ -104,7 +115,8 @@ def prepare_batch(
             good.append(g)
         else:
             skipped[reason] += 1
-            log.warning("skipping group %s: %s", g.group_id, reason)
+            detail = f" ({no_generation_why(g)})" if reason == "no_generated_tokens" else ""
+            log.warning("skipping group %s: %s%s", g.group_id, reason, detail)
     rewards = [g.rewards for g in good]
     penalty = None
     if overlong is not None:

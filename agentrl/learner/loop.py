@@ -44,7 +44,7 @@ from agentrl.learner import backend as backends
 from agentrl.learner import checkpoint
 from agentrl.learner.backend import LearnerBackend, ModelPart
 from agentrl.learner.critic import build_critic, critic_step, gae_advantages
-from agentrl.learner.data import prepare_batch
+from agentrl.learner.data import no_generation_why, prepare_batch
 from agentrl.learner.packing import MicroBatch, non_padding_fraction, plan_microbatches
 from agentrl.learner.train_step import optimizer_step, recompute_logprobs
 from agentrl.log import MetricsLogger, get_logger
@@ -303,6 +303,7 @@ class RunTally:
     progress: ConsoleProgress
     skipped: dict[str, int] = field(default_factory=dict)
     skips_in_a_row: int = 0
+    last_skip: str = ""  # why the last group without generated tokens had none
     saved: int = -1
     exported: int = -1
 
@@ -398,6 +399,9 @@ def _prepare(learner: Learner, groups: list[Group], tally: RunTally):
                           overlong=cfg.loss.overlong)  # fmt: skip
     if batch.trainable_tokens == 0:
         batch.skipped["no_trainable_tokens"] += 1
+    empty = [g for g in groups if g.episodes and not any(ep.loss_mask[1:].any() for ep in g.episodes)]
+    if empty:
+        tally.last_skip = no_generation_why(empty[-1])
     for reason, n in batch.skipped.items():
         tally.count(reason, n)
     return batch
@@ -451,7 +455,8 @@ def _publish(
         tally.skips_in_a_row += 1
         limit = learner.cfg.max_consecutive_skips
         if limit and tally.skips_in_a_row >= limit:
-            raise RuntimeError(f"{tally.skips_in_a_row} consecutive learner steps skipped ({tally.skipped}); "
+            last = f"; the last: {tally.last_skip}" if tally.last_skip else ""
+            raise RuntimeError(f"{tally.skips_in_a_row} consecutive learner steps skipped ({tally.skipped}){last}; "
                                "see the log for the reasons, or raise learner.max_consecutive_skips")  # fmt: skip
         return None
     learner.version += 1

@@ -14,7 +14,9 @@ shared cursor (`tasks.TaskSource`). With `reward.url` set, episodes are also sco
 `agentrl serve-reward`, which is checked (reachable, and of `reward.kind`) before the first
 group. Exit codes: 0 when done or when the queue says the run is over; 1 when the queue is
 unreachable, refuses it, goes silent, or too many groups failed, or the reward model is
-unreachable or of the wrong kind at start.
+unreachable or of the wrong kind at start; a ValueError (shown by the CLI as one line, exit 2) when
+the env, its tasks or its prompts do not fit the config: the longest of the first tasks' prompts
+must leave room for a turn within `roller.max_total_tokens` and the model's context (`envs.check`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ async def run_roller(config: AgentRLConfig) -> int:
     from transformers import AutoTokenizer
 
     from agentrl.envs.base import live_services
+    from agentrl.envs.check import model_context, require_budget
     from agentrl.envs.registry import env_factory, load_env_class
     from agentrl.inference.router import from_config as create_router
     from agentrl.queue.base import create as create_queue
@@ -66,6 +69,9 @@ async def run_roller(config: AgentRLConfig) -> int:
     tasks = TaskSource(config.roller.tasks, env_cls, config.roller.seed, **config.roller.task_kwargs)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(config))
     renderer = ChatRenderer(tokenizer, make_env().tool_schemas or None)
+    # before the first episode: a prompt that leaves no room for a turn is an error naming the budget
+    context = model_context(tokenizer_path(config), config.inference.context_length)
+    await require_budget(make_env, tasks, renderer, config.roller, context)
     reward_model = RewardModelClient(config.reward) if config.reward.url else None
     if reward_model is not None:
         try:

@@ -19,7 +19,8 @@ silent (`QueueUnavailable`: `fatal` is set, with the message to show). A group w
 lapsed (`LeaseLapsed`) was not taken by the queue; it is counted and the roller goes on.
 
 Named loops, started by `run()` in this order and stopped in reverse:
-- `_report_loop`: a progress line and a metrics record every `log_every_s`;
+- `_report_loop`: a progress line and a metrics record every `log_every_s` (and, while the
+  admit loop has waited that long with nothing in flight, a line saying it waits for the learner);
 - `_admit_loop`: waits for admission and a free slot, then starts `_run_group` tasks;
 - `_run_group` (one per group in flight): runs its episodes under the episode semaphore,
   filters, and `put`s the group (waiting while the queue is full).
@@ -28,7 +29,12 @@ groups finish first, so no admitted work is lost.
 
 With `roller.greedy_baseline` (ReMax), `_run_group` also runs one greedy episode of the task
 beside its sampled ones; it is not put (not trained on), and its reward becomes the group's
-`metrics["greedy_reward"]`. With a reward model (`reward_model`), every episode, greedy ones
+`metrics["greedy_reward"]`.
+
+A group whose episodes generated no token is put all the same (the learner skips it, counted),
+but never silently: it is counted (`roller/groups_no_generation`) and logged with why
+(`no_generation_reason`: prompt too long, context full, the server's context, a timeout) and
+the budget. With a reward model (`reward_model`), every episode, greedy ones
 too, is scored by it (`agent_loop`), and its client's counters join the metrics record.
 """
 
@@ -37,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +66,18 @@ logger = get_logger(__name__)
 OVERLONG = ("context", "length")
 
 
+def no_generation_reason(episode: Episode, max_total_tokens: int) -> str:
+    """Why an episode generated no token, from its finish reason and prompt length."""
+    prompt = episode.metrics.get("prompt_tokens", len(episode.tokens))
+    if episode.finish_reason == "context":
+        return "prompt too long" if prompt >= max_total_tokens else "context full"
+    if episode.finish_reason == "length":
+        return "server stopped at its context"
+    if episode.finish_reason == "timeout":
+        return "episode timeout"
+    return f"server returned no token (finish {episode.finish_reason})"
+
+
 @dataclass
 class RollerStats:
     episodes: int = 0
@@ -70,6 +88,8 @@ class RollerStats:
     groups_lease_lapsed: int = 0
     greedy_episodes: int = 0
     episodes_overlong_masked: int = 0
+    groups_no_generation: int = 0
+    no_generation: Counter = field(default_factory=Counter)  # why episodes generated nothing
     tool_calls: int = 0
     tool_errors: int = 0
     rewards: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
@@ -94,6 +114,7 @@ class RollerStats:
             "roller/groups_lease_lapsed": self.groups_lease_lapsed,
             "roller/greedy_episodes": self.greedy_episodes,
             "roller/episodes_overlong_masked": self.episodes_overlong_masked,
+            "roller/groups_no_generation": self.groups_no_generation,
             "roller/reward_mean": float(np.mean(recent)) if recent else 0.0,
             "roller/tool_calls": self.tool_calls,
             "roller/tool_errors": self.tool_errors,
@@ -135,6 +156,8 @@ class Roller:
         self._groups: set[asyncio.Task] = set()
         self._admitted = 0
         self._failures_in_a_row = 0
+        self._waiting_since: float | None = None  # since when the admit loop waits for admission
+        self._admitted_version = -1
         self.fatal: str | None = None  # why the roller gave up, if it did
         self.finished: str | None = None  # why the run is over, if the queue said so
         self._groups_file = open(groups_file, "a", buffering=1) if groups_file else None  # noqa: SIM115
@@ -180,15 +203,19 @@ class Roller:
                 await asyncio.wait(set(self._groups), return_when=asyncio.FIRST_COMPLETED)
                 continue  # a dropped or failed group frees its place for a new one
             await self._group_slots.acquire()
+            self._waiting_since = time.perf_counter()
             try:
                 admission = await self._wait_or_stop(self.producer.acquire_start(1))
             except (RunOver, QueueUnavailable) as exc:
                 admission = None
                 self._queue_ended(exc)
+            finally:
+                self._waiting_since = None
             if admission is None:
                 self._group_slots.release()
                 return
             self._admitted += 1
+            self._admitted_version = admission.version
             metrics = {"admitted_version": admission.version, "admitted_index": self._admitted}
             if isinstance(self.tasks, TaskSource) and admission.first_task >= 0:
                 task = self.tasks[admission.first_task]
@@ -240,6 +267,8 @@ class Roller:
         if self.config.greedy_baseline:
             admission = {**admission, "greedy_reward": episodes.pop().reward}
         group = Group(episodes, prompt_id=str(task.get("id", "")), metrics=admission)
+        if not any(ep.num_generated for ep in episodes):
+            self._no_generation(task, episodes)
         try:
             if self.config.drop_uniform_reward_groups and len(set(group.rewards.tolist())) == 1:
                 self.stats.groups_dropped_uniform += 1
@@ -283,6 +312,22 @@ class Roller:
         else:
             self._account(episode)
         return episode
+
+    def _no_generation(self, task: dict[str, Any], episodes: list[Episode]) -> None:
+        """Count and say why a group's episodes generated nothing (the learner cannot train on it)."""
+        stats, cfg = self.stats, self.config
+        stats.groups_no_generation += 1
+        why = Counter(no_generation_reason(ep, cfg.max_total_tokens) for ep in episodes)
+        stats.no_generation.update(why)
+        n = stats.groups_no_generation
+        if n <= 3 or n % 100 == 0:
+            prompt = episodes[0].metrics.get("prompt_tokens", len(episodes[0].tokens))
+            logger.warning(
+                "group for task %s generated no token (%d such groups): %s; its prompt is %d tokens, "
+                "roller.max_total_tokens %d, roller.max_new_tokens %d (agentrl env check shows the budget)",
+                task.get("id", "?"), n, ", ".join(f"{r} ×{c}" for r, c in why.most_common()), prompt,
+                cfg.max_total_tokens, cfg.max_new_tokens,
+            )  # fmt: skip
 
     def _account(self, episode: Episode) -> None:
         stats = self.stats
@@ -329,5 +374,13 @@ class Roller:
             snap["roller/in_flight_episodes"],
             snap["roller/staleness_max"],
         )
+        waited = time.perf_counter() - self._waiting_since if self._waiting_since is not None else 0.0
+        if waited >= self.config.log_every_s and not self.stats.in_flight_episodes:
+            logger.info(
+                "waiting for the learner: the queue admits no new group (%d started, learner at version %d) "
+                "until the learner trains on what was put — is an `agentrl learner` (or `agentrl run`) "
+                "consuming this queue? (waited %.0f s)",
+                self._admitted, max(self._admitted_version, 0), waited,
+            )  # fmt: skip
         if self.metrics is not None:
             self.metrics.log(snap, step=self.stats.groups_put)

@@ -87,15 +87,19 @@ def _child_pids(output: str) -> dict[str, int]:
 
 
 def test_a_dying_child_stops_the_run_and_is_named(tiny_model: Path, tmp_path: Path) -> None:
-    # the roller dies at start-up (its env cannot be built); the learner and server must go too
+    # the roller dies at start-up (its env cannot be built there); the learner and server must go too.
+    # The env builds in `agentrl run` itself (its check before starting anything), not in a roller.
     (tmp_path / "broken_env.py").write_text(
-        "from agentrl.envs import Env\n\n\nclass Broken(Env):\n    def __init__(self):\n"
-        "        raise RuntimeError('broken on purpose')\n"
+        "import os\n\nfrom agentrl.envs import Env\n\n\nclass Broken(Env):\n    def __init__(self):\n"
+        "        super().__init__()\n        if 'AGENTRL_ROLLER_INDEX' in os.environ:\n"
+        "            raise RuntimeError('broken on purpose')\n\n"
+        "    def reset(self, task):\n        return [{'role': 'user', 'content': 'hi'}]\n\n"
+        "    @classmethod\n    def generate_tasks(cls, num, seed=0):\n        return [{'id': i} for i in range(num)]\n"
     )
     result = run_agentrl(
         "run", "--config", "recipes/quickstart.yaml", f"--run_dir={tmp_path / 'run'}",
         f"--learner.model_path={tiny_model}", "--learner.warmstart.steps=0",
-        "--env.name=broken_env:Broken", f"--queue.address=tcp://127.0.0.1:{find_free_port()}",
+        "--env.name=broken_env:Broken", "--env.kwargs={}", f"--queue.address=tcp://127.0.0.1:{find_free_port()}",
         "--launcher.max_restarts=1", "--launcher.restart_backoff_s=0.2",  # one restart, then it gives up
         timeout=300, env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"},
     )  # fmt: skip

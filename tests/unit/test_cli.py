@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO, run_agentrl
 
@@ -19,6 +24,7 @@ COMMANDS = [
     "init-model",
     "bench",
     "doctor",
+    "env",
     "sandbox",
     "sandbox-server",
     "retriever",
@@ -85,9 +91,14 @@ def test_init_model_rejects_unknown_preset(tmp_path: Path) -> None:
 
 
 def test_doctor_reports_a_usable_model(tiny_model: Path) -> None:
-    result = run_agentrl("doctor", f"--learner.model_path={tiny_model}", env={"COLUMNS": "240"})
+    result = run_agentrl("doctor", f"--learner.model_path={tiny_model}", "--inference.vllm.python=/nonexistent/python",
+                         env={"COLUMNS": "240"})  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "decode round-trip exact" in result.stdout
+    # vLLM lives in its own environment: the hint is the Makefile's, not a pip extra
+    assert re.search(r"vllm +│ absent \(make vllm: vLLM in its own \.venv-vllm\)", result.stdout), (
+        result.stdout
+    )
     missing = run_agentrl("doctor", "--learner.model_path=/nonexistent/model", env={"COLUMNS": "240"})
     assert missing.returncode == 1 and "agentrl init-model tiny" in missing.stdout
 
@@ -123,3 +134,73 @@ def test_queue_ignores_sections_it_does_not_use_and_missing_models_name_the_fiel
     assert learner.returncode == 2
     assert f"learner.model_path: {missing} is not a checkpoint directory" in learner.stderr
     assert "Traceback" not in learner.stderr
+
+
+def test_an_unknown_env_in_a_config_is_one_line_and_the_traceback_comes_with_debug(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"learner:\n  model_path: {tiny_model}\nenv:\n  name: toy_lookupp\n")
+    result = run_agentrl("run", "--config", str(config), f"--run_dir={tmp_path}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "agentrl: env.name: unknown env 'toy_lookupp' (did you mean toy_lookup?); use a built-in (toy_lookup, "
+        "toy_calculator, toy_calculator_slow, toy_lookup_slow, search_r1, search_r1_tools, swe) or a dotted "
+        "path like my_pkg.envs:MyEnv"
+    ]
+    assert not (tmp_path / "logs").exists()  # nothing was started
+    debug = run_agentrl("--debug", "run", "--config", str(config), f"--run_dir={tmp_path}")
+    assert (
+        debug.returncode != 0 and "Traceback" in debug.stderr and "unknown env 'toy_lookupp'" in debug.stderr
+    )
+    missing = run_agentrl("run", "--config", str(config), "--env.name=examples.word_tools:WordToolz")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "has no class 'WordToolz'; did you mean examples.word_tools:WordTools?" in missing.stderr
+    (tmp_path / "broken_env.py").write_text(
+        "from agentrl.envs import Env\n\n\nclass Broken(Env):\n    def __init__(self):\n"
+        "        raise RuntimeError('broken on purpose')\n"
+    )
+    broken = run_agentrl("run", "--config", str(config), "--env.name=broken_env:Broken",
+                         env={"PYTHONPATH": f"{tmp_path}:{REPO}"})  # fmt: skip
+    assert broken.returncode == 2 and "Traceback" not in broken.stderr
+    assert "agentrl: env.name: broken_env:Broken: RuntimeError: broken on purpose" in broken.stderr
+
+
+def test_a_missing_model_path_names_the_directory_it_looked_in_and_the_recipes_preset(tmp_path: Path) -> None:
+    # run from another directory, as a user may: the recipe's path is relative to the working directory
+    result = subprocess.run(
+        [sys.executable, "-m", "agentrl", "run", "--config", str(REPO / "recipes/quickstart.yaml")],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert (
+        f"learner.model_path: runs/models/mini is not a checkpoint directory (relative to the current "
+        f"directory {tmp_path}); make one: agentrl init-model mini runs/models/mini"
+    ) in result.stderr
+
+
+@pytest.mark.skipif(
+    not shutil.which("prlimit"), reason="util-linux prlimit is needed to probe sandbox isolation"
+)
+def test_sandbox_exec_without_bubblewrap_names_min_isolation_and_what_it_gives_up(tmp_path: Path) -> None:
+    # a PATH holding the tools the isolation probe looks for, except bwrap: a machine without bubblewrap
+    for tool in ("prlimit", "setpriv", "unshare", "chroot", "sh"):
+        if shutil.which(tool):
+            (tmp_path / tool).symlink_to(shutil.which(tool))
+    result = run_agentrl("sandbox", "exec", "--", "python3", "-c", "print(1)", env={"PATH": str(tmp_path)})
+    assert result.returncode == 3
+    assert "below sandbox.min_isolation='bwrap'" in result.stderr
+    assert (
+        "To run trusted code anyway: --min-isolation namespaces (gives up bubblewrap's seccomp filter"
+        in result.stderr
+    )
+    assert "--min-isolation rlimits (gives up all isolation" in result.stderr
+
+
+def test_the_readme_shows_the_real_moved_key_message(tmp_path: Path) -> None:
+    config = tmp_path / "old.yaml"
+    config.write_text("learner:\n  lr: 1.0e-3\n")
+    result = run_agentrl("config", "show", "--config", str(config))
+    said = result.stderr.strip().splitlines()[-1].strip()
+    assert result.returncode == 2 and said == "learner: moved keys: learner.lr is now learner.optim.lr"
+    assert f"(`{said}`)" in (REPO / "README.md").read_text()

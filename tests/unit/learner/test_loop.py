@@ -200,3 +200,20 @@ def test_micro_batch_budget_does_not_change_the_update(tiny_model, tmp_path):
         updated[budget] = _weights(learner)
     for name, tensor in updated[4096].items():
         torch.testing.assert_close(updated[48][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_steps_of_groups_that_generated_nothing_end_the_run_saying_why(tiny_model, tmp_path):
+    groups = make_groups(4, seed=2)
+    for g in groups:  # what a roller sends when the prompt fills roller.max_total_tokens
+        for ep in g.episodes:
+            ep.loss_mask[:] = 0
+            ep.finish_reason = "context"
+            ep.metrics["prompt_tokens"] = len(ep.tokens)
+    prompt = max(len(ep.tokens) for ep in groups[-1].episodes)
+    learner = build_learner(_cfg(tiny_model, max_steps=5, max_consecutive_skips=2), tmp_path)
+    with pytest.raises(RuntimeError) as raised:
+        run(learner, ListSource(groups), max_staleness=1)
+    said = str(raised.value)
+    assert said.startswith("2 consecutive learner steps skipped ({'no_generated_tokens': 4")
+    assert f"the last: 4 episodes ended with no generated token: context ×4; prompt {prompt} tokens" in said
+    assert "the prompt fills roller.max_total_tokens" in said

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from pathlib import Path
 
@@ -62,7 +63,7 @@ async def _setup(
     consumer = backend.consumer("rank0", server=queue)
     producer = backend.producer()
     make_env = env_factory(EnvConfig(name="toy_calculator"))
-    config = RollerConfig(group_size=3, max_concurrent_episodes=12, log_every_s=60, **roller_kwargs)
+    config = RollerConfig(group_size=3, max_concurrent_episodes=12, **{"log_every_s": 60, **roller_kwargs})
     tasks = task_stream("builtin", CalculatorEnv, seed=0)
     client = client or SGLangClient(url)
     roller = Roller(
@@ -232,3 +233,46 @@ async def test_an_engine_error_fails_the_group_with_the_servers_message(tokenize
     assert "Timeout" not in roller.fatal
     router = roller.client.stats  # reported as roller/server_errors and roller/requests_lost
     assert router["server_errors"] >= 2 and router["lost"] >= 1
+
+
+async def test_a_group_that_generated_nothing_is_counted_and_said_why(tokenizer, caplog, monkeypatch) -> None:
+    monkeypatch.setattr(logging.getLogger("agentrl"), "propagate", True)
+    # the calculator's prompt (system prompt and tool schema) is longer than 32 tokens
+    _server, roller, consumer, close = await _setup(
+        tokenizer, groups_per_step=1, max_staleness=0, max_groups=1, max_total_tokens=32
+    )
+    try:
+        with caplog.at_level("WARNING", logger="agentrl.rollers.roller"):
+            stats = await asyncio.wait_for(roller.run(), 60)
+        group = consumer.get_batch(1, 0, 0, timeout_s=10).groups[0]
+    finally:
+        await close()
+    assert stats.groups_no_generation == 1 and stats.no_generation == {"prompt too long": 3}
+    assert all(ep.num_generated == 0 and ep.finish_reason == "context" for ep in group.episodes)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    prompt = group.episodes[0].metrics["prompt_tokens"]
+    assert f"generated no token (1 such groups): prompt too long ×3; its prompt is {prompt} tokens" in said
+    assert "roller.max_total_tokens 32" in said
+
+
+async def test_a_roller_without_a_learner_says_it_waits_for_the_learner(
+    tokenizer, caplog, monkeypatch
+) -> None:
+    monkeypatch.setattr(logging.getLogger("agentrl"), "propagate", True)
+    # groups_per_step 1 at max_staleness 0: one group is admitted, the next waits for version 1
+    _server, roller, _consumer, close = await _setup(
+        tokenizer, groups_per_step=1, max_staleness=0, log_every_s=0.2
+    )
+    try:
+        with caplog.at_level("INFO", logger="agentrl.rollers.roller"):
+            run = asyncio.create_task(roller.run())
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if any("waiting for the learner" in r.getMessage() for r in caplog.records):
+                    break
+            roller.stop()
+            await asyncio.wait_for(run, 30)
+    finally:
+        await close()
+    said = [r.getMessage() for r in caplog.records if "waiting for the learner" in r.getMessage()]
+    assert said and "1 started, learner at version 0" in said[0] and "agentrl learner" in said[0]
