@@ -31,10 +31,10 @@ Flow control: queued plus handed-out groups stay within `capacity_groups` and
 derived from what is in flight (see `zmq_admission.py`), so groups dropped as stale (or in a
 step the learner skipped) give their admission back by leaving, and rollers replace them.
 
-With a `ledger` path the server keeps `ledger.py`'s ledger (what it took with durability off,
+With a `ledger` path the server keeps `ledger.py`'s ledger (what it took without an fsynced WAL,
 what was trained or dropped, what it still held at `stop()`): the per-group account of
-`agentrl/queue/account.py`, and the count of groups a previous durability-off life died holding
-(`lost_undurable`).
+`agentrl/queue/account.py`, and the count of acknowledged groups a previous life lost
+(`lost_undurable`): held by a durability-off queue that died, or cut from the WAL's tail.
 """
 
 from __future__ import annotations
@@ -187,7 +187,10 @@ class QueueServer(Admission, Delivery):
         if self.wal is not None:
             self._recover()
         if self._ledger_path is not None:
-            self.ledger = Ledger(self._ledger_path, self.epoch, self.wal is not None, self.version)
+            durable = self.wal is not None
+            found = [*self._queued, *self._acked] if durable else None  # what the WAL replay knows
+            self.ledger = Ledger(self._ledger_path, self.epoch, durable, self.version,
+                                 wal_fsync=durable and self.wal.fsync, wal_found=found)  # fmt: skip
             self.counters["lost_undurable"] = self.ledger.lost_before
         self._thread = threading.Thread(target=self._run, name="agentrl-queue-server", daemon=True)
         self._thread.start()
