@@ -18,7 +18,9 @@ rollers' leases (acq / rel / heartbeats / run id / finish) the `Admission` mixin
 What the loop does each turn (`_loop`):
 1. receive what is waiting on both sockets and handle each message (`_handle`);
 2. expire leases (unacked groups go back to the queue; lapsed rollers' admission credits are
-   reclaimed) and answer `get`s whose deadline passed;
+   reclaimed) and answer `get`s whose deadline passed; a turn that comes more than `STALL_S`
+   after the last (the process was stopped or starved) first extends every lease by the gap,
+   as the messages that renew them are still unread in the sockets;
 3. commit the write-ahead log, then send the replies — so a producer's ack always
    follows the WAL write of its group. Without fsync, puts are acked after each message
    instead (commit, then send), so a producer refills its window while the next message is
@@ -66,6 +68,7 @@ log = get_logger("queue.server")
 
 COALESCE_SLACK = 8 << 20  # a put message may carry several small groups beyond one group's limit
 REFUSAL_LOG_S = 10.0  # refusals are logged at WARNING at most this often (with the count since)
+STALL_S = 1.0  # turns of the loop further apart than this are a stall (a turn polls at most 50 ms)
 
 
 def _recv(sock: zmq.Socket) -> list[zmq.Frame]:
@@ -139,6 +142,7 @@ class QueueServer(Admission, Delivery):
         self.version = 0
         self._low_version = _NO_VERSION  # lower bound of min_version over queued groups
         self._next_lease_check = 0.0
+        self._last_tick = time.monotonic()
         self._seq = 0
         self._bytes = 0
         self._ages: deque[float] = deque(maxlen=4096)
@@ -264,6 +268,7 @@ class QueueServer(Admission, Delivery):
         poller = zmq.Poller()
         poller.register(public, zmq.POLLIN)
         poller.register(local, zmq.POLLIN)
+        self._last_tick = time.monotonic()
         try:
             self._loop(poller, public, local)
         except zmq.ContextTerminated:
@@ -531,7 +536,12 @@ class QueueServer(Admission, Delivery):
     # ---------------------------------------------------------------- timers, metrics
 
     def _tick(self) -> None:
+        # every timer below compares against this one `now`: a stop of the process inside this
+        # turn is credited (`_credit_stall`) at the next turn before anything can lapse
         now = time.monotonic()
+        if now - self._last_tick > STALL_S:
+            self._credit_stall(now - self._last_tick)
+        self._last_tick = now
         if self._servers_file is not None and now >= self._next_servers_check:
             self._next_servers_check = now + 0.5
             if (found := self._servers_file.poll()) is not None:
@@ -548,7 +558,7 @@ class QueueServer(Admission, Delivery):
                 self.config.lease_s,
             )
             self._requeue(expired)
-        self._expire_leases()
+        self._expire_leases(now)
         for ident, get in list(self._gets.items()):
             if get.deadline is not None and get.deadline < now:
                 del self._gets[ident]
