@@ -319,24 +319,22 @@ class FSDP2Backend:
         optimizer state it reads (the gradients' is the clipped norm's), so that a corrupt state
         leaves the weights untouched, and of the weights it wrote, so that none is pushed or saved.
         Each is one fused pass over this rank's shards and one all-reduce."""
-        bad = self.first_nonfinite(part, params=False)
-        if bad is not None:
-            part.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(
-                f"{bad} of the {part.name} is not finite: the optimizer step was not taken and the weights "
-                "are those of the last version (the optimizer state comes from the checkpoint resumed or "
-                "an earlier step; resume from an earlier checkpoint)"
-            )
+        self._refuse_nonfinite(
+            part, "state", "is not finite: the optimizer step was not taken and the weights are those of the "
+            "last version (the optimizer state comes from the checkpoint resumed or an earlier step; resume "
+            "from an earlier checkpoint)",
+        )  # fmt: skip
         lr = part.lr
         part.optimizer.step()
         part.scheduler.step()
-        bad = self.first_nonfinite(part, state=False)
+        self._refuse_nonfinite(part, "params", f"is not finite after the optimizer step (lr {lr:g}): not "
+                               "pushed and not saved; the last checkpoint holds the last good weights")  # fmt: skip
+
+    def _refuse_nonfinite(self, part: ModelPart, which: Literal["state", "params"], outcome: str) -> None:
+        bad = self.first_nonfinite(part, params=which == "params", state=which == "state")
         if bad is not None:
             part.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(
-                f"{bad} of the {part.name} is not finite after the optimizer step (lr {lr:g}): not pushed "
-                "and not saved; the last checkpoint holds the last good weights"
-            )
+            raise NonFiniteError(f"{bad} of the {part.name} {outcome}")
 
     def first_nonfinite(self, part: ModelPart, params: bool = True, state: bool = True) -> str | None:
         named: list[tuple[str, torch.Tensor]] = []
