@@ -280,10 +280,14 @@ def resume_point(root: Path) -> Path | None:
             chosen = path
             break
         if problems == [f"no {MANIFEST}"] and path.name == latest and (path / ".metadata").exists():
-            log.warning("%s was written before checkpoints carried checksums: resuming it unverified", path)
+            if rank == 0:
+                log.warning(
+                    "%s was written before checkpoints carried checksums: resuming it unverified", path
+                )
             chosen = path
             break
-        log.error("checkpoint %s is corrupt or incomplete: %s", path, "; ".join(problems[:8]))
+        if rank == 0:
+            log.error("checkpoint %s is corrupt or incomplete: %s", path, "; ".join(problems[:8]))
         rejected.append((path, problems))
     if chosen is None:
         listing = "; ".join(f"{p.name}: {pr[0]}" for p, pr in rejected)
@@ -298,7 +302,7 @@ def resume_point(root: Path) -> Path | None:
                 shutil.rmtree(aside, ignore_errors=True)
                 path.rename(aside)
                 log.warning("moved the corrupt checkpoint %s to %s (delete it once inspected)", path, aside)
-        log.warning("--resume: falling back to %s, the newest intact checkpoint", chosen)
+            log.warning("--resume: falling back to %s, the newest intact checkpoint", chosen)
         _gather(None)
     return chosen
 
