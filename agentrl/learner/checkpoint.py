@@ -207,12 +207,16 @@ def _raise_first(
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not failed:
         return
+    cleanup = "rank 0 removes the partial directory"
     if _rank_world()[0] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+        cleanup = (
+            f"could not remove {tmp}: delete it" if tmp.exists() else "the partial directory was removed"
+        )
     r, first = failed[0]
     raise CheckpointError(
-        f"checkpoint {final.name} could not be written under {final.parent} (rank {r}: {first}); the "
-        f"partial directory was removed and `latest` still names {previous}"
+        f"checkpoint {final.name} could not be written under {final.parent} (rank {r}: {first}); {cleanup}, "
+        f"and `latest` still names {previous}"
     ) from error
 
 
@@ -300,8 +304,13 @@ def resume_point(root: Path) -> Path | None:
             for path, _ in rejected:
                 aside = path.with_name(CORRUPT + path.name)
                 shutil.rmtree(aside, ignore_errors=True)
-                path.rename(aside)
-                log.warning("moved the corrupt checkpoint %s to %s (delete it once inspected)", path, aside)
+                try:  # (the other ranks wait in the gather below: nothing may raise here)
+                    path.rename(aside)
+                    log.warning(
+                        "moved the corrupt checkpoint %s to %s (delete it once inspected)", path, aside
+                    )
+                except OSError as exc:
+                    log.error("could not move the corrupt checkpoint %s aside (%s): delete it", path, exc)
             log.warning("--resume: falling back to %s, the newest intact checkpoint", chosen)
         _gather(None)
     return chosen
