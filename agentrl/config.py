@@ -138,7 +138,8 @@ class ZmqQueueConfig(Section):
     """Order in which admissible groups are handed to the learner."""
     wal_fsync: bool = False
     """Also fsync the write-ahead log before acknowledging (survives a machine crash, not only
-    a crash of the queue process); costs one fsync per batch of puts."""
+    a crash of the queue process); costs one fsync per batch of puts. Without it, groups a machine
+    crash cuts from the log's tail are counted as `lost_undurable` and named at the next start."""
     auth: Literal["mac", "none"] = "mac"
     """`mac`: every message carries a MAC under the shared secret in `secret_env`; messages that
     fail it are refused and counted. `none`: no authentication (trusted networks only)."""

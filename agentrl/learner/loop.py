@@ -10,7 +10,9 @@ few lines in `run`):
        broadcasts the groups to the other ranks)
     2. validate, skip bad groups with a counted reason, compute advantages
     3. pack into token-budget micro-batches balanced across ranks; recompute frozen log-probs
-    4. forward/backward over the micro-batches, clip, AdamW step (skipped if non-finite)
+    4. forward/backward over the micro-batches, clip, AdamW step (skipped if the loss or the
+       gradient norm is non-finite; a non-finite optimizer state, or weights after the step, stop
+       the learner naming the tensor, before anything is pushed or saved)
     5. version += 1; publish it; hand the weights to weight sync
     6. ack the groups; record their ids (`<run_dir>/learner_groups.jsonl`); log metrics
     7. checkpoint and export every N steps (and at the end)
@@ -284,8 +286,9 @@ def export(learner: Learner) -> Path:
 
 
 def resume(learner: Learner, consumer: Consumer | None) -> bool:
-    """Load the latest checkpoint if one exists; the consumer gets its saved cursor back."""
-    path = checkpoint.latest_checkpoint(learner.run_dir / "checkpoints")
+    """Load the newest intact checkpoint if one exists (a corrupt newer one is named and set
+    aside; see `checkpoint.resume_point`); the consumer gets its saved cursor back."""
+    path = checkpoint.resume_point(learner.run_dir / "checkpoints")
     if path is None:
         log.info("--resume: no checkpoint under %s; starting fresh", learner.run_dir / "checkpoints")
         return False
