@@ -33,7 +33,6 @@ import asyncio
 import math
 import resource
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,27 +54,13 @@ def build_learner(cfg: AgentRLConfig, meshes: Any) -> Any:
 
     from agentrl.hybrid.backend import HybridFSDP2Backend
     from agentrl.hybrid.reshard import shard_training_model
-    from agentrl.learner.loop import Learner, lr_lambda
+    from agentrl.learner.loop import build_learner as build
 
     lc = cfg.learner
-    if lc.loss.kl_coef > 0:
-        raise ValueError(
-            "learner.loss.kl_coef > 0 is not supported in mode: colocated (no reference model yet)"
-        )
-    if lc.loss.advantage == "gae":
-        raise ValueError("learner.loss.advantage: gae is not supported in mode: colocated (no critic yet)")
     if lc.backend != "fsdp2":
         raise ValueError(f"learner.backend: {lc.backend!r}; mode: colocated trains with fsdp2")
-    backend = HybridFSDP2Backend(meshes.train)
-    torch.manual_seed(lc.seed)
-    schedule = lr_lambda(lc.schedule, lc.max_steps * lc.mini_batches)
     shard = functools.partial(shard_training_model, mesh=meshes.train, tp_mesh=meshes.train_tp)
-    actor = backend.build(
-        "policy", lc.model_path, name="actor", optim=lc.optim, lr_lambda=schedule, shard=shard
-    )
-    config = actor.module.config
-    pad = config.pad_token_id if config.pad_token_id is not None else 0
-    return Learner(lc, Path(cfg.run_dir), backend, actor, None, config.vocab_size, pad)
+    return build(lc, cfg.run_dir, HybridFSDP2Backend(meshes.train), shard)
 
 
 def _lockstep(meshes: Any) -> Any:
@@ -210,27 +195,15 @@ class ColocatedRank:
     def train(self, groups: list[Group]) -> dict[str, float]:
         """Step 5: advantages, packing over the dp ranks, recompute, forward/backward, AdamW (the
         learner's own functions); version v+1. Returns the step's metrics (the same on every rank)."""
-        from agentrl.learner.data import prepare_batch
-        from agentrl.learner.loop import pack
-        from agentrl.learner.train_step import optimizer_step
+        from agentrl.learner import step
 
-        learner, lc = self.learner, self.cfg.learner
-        t0 = time.perf_counter()
-        batch = prepare_batch(groups, advantage=lc.loss.advantage, loss_agg=lc.loss.loss_agg,
-                              vocab_size=learner.vocab_size, learner_version=learner.version,
-                              mini_batches=lc.mini_batches, max_seq_tokens=lc.max_seq_tokens,
-                              overlong=lc.loss.overlong)  # fmt: skip
-        plans = pack(learner, batch)
-        steps = [optimizer_step(learner.backend, learner.actor, plan, lc, learner.version) for plan in plans]
-        t_train = time.perf_counter() - t0
+        learner = self.learner
+        result = step.train(learner, step.prepare(learner, groups))
         staleness = max(g.staleness(learner.version) for g in groups)
         learner.version += 1
         learner.consumed_groups += len(groups)
-        m = {k: sum(s[k] for s in steps) / len(steps) for k in (steps[-1] if steps else {})}
-        m.update(batch.metrics)
-        m.update(
-            {"time/train_s": t_train, "groups_consumed": learner.consumed_groups, "staleness/max": staleness}
-        )
+        m = result.metrics(learner)
+        m.update({"groups_consumed": learner.consumed_groups, "staleness/max": staleness})
         return m
 
     def close(self) -> None:
