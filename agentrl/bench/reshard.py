@@ -30,6 +30,7 @@ training + generation shard and the staging the engine sizes (`staging_bytes_per
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -95,6 +96,7 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
     from agentrl.hybrid.procs import init_gloo, preset_config
     from agentrl.hybrid.reshard import HybridEngine, build_meshes, shard_training_model
     from agentrl.hybrid.tp import check_tp_degree, parallelize_generation_model, param_specs
+    from agentrl.learner.fsdp import local_shards
 
     init_gloo(rank, world, port)
     config = preset_config(preset)
@@ -120,7 +122,9 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
                     p.to_local().normal_(0, 0.02)
             model_sharded = True
         gen_model = parallelize_generation_model(config, meshes.tp)
-        engine = HybridEngine(model, gen_model, layout, meshes, bucket_bytes=bucket_bytes)
+        engine = HybridEngine(
+            functools.partial(local_shards, model), gen_model, layout, meshes, bucket_bytes=bucket_bytes
+        )
         gen_numel = engine.generation_bytes // 4
         micro = meshes.gen.get_group("dg")
         raw_out = torch.empty(gen_numel)

@@ -30,6 +30,7 @@ on-policy, every group has staleness 0, and TIS / decoupled PPO see ratios of ~1
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import resource
 import time
@@ -50,8 +51,6 @@ def build_learner(cfg: AgentRLConfig, meshes: Any) -> Any:
     training layout (tensor parallel over `meshes.train_tp` when `colocated.t > 1`, then FSDP2 over
     `meshes.train`, each parameter on its TP dim, so every training shard lies inside a generation
     shard); the backend's data parallel is the dp mesh (hybrid/backend.py)."""
-    import functools
-
     from agentrl.hybrid.backend import HybridFSDP2Backend
     from agentrl.hybrid.reshard import shard_training_model
     from agentrl.learner.loop import build_learner as build
@@ -129,7 +128,8 @@ class ColocatedRank:
         self.meshes = build_meshes(layout, self.device.type)
         self.learner = build_learner(cfg, self.meshes)
         self.gen_model = parallelize_generation_model(self.learner.model.config, self.meshes.tp)
-        self.hybrid = HybridEngine(self.learner.model, self.gen_model, layout, self.meshes)
+        shards = functools.partial(self.learner.backend.local_shards, self.learner.actor)
+        self.hybrid = HybridEngine(shards, self.gen_model, layout, self.meshes)
         self.lock = _lockstep(self.meshes)
         tokenizer = AutoTokenizer.from_pretrained(lc.model_path)
         self.engine = Engine(lc.model_path, device=str(self.device), model=self.gen_model, tokenizer=tokenizer,
