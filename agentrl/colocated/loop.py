@@ -6,8 +6,10 @@
 Start-up (`ColocatedRank`, every rank, in this order, because each creates process groups): the
 hybrid layout (training: `colocated.t`-way tensor parallel times FSDP2 over the S/t dp ranks, a
 (dp, tp) mesh, or FSDP2 over all S ranks at t = 1; generation: `colocated.tg`-way TP replicas,
-S/tg of them), the meshes, the learner (the actor sharded by the HybridEngine's training layout,
-AdamW, LR schedule, data parallel over the dp mesh: hybrid/backend.py), the TP generation model
+S/tg of them), the meshes, the learner (`learner.loop.build_learner`: the actor sharded by the
+HybridEngine's training layout, AdamW, LR schedule, data parallel over the dp mesh:
+hybrid/backend.py; the frozen reference with `loss.kl_coef > 0`, the critic with its own AdamW
+with `loss.advantage: gae`, both FSDP2 over all ranks, never resharded), the TP generation model
 whose parameters the HybridEngine binds to its buffers, the replica's lock-step channel, and the
 engine on that module (no second copy of the weights is ever loaded). Each replica's leader
 starts the engine thread.
@@ -15,12 +17,14 @@ starts the engine thread.
 One step, a short script (`ColocatedRank.generate`, then `.train`):
 
     1. reshard: training shards -> generation buffers (all-gather inside each micro-DP group)
-    2. generate: each replica's leader runs its share of the step's groups with the roller's agent
-       loop (`run_episode`, the same envs, tools and rewards) on its engine; followers replay
+    2. generate: each replica's leader runs its share of the step's groups with the roller's own
+       group code (`Roller` against an in-process `StepProducer`: the same envs, tools, rewards,
+       reward model, ReMax greedy episode, dynamic sampling) on its engine; followers replay
     3. release: KV cache and generation buffers go (the training shards stay)
     4. share: every rank gets every group (all_gather_object); the tokens carry version v
-    5. train: advantages, packing over the S/t dp ranks (the t ranks of a TP group get the same
-       micro-batches), recompute, forward/backward, AdamW (the learner's own functions); version v+1
+    5. train: the learner's step (`learner.step`: advantages, packing over the S/t dp ranks, the t
+       ranks of a TP group getting the same micro-batches, recompute, GAE, forward/backward,
+       AdamW); version v+1
     6. log: generation / reshard / training seconds, peak memory per rank, reward, staleness
 
 Generation runs on the weights of version v and training consumes them at version v: the loop is
@@ -34,6 +38,7 @@ import functools
 import math
 import resource
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,25 +79,34 @@ def _lockstep(meshes: Any) -> Any:
     return mine
 
 
-async def _generate_groups(
-    cfg: AgentRLConfig, tasks: list[dict], engine: Any, make_env, renderer
-) -> list[Group]:
-    """The replica's groups: `group_size` episodes per task, all at once (the engine batches them)."""
-    from agentrl.colocated.client import EngineClient
-    from agentrl.rollers.agent_loop import run_episode
+class StepProducer:
+    """One replica's queue for one step (the roller's `Producer`, in process): it admits the
+    replica's next tasks (task `k·replicas + replica` for its k-th admission, so the replicas
+    split one task stream) and keeps the groups the roller puts. The roller drops groups itself
+    (dynamic sampling, failures) and is then admitted a further task, as against the queue."""
 
-    client = EngineClient(engine)
-    limit = asyncio.Semaphore(cfg.roller.max_concurrent_episodes)
+    def __init__(self, version: int, cursor: int, replica: int, replicas: int) -> None:
+        self.version, self.cursor, self.replica, self.replicas = version, cursor, replica, replicas
+        self.groups: list[Group] = []
 
-    async def one(task: dict) -> Any:
-        async with limit:
-            return await run_episode(make_env(), task, client, renderer, cfg.roller)
+    async def acquire_start(self, n: int = 1) -> Any:
+        from agentrl.queue.base import Admission
 
-    async def group(task: dict) -> Group:
-        episodes = await asyncio.gather(*(one(task) for _ in range(cfg.roller.group_size)))
-        return Group(list(episodes), prompt_id=str(task.get("id", "")))
+        first = self.cursor * self.replicas + self.replica
+        self.cursor += n
+        return Admission(self.version, first)
 
-    return list(await asyncio.gather(*(group(t) for t in tasks)))
+    async def put(self, group: Group) -> None:
+        self.groups.append(group)
+
+    async def release_start(self, n: int = 1) -> None:
+        return None  # a dropped group's task is not tried again; the next admission is a new task
+
+    async def current_version(self) -> int:
+        return self.version
+
+    def close(self) -> None:
+        return None
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -114,6 +128,7 @@ class ColocatedRank:
         from agentrl.hybrid.tp import parallelize_generation_model
         from agentrl.inference.engine import Engine
         from agentrl.learner import fsdp
+        from agentrl.rewards.client import RewardModelClient
         from agentrl.rollers.chat import ChatRenderer
         from agentrl.rollers.tasks import TaskSource
 
@@ -146,6 +161,9 @@ class ColocatedRank:
             cfg.roller.tasks, load_env_class(cfg.env.name), cfg.roller.seed, **cfg.roller.task_kwargs
         )
         self.renderer = ChatRenderer(tokenizer, self.make_env().tool_schemas or None)
+        self.reward_model = RewardModelClient(cfg.reward) if cfg.reward.url else None
+        self.cursor = 0  # this replica's admitted tasks so far (its next is cursor·replicas + index)
+        self.roller_metrics: dict[str, Any] = {}
         if self.lock.is_leader:
             self.engine.start()
         # one event loop for every step: asyncio.run() (Python 3.11) reprs its main task, results and
@@ -153,6 +171,27 @@ class ColocatedRank:
         self.gen_loop = asyncio.new_event_loop()
         log.info("colocated: %d ranks, training t=%d x dp=%d, %d generation replica(s) of tg=%d, %d groups/step",
                  self.world, cc.t, self.world // cc.t, self.replicas, cc.tg, lc.groups_per_step)  # fmt: skip
+
+    async def _roll(self) -> list[Group]:
+        """This replica's share of the step, by the roller's own group code (`Roller`: episodes,
+        ReMax's greedy episode, reward-model scores, dynamic sampling, accounting) against an
+        in-process `StepProducer`; the groups in task order, so that the step does not depend
+        on which episode finished first."""
+        from agentrl.colocated.client import EngineClient
+        from agentrl.rollers.roller import Roller
+
+        producer = StepProducer(self.learner.version, self.cursor, self.replica_index, self.replicas)
+        config = self.cfg.roller.model_copy(update={"max_groups": self.per_replica})
+        Path(self.cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        groups_file = str(Path(self.cfg.run_dir) / f"colocated_replica{self.replica_index}.groups")
+        roller = Roller(config, self.make_env, self.tasks, EngineClient(self.engine), self.renderer, producer,
+                        groups_file=groups_file, reward_model=self.reward_model)  # fmt: skip
+        await roller.run()
+        if roller.fatal is not None:
+            raise RuntimeError(f"colocated replica {self.replica_index}: {roller.fatal}")
+        self.cursor = producer.cursor
+        self.roller_metrics = roller.stats.snapshot()
+        return sorted(producer.groups, key=lambda g: g.metrics.get("task_index", 0))
 
     def generate(self) -> tuple[list[Group], dict[str, float]]:
         """Steps 1-4: reshard, generate on the rank-local replica, release, share. Every rank
@@ -168,11 +207,7 @@ class ColocatedRank:
         t0 = time.perf_counter()
         mine: list[Group] = []
         if lock.is_leader:
-            first = (learner.version * self.replicas + self.replica_index) * self.per_replica
-            chunk = [self.tasks[first + i] for i in range(self.per_replica)]
-            mine = self.gen_loop.run_until_complete(
-                _generate_groups(self.cfg, chunk, engine, self.make_env, self.renderer)
-            )
+            mine = self.gen_loop.run_until_complete(self._roll())
             engine.end_phase()
         else:
             engine.follow()
@@ -189,7 +224,7 @@ class ColocatedRank:
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine)
         groups = [g for part in gathered for g in part]
-        return groups, {"time/generation_s": t_gen, "time/reshard_s": t_reshard, "time/release_s": t_release,
+        return groups, {**self.roller_metrics, "time/generation_s": t_gen, "time/reshard_s": t_reshard, "time/release_s": t_release,
                         "reshard/collectives": stats.collectives, "reshard/bytes": stats.bytes_out}  # fmt: skip
 
     def train(self, groups: list[Group]) -> dict[str, float]:
@@ -207,6 +242,8 @@ class ColocatedRank:
         return m
 
     def close(self) -> None:
+        if self.reward_model is not None:
+            self.gen_loop.run_until_complete(self.reward_model.close())
         self.gen_loop.close()
         if self.lock.is_leader:
             self.engine.stop()
@@ -250,7 +287,7 @@ def main() -> int:
     path = None
     if args[:1] == ["--config"]:
         path, args = args[1], args[2:]
-    cfg = load_config(path, args, uses=("learner", "roller", "env"))
+    cfg = load_config(path, args, uses=("learner", "roller", "env", "reward"))
     run(cfg)
     dist.barrier()
     dist.destroy_process_group()
