@@ -79,6 +79,13 @@ def _lockstep(meshes: Any) -> Any:
     return mine
 
 
+def hash_seed(*parts: int) -> int:
+    """A sampling seed from integers (the same in every process, unlike `hash`)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
+
+
 class StepProducer:
     """One replica's queue for one step (the roller's `Producer`, in process): it admits the
     replica's next tasks (task `k·replicas + replica` for its k-th admission, so the replicas
@@ -163,7 +170,12 @@ class ColocatedRank:
         self.renderer = ChatRenderer(tokenizer, self.make_env().tool_schemas or None)
         self.reward_model = RewardModelClient(cfg.reward) if cfg.reward.url else None
         self.cursor = 0  # this replica's admitted tasks so far (its next is cursor·replicas + index)
+        self.cursors: dict[int, int] = {}  # every replica's, after each step (what a checkpoint saves)
         self.roller_metrics: dict[str, Any] = {}
+        from agentrl.learner.loop import ConsoleProgress, RunTally
+
+        self.tally = RunTally(ConsoleProgress(lc.max_steps, 0, enabled=False))  # skips, saved / exported
+        self.applied = False
         if self.lock.is_leader:
             self.engine.start()
         # one event loop for every step: asyncio.run() (Python 3.11) reprs its main task, results and
@@ -184,7 +196,10 @@ class ColocatedRank:
         config = self.cfg.roller.model_copy(update={"max_groups": self.per_replica})
         Path(self.cfg.run_dir).mkdir(parents=True, exist_ok=True)
         groups_file = str(Path(self.cfg.run_dir) / f"colocated_replica{self.replica_index}.groups")
-        roller = Roller(config, self.make_env, self.tasks, EngineClient(self.engine), self.renderer, producer,
+        client = EngineClient(
+            self.engine, seed=hash_seed(self.cfg.learner.seed, self.learner.version, self.replica_index)
+        )
+        roller = Roller(config, self.make_env, self.tasks, client, self.renderer, producer,
                         groups_file=groups_file, reward_model=self.reward_model)  # fmt: skip
         await roller.run()
         if roller.fatal is not None:
@@ -222,8 +237,9 @@ class ColocatedRank:
 
         # 4. share: every rank gets every group
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine)
-        groups = [g for part in gathered for g in part]
+        dist.all_gather_object(gathered, (mine, self.replica_index, self.cursor if lock.is_leader else None))
+        groups = [g for part, _, _ in gathered for g in part]
+        self.cursors = {i: c for _, i, c in gathered if c is not None}
         return groups, {**self.roller_metrics, "time/generation_s": t_gen, "time/reshard_s": t_reshard, "time/release_s": t_release,
                         "reshard/collectives": stats.collectives, "reshard/bytes": stats.bytes_out}  # fmt: skip
 
@@ -231,15 +247,29 @@ class ColocatedRank:
         """Step 5: advantages, packing over the dp ranks, recompute, forward/backward, AdamW (the
         learner's own functions); version v+1. Returns the step's metrics (the same on every rank)."""
         from agentrl.learner import step
+        from agentrl.learner.loop import _prepare, _publish
 
-        learner = self.learner
-        result = step.train(learner, step.prepare(learner, groups))
+        learner, tally = self.learner, self.tally
+        result = step.train(learner, _prepare(learner, groups, tally))
+        self.applied = result.applied
+        if result.nonfinite:
+            tally.count("nonfinite_step")
+            log.error("step at version %d skipped: non-finite loss or gradient norm", learner.version)
         staleness = max(g.staleness(learner.version) for g in groups)
-        learner.version += 1
         learner.consumed_groups += len(groups)
+        _publish(learner, None, None, result.applied, tally, counts_as_skip=not result.used)
         m = result.metrics(learner)
         m.update({"groups_consumed": learner.consumed_groups, "staleness/max": staleness})
+        m.update({f"skipped/{k}": float(v) for k, v in tally.skipped.items()})
         return m
+
+    # the checkpoint's cursor (`learner.loop._save` / `resume` call these as a consumer's)
+    def state_dict(self) -> dict[str, Any]:
+        return {"task_cursors": {str(i): c for i, c in self.cursors.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursors = {int(i): c for i, c in state["task_cursors"].items()}
+        self.cursor = self.cursors[self.replica_index]
 
     def close(self) -> None:
         if self.reward_model is not None:
@@ -249,12 +279,20 @@ class ColocatedRank:
             self.engine.stop()
 
 
-def run(cfg: AgentRLConfig) -> int:
-    """Every rank: train `learner.max_steps` colocated steps; returns the final version."""
-    from agentrl.learner.loop import export
+def run(cfg: AgentRLConfig, resume: bool = False) -> int:
+    """Every rank: train until `learner.max_steps` versions exist, checkpointing every
+    `checkpoint.every` versions and exporting every `checkpoint.export_every` (and both at the
+    end), as the decoupled learner does (`learner.loop`'s own functions); `resume` continues from
+    the newest intact checkpoint: weights, optimizer states, version and every replica's task
+    cursor (generation is seeded per step and prompt: `EngineClient`), so the resumed run
+    repeats the uninterrupted one. Returns the final version."""
+    from agentrl.learner import loop
 
     r = ColocatedRank(cfg)
-    learner = r.learner
+    learner, tally = r.learner, r.tally
+    if resume and loop.resume(learner, r):
+        tally.saved = learner.version
+        log.info("resumed at version %d (task cursors %s)", learner.version, r.cursors)
     metrics = MetricsLogger(cfg.run_dir, "learner") if r.rank == 0 else None
     try:
         while learner.version < cfg.learner.max_steps:
@@ -270,7 +308,12 @@ def run(cfg: AgentRLConfig) -> int:
                 log.info("version %d  reward %.3f  gen %.1fs  reshard %.2fs  train %.1fs", learner.version,
                          m.get("reward/mean", math.nan), m["time/generation_s"], m["time/reshard_s"],
                          m["time/train_s"])  # fmt: skip
-        export(learner)
+            # 7. checkpoint and export every N versions
+            loop._periodic_save(learner, r, r.applied, tally)
+        if tally.saved != learner.version:
+            loop._save(learner, r)
+        if tally.exported != learner.version:
+            loop.export(learner)
     finally:
         r.close()
         if metrics is not None:
@@ -284,11 +327,13 @@ def main() -> int:
     from agentrl.config import load_config
 
     args = sys.argv[1:]
+    resume = "--resume" in args
+    args = [a for a in args if a != "--resume"]
     path = None
     if args[:1] == ["--config"]:
         path, args = args[1], args[2:]
     cfg = load_config(path, args, uses=("learner", "roller", "env", "reward"))
-    run(cfg)
+    run(cfg, resume)
     dist.barrier()
     dist.destroy_process_group()
     return 0
