@@ -552,12 +552,17 @@ class BroadcastEngine(WeightSyncEngine):
                 self.group.broadcast(tensor.to(device), 0)
         except Exception as exc:
             logger.error("broadcast of a bucket failed (%s); finding the server that failed", exc)
+            # a server that already answered with an error broke the collective; the others then fail
+            # only because our end closes: they are not blamed
+            early = [u for u, f in futures.items() if f.done() and f.exception() is not None]
             # Close our end first: the servers still waiting for this bucket then fail fast instead of
             # waiting out their timeout. The group is rebuilt before anything else is sent.
             self._stale_group = self.group.group_name
             self.group.close()
             self.group = None
             failed = self._replies(futures)
+            if early:
+                return {u: failed[u] for u in early}
             return failed or {u: f"broadcast failed: {exc}" for u in self.members}
         failed = self._replies(futures)
         stats.bytes += bucket.nbytes

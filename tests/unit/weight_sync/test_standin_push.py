@@ -222,3 +222,46 @@ def test_servers_follow_the_live_list_a_new_one_catches_up_a_removed_one_leaves(
         assert first.state()["weight_version"] == "1" and first.url not in engine.clients
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_bucket_refused_with_400_twice_is_recorded_truly_and_resynced(processes, where) -> None:
+    """SGLang loads each bucket as it arrives: a server whose bucket k of n is refused (a 400
+    from a proxy in front of it, every server alive) on the attempt and on its redo is dropped,
+    its version read back is the one recorded for it (the version travels with the last bucket
+    only, so a partial update never carries it), and it is kept paused (its weights may be a
+    mix) until the next push brings it back; the other server commits."""
+    from agentrl.weight_sync.broadcast import iter_buckets
+    from tests.fault_proxy import FaultProxy
+
+    good, bad = start_standin(processes), start_standin(processes)
+    proxy = FaultProxy(bad.url).start()
+    engine = create(
+        BroadcastSyncConfig(backend="gloo", bucket_mb=0.001, timeout_s=5),
+        InferenceConfig(type="sglang", servers=[good.url, proxy.url], connect_timeout_s=2.0),
+    )
+    engine.init()
+    try:
+        engine.push(lambda: iter(_weights(1).items()), 1)
+        n = sum(1 for _ in iter_buckets(_weights(2).items(), int(0.001 * (1 << 20))))
+        assert n == 3  # embed | norm + layer.0 + layer.1 | head
+        k = {"first": 1, "middle": 2, "last": n}[where]
+        proxy.fail("/update_weights_from_distributed", nth=k, count=1, status=400)
+        proxy.fail("/update_weights_from_distributed", nth=2 * k, count=1, status=400)
+        weights = _weights(2)
+        stats = engine.push(lambda: iter(weights.items()), 2)
+        assert stats.buckets == n and stats.outcomes[good.url].committed
+        _assert_pushed(good, weights, 2)
+        outcome, state = stats.outcomes[proxy.url], bad.state()
+        assert not outcome.committed and "failed twice" in outcome.reason and outcome.paused, outcome
+        assert state["weight_version"] == str(outcome.version) == "1" and state["paused"], state
+        assert _balanced(state)
+        proxy.clear()
+        weights = _weights(3)
+        stats = engine.push(lambda: iter(weights.items()), 3)
+        assert all(o.committed and not o.paused for o in stats.outcomes.values()), stats.outcomes
+        for server in (good, bad):
+            _assert_pushed(server, weights, 3)
+    finally:
+        engine.close()
+        proxy.stop()
