@@ -204,7 +204,13 @@ class BroadcastEngine(WeightSyncEngine):
                 self.config.timeout_s,
             )
         except Exception as exc:
-            failed = self._failed(futures)
+            # a server that already answered with an error held the rendezvous up; the others' joins
+            # fail only because ours gave up: they are not blamed (nor waited for)
+            early = [u for u, f in futures.items() if f.done() and f.exception() is not None]
+            for url, future in futures.items():
+                if url not in early:
+                    future.cancel()
+            failed = self._failed({u: futures[u] for u in early}) if early else self._failed(futures)
             if not failed:
                 if again:
                     logger.error("weight group %s: set-up failed (%s); trying once more", name, exc)
@@ -493,10 +499,9 @@ class BroadcastEngine(WeightSyncEngine):
             else:
                 why = self._why.get(url, "not in the weight group (not answering)")
             outcomes[url] = Outcome(False, seen if isinstance(seen, int) else None, why)
-        answering = [u for u in asked if isinstance(read.get(u), int)]
-        resume = [u for u in answering if outcomes[u].committed or u in self._whole([u])]
+        resume = [u for u in asked if outcomes[u].committed or u in self._whole([u])]
         errors = self._all("continue_generation", resume, timeout_s=self.config.timeout_s)
-        for url in answering:
+        for url in asked:
             if url not in resume:
                 outcomes[url].paused = True
                 outcomes[url].reason += "; its weights may be a mix: kept paused until re-synced"
