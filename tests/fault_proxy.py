@@ -37,6 +37,8 @@ class Fault:
     """True: forward the request first, then answer `status` (the reply is lost)."""
     skip_if: str | None = None
     """A request whose body contains this text is forwarded and not counted."""
+    only_if: str | None = None
+    """Only requests whose body contains this text are counted (e.g. one `/collective_rpc` method)."""
     seen: int = 0
     on_request: Callable[[], None] | None = None
     """Called (in the proxy's thread) when the `nth` request arrives, instead of failing it."""
@@ -92,6 +94,8 @@ class FaultProxy:
         hit = None
         for fault in self.faults:
             if fault.path != path or (fault.skip_if is not None and fault.skip_if.encode() in body):
+                continue
+            if fault.only_if is not None and fault.only_if.encode() not in body:
                 continue
             fault.seen += 1
             if hit is None and fault.nth <= fault.seen < fault.nth + fault.count:
