@@ -104,6 +104,11 @@ class PushStats:
             "sync/servers_dropped": len(self.servers_dropped),
             "sync/servers_paused": sum(o.paused for o in self.outcomes.values()),
             "sync/attempts": self.attempts,
+            # per server: 1 committed the version (read back), 0 dropped from this push
+            **{
+                f"sync/committed/{url.split('://')[-1]}": float(o.committed)
+                for url, o in self.outcomes.items()
+            },
         }
 
 

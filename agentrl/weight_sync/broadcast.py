@@ -11,16 +11,24 @@ A push, on rank 0 (other learner ranks only join the FSDP gathers):
 2. a gather thread pulls full tensors from `weights()` (layer by layer from FSDP2) and packs them into
    buckets of about `bucket_mb`, at most one bucket ahead — so bucket i+1 is gathered
    while bucket i is broadcast, and peak extra memory is about two buckets;
-3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`),
-   broadcast each tensor in that order (or, where every server takes SGLang's
-   `flattened_bucket`, the whole bucket as one flat uint8 broadcast), await the servers'
-   replies (one bucket in flight: out-of-order broadcasts deadlock);
-4. close every session (`/end_weight_update`; also on every failure path) and continue.
-A server that fails during a push is dropped: the group is rebuilt without it and the
-push is redone for the others (every learner rank repeats the gathers in step); a live server
-whose bucket failed is kept for one redo and dropped only if it fails again. A dropped
-server stays paused (its weights may be a mix) and rejoins at a later push once it answers
-its liveness check (`alive`) again.
+3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`;
+   the version travels with the last bucket only), broadcast each tensor in that order (or,
+   where every server takes SGLang's `flattened_bucket`, the whole bucket as one flat uint8
+   broadcast), await the servers' replies (one bucket in flight: out-of-order broadcasts
+   deadlock);
+4. commit every session (`/end_weight_update`), read each server's version back, and resume
+   generation.
+Each push is a transaction per server: every server of the live list ends committed at the
+version (read back), or dropped from the push with its reason (`PushStats.outcomes`, one log
+line per server); no server failure raises into the learner loop. A failed bucket aborts the
+attempt on every member (`abort_weight_update`: the embedded server and vLLM's worker discard
+what they staged, SGLang keeps what it loaded), the group is rebuilt and the push redone (every
+learner rank repeats the gathers in step). A server that stopped answering is dropped; a live
+one whose bucket failed is kept for one redo and, failing again, dropped (`transactional:
+any`), or the version is given up on every server (`all`: all stay on the previous one).
+Afterwards a server whose weights are whole (one that stages, or one no bucket reached)
+continues generating; one that may hold a mix (SGLang, part of a push) stays paused. A dropped
+server rejoins at a later push once it answers its liveness check (`alive`) again.
 
 Servers are probed in the background (`watch.ServerWatch`: health and weight version, each
 probe bounded), so no push waits on a dead or silent server. Before each push, members
