@@ -158,6 +158,8 @@ class BroadcastEngine(WeightSyncEngine):
         self._dead: set[str] = set()
         self._touched: set[str] = set()
         self._gave_up = ""
+        self._given_up = 0  # pushes given up in a row (`transactional: all`), for the catch-up backoff
+        self._given_up_until = 0.0
 
     # ------------------------------------------------------------------ group set-up
 
@@ -277,6 +279,8 @@ class BroadcastEngine(WeightSyncEngine):
             return []
         self._reread()  # a server new in the live list is one behind (and never blocks)
         now, leaving = time.monotonic(), self._leaving()
+        if now < self._given_up_until:  # `transactional: all` gave a version up: no catch-up push yet
+            return []
         return [
             url
             for url, v in self.watch.fresh(self._pushed_at).items()
@@ -523,7 +527,10 @@ class BroadcastEngine(WeightSyncEngine):
             list(self.dropped),
         )
         if committed:
-            self._pushed_version = version
+            self._pushed_version, self._given_up = version, 0
+        elif self._gave_up:  # every server refused it: a catch-up push waits, longer each time
+            self._given_up += 1
+            self._given_up_until = time.monotonic() + min(60.0, 2.0**self._given_up)
         self._pushed_at = time.monotonic()
 
     def _flatten(self, bucket: Bucket) -> torch.Tensor | None:
