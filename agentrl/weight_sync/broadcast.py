@@ -484,7 +484,7 @@ class BroadcastEngine(WeightSyncEngine):
         read = self._read_versions(asked, self.config.timeout_s)
         unread = [u for u in asked if not isinstance(read[u], int)]
         read.update(self._read_versions(unread, self.config.timeout_s))  # once more: a lost reply
-        self._abort([u for u in committing if errors[u] is not None and read[u] != version])
+        self._abort([u for u in committing if errors[u] is not None])  # no session is left open
         outcomes: dict[str, Outcome] = {}
         for url in self.urls:
             seen = read.get(url)

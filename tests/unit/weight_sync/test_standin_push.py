@@ -237,7 +237,7 @@ def test_a_bucket_refused_with_400_twice_is_recorded_truly_and_resynced(processe
     good, bad = start_standin(processes), start_standin(processes)
     proxy = FaultProxy(bad.url).start()
     engine = create(
-        BroadcastSyncConfig(backend="gloo", bucket_mb=0.001, timeout_s=5),
+        BroadcastSyncConfig(backend="gloo", bucket_mb=0.001, timeout_s=3),
         InferenceConfig(type="sglang", servers=[good.url, proxy.url], connect_timeout_s=2.0),
     )
     engine.init()
@@ -262,6 +262,75 @@ def test_a_bucket_refused_with_400_twice_is_recorded_truly_and_resynced(processe
         assert all(o.committed and not o.paused for o in stats.outcomes.values()), stats.outcomes
         for server in (good, bad):
             _assert_pushed(server, weights, 3)
+    finally:
+        engine.close()
+        proxy.stop()
+
+
+def test_a_lost_commit_reply_is_judged_by_the_version_read_back_and_a_stopped_server_comes_back(
+    processes,
+) -> None:
+    """A proxy loses `/end_weight_update`'s reply (the stand-in never sees it): the version read
+    back decides (committed), and the session left open is closed. Then the other stand-in is
+    SIGSTOP'd when the first bucket reaches the proxied one: the push completes on the proxied
+    one without raising and drops the stopped one; continued, it is brought back by the next push
+    (its stale session closed first)."""
+    import os
+    import signal
+    import threading
+
+    from tests.fault_proxy import FaultProxy
+
+    proxied, other = start_standin(processes), start_standin(processes)
+    proxy = FaultProxy(proxied.url).start()
+    engine = create(
+        BroadcastSyncConfig(backend="gloo", bucket_mb=0.001, timeout_s=3),
+        InferenceConfig(type="sglang", servers=[proxy.url, other.url], connect_timeout_s=1.0),
+    )
+    engine.init()
+    try:
+        proxy.fail("/end_weight_update", nth=1, skip_if="abort", status=503)
+        weights = _weights(1)
+        stats = engine.push(lambda: iter(weights.items()), 1)
+        assert all(o.committed and not o.paused for o in stats.outcomes.values()), stats.outcomes
+        for server in (proxied, other):
+            _assert_pushed(server, weights, 1)
+        proxy.clear()
+
+        def stop() -> None:
+            os.kill(other.proc.pid, signal.SIGSTOP)
+            threading.Timer(4 * 3, os.kill, (other.proc.pid, signal.SIGCONT)).start()
+
+        proxy.fail("/update_weights_from_distributed", nth=1, on_request=stop)
+        weights = _weights(2)
+        stats = engine.push(lambda: iter(weights.items()), 2)
+        assert stats.outcomes[proxy.url].committed, stats.outcomes
+        assert (
+            not stats.outcomes[other.url].committed
+            and "stopped answering" in stats.outcomes[other.url].reason
+        )
+        _assert_pushed(proxied, weights, 2)
+        deadline = time.monotonic() + 60
+        while True:  # continued: it answers again
+            try:
+                state = other.state()
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        # recorded as unknown (it did not answer); it holds v1 (the version travels with the last bucket)
+        # and stays paused, as it was when it stopped, until the next push re-syncs it
+        assert (
+            stats.outcomes[other.url].version is None and state["weight_version"] == "1" and state["paused"]
+        )
+        weights = _weights(3)
+        stats = engine.push(lambda: iter(weights.items()), 3)
+        assert all(o.committed and not o.paused for o in stats.outcomes.values()), stats.outcomes
+        _assert_pushed(proxied, weights, 3)
+        state = other.state()  # its session from the interrupted push was refused once, then closed
+        assert state["refused"] == ["a weight-update session is already open; call end_weight_update() first"]
+        assert state["weight_version"] == "3" and not state["paused"] and not state["session"], state
+        assert state["weights"] == {name: digest(t) for name, t in weights.items()}
     finally:
         engine.close()
         proxy.stop()
