@@ -257,6 +257,13 @@ class LearnerConfig(Section):
     block-diagonal mask: one row of 16 sequences of 58 tokens trained 2.5x slower than 16 rows
     on CPU), one row under flash attention (varlen); null: always one row; N: rows of at most N
     tokens or the longest sequence."""
+    staleness: Literal["group", "token"] = "group"
+    """How `max_staleness` is judged. group: a group is trained only while its oldest generated
+    token is within the bound, else dropped whole. token: a group stays while any generated token
+    is; its tokens older than the bound leave the loss mask and the rest of each episode trains
+    (an episode that spans a weight push keeps its newer turns); a group with none left is
+    dropped as stale. The masked share is logged as `queue/stale_tokens_masked`. With
+    `loss.advantage: gae` masked tokens are not steps, like tool output."""
     max_seq_tokens: int | None = Field(None, ge=2)
     """Episodes longer than this are skipped and counted (`too_long`); null accepts any length."""
     temperature: float = Field(1.0, gt=0)
