@@ -190,3 +190,17 @@ def test_cispo_default_has_no_lower_bound():
     assert logp.grad.tolist() == pytest.approx([-0.3, -1.28], rel=1e-12)  # −sg(w)·A per token
     with pytest.raises(ValueError, match="clip_low"):
         LossConfig(policy_loss="ppo_clip", clip_low=None)
+
+
+@pytest.mark.parametrize(
+    ("fields", "mini_batches", "needs"),
+    [
+        (dict(off_policy="decoupled"), 1, True),  # π_prox always
+        (dict(off_policy="tis"), 1, False),  # one update: π_old is the forward's own detached π
+        (dict(off_policy="icepop"), 2, True),  # the second mini-batch must not read updated weights
+        (dict(off_policy="none", seq_mask=(0.9, 1.1)), 2, True),
+        (dict(off_policy="none"), 2, False),  # π_old is the behaviour policy
+    ],
+)
+def test_old_logprobs_are_recomputed_where_a_correction_reads_them(fields, mini_batches, needs):
+    assert LossConfig(**fields).needs_old_logp(mini_batches) is needs
