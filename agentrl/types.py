@@ -211,9 +211,9 @@ class Group:
     def is_admissible(self, learner_version: int, max_staleness: int, per_token: bool = False) -> bool:
         """Admissible at v iff v − min(versions) ≤ max_staleness (by its oldest generated token).
         `per_token` (`learner.staleness: token`): iff some generated token is within the bound,
-        v − max(versions) ≤ max_staleness; its older tokens are then masked (`mask_stale_tokens`)."""
-        newest = self.max_version if per_token else self.min_version
-        return newest < 0 or learner_version - newest <= max_staleness
+        v − max(versions) ≤ max_staleness; its older tokens are then masked (`without_stale_tokens`)."""
+        judged_by = self.max_version if per_token else self.min_version
+        return judged_by < 0 or learner_version - judged_by <= max_staleness
 
     def without_stale_tokens(self, learner_version: int, max_staleness: int) -> tuple[Group, int]:
         """This group with the generated tokens older than the bound (v − version > max_staleness)

@@ -83,10 +83,11 @@ class Batch:
     ages_s: list[float] = field(default_factory=list)
     """Seconds each group waited in the queue before being handed out."""
     staleness: list[int] = field(default_factory=list)
-    """`learner_version - min(versions)` of each group."""
+    """`learner_version - min(versions)` of each group (with per-token staleness, over the
+    generated tokens still in its loss mask)."""
     stale_tokens_masked: float = 0.0
     """Per-token staleness: the share of the batch's generated tokens taken out of the loss mask
-    as older than the bound (`Group.mask_stale_tokens`); 0 when staleness is judged per group."""
+    as older than the bound (`Group.without_stale_tokens`); 0 when staleness is judged per group."""
 
     @property
     def group_ids(self) -> list[str]:
