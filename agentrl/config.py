@@ -324,7 +324,7 @@ class BroadcastSyncConfig(Section):
     type: Literal["broadcast"] = "broadcast"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend; auto picks nccl on CUDA, gloo otherwise."""
-    bucket_mb: int = Field(256, ge=1)
+    bucket_mb: float = Field(256, gt=0)
     """Size of one broadcast bucket in MiB; peak extra memory is about two buckets."""
     master_address: str = "127.0.0.1"
     """Address of learner rank 0 as the inference servers reach it."""
@@ -334,6 +334,11 @@ class BroadcastSyncConfig(Section):
     """Timeout of group set-up and of every collective."""
     workers_per_server: int = Field(1, ge=1)
     """Ranks each inference server contributes to the group (its tensor-parallel size; 1 for embedded)."""
+    transactional: Literal["all", "any"] = "any"
+    """`any`: each server commits the version or is dropped from the push (re-synced later);
+    `all`: every live server commits it or, once one refuses it twice, none does (all stay on the
+    previous version). Holds for servers that stage updates (embedded, vLLM); an SGLang server
+    loads buckets as they arrive and is kept paused after an aborted push until re-synced."""
 
 
 class DiskSyncConfig(Section):
@@ -601,10 +606,6 @@ class AgentRLConfig(Section):
             raise ValueError(
                 "learner.loss.advantage: 'remax' needs roller.greedy_baseline: true (the rollers run the "
                 "greedy episode whose reward is each group's baseline)"
-            )
-        if concerns("learner") and self.learner.loss.clip_high < self.learner.loss.clip_low:
-            raise ValueError(
-                "learner.loss.clip_high: must be >= learner.loss.clip_low (clip-higher widens the upper bound only)"
             )
         return self
 

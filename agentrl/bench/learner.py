@@ -106,7 +106,7 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     vocab = PRESETS[preset].vocab_size
     cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5})
     learner = build_learner(cfg, workdir / f"run-{preset}")
-    rows = learner.pack_rows  # the learner's own layout (loop.pack), for the bare loop too
+    rows = learner.pack_rows  # the learner's own layout (step.pack), for the bare loop too
     ppo_cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5},
                             loss={"advantage": "gae"}, critic={"optim": {"lr": 1e-5}})  # fmt: skip
     ppo = build_learner(ppo_cfg, workdir / f"run-ppo-{preset}")
