@@ -24,8 +24,10 @@ One step, a short script (`ColocatedRank.generate`, then `.train`):
     4. share: every rank gets every group (all_gather_object); the tokens carry version v
     5. train: the learner's step (`learner.step`: advantages, packing over the S/t dp ranks, the t
        ranks of a TP group getting the same micro-batches, recompute, GAE, forward/backward,
-       AdamW); version v+1
+       AdamW); version v+1 when the step was applied (a skipped step is counted, as in the
+       decoupled loop)
     6. log: generation / reshard / training seconds, peak memory per rank, reward, staleness
+    7. checkpoint and export every N versions (`run`, with the decoupled learner's functions)
 
 Generation runs on the weights of version v and training consumes them at version v: the loop is
 on-policy, every group has staleness 0, and TIS / decoupled PPO see ratios of ~1.
