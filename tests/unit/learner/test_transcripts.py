@@ -133,21 +133,3 @@ def test_select_defaults_to_the_last_step() -> None:
     assert [r["reward"] for r in select(records)] == [0.5, 0.25]
     assert [r["reward"] for r in select(records, order="best", limit=2)] == [1.0, 0.5]
     assert [r["reward"] for r in select(records, step=1, order="worst")] == [0.0, 1.0]
-
-
-def test_transcripts_reach_tensorboard_as_text(written) -> None:
-    pytest.importorskip(
-        "tensorboard", reason="tensorboard not installed (pip install 'agentrl[tensorboard]')"
-    )
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from agentrl.log import MetricsLogger
-
-    run_dir, _ = written
-    metrics = MetricsLogger(run_dir / "tb", tensorboard=True)
-    metrics.log_text({"transcripts/0": "step 7\n--- model ---\n<tool_call>"}, 7)
-    metrics.close()
-    events = EventAccumulator(str(run_dir / "tb" / "tensorboard"), size_guidance={"tensors": 0})
-    events.Reload()
-    (event,) = events.Tensors("transcripts/0/text_summary")
-    assert event.step == 7 and "<tool_call>" in event.tensor_proto.string_val[0].decode()
