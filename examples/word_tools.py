@@ -45,7 +45,9 @@ class WordTools(ToolEnv):
         return tasks
 
     def reward(self, transcript):
-        return float(transcript.final_text.strip() == self.task["answer"])
+        # a guess earns nothing: the answer counts only after a well-formed call of the tool
+        called = transcript.metrics["tool_calls"] > transcript.metrics["tool_errors"]
+        return float(called and transcript.final_text.strip() == self.task["answer"])
 
     def demonstrate(self, task):
         """The ideal conversation, for the supervised warm start (`learner.warmstart.steps`)."""
