@@ -257,7 +257,7 @@ class LearnerConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Resumable checkpoints and HF exports."""
     logging: LoggingConfig = LoggingConfig()
-    """TensorBoard and W&B sinks."""
+    """TensorBoard and W&B sinks, transcripts, the flat-reward warning."""
     warmstart: WarmstartConfig = WarmstartConfig()
     """The supervised warm start before RL."""
 
