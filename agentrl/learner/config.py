@@ -199,12 +199,20 @@ class CheckpointConfig(Section):
 
 
 class LoggingConfig(Section):
-    """Metric sinks beyond `<run_dir>/metrics.jsonl`."""
+    """Metric sinks beyond `<run_dir>/metrics.jsonl`, transcripts, and the flat-reward warning."""
 
     tensorboard: bool = False
     """Also write metrics to TensorBoard under `<run_dir>/tensorboard`."""
     wandb_project: str | None = None
     """Also log metrics to this Weights & Biases project."""
+    transcripts_every: int = Field(10, ge=0)
+    """Decode a sample of the batch's episodes into `<run_dir>/transcripts.jsonl` (and the TensorBoard /
+    W&B sinks) at the first step and every N steps (`agentrl show transcripts RUN_DIR`); 0 never."""
+    transcripts_episodes: int = Field(4, ge=0)
+    """Episodes per transcript sample: the lowest and highest reward of the batch, the rest at random."""
+    flat_reward_steps: int = Field(10, ge=0)
+    """Warn (log and live view) after this many steps in a row whose groups each had all-equal rewards
+    (no advantage: nothing to learn from); 0 never."""
 
 
 class WarmstartConfig(Section):
@@ -297,7 +305,7 @@ class LearnerConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Resumable checkpoints and HF exports."""
     logging: LoggingConfig = LoggingConfig()
-    """TensorBoard and W&B sinks."""
+    """TensorBoard and W&B sinks, transcripts, the flat-reward warning."""
     warmstart: WarmstartConfig = WarmstartConfig()
     """The supervised warm start before RL."""
 
