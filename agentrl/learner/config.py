@@ -157,6 +157,16 @@ class CheckpointConfig(Section):
     """Write a Hugging Face checkpoint every N steps; 0 exports only at the end."""
 
 
+class MegatronConfig(Section):
+    """The Megatron-core backend's parallel layout (`backend: megatron`); data parallel takes
+    the remaining ranks (`num_processes / (tp * pp)`)."""
+
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel size: must divide the attention heads, key/value heads and vocabulary."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel stages (Megatron's 1F1B schedule): must divide the decoder layers."""
+
+
 class LoggingConfig(Section):
     """Metric sinks beyond `<run_dir>/metrics.jsonl`."""
 
@@ -198,8 +208,11 @@ class LearnerConfig(Section):
 
     model_path: str = "runs/models/tiny"
     """Hugging Face checkpoint directory (or hub id where a hub is reachable) to train."""
-    backend: Literal["fsdp2"] = "fsdp2"
-    """Training backend (`agentrl/learner/backend.py`): FSDP2 is the one implemented."""
+    backend: Literal["fsdp2", "megatron"] = "fsdp2"
+    """Training backend (`agentrl/learner/backend.py`): FSDP2, or Megatron-core (`megatron`:
+    tensor and pipeline parallel; `pip install 'agentrl[megatron]'`; see the README)."""
+    megatron: MegatronConfig = MegatronConfig()
+    """Tensor and pipeline parallel sizes of `backend: megatron`."""
     groups_per_step: int = Field(8, ge=1)
     """Prompt groups consumed per learner step (the batch size in groups)."""
     mini_batches: int = Field(1, ge=1)
