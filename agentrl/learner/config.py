@@ -247,7 +247,8 @@ class LearnerConfig(Section):
     seed: int = 0
     """Random seed of the learner."""
     num_processes: int = Field(1, ge=1)
-    """Learner ranks `agentrl run` starts (torchrun with this many processes when above 1)."""
+    """Learner ranks `agentrl run` starts (torchrun with this many processes when above 1); under
+    `backend: megatron` it defaults to megatron.tp x pp."""
     resources: dict[str, float] = Field(default_factory=dict)
     """`--launcher ray` only: what each rank asks Ray for, e.g. `{GPU: 1, CPU: 8}` (`CPU`, `GPU` and
     custom resources of `ray start --resources`); the ranks are one placement group, packed per node."""
@@ -276,3 +277,20 @@ class LearnerConfig(Section):
                 where = "; ".join(f"learner.{k} is now learner.{MOVED[k]}" for k in moved)
                 raise ValueError(f"moved keys: {where}")
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _megatron_ranks(cls, data: Any) -> Any:
+        """Under `backend: megatron` an unset `num_processes` is tp x pp (one model replica)."""
+        if isinstance(data, dict) and data.get("backend") == "megatron" and "num_processes" not in data:
+            m = data.get("megatron") or {}
+            m = m.model_dump() if isinstance(m, MegatronConfig) else m
+            data = {**data, "num_processes": int(m.get("tp", 1)) * int(m.get("pp", 1))}
+        return data
+
+    @model_validator(mode="after")
+    def _megatron_layout(self) -> LearnerConfig:
+        if self.backend == "megatron" and self.num_processes % (self.megatron.tp * self.megatron.pp):
+            raise ValueError(f"num_processes: {self.num_processes} learner ranks cannot hold megatron.tp "
+                             f"{self.megatron.tp} x pp {self.megatron.pp}; use a multiple of {self.megatron.tp * self.megatron.pp}")  # fmt: skip
+        return self

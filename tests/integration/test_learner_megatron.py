@@ -6,7 +6,8 @@ layout: the HF-named full tensors equal the checkpoint's bit for bit before trai
 log-probs equal a single-process HF model's; the step's loss and gradient norm and the weights
 after one AdamW step equal FSDP2's. At TP 1 it also shows that q/k/v concatenated without the
 per-KV-group interleave gives a different model; at TP 2 x PP 2 it exports an HF checkpoint and
-compares its tensors with the originals.
+compares its tensors with the originals. A second pair of launches (2 ranks, PP 2) kills a
+run after its checkpoint and resumes it.
 
 This file is also the worker: `torchrun ... test_learner_megatron.py OUT_DIR MODEL_PATH`.
 """
@@ -119,6 +120,38 @@ def worker(out_dir: str, model_path: str) -> None:
     end_rank()
 
 
+RESUME = dict(CONFIG, groups_per_step=2, backend="megatron", megatron=dict(tp=1, pp=2))
+
+
+def resume_worker(out_dir: str, model_path: str, phase: str) -> None:
+    """`first`: one step, its checkpoint, then the process dies (no clean exit). `second`: a new
+    learner resumes from it to step 2; then an uninterrupted run to step 2 beside it."""
+    import os
+
+    import torch
+
+    from agentrl.learner.loop import build_learner, run
+    from tests.unit.learner.source import ListSource, learner_config, make_groups
+
+    def train(run_dir: Path, max_steps: int, resume: bool) -> dict:
+        learner = build_learner(
+            learner_config(model_path=model_path, **{**RESUME, "max_steps": max_steps}), run_dir
+        )
+        source = ListSource(make_groups(4, seed=5, max_len=40)) if learner.rank == 0 else None
+        run(learner, source, max_staleness=4, resume_from_checkpoint=resume)
+        return {n: t.clone() for n, t in learner.backend.full_tensors(learner.actor)}
+
+    if phase == "first":
+        train(Path(out_dir) / "resumed", 1, False)
+        sys.stdout.flush()
+        os._exit(0)  # killed after the checkpoint: no destroy_process_group, no teardown
+    resumed = train(Path(out_dir) / "resumed", 2, True)
+    straight = train(Path(out_dir) / "straight", 2, False)
+    if torch.distributed.get_rank() == 0:
+        torch.save({"resumed": resumed, "straight": straight}, Path(out_dir) / "resume.pt")
+    end_rank()
+
+
 @pytest.fixture(scope="module")
 def four_ranks(tiny_model, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("megatron")
@@ -150,6 +183,22 @@ def test_megatron_layout_matches_fsdp2_and_hf(four_ranks, layout, tiny_model):
 
 
 @pytest.mark.integration
+def test_megatron_resume_reaches_the_uninterrupted_weights(tiny_model, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    run_torchrun(__file__, 2, str(tmp_path), str(tiny_model), "first")
+    assert (tmp_path / "resumed" / "checkpoints" / "step_00000001").is_dir()
+    run_torchrun(__file__, 2, str(tmp_path), str(tiny_model), "second")
+    got = torch.load(tmp_path / "resume.pt")
+    initial = load_file(tiny_model / "model.safetensors")
+    assert got["resumed"].keys() == got["straight"].keys() == initial.keys()
+    for name, tensor in got["straight"].items():
+        assert torch.equal(got["resumed"][name], tensor), name  # bit for bit
+        assert not torch.equal(tensor, initial[name]), name  # and two steps were taken
+
+
+@pytest.mark.integration
 def test_qkv_without_gqa_grouping_is_a_different_model(four_ranks):
     _, results = four_ranks
     assert results["tp1"]["logp_diff"] < 1e-5
@@ -163,4 +212,7 @@ def test_megatron_export_is_the_trained_weights(four_ranks):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    if len(sys.argv) > 3:
+        resume_worker(*sys.argv[1:4])
+    else:
+        worker(sys.argv[1], sys.argv[2])
