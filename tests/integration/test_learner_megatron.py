@@ -6,7 +6,8 @@ layout: the HF-named full tensors equal the checkpoint's bit for bit before trai
 log-probs equal a single-process HF model's; the step's loss and gradient norm and the weights
 after one AdamW step equal FSDP2's. At TP 1 it also shows that q/k/v concatenated without the
 per-KV-group interleave gives a different model; at TP 2 x PP 2 it exports an HF checkpoint and
-compares its tensors with the originals. A second pair of launches (2 ranks, PP 2) kills a
+compares its tensors with the originals. Small random Llama and Qwen3 models (untied, Qwen3's
+q/k norms) are loaded at TP 2 x PP 2 and compared with HF. A second pair of launches (2 ranks, PP 2) kills a
 run after its checkpoint and resumes it.
 
 This file is also the worker: `torchrun ... test_learner_megatron.py OUT_DIR MODEL_PATH`.
@@ -115,9 +116,46 @@ def worker(out_dir: str, model_path: str) -> None:
             step = metrics.rows[-1]
             result |= {"loss": step["loss"], "grad_norm": step["grad_norm"]}
             results[layout] = result
+    for family in FAMILIES:  # frozen policies of the other families, TP 2 x PP 2: forward and export only
+        path = Path(out_dir) / family
+        if torch.distributed.get_rank() == 0:
+            _save_family(family, path)
+        torch.distributed.barrier()
+        from agentrl.learner.megatron import MegatronBackend
+
+        backend = MegatronBackend(tp=2, pp=2)
+        policy = backend.build("policy", path)
+        original = load_file(path / "model.safetensors")
+        exact = [torch.equal(t, original[n]) for n, t in backend.full_tensors(policy)]
+        with backend.frozen(policy):
+            logp = backend.logprobs(policy, mb)[0]
+        hf = forward_logprobs(load_model(path, torch.device("cpu")).eval(), mb)[0].detach()
+        results[family] = {"exported_exact": all(exact) and len(exact) == len(original),
+                           "logp_diff": float((logp - hf).abs().max())}  # fmt: skip
     if torch.distributed.get_rank() == 0:
         (Path(out_dir) / "result.json").write_text(json.dumps(results))
     end_rank()
+
+
+FAMILIES = ("llama", "qwen3")
+
+
+def _save_family(family: str, path: Path) -> None:
+    """A small random model of `family` (untied embeddings; Qwen3 with q/k norms, Llama without
+    biases), every weight perturbed so that a misplaced tensor shows."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    kind = LlamaConfig if family == "llama" else Qwen3Config
+    config = kind(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                  max_position_embeddings=512, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    model.save_pretrained(path, safe_serialization=True)
 
 
 RESUME = dict(CONFIG, groups_per_step=2, backend="megatron", megatron=dict(tp=1, pp=2))
@@ -203,6 +241,14 @@ def test_qkv_without_gqa_grouping_is_a_different_model(four_ranks):
     _, results = four_ranks
     assert results["tp1"]["logp_diff"] < 1e-5
     assert results["tp1"]["ungrouped_qkv_diff"] > 1e-2
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_families_load_and_export_exactly(four_ranks, family):
+    _, results = four_ranks
+    assert results[family]["exported_exact"]
+    assert results[family]["logp_diff"] < 1e-5
 
 
 @pytest.mark.integration
