@@ -58,6 +58,10 @@ def apply() -> None:
     # Replaces the copy to the GPU (`tensor.cuda()`) in the pipeline schedule and optimizer
     # setup: the tensor already lives where training runs.
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # Replaces the CUDA generator's state that activation recompute saves with each checkpointed
+    # layer (tensor_parallel/random.py `_get_all_rng_states`): on CPU every draw comes from the CPU
+    # generator, whose state Megatron saves and restores beside it.
+    torch.cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
     # Replaces allocations on `device="cuda"` (schedules.py's token counters, utils.py).
     for name in _FACTORIES:
         setattr(torch, name, _on_cpu(getattr(torch, name)))

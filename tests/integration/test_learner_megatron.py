@@ -1,7 +1,8 @@
 """The Megatron-core learner backend against the FSDP2 backend and a plain HF model (4 gloo ranks, fp32).
 
 One torchrun launch of 4 ranks trains the same batch through the real loop with FSDP2 (DP 4)
-and with Megatron at TP 1 (DP 4), TP 2 (DP 2), PP 2 (DP 2) and TP 2 x PP 2, and checks, per
+and with Megatron at TP 1 (DP 4), TP 2 (DP 2, with activation recompute), PP 2 (DP 2) and
+TP 2 x PP 2, and checks, per
 layout: the HF-named full tensors equal the checkpoint's bit for bit before training; per-token
 log-probs equal a single-process HF model's; the step's loss and gradient norm and the weights
 after one AdamW step equal FSDP2's. At TP 1 it also shows that q/k/v concatenated without the
@@ -89,6 +90,7 @@ def worker(out_dir: str, model_path: str) -> None:
             if sizes is None
             else {"backend": "megatron", "megatron": dict(tp=sizes[0], pp=sizes[1])}
         )
+        extra["activation_checkpointing"] = layout == "tp2"  # Megatron's full-layer recompute
         learner = build_learner(
             learner_config(model_path=model_path, **CONFIG, **extra), Path(out_dir) / layout
         )
