@@ -28,7 +28,6 @@ colocated HybridEngine's `local_shards` are FSDP2-only here and refuse with that
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -41,7 +40,7 @@ from torch import nn
 
 from agentrl.learner import megatron_convert as convert
 from agentrl.learner.backend import LocalShard, ModelPart, NonFiniteError, PartKind
-from agentrl.learner.fsdp import copy_tokenizer, init_distributed
+from agentrl.learner.fsdp import FSDP2Backend, copy_tokenizer, init_distributed
 from agentrl.learner.packing import MicroBatch
 from agentrl.log import get_logger
 
@@ -257,6 +256,8 @@ class MegatronBackend:
         if self._logits is not None:  # inside the schedule, on the last stage
             return logprobs_from_logits(self._logits, mb, temperature, entropy)
         # a forward of its own (frozen policies): the last stage computes, every stage receives
+        if entropy != "none":
+            raise ValueError("MegatronBackend.logprobs: entropy is computed inside forward_backward only")
         result: dict[str, torch.Tensor] = {}
 
         def keep(mb: MicroBatch) -> torch.Tensor:
@@ -273,15 +274,9 @@ class MegatronBackend:
     def values(self, part: ModelPart, mb: MicroBatch) -> torch.Tensor:
         raise ValueError("learner.backend megatron: value models (the critic) run on fsdp2 only here")
 
-    @contextlib.contextmanager
-    def frozen(self, part: ModelPart) -> Iterator[None]:
-        was_training = part.module.training
-        part.module.eval()
-        try:
-            with torch.no_grad():
-                yield
-        finally:
-            part.module.train(was_training)
+    # framework-independent: eval mode and no_grad; rank 0's object over the world
+    frozen = FSDP2Backend.frozen
+    broadcast_object = FSDP2Backend.broadcast_object
 
     def forward_backward(
         self, part: ModelPart, mbs: list[MicroBatch], loss_fn: Callable[[MicroBatch], torch.Tensor]
@@ -370,12 +365,6 @@ class MegatronBackend:
         counted = [v for speaks, v in gathered if speaks]
         combine = sum if op == "sum" else max
         return {k: float(combine(v[k] for v in counted)) for k in counted[0]}
-
-    def broadcast_object(self, obj: Any) -> Any:
-        payload = [obj]
-        if self.world_size > 1:
-            dist.broadcast_object_list(payload, src=0)
-        return payload[0]
 
     # -- gathering, saving, exporting -----------------------------------------------------
 
