@@ -154,7 +154,7 @@ def lr_lambda(schedule: ScheduleConfig, total_steps: int):
 def build_learner(cfg: LearnerConfig, run_dir: str | Path) -> Learner:
     """The backend (process group), the actor with AdamW and its LR schedule, the frozen
     reference when kl_coef > 0, and the critic with its own AdamW when `loss.advantage: gae`."""
-    backend = backends.create(cfg.backend)
+    backend = backends.create(cfg.backend, cfg.megatron, cfg.seed)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
     schedule = lr_lambda(cfg.schedule, cfg.max_steps * cfg.mini_batches)
