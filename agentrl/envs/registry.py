@@ -33,6 +33,7 @@ BUILTIN_ENVS = {
     "search_r1": "agentrl.envs.search.env:SearchR1Env",
     "search_r1_tools": "agentrl.envs.search.env:SearchToolEnv",
     "swe": "agentrl.envs.swe.env:SWEEnv",
+    "agent": "agentrl.envs.agent:AgentEnv",
 }
 
 
@@ -101,6 +102,9 @@ def env_factory(config: EnvConfig) -> Callable[[], Env]:
         kwargs.setdefault("tool_timeout_s", config.tool_timeout_s)
         kwargs.setdefault("max_tool_output_chars", config.max_tool_output_chars)
     else:
+        if "parser" in inspect.signature(cls).parameters:  # an agent env parses its calls too
+            kwargs.setdefault("parser", config.tool_parser)
+            tool_options.discard("tool_parser")
         # compared with the defaults, not with the keys given: a resolved config names every field
         changed = sorted(
             k for k in tool_options if getattr(config, k) != type(config).model_fields[k].default

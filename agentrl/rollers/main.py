@@ -52,6 +52,7 @@ def roller_index(config: AgentRLConfig) -> int:
 async def run_roller(config: AgentRLConfig) -> int:
     from transformers import AutoTokenizer
 
+    from agentrl.envs.agent import AgentEnv
     from agentrl.envs.base import live_services
     from agentrl.envs.check import model_context, require_budget
     from agentrl.envs.registry import env_factory, load_env_class
@@ -66,6 +67,8 @@ async def run_roller(config: AgentRLConfig) -> int:
     name = f"roller-{index}"
     make_env = env_factory(config.env)
     env_cls = load_env_class(config.env.name)
+    if issubclass(env_cls, AgentEnv):  # an agent env runs the tasks of the env it names
+        env_cls = env_cls.task_env(config.env.kwargs) or env_cls
     tasks = TaskSource(config.roller.tasks, env_cls, config.roller.seed, **config.roller.task_kwargs)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(config))
     renderer = ChatRenderer(tokenizer, make_env().tool_schemas or None)
