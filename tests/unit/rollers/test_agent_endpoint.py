@@ -207,3 +207,37 @@ async def test_200_concurrent_agent_episodes_on_one_roller(tokenizer) -> None:
     assert stats.peak_in_flight_episodes == 200
     assert len(batch.groups) == 25 and all(len(g.episodes) == 8 for g in batch.groups)
     assert all(ep.reward == 1.0 and ep.num_turns == 2 for g in batch.groups for ep in g.episodes)
+
+
+class Aborting(Policy):
+    """The first turn is aborted after 3 tokens (a weight update) and resumed under version 1."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.rest: list[int] | None = None
+
+    def __call__(self, ids: list[int], params: dict) -> Reply:
+        if self.rest is not None:
+            rest, self.rest = self.rest, None
+            return Reply(rest, logprobs=[-0.25] * len(rest), weight_version=1)
+        reply = super().__call__(ids, params)
+        if len(self.outputs) == 1:
+            self.rest = reply.output_ids[3:]
+            return Reply(reply.output_ids[:3], finish="abort", logprobs=[-0.5] * 3, weight_version=0)
+        return Reply(reply.output_ids, logprobs=reply.logprobs, weight_version=1)
+
+
+async def test_a_turn_aborted_by_a_weight_update_is_resumed_with_its_versions(tokenizer) -> None:
+    policy = Aborting(tokenizer)
+    async with Rig(tokenizer, policy) as rig:
+        (episode,) = await rig.run(
+            {**TASK, "id": "abort"}, agent=f"{AGENTS}:tool_agent", reward=f"{AGENTS}:reward"
+        )
+        requests = rig.server.requests
+    assert RESULTS["abort"]["finishes"] == ["tool_calls", "stop"] and episode.reward == 1.0
+    # the resumed request is prompt + the tokens generated before the abort, nothing re-rendered
+    assert requests[1]["input_ids"] == requests[0]["input_ids"] + policy.outputs[0][:3]
+    generated = episode.loss_mask.astype(bool)
+    first, second = len(policy.outputs[0]), len(policy.outputs[1])
+    assert list(episode.versions[generated]) == [0] * 3 + [1] * (first - 3) + [1] * second
+    assert episode.metrics["resumed_generations"] == 1
