@@ -57,7 +57,13 @@ def load_function(spec: str, field: str) -> Callable[..., Any]:
 
 
 class AgentEnv(Env):
-    """An episode run by a user's agent program through the roller's OpenAI-compatible endpoint."""
+    """An episode run by a user's agent program through the roller's OpenAI-compatible endpoint.
+
+    A subclass may fix its kwargs and set `tasks_from` (an env name) as a class attribute: then the
+    class itself generates tasks (`generate_tasks`), as the warm start and the env check ask."""
+
+    tasks_from: str | None = None
+    """The env (built-in name or `module:Class`) whose task generator this class uses."""
 
     def __init__(
         self,
@@ -66,6 +72,7 @@ class AgentEnv(Env):
         reward: str | None = None,
         verifier: str | None = None,
         tasks_from: str | None = None,
+        demonstrate: str | None = None,
         parser: str | ToolCallParser = "hermes",
         max_requests: int | None = None,
         max_generated_tokens: int | None = None,
@@ -78,7 +85,8 @@ class AgentEnv(Env):
         `(transcript, result)`), `verifier` (an env name whose `reward(transcript)` scores) or a
         reward the agent posts: the episode's reward, first of those that is set. `tasks_from`: an
         env whose task generator and required task fields this env uses (the verifier's by
-        default). Limits per episode: `max_requests` (default `roller.max_turns`),
+        default). `demonstrate`: `module:function` of a task giving the ideal conversation (chat
+        messages, as `Env.demonstrate`) for the warm start. Limits per episode: `max_requests` (default `roller.max_turns`),
         `max_generated_tokens` (default: none beyond `roller.max_total_tokens`), `timeout_s`
         (default `roller.episode_timeout_s`). `non_extension`: what a request that rewrites the
         conversation starts — a new segment trained as its own sequence with the episode's
@@ -103,6 +111,9 @@ class AgentEnv(Env):
         self.command = list(command) if command is not None else None
         self.reward_fn = load_function(reward, "reward") if reward is not None else None
         self.verifier = _env_class(verifier, "verifier") if verifier is not None else None
+        self.demonstrator = load_function(demonstrate, "demonstrate") if demonstrate is not None else None
+        if tasks_from is not None:
+            _env_class(tasks_from, "tasks_from")
         self.parser = create_parser(parser) if isinstance(parser, str) else parser
         self.max_requests = max_requests
         self.max_generated_tokens = max_generated_tokens
@@ -115,8 +126,23 @@ class AgentEnv(Env):
     @classmethod
     def task_env(cls, kwargs: dict[str, Any]) -> type[Env] | None:
         """The env class whose tasks this agent env runs (`tasks_from`, else `verifier`)."""
-        name = kwargs.get("tasks_from") or kwargs.get("verifier")
+        name = kwargs.get("tasks_from") or kwargs.get("verifier") or cls.tasks_from
         return _env_class(name, "tasks_from") if name else None
+
+    @classmethod
+    def generate_tasks(cls, num: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
+        source = cls.task_env({})
+        if source is None:
+            raise NotImplementedError(
+                f"{cls.__name__} has no task generator: give a task file (roller.tasks), or set "
+                "env.kwargs.tasks_from (or a subclass's tasks_from) to an env that generates tasks"
+            )
+        return source.generate_tasks(num, seed=seed, **kwargs)
+
+    def demonstrate(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.demonstrator is None:
+            return super().demonstrate(task)
+        return list(self.demonstrator(task))
 
     def reset(self, task: dict[str, Any]) -> str:
         self.task = task

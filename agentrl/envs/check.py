@@ -145,7 +145,7 @@ def check_run_budget(config: Any, tokenizer_path: str) -> Budget:
     naming the field otherwise)."""
     import asyncio
 
-    from agentrl.envs.registry import env_factory, load_env_class
+    from agentrl.envs.registry import env_factory, load_env_class, task_env_class
     from agentrl.rollers.tasks import TaskSource
 
     cls = load_env_class(config.env.name)
@@ -156,7 +156,8 @@ def check_run_budget(config: Any, tokenizer_path: str) -> Budget:
         env_config = env_config.model_copy(update={"kwargs": {**env_config.kwargs, **placeholders}})
     try:  # the env's own code may raise anything: one line naming the env, not a traceback
         make_env = env_factory(env_config)
-        tasks = TaskSource(config.roller.tasks, cls, config.roller.seed, **config.roller.task_kwargs)
+        tasks = TaskSource(config.roller.tasks, task_env_class(config.env), config.roller.seed,
+                           **config.roller.task_kwargs)  # fmt: skip
         schemas = make_env().tool_schemas
         from transformers import AutoTokenizer  # after the env's own errors, which need none of it
 

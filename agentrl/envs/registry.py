@@ -84,6 +84,17 @@ def _import(module_name: str):
         return importlib.import_module(module_name)
 
 
+def task_env_class(config: EnvConfig) -> type[Env]:
+    """The env class whose tasks the run draws (generator, required fields): the env's own, or for
+    an agent env (`env.name: agent`) the env its `tasks_from` / `verifier` kwarg names."""
+    from agentrl.envs.agent import AgentEnv
+
+    cls = load_env_class(config.name)
+    if issubclass(cls, AgentEnv):
+        return cls.task_env(dict(config.kwargs)) or cls
+    return cls
+
+
 def env_factory(config: EnvConfig) -> Callable[[], Env]:
     """A function making a fresh env per episode, from the env section of the config.
 
