@@ -241,3 +241,48 @@ async def test_a_turn_aborted_by_a_weight_update_is_resumed_with_its_versions(to
     first, second = len(policy.outputs[0]), len(policy.outputs[1])
     assert list(episode.versions[generated]) == [0] * 3 + [1] * (first - 3) + [1] * second
     assert episode.metrics["resumed_generations"] == 1
+
+
+class Recording(SGLangClient):
+    """The real client of the embedded server, keeping each reply as it came off the wire."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.replies: list[tuple[list[int], list[int], list[float], int]] = []
+
+    async def generate(self, input_ids, sampling_params, rid=None, session_id=None):
+        result = await super().generate(input_ids, sampling_params, rid=rid, session_id=session_id)
+        self.replies.append(
+            (list(input_ids), list(result.output_ids), list(result.logprobs), result.weight_version)
+        )
+        return result
+
+
+async def test_against_the_embedded_server_the_episode_is_what_it_generated(
+    tokenizer, tiny_model: Path
+) -> None:
+    from tests.unit.inference.conftest import ServerThread
+
+    server = ServerThread(tiny_model).start()
+    client = Recording(server.url)
+    endpoint = AgentEndpoint()
+    await endpoint.start()
+    config = RollerConfig(max_turns=8, max_new_tokens=12, max_total_tokens=1024)
+    try:
+        (episode,) = await run_agent_episode(
+            AgentEnv(agent=f"{AGENTS}:stripping_agent"), {**TASK, "strip": False}, client,
+            RendererCache(tokenizer), config, endpoint,
+        )  # fmt: skip
+    finally:
+        await endpoint.stop()
+        await client.close()
+        server.stop()
+    assert len(client.replies) == 3 and episode.metrics["non_extensions"] == 0
+    tokens = list(episode.tokens)
+    generated = episode.loss_mask.astype(bool)
+    for prompt, output, _, _ in client.replies:
+        assert tokens[: len(prompt) + len(output)] == prompt + output  # nothing re-rendered
+    assert list(episode.tokens[generated]) == [t for _, out, _, _ in client.replies for t in out]
+    expected_logprobs = np.array([lp for _, _, lps, _ in client.replies for lp in lps], np.float32)
+    assert np.array_equal(episode.logprobs[generated], expected_logprobs)
+    assert int(generated.sum()) == sum(len(out) for _, out, _, _ in client.replies)
