@@ -238,7 +238,9 @@ class AgentEndpoint:
         sock = socket.socket()
         sock.bind((self.host, 0))
         port = sock.getsockname()[1]
-        await web.SockSite(self._runner, sock).start()
+        # hundreds of agents connect at once: the default backlog (128) would drop connections,
+        # each then retried by the client's TCP a second later
+        await web.SockSite(self._runner, sock, backlog=4096).start()
         self.base_url = f"http://{self.host}:{port}"
         logger.info("agent endpoint at %s", self.base_url)
         return self.base_url
