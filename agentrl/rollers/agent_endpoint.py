@@ -204,6 +204,13 @@ def completion_chunks(turn: Turn, model: str, cid: str, created: int, include_us
     return chunks
 
 
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise EndpointError(400, "the request body is not JSON") from None
+
+
 def _error(exc: EndpointError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
 
@@ -271,10 +278,7 @@ class AgentEndpoint:
     async def _reward(self, request: web.Request) -> web.Response:
         try:
             session = self._session(request)
-            try:
-                body = await request.json()
-            except ValueError:
-                raise EndpointError(400, "the request body is not JSON") from None
+            body = await _json_body(request)
             value = body.get("reward") if isinstance(body, dict) else None
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise EndpointError(400, 'post {"reward": <number>}', param="reward")
@@ -288,11 +292,7 @@ class AgentEndpoint:
         session = None
         try:
             session = self._session(request)
-            try:
-                body = await request.json()
-            except ValueError:
-                raise EndpointError(400, "the request body is not JSON") from None
-            chat = parse_request(body)
+            chat = parse_request(await _json_body(request))
             if chat.tool_choice not in (None, "auto", "none"):
                 session.counts["tool_choice_unenforced"] += 1
             turn = await session.complete(chat)
