@@ -267,17 +267,23 @@ class RendererCache:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._by_tools: dict[str, ChatRenderer] = {}
+        self._by_tools: dict[str, asyncio.Future[ChatRenderer]] = {}
 
     async def get(self, tools: list[dict] | None) -> ChatRenderer:
+        """The renderer of this tool set, built once in a worker thread; episodes that ask for it
+        while it is being built wait for that one."""
         key = json.dumps(tools, sort_keys=True) if tools else ""
-        renderer = self._by_tools.get(key)
-        if renderer is None:
-            renderer = await asyncio.to_thread(ChatRenderer, self.tokenizer, tools or None)
-            self._by_tools[key] = renderer
+        built = self._by_tools.get(key)
+        if built is None:
+            built = asyncio.ensure_future(asyncio.to_thread(ChatRenderer, self.tokenizer, tools or None))
+            self._by_tools[key] = built
             if len(self._by_tools) > 256:
                 self._by_tools.pop(next(iter(self._by_tools)))
-        return renderer
+        try:
+            return await asyncio.shield(built)
+        except Exception:
+            self._by_tools.pop(key, None)  # a template that fails is tried again by the next episode
+            raise
 
 
 async def run_agent_episode(
