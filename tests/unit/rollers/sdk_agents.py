@@ -176,3 +176,23 @@ if __name__ == "__main__":  # the agent as a subprocess: the endpoint and key fr
     result = asyncio.run(tool_agent(os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"], task))
     print("some log line")
     print(json.dumps(result))
+
+
+async def sampling_agent(base_url: str, api_key: str, task: dict[str, Any]) -> dict[str, Any]:
+    """Asks for its own temperature, then overruns the context; records what it was answered."""
+    seen: dict[str, Any] = {}
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    async with client:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        try:
+            response = await client.chat.completions.create(
+                model="policy", messages=messages, temperature=0.3
+            )
+            seen["temperature"] = response.choices[0].finish_reason
+            messages += [{"role": "assistant", "content": response.choices[0].message.content},
+                         {"role": "user", "content": "word " * 400}]  # fmt: skip
+            await client.chat.completions.create(model="policy", messages=messages)
+        except BadRequestError as exc:
+            seen["error"] = (exc.status_code, exc.body)
+    RESULTS[task["id"]] = seen
+    return seen

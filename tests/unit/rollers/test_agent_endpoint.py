@@ -286,3 +286,20 @@ async def test_against_the_embedded_server_the_episode_is_what_it_generated(
     expected_logprobs = np.array([lp for _, _, lps, _ in client.replies for lp in lps], np.float32)
     assert np.array_equal(episode.logprobs[generated], expected_logprobs)
     assert int(generated.sum()) == sum(len(out) for _, out, _, _ in client.replies)
+
+
+@pytest.mark.parametrize("policy", ["override", "refuse"])
+async def test_sampling_the_run_fixes_and_a_full_context(tokenizer, policy: str) -> None:
+    config = RollerConfig(max_turns=8, max_new_tokens=16, max_total_tokens=256)
+    async with Rig(tokenizer, Policy(tokenizer)) as rig:
+        task = {**TASK, "id": f"sampling-{policy}"}
+        (episode,) = await rig.run(task, config, agent=f"{AGENTS}:sampling_agent", sampling=policy)
+    seen = RESULTS[task["id"]]
+    status, body = seen["error"]
+    if policy == "override":  # answered with the run's temperature, counted; then the context is full
+        assert seen["temperature"] == "stop" and episode.metrics["sampling_overridden_temperature"] == 1
+        assert status == 400 and body["code"] == "context_length_exceeded"
+        assert episode.finish_reason == "context" and episode.num_turns == 1
+    else:
+        assert "temperature" not in seen and status == 400 and body["param"] == "temperature"
+        assert episode.num_generated == 0
