@@ -138,7 +138,8 @@ class ZmqQueueConfig(Section):
     """Order in which admissible groups are handed to the learner."""
     wal_fsync: bool = False
     """Also fsync the write-ahead log before acknowledging (survives a machine crash, not only
-    a crash of the queue process); costs one fsync per batch of puts."""
+    a crash of the queue process); costs one fsync per batch of puts. Without it, groups a machine
+    crash cuts from the log's tail are counted as `lost_undurable` and named at the next start."""
     auth: Literal["mac", "none"] = "mac"
     """`mac`: every message carries a MAC under the shared secret in `secret_env`; messages that
     fail it are refused and counted. `none`: no authentication (trusted networks only)."""
@@ -323,7 +324,7 @@ class BroadcastSyncConfig(Section):
     type: Literal["broadcast"] = "broadcast"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend; auto picks nccl on CUDA, gloo otherwise."""
-    bucket_mb: int = Field(256, ge=1)
+    bucket_mb: float = Field(256, gt=0)
     """Size of one broadcast bucket in MiB; peak extra memory is about two buckets."""
     master_address: str = "127.0.0.1"
     """Address of learner rank 0 as the inference servers reach it."""
@@ -333,6 +334,11 @@ class BroadcastSyncConfig(Section):
     """Timeout of group set-up and of every collective."""
     workers_per_server: int = Field(1, ge=1)
     """Ranks each inference server contributes to the group (its tensor-parallel size; 1 for embedded)."""
+    transactional: Literal["all", "any"] = "any"
+    """`any`: each server commits the version or is dropped from the push (re-synced later);
+    `all`: every live server commits it or, once one refuses it twice, none does (all stay on the
+    previous version). Holds for servers that stage updates (embedded, vLLM); an SGLang server
+    loads buckets as they arrive and is kept paused after an aborted push until re-synced."""
 
 
 class DiskSyncConfig(Section):
@@ -600,10 +606,6 @@ class AgentRLConfig(Section):
             raise ValueError(
                 "learner.loss.advantage: 'remax' needs roller.greedy_baseline: true (the rollers run the "
                 "greedy episode whose reward is each group's baseline)"
-            )
-        if concerns("learner") and self.learner.loss.clip_high < self.learner.loss.clip_low:
-            raise ValueError(
-                "learner.loss.clip_high: must be >= learner.loss.clip_low (clip-higher widens the upper bound only)"
             )
         return self
 

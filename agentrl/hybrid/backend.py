@@ -84,8 +84,7 @@ class HybridFSDP2Backend(FSDP2Backend):
         if applied:
             for params in by_mesh.values():
                 clip_grads_with_norm_(params, max_grad_norm, total.to(torch.float32))
-            part.optimizer.step()
-            part.scheduler.step()
+            self._checked_step(part)
         part.optimizer.zero_grad(set_to_none=True)
         return norm, applied
 

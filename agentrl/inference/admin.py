@@ -4,7 +4,11 @@ They follow SGLang 0.5.23's routes and bodies (`protocol.py`; `srt/entrypoints/h
 and its rules: weight-update routes answer `{"success", "message"}` (HTTP 400 when the request
 cannot be honoured); `/update_weights_from_distributed` is refused outside a
 `/begin_weight_update` … `/end_weight_update` session, before anything is received
-(`SchedulerWeightUpdaterManager.update_weights_from_distributed`); `load_format:
+(`SchedulerWeightUpdaterManager.update_weights_from_distributed`). Unlike SGLang, which loads
+each bucket as it arrives, the embedded server stages the buckets of a session and applies them
+with their version only at `/end_weight_update` (an `"abort": true` there discards them), so a
+push that fails midway leaves it on its previous weights and version; staging costs one copy
+of the pushed tensors for the length of a push. `load_format:
 "flattened_bucket"` receives a bucket as one uint8 broadcast (`FlattenedTensorBucket`);
 aborts match rid prefixes and answer an empty body; `/ping` is a liveness flag that answers
 while paused (`sagemaker_health`). Everything that touches the model or the
@@ -65,6 +69,9 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    """Receive one bucket into the session's staging area (checked against the model); the model
+    and its version change only at `/end_weight_update`. A bucket that fails spoils the session:
+    its commit is refused and the server keeps its weights and version."""
     import torch
 
     from agentrl.inference.weight_group import parse_dtype
@@ -77,63 +84,56 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         )
     if body.load_format not in (None, "flattened_bucket"):
         return _fail(f"load_format {body.load_format!r}: the embedded server takes none or flattened_bucket")
+    session = state["session"]
     group = state["groups"].get(body.group_name)
     if group is None:
-        return _fail(f"no weight group {body.group_name!r}; call /init_weights_update_group first")
+        return _spoil(state, f"no weight group {body.group_name!r}; call /init_weights_update_group first")
     try:
         dtypes = [parse_dtype(d) for d in body.dtypes]
     except ValueError as exc:
-        return _fail(str(exc))
+        return _spoil(state, str(exc))
     device = engine.device if group.backend == "nccl" else torch.device("cpu")
 
-    def receive_flattened() -> str:
-        sizes = [math.prod(shape) * d.itemsize for d, shape in zip(dtypes, body.shapes, strict=True)]
-        flat = group.broadcast(torch.empty(sum(sizes), dtype=torch.uint8, device=device), 0)
-        tensors, offset = {}, 0
-        for name, dtype, shape, size in zip(body.names, dtypes, body.shapes, sizes, strict=True):
-            tensors[name] = flat[offset : offset + size].view(dtype).reshape(shape)
-            offset += size
-        engine.load_weights(tensors, None if body.weight_version is None else str(body.weight_version))
-        return engine.weight_version
-
-    def receive_and_load() -> str:
+    def receive() -> dict[str, torch.Tensor]:
+        # receive everything the trainer sends even if it will be refused: the collective stays aligned
         if body.abort_all_requests:
             engine.abort(abort_all=True, message="weights updated")
         if body.load_format == "flattened_bucket":
-            return receive_flattened()
-        version = None if body.weight_version is None else str(body.weight_version)
-        state = engine.model.state_dict()
-        targets = [state.get(name) for name in body.names]
-        if all(
-            t is not None
-            and tuple(t.shape) == tuple(shape)
-            and t.dtype == dtype
-            and t.device == device
-            and t.is_contiguous()
-            for t, dtype, shape in zip(targets, dtypes, body.shapes, strict=True)
-        ):
-            # Names, shapes and dtypes all match: receive straight into the parameters (no staging copy).
-            # Should the broadcast fail midway the version is not bumped and the trainer pushes again.
-            with torch.no_grad():
-                for target in targets:
-                    group.broadcast(target, 0)
-            if version is not None:
-                engine.weight_version = version
-            return engine.weight_version
-        # Receive everything the trainer sends even if it will be rejected: the collective stays aligned.
-        tensors = {}
-        for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True):
-            tensors[name] = group.broadcast(torch.empty(shape, dtype=dtype, device=device), 0)
-        engine.load_weights(tensors, version)
-        return engine.weight_version
+            sizes = [math.prod(shape) * d.itemsize for d, shape in zip(dtypes, body.shapes, strict=True)]
+            flat = group.broadcast(torch.empty(sum(sizes), dtype=torch.uint8, device=device), 0)
+            tensors, offset = {}, 0
+            for name, dtype, shape, size in zip(body.names, dtypes, body.shapes, sizes, strict=True):
+                tensors[name] = flat[offset : offset + size].view(dtype).reshape(shape)
+                offset += size
+        else:
+            tensors = {
+                name: group.broadcast(torch.empty(shape, dtype=dtype, device=device), 0)
+                for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True)
+            }
+        engine.check_weights(tensors)
+        return tensors
 
     try:
-        version = await _in_engine(engine, receive_and_load)
+        tensors = await _in_engine(engine, receive)
     except ValueError as exc:
-        return _fail(f"update rejected, weights unchanged: {exc}")
+        return _spoil(state, f"update rejected, weights unchanged: {exc}", session)
     except Exception as exc:
-        return _fail(f"update failed: {type(exc).__name__}: {exc}", status=500)
-    return _ok(f"loaded {len(body.names)} tensors", weight_version=version)
+        return _spoil(state, f"update failed, weights unchanged: {type(exc).__name__}: {exc}", session, 500)
+    if state["session"] != session:  # aborted while receiving
+        return _fail("the weight-update session was closed while receiving; nothing staged")
+    if state["staged"] is None:
+        return _fail("an earlier bucket of this session failed; nothing more is staged")
+    state["staged"].update(tensors)
+    if body.weight_version is not None:
+        state["staged_version"] = str(body.weight_version)
+    return _ok(f"staged {len(body.names)} tensors", weight_version=engine.weight_version)
+
+
+def _spoil(state: dict, message: str, session: int | None = None, status: int = 400) -> web.Response:
+    """Refuse a bucket and spoil the session it belongs to (its commit is then refused)."""
+    if session is None or state["session"] == session:
+        state["staged"] = None
+    return _fail(message, status)
 
 
 def _read_checkpoint(path: str) -> dict:
@@ -180,21 +180,40 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
 
 
 async def begin_weight_update(request: web.Request) -> web.Response:
+    """Open a session; `staged_commit` (an agentrl extra) tells the client that buckets are staged
+    until `/end_weight_update`."""
     await parse(request, P.BeginUpdateIn)
     state = request.app[STATE]
     if state["session"]:
         return _fail("a weight-update session is already open; call end_weight_update() first")
-    state["session"] = True
-    return _ok("Success")
+    state["sessions"] += 1
+    state["session"], state["staged"], state["staged_version"] = state["sessions"], {}, None
+    return _ok("Success", staged_commit=True)
 
 
 async def end_weight_update(request: web.Request) -> web.Response:
-    await parse(request, P.EndUpdateIn)
-    state = request.app[STATE]
+    """Commit: load every staged tensor and set the staged version, in the engine thread, all or
+    nothing (`Engine.load_weights` checks first). With `abort` (an agentrl extra): discard them."""
+    body: P.EndUpdateIn = await parse(request, P.EndUpdateIn)
+    engine, state = request.app[ENGINE], request.app[STATE]
     if not state["session"]:
         return _fail("no weight-update session is open; call begin_weight_update() first")
-    state["session"] = False
-    return _ok("Success")
+    staged, version = state["staged"], state["staged_version"]
+    state["session"], state["staged"], state["staged_version"] = 0, None, None
+    if body.abort:
+        return _ok(
+            f"aborted, {len(staged or {})} staged tensors discarded", weight_version=engine.weight_version
+        )
+    if staged is None:
+        return _fail(
+            f"a bucket of this session failed: nothing applied, weights stay at {engine.weight_version}"
+        )
+    if staged:
+        try:
+            await _in_engine(engine, lambda: engine.load_weights(staged, version))
+        except Exception as exc:
+            return _fail(f"commit failed, weights unchanged: {type(exc).__name__}: {exc}", status=500)
+    return _ok("Success", weight_version=engine.weight_version)
 
 
 async def pause_generation(request: web.Request) -> web.Response:

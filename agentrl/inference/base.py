@@ -133,12 +133,17 @@ class WeightUpdateClient(abc.ABC):
     A separate interface from `InferenceClient` because servers differ here (SGLang's
     begin/update/end session, vLLM's transfer engine, the embedded server). A broadcast push
     is `pause_generation`, `begin_weight_update`, one `update_weights_from_distributed` per
-    bucket, `end_weight_update`, `continue_generation`; a disk push replaces the three middle
-    calls by `update_weights_from_disk`."""
+    bucket, `end_weight_update` (the commit), `continue_generation`, and a push that fails midway
+    ends with `abort_weight_update` instead; a disk push replaces the session by
+    `update_weights_from_disk`."""
 
     url: str = ""
     flattened_buckets: bool = False
     """True when the server takes a bucket as one flat uint8 broadcast (`flattened=True`)."""
+    stages_updates: bool = False
+    """True when the server stages the buckets and applies them only at `end_weight_update`, so
+    an aborted push leaves it whole on its previous weights and version; False when each bucket
+    is loaded as it arrives (SGLang), so an aborted push may leave a mix."""
 
     @abc.abstractmethod
     async def alive(self) -> bool:
@@ -192,7 +197,13 @@ class WeightUpdateClient(abc.ABC):
 
     @abc.abstractmethod
     async def end_weight_update(self, weight_version: int | None = None) -> None:
-        """Close the session opened by `begin_weight_update` (also after a failed bucket)."""
+        """Commit the session opened by `begin_weight_update`: the server then generates with every
+        bucket received (a staging server applies them here, all or none)."""
+
+    @abc.abstractmethod
+    async def abort_weight_update(self) -> None:
+        """Close the session without committing: a staging server drops what it staged and keeps
+        its weights and version; one that loads per bucket keeps what it loaded."""
 
     @abc.abstractmethod
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:

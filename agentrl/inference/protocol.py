@@ -199,7 +199,8 @@ class BeginUpdateIn(Admin):
 
 
 class EndUpdateIn(Admin):
-    pass
+    abort: bool = False
+    """agentrl extra: discard the session's staged buckets instead of committing them."""
 
 
 class UpdateVersionIn(Admin):

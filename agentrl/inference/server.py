@@ -196,7 +196,15 @@ def make_app(
     middlewares = [_auth(api_key, admin_api_key)] if (api_key or admin_api_key) else []
     app = web.Application(middlewares=[*middlewares, _errors], client_max_size=256 << 20)
     app[ENGINE] = engine
-    app[STATE] = {"rids": set(), "groups": {}, "group_timeout_s": group_timeout_s, "session": False}
+    app[STATE] = {
+        "rids": set(),
+        "groups": {},
+        "group_timeout_s": group_timeout_s,
+        "session": 0,
+        "sessions": 0,
+        "staged": None,
+        "staged_version": None,
+    }
     post = {
         "/generate": generate,
         "/init_weights_update_group": admin.init_weights_update_group,

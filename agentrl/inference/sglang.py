@@ -10,6 +10,12 @@ strict stand-in, tests/sglang_standin.py). What 0.5.23 requires of a client:
   `srt/managers/scheduler_components/weight_updater.py` answers 400 otherwise). Releases without
   the session routes (404 on begin) are detected once per client, logged, and pushed to without
   a session; `flattened_bucket` is only used where the session routes exist.
+- a session commits as SGLang applies it: each bucket is loaded as it arrives and the version
+  recorded with it, so a push aborted midway may leave a mix (`stages_updates` False). The
+  embedded server says at `/begin_weight_update` that it stages instead (`"staged_commit": true`,
+  an agentrl extra: buckets applied and the version set only at `/end_weight_update`; an
+  `/end_weight_update` with the extra field `"abort": true` discards them; SGLang ignores both
+  fields, its admin structs ignore unknown keys).
 - the version comes from `GET /model_info` (`model_info`); `/get_weight_version` is gone.
 - liveness is `GET /ping` (`sagemaker_health`: a flag check that answers 200 while paused);
   `/health` runs a one-token generation unless `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`
@@ -133,6 +139,9 @@ class SGLangClient(InferenceClient, WeightUpdateClient):
         self.url = self.http.url
         self.has_session: bool | None = None
         """Whether the server has `/begin_weight_update` (SGLang ≥ 0.5.2x); None until first asked."""
+        self.stages_updates = False
+        """Whether the server stages buckets until `/end_weight_update` (the embedded server
+        says so in its `/begin_weight_update` reply); learnt at each begin."""
 
     @property
     def flattened_buckets(self) -> bool:
@@ -277,12 +286,26 @@ class SGLangClient(InferenceClient, WeightUpdateClient):
             logger.info("%s has the weight-update session API (begin/end, flattened_bucket)", self.url)
         self.has_session = True
         _check_success("/begin_weight_update", reply)
+        self.stages_updates = isinstance(reply, dict) and reply.get("staged_commit") is True
 
     async def end_weight_update(self, weight_version: int | None = None) -> None:
         """SGLang records the version with each bucket; `weight_version` is not sent here."""
         if self.has_session is False:
             return
         _check_success("/end_weight_update", await self.http.request("POST", "/end_weight_update", {}))
+
+    async def abort_weight_update(self) -> None:
+        """`/end_weight_update` with `abort` (the embedded server discards what it staged; SGLang
+        closes the session, keeping the buckets it loaded). No session open is not an error."""
+        if self.has_session is False:
+            return
+        try:
+            reply = await self.http.request("POST", "/end_weight_update", {"abort": True})
+        except BadRequestError as exc:
+            if "no weight-update session" in str(exc):
+                return
+            raise
+        _check_success("/end_weight_update", reply)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
         body: dict[str, Any] = {"model_path": model_path}

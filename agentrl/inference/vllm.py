@@ -104,6 +104,8 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
 
     flattened_buckets = True
     """The worker extension takes a bucket as one flat uint8 broadcast (`agentrl_receive`)."""
+    stages_updates = True
+    """The workers stage buckets and load them only at the commit (`agentrl_commit`)."""
 
     def __init__(
         self,
@@ -366,6 +368,11 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         pending, self._pending_version = self._pending_version, None
         await self.rpc("agentrl_commit")
         await self._set_version(weight_version if weight_version is not None else pending)
+
+    async def abort_weight_update(self) -> None:
+        """Drop what the workers staged: the model and its version stay as they were."""
+        self._pending_version = None
+        await self.rpc("agentrl_discard")
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
         """Load `<model_path>/*.safetensors` through the worker's checked, re-tied commit; the caller

@@ -60,6 +60,11 @@ class ModelPart:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
 
 
+class NonFiniteError(RuntimeError):
+    """The weights, or the optimizer state a step would read, hold a NaN or an infinity; the
+    message names the tensor. Raised before anything non-finite is pushed or saved."""
+
+
 @dataclass
 class LocalShard:
     """This rank's piece of one parameter, in place (no copy): `local` is the local tensor,
@@ -130,7 +135,16 @@ class LearnerBackend(Protocol):
 
     def optimizer_step(self, part: ModelPart, max_grad_norm: float, skip: bool = False) -> tuple[float, bool]:
         """Clip gradients to `max_grad_norm` and step the optimizer and LR schedule, unless
-        `skip` or the norm is non-finite; gradients are dropped either way. (norm, applied)."""
+        `skip` or the norm is non-finite; gradients are dropped either way. (norm, applied).
+        Raises `NonFiniteError` naming the tensor when the optimizer state the step would read is
+        not finite (the step is not taken: the weights stay as they were) or the weights it wrote
+        are not (they must not be pushed or saved)."""
+        ...
+
+    def first_nonfinite(self, part: ModelPart, params: bool = True, state: bool = True) -> str | None:
+        """The name of the first of `part`'s parameters (`params`) or optimizer-state tensors
+        (`state`) holding a NaN or an infinity, else None. A collective: every rank gets the same
+        answer."""
         ...
 
     def all_reduce(self, values: dict[str, float], op: Literal["sum", "max"]) -> dict[str, float]:
@@ -163,10 +177,16 @@ class LearnerBackend(Protocol):
         ...
 
 
-def create(backend: str) -> LearnerBackend:
-    """The backend named by `learner.backend` (initialising the process group)."""
+def create(backend: str, megatron: Any = None, seed: int = 0) -> LearnerBackend:
+    """The backend named by `learner.backend` (initialising the process group); `megatron` is
+    `learner.megatron` (tp, pp) for the Megatron-core backend."""
     if backend == "fsdp2":
         from agentrl.learner.fsdp import FSDP2Backend
 
         return FSDP2Backend()
-    raise ValueError(f"learner.backend: unknown backend {backend!r}; available: fsdp2")
+    if backend == "megatron":
+        from agentrl.learner.megatron import MegatronBackend
+
+        tp, pp = (megatron.tp, megatron.pp) if megatron is not None else (1, 1)
+        return MegatronBackend(tp=tp, pp=pp, seed=seed)
+    raise ValueError(f"learner.backend: unknown backend {backend!r}; available: fsdp2, megatron")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agentrl.learner.backend import LocalShard, ModelPart, PartKind
+from agentrl.learner.backend import LocalShard, ModelPart, NonFiniteError, PartKind
 from agentrl.learner.packing import MicroBatch
 from agentrl.log import get_logger
 
@@ -202,6 +202,31 @@ def copy_tokenizer(src: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def first_nonfinite(named: list[tuple[str, torch.Tensor]], device: torch.device) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity, over every rank's (local)
+    tensors: a fused L1 norm per tensor (`torch._foreach_norm`, as `clip_grad_norm_` uses; a NaN or
+    inf makes it non-finite, an L1 norm overflows only beyond 3e38) and one all-reduce (MIN) of the
+    first bad index, so every rank names the same tensor."""
+    first = len(named)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (_, tensor) in enumerate(named):
+        by_kind.setdefault((tensor.device, tensor.dtype), []).append(i)
+    for indices in by_kind.values():
+        norms = torch._foreach_norm([named[i][1] for i in indices], 1)
+        bad = (~torch.isfinite(torch.stack(norms))).nonzero()
+        if bad.numel():
+            first = min(first, indices[int(bad[0])])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([first], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        first = int(t)
+    return named[first][0] if first < len(named) else None
+
+
 class FSDP2Backend:
     """`LearnerBackend` on FSDP2 (see `backend.py` for the contract of each method).
 
@@ -290,10 +315,42 @@ class FSDP2Backend:
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         applied = math.isfinite(norm) and not skip
         if applied:
-            part.optimizer.step()
-            part.scheduler.step()
+            self._checked_step(part)
         part.optimizer.zero_grad(set_to_none=True)
         return norm, applied
+
+    def _checked_step(self, part: ModelPart) -> None:
+        """The AdamW and LR-schedule step between two finiteness checks (`NonFiniteError`): of the
+        optimizer state it reads (the gradients' is the clipped norm's), so that a corrupt state
+        leaves the weights untouched, and of the weights it wrote, so that none is pushed or saved.
+        Each is one fused pass over this rank's shards and one all-reduce."""
+        self._refuse_nonfinite(
+            part, "state", "is not finite: the optimizer step was not taken and the weights are those of the "
+            "last version (the optimizer state comes from the checkpoint resumed or an earlier step; resume "
+            "from an earlier checkpoint)",
+        )  # fmt: skip
+        lr = part.lr
+        part.optimizer.step()
+        part.scheduler.step()
+        self._refuse_nonfinite(part, "params", f"is not finite after the optimizer step (lr {lr:g}): not "
+                               "pushed and not saved; the last checkpoint holds the last good weights")  # fmt: skip
+
+    def _refuse_nonfinite(self, part: ModelPart, which: Literal["state", "params"], outcome: str) -> None:
+        bad = self.first_nonfinite(part, params=which == "params", state=which == "state")
+        if bad is not None:
+            part.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"{bad} of the {part.name} {outcome}")
+
+    def first_nonfinite(self, part: ModelPart, params: bool = True, state: bool = True) -> str | None:
+        named: list[tuple[str, torch.Tensor]] = []
+        for name, param in part.module.named_parameters():
+            if params:
+                named.append((name, _local(param.detach())))
+            if state and part.optimizer is not None:
+                for key, value in part.optimizer.state.get(param, {}).items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        named.append((f"{name} ({key})", _local(value)))
+        return first_nonfinite(named, self.device)
 
     def all_reduce(self, values: dict[str, float], op: Literal["sum", "max"]) -> dict[str, float]:
         if not values:

@@ -10,9 +10,12 @@ few lines in `run`):
        broadcasts the groups to the other ranks)
     2. validate, skip bad groups with a counted reason, compute advantages
     3. pack into token-budget micro-batches balanced across ranks; recompute frozen log-probs
-    4. forward/backward over the micro-batches, clip, AdamW step (skipped if non-finite)
+    4. forward/backward over the micro-batches, clip, AdamW step (skipped if the loss or the
+       gradient norm is non-finite; a non-finite optimizer state, or weights after the step, stop
+       the learner naming the tensor, before anything is pushed or saved)
     5. version += 1; publish it; hand the weights to weight sync
-    6. ack the groups; record their ids (`<run_dir>/learner_groups.jsonl`); log metrics
+    6. ack the groups; record their ids (`<run_dir>/learner_groups.jsonl`); log metrics; a
+       sample of transcripts every N steps (`transcripts.py`)
     7. checkpoint and export every N steps (and at the end)
 
 A stop request (`stop.set()`, from SIGTERM / SIGINT in `learner.main`) is honoured between
@@ -47,6 +50,7 @@ from agentrl.learner.critic import build_critic, critic_step, gae_advantages
 from agentrl.learner.data import no_generation_why, prepare_batch
 from agentrl.learner.packing import MicroBatch, non_padding_fraction, plan_microbatches
 from agentrl.learner.train_step import optimizer_step, recompute_logprobs
+from agentrl.learner.transcripts import StepNotes
 from agentrl.log import MetricsLogger, get_logger
 from agentrl.types import Group
 
@@ -150,7 +154,7 @@ def lr_lambda(schedule: ScheduleConfig, total_steps: int):
 def build_learner(cfg: LearnerConfig, run_dir: str | Path) -> Learner:
     """The backend (process group), the actor with AdamW and its LR schedule, the frozen
     reference when kl_coef > 0, and the critic with its own AdamW when `loss.advantage: gae`."""
-    backend = backends.create(cfg.backend)
+    backend = backends.create(cfg.backend, cfg.megatron, cfg.seed)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
     schedule = lr_lambda(cfg.schedule, cfg.max_steps * cfg.mini_batches)
@@ -284,8 +288,9 @@ def export(learner: Learner) -> Path:
 
 
 def resume(learner: Learner, consumer: Consumer | None) -> bool:
-    """Load the latest checkpoint if one exists; the consumer gets its saved cursor back."""
-    path = checkpoint.latest_checkpoint(learner.run_dir / "checkpoints")
+    """Load the newest intact checkpoint if one exists (a corrupt newer one is named and set
+    aside; see `checkpoint.resume_point`); the consumer gets its saved cursor back."""
+    path = checkpoint.resume_point(learner.run_dir / "checkpoints")
     if path is None:
         log.info("--resume: no checkpoint under %s; starting fresh", learner.run_dir / "checkpoints")
         return False
@@ -329,6 +334,7 @@ def run(
     if learner.rank == 0 and consumer is not None:
         consumer.publish_version(learner.version)
     tally = RunTally(ConsoleProgress(cfg.max_steps, learner.version, enabled=learner.rank == 0))
+    notes = StepNotes(learner.run_dir, cfg.model_path, cfg.logging) if learner.rank == 0 else None
     while learner.version < cfg.max_steps:
         # 1. wait for a batch admissible at the current version (or stop)
         t0 = time.perf_counter()
@@ -377,6 +383,7 @@ def run(
             m.update({**adv_stats, **_mean(critic_steps)})
             if critic is not None:
                 m["critic/warmup"] = float(warming)
+            notes.step(learner.version, groups, m, metrics)  # flat-reward count; transcripts when due
             _report(learner, consumer, metrics, m, pushed, tally)
 
         # 7. checkpoint and export every N steps
@@ -429,7 +436,7 @@ def pack(learner: Learner, batch) -> list[list[MicroBatch]]:
     plans = [plan_microbatches(samples, cfg.micro_batch_tokens, backend.dp_size, backend.dp_rank,
                                cfg.pad_multiple, learner.pad_id, learner.pack_rows) for samples in batch.mini_batches]  # fmt: skip
     plans = [[mb.to(learner.device) for mb in plan] for plan in plans]
-    needs_old = loss.off_policy == "decoupled" or (loss.off_policy == "tis" and cfg.mini_batches > 1)
+    needs_old = loss.needs_old_logp(cfg.mini_batches)
     for plan in plans:
         if needs_old:
             recompute_logprobs(learner.backend, learner.actor, plan, "old_logp", cfg.temperature)

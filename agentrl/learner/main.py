@@ -60,7 +60,8 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
     backend = create(cfg.queue)
     server = None
     servers_file = server_list.from_env()  # the launcher's live list, handed on to the rollers
-    hello = {"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness}
+    per_token = cfg.learner.staleness == "token"
+    hello = {"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness, "pt": int(per_token)}
     if cfg.queue.type != "zmq" or cfg.queue.standalone:
         if cfg.queue.type != "zmq":
             # the run's admission window in `<stream>:state` (Redis is the server): without it no
@@ -69,8 +70,10 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
                 groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.max_staleness
             ).start().stop()
             consumer = backend.consumer("rank0", ledger=Path(cfg.run_dir) / "queue_ledger.jsonl")
+            consumer.per_token_staleness = per_token
         else:
             consumer = backend.consumer("rank0", hello=hello)
+            consumer.per_token_staleness = per_token
             log.info("TransferQueue: consuming from the standalone queue at %s (run %s)", cfg.queue.address,
                      consumer.run_id)  # fmt: skip
         if servers_file is not None:  # the queue is not ours: we hand the list on (server_list.Publisher)
@@ -84,10 +87,13 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
         run_id=run_id(cfg, resume),
         ledger=Path(cfg.run_dir) / "queue_ledger.jsonl",
         servers_file=servers_file,
+        per_token_staleness=per_token,
     )
     server.start()
     log.info("TransferQueue listening on %s (run %s)", cfg.queue.address, server.run_id)
-    return backend.consumer("rank0", server=server, hello=hello), server
+    consumer = backend.consumer("rank0", server=server, hello=hello)
+    consumer.per_token_staleness = per_token
+    return consumer, server
 
 
 def open_weight_sync(cfg: AgentRLConfig, rank: int) -> Any:
@@ -135,11 +141,25 @@ def _finish_run(cfg: AgentRLConfig, consumer: Any, server: Any) -> None:
                     q.roller_lease_s + 2 * q.heartbeat_s)  # fmt: skip
 
 
+def write_final(run_dir: Path, final: dict[str, Any]) -> None:
+    (run_dir / "queue_final.json").write_text(json.dumps(final, indent=1, default=str))
+
+
+def _quietly(what: str, fn: Any, *args: Any) -> None:
+    """`fn(*args)` in the shutdown path: an exception is logged (naming `what`), not raised."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        log.error("%s failed: %s: %s", what, type(exc).__name__, exc)
+
+
 def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> int:
     """Train until `learner.max_steps`; returns a process exit code."""
     import torch.distributed as dist
 
     from agentrl.config import save_resolved
+    from agentrl.learner.backend import NonFiniteError
+    from agentrl.learner.checkpoint import CheckpointError
     from agentrl.learner.loop import build_learner, run
     from agentrl.queue.base import QueueError
 
@@ -178,22 +198,24 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
                 _finish_run(cfg, consumer, server)
         if consumer is not None:
             final = server.metrics() if server is not None else consumer.metrics()
-    except QueueError as exc:
+    except (QueueError, CheckpointError, NonFiniteError) as exc:
         log.error("%s", exc)
         code = 1
     except KeyboardInterrupt:
         log.warning("interrupted; the latest checkpoint is resumable with --resume")
         code = 130
     finally:
+        # each step on its own: a failure here (the disk that filled up during a checkpoint is still
+        # full) is logged after the error that ended the run, never instead of it
         for closeable in (consumer, metrics, weight_sync):
             if closeable is not None:
-                closeable.close()
+                _quietly(f"closing the {type(closeable).__name__}", closeable.close)
         if server is not None:
-            server.stop()
+            _quietly("stopping the queue server", server.stop)
             final = server.metrics()
         if final is not None:
             # the queue's final account: every group put is trained on, dropped (counted) or left queued
-            (Path(cfg.run_dir) / "queue_final.json").write_text(json.dumps(final, indent=1, default=str))
+            _quietly("writing queue_final.json", write_final, Path(cfg.run_dir), final)
     if dist.is_initialized():
         dist.destroy_process_group()
     return code

@@ -13,8 +13,9 @@ Sources, all under the run directory (several lives of a resumed learner append 
 
 lost: acknowledged to a roller, yet neither trained, nor dropped (counted), nor still held by the
 queue at the end, nor lost with durability off. lost_undurable: acknowledged by a queue with
-`queue.durable: false` that died holding them (kill -9 of the learner hosting it; see `ledger.py`):
-the documented loss window of a non-durable queue, counted apart from `lost` (which is a bug). duplicated: trained more than once. leaked_credits: admission credits the
+`queue.durable: false` that died holding them (kill -9 of the learner hosting it; see `ledger.py`),
+or by a durable queue without `queue.wal_fsync` whose WAL tail a machine crash cut: the documented
+loss window of those settings, counted apart from `lost` (which is a bug). duplicated: trained more than once. leaked_credits: admission credits the
 queue cannot account for at the end (the credit invariant's residual) plus credits still held
 under leases when the queue stopped (every roller had left or lapsed by then).
 

@@ -18,7 +18,9 @@ rollers' leases (acq / rel / heartbeats / run id / finish) the `Admission` mixin
 What the loop does each turn (`_loop`):
 1. receive what is waiting on both sockets and handle each message (`_handle`);
 2. expire leases (unacked groups go back to the queue; lapsed rollers' admission credits are
-   reclaimed) and answer `get`s whose deadline passed;
+   reclaimed) and answer `get`s whose deadline passed; a turn that comes more than `STALL_S`
+   after the last (the process was stopped or starved) first extends every lease by the gap,
+   as the messages that renew them are still unread in the sockets;
 3. commit the write-ahead log, then send the replies — so a producer's ack always
    follows the WAL write of its group. Without fsync, puts are acked after each message
    instead (commit, then send), so a producer refills its window while the next message is
@@ -31,10 +33,10 @@ Flow control: queued plus handed-out groups stay within `capacity_groups` and
 derived from what is in flight (see `zmq_admission.py`), so groups dropped as stale (or in a
 step the learner skipped) give their admission back by leaving, and rollers replace them.
 
-With a `ledger` path the server keeps `ledger.py`'s ledger (what it took with durability off,
+With a `ledger` path the server keeps `ledger.py`'s ledger (what it took without an fsynced WAL,
 what was trained or dropped, what it still held at `stop()`): the per-group account of
-`agentrl/queue/account.py`, and the count of groups a previous durability-off life died holding
-(`lost_undurable`).
+`agentrl/queue/account.py`, and the count of acknowledged groups a previous life lost
+(`lost_undurable`): held by a durability-off queue that died, or cut from the WAL's tail.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ log = get_logger("queue.server")
 
 COALESCE_SLACK = 8 << 20  # a put message may carry several small groups beyond one group's limit
 REFUSAL_LOG_S = 10.0  # refusals are logged at WARNING at most this often (with the count since)
+STALL_S = 1.0  # turns of the loop further apart than this are a stall (a turn polls at most 50 ms)
 
 
 def _recv(sock: zmq.Socket) -> list[zmq.Frame]:
@@ -105,13 +108,16 @@ class QueueServer(Admission, Delivery):
         run_id: str | None = None,
         ledger: str | Path | None = None,
         servers_file: str | Path | None = None,
+        per_token_staleness: bool = False,
     ) -> None:
         """`run_id`: the run this queue serves (else `config.run_id`, else the WAL's, else new).
         `ledger`: a JSONL file of trained / dropped group ids (see the module docstring).
         `servers_file`: the launcher's live server list (`inference.server_list`), reread every
         0.5 s and carried in every reply (`sl`: [epoch, urls, services]) to the producers (their
-        routers, and their env services map)."""
+        routers, and their env services map). `per_token_staleness` (`learner.staleness: token`):
+        a queued group is dropped as stale only once its newest generated token is past the bound."""
         self.config = config
+        self.per_token_staleness = per_token_staleness
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.bind = bind or config.address
@@ -139,6 +145,7 @@ class QueueServer(Admission, Delivery):
         self.version = 0
         self._low_version = _NO_VERSION  # lower bound of min_version over queued groups
         self._next_lease_check = 0.0
+        self._last_tick = time.monotonic()
         self._seq = 0
         self._bytes = 0
         self._ages: deque[float] = deque(maxlen=4096)
@@ -187,7 +194,10 @@ class QueueServer(Admission, Delivery):
         if self.wal is not None:
             self._recover()
         if self._ledger_path is not None:
-            self.ledger = Ledger(self._ledger_path, self.epoch, self.wal is not None, self.version)
+            durable = self.wal is not None
+            found = [*self._queued, *self._acked] if durable else None  # what the WAL replay knows
+            self.ledger = Ledger(self._ledger_path, self.epoch, durable, self.version,
+                                 wal_fsync=durable and self.wal.fsync, wal_found=found)  # fmt: skip
             self.counters["lost_undurable"] = self.ledger.lost_before
         self._thread = threading.Thread(target=self._run, name="agentrl-queue-server", daemon=True)
         self._thread.start()
@@ -261,6 +271,7 @@ class QueueServer(Admission, Delivery):
         poller = zmq.Poller()
         poller.register(public, zmq.POLLIN)
         poller.register(local, zmq.POLLIN)
+        self._last_tick = time.monotonic()
         try:
             self._loop(poller, public, local)
         except zmq.ContextTerminated:
@@ -528,7 +539,12 @@ class QueueServer(Admission, Delivery):
     # ---------------------------------------------------------------- timers, metrics
 
     def _tick(self) -> None:
+        # every timer below compares against this one `now`: a stop of the process inside this
+        # turn is credited (`_credit_stall`) at the next turn before anything can lapse
         now = time.monotonic()
+        if now - self._last_tick > STALL_S:
+            self._credit_stall(now - self._last_tick)
+        self._last_tick = now
         if self._servers_file is not None and now >= self._next_servers_check:
             self._next_servers_check = now + 0.5
             if (found := self._servers_file.poll()) is not None:
@@ -545,7 +561,7 @@ class QueueServer(Admission, Delivery):
                 self.config.lease_s,
             )
             self._requeue(expired)
-        self._expire_leases()
+        self._expire_leases(now)
         for ident, get in list(self._gets.items()):
             if get.deadline is not None and get.deadline < now:
                 del self._gets[ident]

@@ -62,6 +62,24 @@ class AsyncBridge:
 
 
 @dataclass
+class Outcome:
+    """How one server left a push: `committed` at `version` (read back from the server after the
+    commit), or not, with `reason`; `version` is then the one it reads back (None: it did not
+    answer) and `paused` whether it was left paused (its weights may be a mix, until re-synced)."""
+
+    committed: bool
+    version: int | None
+    reason: str = ""
+    paused: bool = False
+
+    def __str__(self) -> str:
+        if self.committed:
+            return f"committed v{self.version}"
+        at = "unknown version" if self.version is None else f"v{self.version}"
+        return f"dropped ({self.reason}; reads {at}{', kept paused' if self.paused else ''})"
+
+
+@dataclass
 class PushStats:
     version: int
     seconds: float = 0.0
@@ -70,9 +88,12 @@ class PushStats:
     buckets: int = 0
     broadcasts: int = 0
     servers_updated: int = 0
+    """Servers that committed `version`, read back."""
     servers_dropped: list[str] = field(default_factory=list)
     peak_bucket_bytes: int = 0
     attempts: int = 1
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    """Every server of the live list, by URL: committed, or dropped and why."""
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -81,7 +102,13 @@ class PushStats:
             "sync/gb_per_s": self.bytes / self.seconds / 1e9 if self.seconds else 0.0,
             "sync/servers_updated": self.servers_updated,
             "sync/servers_dropped": len(self.servers_dropped),
+            "sync/servers_paused": sum(o.paused for o in self.outcomes.values()),
             "sync/attempts": self.attempts,
+            # per server: 1 committed the version (read back), 0 dropped from this push
+            **{
+                f"sync/committed/{url.split('://')[-1]}": float(o.committed)
+                for url, o in self.outcomes.items()
+            },
         }
 
 
@@ -183,6 +210,38 @@ class WeightSyncEngine(abc.ABC):
 
         assert self._bridge is not None
         return dict(zip(urls, self._bridge.run(every()), strict=True))
+
+    def _read_versions(self, urls: list[str], timeout_s: float) -> dict[str, int | BaseException]:
+        """Each server's weight version, read back from it (an exception where it did not answer)."""
+
+        async def one(url: str) -> int | BaseException:
+            try:
+                return await asyncio.wait_for(self.clients[url].get_weight_version(), timeout_s)
+            except Exception as exc:
+                return exc
+
+        async def every() -> list:
+            return await asyncio.gather(*(one(u) for u in urls))
+
+        assert self._bridge is not None
+        return dict(zip(urls, self._bridge.run(every()), strict=True))
+
+    @staticmethod
+    def _report(stats: PushStats, how: str) -> None:
+        """Log one line per server (committed, or dropped and why), then the summary."""
+        for url, outcome in stats.outcomes.items():
+            (logger.info if outcome.committed else logger.error)(
+                "version %d on %s: %s", stats.version, url, outcome
+            )
+        logger.info(
+            "version %d committed on %d of %d server(s) %s: %.1f MB in %.2fs",
+            stats.version,
+            stats.servers_updated,
+            len(stats.outcomes),
+            how,
+            stats.bytes / 1e6,
+            stats.seconds,
+        )
 
     def close(self) -> None:
         if self._bridge is not None:

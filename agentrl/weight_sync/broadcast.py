@@ -11,16 +11,24 @@ A push, on rank 0 (other learner ranks only join the FSDP gathers):
 2. a gather thread pulls full tensors from `weights()` (layer by layer from FSDP2) and packs them into
    buckets of about `bucket_mb`, at most one bucket ahead — so bucket i+1 is gathered
    while bucket i is broadcast, and peak extra memory is about two buckets;
-3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`),
-   broadcast each tensor in that order (or, where every server takes SGLang's
-   `flattened_bucket`, the whole bucket as one flat uint8 broadcast), await the servers'
-   replies (one bucket in flight: out-of-order broadcasts deadlock);
-4. close every session (`/end_weight_update`; also on every failure path) and continue.
-A server that fails during a push is dropped: the group is rebuilt without it and the
-push is redone for the others (every learner rank repeats the gathers in step); a live server
-whose bucket failed is kept for one redo and dropped only if it fails again. A dropped
-server stays paused (its weights may be a mix) and rejoins at a later push once it answers
-its liveness check (`alive`) again.
+3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`;
+   the version travels with the last bucket only), broadcast each tensor in that order (or,
+   where every server takes SGLang's `flattened_bucket`, the whole bucket as one flat uint8
+   broadcast), await the servers' replies (one bucket in flight: out-of-order broadcasts
+   deadlock);
+4. commit every session (`/end_weight_update`), read each server's version back, and resume
+   generation.
+Each push is a transaction per server: every server of the live list ends committed at the
+version (read back), or dropped from the push with its reason (`PushStats.outcomes`, one log
+line per server); no server failure raises into the learner loop. A failed bucket aborts the
+attempt on every member (`abort_weight_update`: the embedded server and vLLM's worker discard
+what they staged, SGLang keeps what it loaded), the group is rebuilt and the push redone (every
+learner rank repeats the gathers in step). A server that stopped answering is dropped; a live
+one whose bucket failed is kept for one redo and, failing again, dropped (`transactional:
+any`), or the version is given up on every server (`all`: all stay on the previous one).
+Afterwards a server whose weights are whole (one that stages, or one no bucket reached)
+continues generating; one that may hold a mix (SGLang, part of a push) stays paused. A dropped
+server rejoins at a later push once it answers its liveness check (`alive`) again.
 
 Servers are probed in the background (`watch.ServerWatch`: health and weight version, each
 probe bounded), so no push waits on a dead or silent server. Before each push, members
@@ -36,7 +44,6 @@ surviving server still holds from its predecessor.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import queue
 import secrets
 import threading
@@ -51,7 +58,7 @@ import torch.distributed as dist
 from agentrl.inference.weight_group import WeightGroup, dtype_name, join_group
 from agentrl.log import get_logger
 from agentrl.net import free_port
-from agentrl.weight_sync.base import PushStats, WeightSource, WeightSyncEngine
+from agentrl.weight_sync.base import Outcome, PushStats, WeightSource, WeightSyncEngine
 from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
@@ -67,6 +74,8 @@ class Bucket:
     names: list[str] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
+    last: bool = False
+    """The last bucket of the stream (known at no cost: the tensors ran out)."""
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
@@ -81,6 +90,7 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         bucket.tensors.append(tensor.contiguous())
         bucket.nbytes += size
     if bucket.tensors:
+        bucket.last = True
         yield bucket
 
 
@@ -141,6 +151,15 @@ class BroadcastEngine(WeightSyncEngine):
         self._pushed_at = 0.0  # time.monotonic() at the end of the last push
         self._attempts: dict[str, int] = {}  # rejoin attempts in a row, per server
         self._retry_at: dict[str, float] = {}
+        self._stale_group: str | None = None  # a group our end closed mid-push, still held by the servers
+        # one push's record (rank 0): why servers were dropped, which stopped answering, which got a
+        # bucket, and why the whole push was given up (`transactional: all`), if it was
+        self._why: dict[str, str] = {}
+        self._dead: set[str] = set()
+        self._touched: set[str] = set()
+        self._gave_up = ""
+        self._given_up = 0  # pushes given up in a row (`transactional: all`), for the catch-up backoff
+        self._given_up_until = 0.0
 
     # ------------------------------------------------------------------ group set-up
 
@@ -153,12 +172,14 @@ class BroadcastEngine(WeightSyncEngine):
         )
         self.watch.probe_now(list(self.urls))
         seen = self.watch.fresh(0.0)
-        self._drop([u for u in self.urls if seen.get(u, DOWN) == DOWN])
+        down = [u for u in self.urls if seen.get(u, DOWN) == DOWN]
+        self._drop(down, dict.fromkeys(down, "not answering at start-up"))
         self._build_group([u for u in self.urls if u not in self.dropped])
         self.watch.start()
 
-    def _build_group(self, urls: list[str]) -> None:
-        """(Re)create the group with `urls`; servers that fail to join are dropped."""
+    def _build_group(self, urls: list[str], again: bool = True) -> None:
+        """(Re)create the group with `urls`; servers that fail to join are dropped. Never raises: a
+        set-up that fails twice with no server to blame drops them all (they rejoin later)."""
         self._leave_group()
         self._generation += 1
         name = f"agentrl_weights_{self._tag}_{self._generation}"
@@ -168,19 +189,22 @@ class BroadcastEngine(WeightSyncEngine):
         world = 1 + len(urls) * self.config.workers_per_server
         futures = {
             url: self._bridge.submit(
-                self.clients[url].init_weights_update_group(
-                    self.config.master_address,
-                    port,
-                    1 + i * self.config.workers_per_server,
-                    world,
-                    name,
-                    self.backend,
+                asyncio.wait_for(
+                    self.clients[url].init_weights_update_group(
+                        self.config.master_address,
+                        port,
+                        1 + i * self.config.workers_per_server,
+                        world,
+                        name,
+                        self.backend,
+                    ),
+                    2 * self.config.timeout_s,
                 )
             )
             for i, url in enumerate(urls)
         }
         try:
-            self.group = join_group(
+            group = join_group(
                 self.config.master_address,
                 port,
                 0,
@@ -190,45 +214,63 @@ class BroadcastEngine(WeightSyncEngine):
                 self.config.timeout_s,
             )
         except Exception as exc:
-            failed = self._failed(futures)
+            # a server that already answered with an error held the rendezvous up; the others' joins
+            # fail only because ours gave up: they are not blamed (nor waited for)
+            early = [u for u, f in futures.items() if f.done() and f.exception() is not None]
+            for url, future in futures.items():
+                if url not in early:
+                    future.cancel()
+            failed = self._failed({u: futures[u] for u in early}) if early else self._failed(futures)
             if not failed:
-                raise
-            logger.error("weight group %s: %s did not join (%s); rebuilding without them", name, failed, exc)
-            self._drop(failed)
+                if again:
+                    logger.error("weight group %s: set-up failed (%s); trying once more", name, exc)
+                    self._build_group(urls, again=False)
+                    return
+                failed = dict.fromkeys(urls, f"weight group set-up failed twice: {exc}")
+            logger.error(
+                "weight group %s: %s did not join (%s); rebuilding without them", name, list(failed), exc
+            )
+            self._drop(list(failed), failed)
             self._build_group([u for u in urls if u not in failed])
             return
         failed = self._failed(futures)
+        self.group, self.members = group, [u for u in urls if u not in failed]
         if failed:  # joined the collective but reported an error: do not trust it
-            self._drop(failed)
-            self._build_group([u for u in urls if u not in failed])
+            self._drop(list(failed), failed)
+            self._build_group(self.members)
             return
-        self.members = urls
         logger.info(
             "weight group %s: learner + %d server(s) on port %d (%s)", name, len(urls), port, self.backend
         )
 
-    def _failed(self, futures: dict[str, Any]) -> list[str]:
-        failed = []
+    def _failed(self, futures: dict[str, Any]) -> dict[str, str]:
+        failed = {}
         for url, future in futures.items():
             try:
-                future.result(timeout=self.config.timeout_s)
+                future.result()  # bounded by its own timeout
             except Exception as exc:
                 logger.error("server %s failed to join the weight group: %s", url, exc)
-                failed.append(url)
+                failed[url] = f"joining the weight group failed: {type(exc).__name__}: {exc}"
         return failed
 
-    def _drop(self, urls: list[str]) -> None:
+    def _drop(self, urls: list[str], why: dict[str, str] | None = None) -> None:
         for url in urls:
+            reason = (why or {}).get(url, "")
+            self._why[url] = reason
             if url not in self.dropped:
                 self.dropped.append(url)
-                logger.error("server %s dropped from weight sync; it rejoins once healthy", url)
+                logger.error("server %s dropped from weight sync (%s); it rejoins once healthy", url, reason)
 
     def _leave_group(self) -> None:
-        if self.group is None:
-            return
-        self._all("destroy_weights_update_group", self.members, self.group.group_name, timeout_s=10)
-        self.group.close()
-        self.group = None
+        """Close our end first (a server still receiving then fails fast), then tell the members."""
+        if self.group is not None:
+            self._stale_group = self.group.group_name
+            self.group.close()
+            self.group = None
+        if self._stale_group is not None:
+            self._all("destroy_weights_update_group", self.members, self._stale_group, timeout_s=10)
+            self._stale_group = None
+        self.members = []
 
     def behind(self, version: int) -> list[str]:
         """Servers probed up since the last push that do not hold `version` (restarted, or dropped
@@ -237,6 +279,8 @@ class BroadcastEngine(WeightSyncEngine):
             return []
         self._reread()  # a server new in the live list is one behind (and never blocks)
         now, leaving = time.monotonic(), self._leaving()
+        if now < self._given_up_until:  # `transactional: all` gave a version up: no catch-up push yet
+            return []
         return [
             url
             for url, v in self.watch.fresh(self._pushed_at).items()
@@ -263,8 +307,8 @@ class BroadcastEngine(WeightSyncEngine):
             logger.warning(
                 "servers %s left the server list: rebuilding the weight group without them", was_member
             )
-            self._leave_group()
-            self._build_group([u for u in self.members if u not in removed])
+            keep = [u for u in self.members if u not in removed]
+            self._build_group(keep)
         self.watch.forget(removed)
         self._forget(removed)
 
@@ -292,7 +336,8 @@ class BroadcastEngine(WeightSyncEngine):
             return
         if dead:
             logger.error("servers %s stopped answering: leaving them out of this push", dead)
-            self._drop(dead)
+            self._dead.update(dead)
+            self._drop(dead, dict.fromkeys(dead, "probed down before the push"))
         if back:
             added = [u for u in back if u not in self.members and u not in self.dropped]  # new in the list
             again = [u for u in back if u not in added]
@@ -305,19 +350,19 @@ class BroadcastEngine(WeightSyncEngine):
                 self._attempts[url] = self._attempts.get(url, 0) + 1
                 self._retry_at[url] = now + min(60.0, 2.0 ** self._attempts[url])
         # a restarted member holds no group: it is not asked to destroy the old one
-        self.members = [u for u in self.members if u not in dead and u not in back]
-        self._build_group([u for u in self.urls if u in self.members or u in back])
+        keep = self.members = [u for u in self.members if u not in dead and u not in back]
+        self._build_group([u for u in self.urls if u in keep or u in back])
 
     def _pause_members(self) -> None:
         """Pause every member; one that cannot be paused is dead: rebuild the group without it
         before anything is broadcast (a dead peer would stall the others mid-bucket)."""
         errors = self._all("pause_generation", self.members, timeout_s=self.config.timeout_s)
-        dead = [url for url, exc in errors.items() if exc is not None]
+        dead = {url: f"/pause_generation failed: {exc}" for url, exc in errors.items() if exc is not None}
         if dead:
-            for url in dead:
-                logger.error("server %s did not pause: %s", url, errors[url])
-            self._drop(dead)
-            self._build_group([u for u in self.members if u not in dead])
+            self._dead.update(dead)
+            self._drop(list(dead), dead)
+            keep = self.members = [u for u in self.members if u not in dead]
+            self._build_group(keep)
 
     async def _healthy(self, urls: list[str]) -> list[str]:
         answers = await asyncio.gather(*(self.clients[u].alive() for u in urls))  # at once, not in turn
@@ -325,87 +370,168 @@ class BroadcastEngine(WeightSyncEngine):
 
     # ------------------------------------------------------------------ push
 
-    def _begin(self, urls: list[str]) -> list[str]:
-        """Open a weight-update session on `urls`; returns those that refused. One still holding a
-        session from an earlier, interrupted push has it closed and opened again."""
+    def _begin(self, urls: list[str]) -> dict[str, str]:
+        """Open a weight-update session on `urls`; returns {url: why} for those that refused. One
+        still holding a session from an earlier, interrupted push has it aborted and opened again."""
         errors = self._all("begin_weight_update", urls, timeout_s=self.config.timeout_s)
         stale = [u for u, exc in errors.items() if exc is not None and "already open" in str(exc)]
         if stale:
-            self._end(stale)
+            self._abort(stale)
             errors.update(self._all("begin_weight_update", stale, timeout_s=self.config.timeout_s))
-        for url, exc in errors.items():
-            if exc is not None:
-                logger.error("server %s refused /begin_weight_update: %s", url, exc)
-        return [u for u, exc in errors.items() if exc is not None]
+        return {u: f"/begin_weight_update refused: {exc}" for u, exc in errors.items() if exc is not None}
 
-    def _end(self, urls: list[str]) -> None:
-        """Close the session on `urls` (every path out of a push goes through here: a server is never
-        left mid-update); a failure is logged, the server is then judged by its next push."""
-        for url, exc in self._all("end_weight_update", urls, timeout_s=self.config.timeout_s).items():
+    def _abort(self, urls: list[str]) -> None:
+        """Close the session on `urls` without committing (a staging server keeps its weights and
+        version); a failure is logged, the server is then judged by its next push."""
+        for url, exc in self._all("abort_weight_update", urls, timeout_s=self.config.timeout_s).items():
             if exc is not None:
-                logger.error("server %s: /end_weight_update failed: %s", url, exc)
+                logger.error("server %s: aborting its weight update failed: %s", url, exc)
+
+    def _open_sessions(self) -> None:
+        """Open a session on every member; those that refuse are dropped and the group is rebuilt
+        without them (before anything is broadcast)."""
+        while self.members and (refused := self._begin(self.members)):
+            self._drop(list(refused), refused)
+            self._build_group([u for u in self.members if u not in refused])
 
     def _start_push(self) -> None:
-        """Rank 0: regroup (members probed down leave, servers back up join), pause every member, open their sessions; a member
-        that fails either is dropped before anything is broadcast."""
+        """Rank 0: regroup (members probed down leave, servers back up join), pause every member,
+        open their sessions; a member that fails either is dropped before anything is broadcast."""
+        self._why, self._dead, self._touched, self._gave_up = {}, set(), set(), ""
         self._regroup()
         self._pause_members()
-        refused = self._begin(self.members)
-        if refused:
-            self._drop(refused)
-            kept = [u for u in self.members if u not in refused]
-            self._build_group(kept)
-            self._begin(self.members)
+        self._open_sessions()
 
     def push(self, weights: WeightSource, version: int) -> PushStats | None:
+        """One transaction per server: begin, buckets, commit, version read back. A failed bucket
+        aborts the attempt on every member and rebuilds the group; a server that stops answering
+        is dropped, one that fails twice is dropped (`transactional: any`) or ends the push for
+        all (`all`). Every server of the live list ends committed or dropped with its reason
+        (`PushStats.outcomes`); only servers with whole weights are resumed. Server failures never
+        raise here."""
         stats = PushStats(version) if self.rank == 0 else None
         start = time.perf_counter()
         if self.rank == 0:
             self._start_push()
         attempt = 0
-        second_chance = set(self.members)  # a live server whose bucket failed is retried once per push
+        failures: dict[str, int] = {}  # failed attempts per server in this push
         try:
             while True:
                 attempt += 1
-                failed: list[str] = []
-                buckets = iter_buckets(weights(), self.config.bucket_mb << 20)
-                for bucket in _prefetch(buckets):
+                failed: dict[str, str] = {}
+                for bucket in _prefetch(iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20)))):
                     if self.rank == 0 and not failed and self.members:
-                        failed = self._send_bucket(bucket, version, stats)
-                retry = _agree(bool(failed))
-                if not retry:
+                        # the version travels with the last bucket only: a server that loads buckets
+                        # as they arrive (SGLang) never labels a partial update with it
+                        failed = self._send_bucket(bucket, version if bucket.last else None, stats)
+                redo = self.rank == 0 and bool(failed) and self._after_failure(failed, failures, stats)
+                if not _agree(redo):
                     break
-                if self.rank == 0:
-                    # a live server that failed a bucket (e.g. a load error) is kept for one redo; a dead
-                    # one, or one failing again, is dropped and stays paused (its weights may be a mix)
-                    # until a later push rejoins it
-                    self._end(self.members)
-                    alive = self._bridge.run(self._healthy(failed), timeout_s=self.config.timeout_s)
-                    drop = [u for u in failed if u not in alive or u not in second_chance]
-                    second_chance -= set(failed)
-                    self._drop(drop)
-                    self._build_group([u for u in self.members if u not in drop])
-                    self._begin(self.members)
-                    stats.bytes = stats.tensors = stats.buckets = stats.broadcasts = 0
-        finally:
-            if self.rank == 0:
-                self._end(self.members)
+        except BaseException:
+            if self.rank == 0:  # the learner's own failure (e.g. a gather): no server keeps a session
+                self._abort(self.members)
+                self._all("continue_generation", self._whole(self.members), timeout_s=self.config.timeout_s)
+            raise
         if self.rank == 0:
-            self._all("continue_generation", self.members, timeout_s=self.config.timeout_s)
-            stats.seconds = time.perf_counter() - start
-            stats.servers_updated = len(self.members)
-            stats.servers_dropped = list(self.dropped)
             stats.attempts = attempt
+            self._finish(version, stats)
+            stats.seconds = time.perf_counter() - start
             self.last = stats
-            self._pushed_version, self._pushed_at = version, time.monotonic()
-            logger.info(
-                "pushed version %d: %.1f MB in %.2fs to %d server(s)",
-                version,
-                stats.bytes / 1e6,
-                stats.seconds,
-                stats.servers_updated,
-            )
+            self._report(stats, f"by broadcast in {attempt} attempt(s)")
         return stats
+
+    def _after_failure(self, failed: dict[str, str], failures: dict[str, int], stats: PushStats) -> bool:
+        """Rank 0, after an attempt failed on `failed` ({url: why}): abort it on every member,
+        drop those that stopped answering (and, with `transactional: any`, those failing a second
+        time), rebuild the group and open new sessions. True: redo the push with the members left."""
+        alive = self._bridge.run(self._healthy(list(failed)), timeout_s=self.config.timeout_s)
+        for url in failed:
+            failures[url] = failures.get(url, 0) + 1
+        dead = {u: f"stopped answering ({why})" for u, why in failed.items() if u not in alive}
+        self.members = [u for u in self.members if u not in dead]
+        self._abort(self.members)
+        again = {u: f"failed twice ({why})" for u, why in failed.items() if u in alive and failures[u] >= 2}
+        self._dead.update(dead)
+        self._drop(list(dead), dead)
+        if again and self.config.transactional == "all":
+            self._gave_up = "; ".join(f"{u} {why}" for u, why in again.items())
+            logger.error(
+                "version %d aborted on every server (weight_sync.transactional: all): %s",
+                stats.version,
+                self._gave_up,
+            )
+            again = {}
+        self._drop(list(again), again)
+        self._build_group([u for u in self.members if u not in dead and u not in again])
+        if self._gave_up or not self.members:
+            return False
+        self._open_sessions()
+        stats.bytes = stats.tensors = stats.buckets = stats.broadcasts = 0
+        return bool(self.members)
+
+    def _whole(self, urls: list[str]) -> list[str]:
+        """Those of `urls` whose weights are whole after an aborted push: servers that stage
+        updates, and the others if no bucket reached them in this push."""
+        return [u for u in urls if self.clients[u].stages_updates or u not in self._touched]
+
+    def _finish(self, version: int, stats: PushStats) -> None:
+        """Rank 0: commit on the members (unless the push was given up), read every answering
+        server's version back, resume those with whole weights, record and log one outcome per
+        server of the live list."""
+        committing = [] if self._gave_up else list(self.members)
+        errors = self._all("end_weight_update", committing, timeout_s=self.config.timeout_s)
+        asked = [u for u in self.urls if u not in self._dead and (u in self.members or u in self._why)]
+        read = self._read_versions(asked, self.config.timeout_s)
+        unread = [u for u in asked if not isinstance(read[u], int)]
+        read.update(self._read_versions(unread, self.config.timeout_s))  # once more: a lost reply
+        self._abort([u for u in committing if errors[u] is not None])  # no session is left open
+        outcomes: dict[str, Outcome] = {}
+        for url in self.urls:
+            seen = read.get(url)
+            if url in committing and seen == version:  # the read-back decides, not the reply
+                if errors[url] is not None:
+                    logger.warning(
+                        "server %s: the commit's reply failed (%s), yet it reads back %d",
+                        url,
+                        errors[url],
+                        version,
+                    )
+                outcomes[url] = Outcome(True, version)
+                continue
+            if url in committing:
+                if errors[url] is not None:
+                    why = f"commit failed: {errors[url]}"
+                elif isinstance(seen, int):
+                    why = f"read back version {seen} after the commit"
+                else:
+                    why = f"reading its version back failed: {seen}"
+                self._drop([url], {url: why})
+            elif self._gave_up and url in self.members:
+                why = f"push aborted for every server: {self._gave_up}"
+            else:
+                why = self._why.get(url, "not in the weight group (not answering)")
+            outcomes[url] = Outcome(False, seen if isinstance(seen, int) else None, why)
+        resume = [u for u in asked if outcomes[u].committed or u in self._whole([u])]
+        errors = self._all("continue_generation", resume, timeout_s=self.config.timeout_s)
+        for url in asked:
+            if url not in resume:
+                outcomes[url].paused = True
+                outcomes[url].reason += "; its weights may be a mix: kept paused until re-synced"
+            elif errors[url] is not None:
+                outcomes[url].paused = True
+                logger.error("server %s: /continue_generation failed: %s", url, errors[url])
+        committed = [u for u, o in outcomes.items() if o.committed]
+        stats.outcomes, stats.servers_updated, stats.servers_dropped = (
+            outcomes,
+            len(committed),
+            list(self.dropped),
+        )
+        if committed:
+            self._pushed_version, self._given_up = version, 0
+        elif self._gave_up:  # every server refused it: a catch-up push waits, longer each time
+            self._given_up += 1
+            self._given_up_until = time.monotonic() + min(60.0, 2.0**self._given_up)
+        self._pushed_at = time.monotonic()
 
     def _flatten(self, bucket: Bucket) -> torch.Tensor | None:
         """The bucket as one uint8 tensor in `FlattenedTensorBucket` layout (SGLang 0.5.23
@@ -420,17 +546,22 @@ class BroadcastEngine(WeightSyncEngine):
             offset += tensor.numel() * tensor.element_size()
         return torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.tensors])
 
-    def _send_bucket(self, bucket: Bucket, version: int, stats: PushStats) -> list[str]:
-        """Announce one bucket to every member, broadcast it, await the replies; returns failed servers."""
+    def _send_bucket(self, bucket: Bucket, version: int | None, stats: PushStats) -> dict[str, str]:
+        """Announce one bucket to every member, broadcast it, await the replies; returns {url: why}
+        for the servers that failed it (every member, if the broadcast failed and none says why)."""
         names = bucket.names
         dtypes = [dtype_name(t.dtype) for t in bucket.tensors]
         shapes = [list(t.shape) for t in bucket.tensors]
-        name = self.group.group_name
+        assert self.group is not None, "a push streams only over a built group"
         flat = self._flatten(bucket)
+        self._touched.update(self.members)
         futures = {
             url: self._bridge.submit(
-                self.clients[url].update_weights_from_distributed(
-                    names, dtypes, shapes, name, version, flattened=flat is not None
+                asyncio.wait_for(
+                    self.clients[url].update_weights_from_distributed(
+                        names, dtypes, shapes, self.group.group_name, version, flattened=flat is not None
+                    ),
+                    2 * self.config.timeout_s,
                 )
             )
             for url in self.members
@@ -441,23 +572,36 @@ class BroadcastEngine(WeightSyncEngine):
                 self.group.broadcast(tensor.to(device), 0)
         except Exception as exc:
             logger.error("broadcast of a bucket failed (%s); finding the server that failed", exc)
+            # a server that already answered with an error broke the collective; the others then fail
+            # only because our end closes: they are not blamed
+            early = [u for u, f in futures.items() if f.done() and f.exception() is not None]
             # Close our end first: the servers still waiting for this bucket then fail fast instead of
-            # waiting out their timeout, and answer the liveness check below.
+            # waiting out their timeout. The group is rebuilt before anything else is sent.
+            self._stale_group = self.group.group_name
             self.group.close()
             self.group = None
-            for future in futures.values():
-                # every member fails this bucket (live ones once their own receive times out);
-                # the liveness check below tells the dead from the living
-                with contextlib.suppress(Exception):
-                    future.result(timeout=2 * self.config.timeout_s)
-            healthy = self._bridge.run(self._healthy(self.members), timeout_s=self.config.timeout_s)
-            return [u for u in self.members if u not in healthy]
-        failed = self._failed(futures)
+            failed = self._replies(futures)
+            if early:
+                return {u: failed[u] for u in early}
+            return failed or {u: f"broadcast failed: {exc}" for u in self.members}
+        failed = self._replies(futures)
         stats.bytes += bucket.nbytes
         stats.tensors += len(bucket.tensors)
         stats.buckets += 1
         stats.broadcasts += 1 if flat is not None else len(bucket.tensors)
         stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, bucket.nbytes)
+        return failed
+
+    def _replies(self, futures: dict[str, Any]) -> dict[str, str]:
+        """{url: why} for the bucket requests that failed (each is bounded by its own timeout)."""
+        failed = {}
+        for url, future in futures.items():
+            try:
+                future.result()
+            except Exception as exc:
+                why = f"bucket failed: {type(exc).__name__}: {exc}"
+                logger.error("server %s: %s", url, why)
+                failed[url] = why
         return failed
 
     def close(self) -> None:

@@ -2,7 +2,9 @@
 
 Rank 0 writes the full weights of version v to `<directory>/v<v>/model.safetensors` (all
 ranks take part in the gathers), then asks every server to load them with
-`/update_weights_from_disk`, between `/pause_generation` and `/continue_generation`.
+`/update_weights_from_disk`, between `/pause_generation` and `/continue_generation`; a server
+has the version once it reads it back (each server's load is all or nothing: the embedded
+server checks before copying, vLLM's worker rolls a failed load back).
 Only the last `keep_last` versions stay on disk. Slower than a broadcast (a write and a
 read of the whole model per step) but needs nothing but a directory every node can read.
 
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentrl.log import get_logger
-from agentrl.weight_sync.base import PushStats, WeightSource, WeightSyncEngine
+from agentrl.weight_sync.base import Outcome, PushStats, WeightSource, WeightSyncEngine
 from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
@@ -100,27 +102,35 @@ class DiskEngine(WeightSyncEngine):
                 return None
             self._follow_list()
             targets = [u for u in self.urls if self.watch is None or self.watch.last(u) != DOWN]
-        left_out = [u for u in self.urls if u not in targets]
         timeout = self.config.timeout_s
         self._all("pause_generation", targets, timeout_s=timeout)
         errors = self._all("update_weights_from_disk", targets, str(out), version, timeout_s=timeout)
         self._all("continue_generation", targets, timeout_s=timeout)
-        failed = [url for url, exc in errors.items() if exc is not None]
-        for url in failed:
-            logger.error("server %s did not load version %d from disk: %s", url, version, errors[url])
-            self._retry_at[url] = time.monotonic() + RETRY_S
-        if left_out and new:
-            logger.warning(
-                "servers %s are down: left out of version %d (loaded when back)", left_out, version
-            )
-        stats.servers_updated = len(targets) - len(failed)
-        stats.servers_dropped = failed + (left_out if new else [])
+        read = self._read_versions([u for u in targets if errors[u] is None], timeout)
+        outcomes = {}
+        for url in self.urls:
+            seen = read.get(url)
+            if url in targets and errors[url] is None and seen == version:
+                outcomes[url] = Outcome(True, version)
+                continue
+            if url not in targets:
+                why = "probed down: loads it when back"
+            elif errors[url] is not None:
+                why = f"loading from disk failed: {errors[url]}"
+            else:
+                why = f"read back {seen} after loading"
+            if url in targets:
+                self._retry_at[url] = time.monotonic() + RETRY_S
+            if url in targets or new:
+                outcomes[url] = Outcome(False, seen if isinstance(seen, int) else None, why)
+        stats.outcomes = outcomes
+        stats.servers_updated = sum(o.committed for o in outcomes.values())
+        stats.servers_dropped = [u for u, o in outcomes.items() if not o.committed]
         stats.seconds = time.perf_counter() - start
         self._written, self._pushed_at = version, time.monotonic()
         self.last = stats
         self._prune(version)
-        logger.info("pushed version %d via disk in %.2fs to %d server(s)", version, stats.seconds,
-                    stats.servers_updated)  # fmt: skip
+        self._report(stats, "from disk")
         return stats
 
     def _write(self, weights: WeightSource, version: int, out: Path) -> PushStats | None:

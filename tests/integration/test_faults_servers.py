@@ -48,12 +48,19 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def run_with_fault(
-    tmp_path: Path, tiny_model: Path, k: int, victims: str, *args: str, steps: int = STEPS, until=None
+    tmp_path: Path,
+    tiny_model: Path,
+    k: int,
+    victims: str,
+    *args: str,
+    steps: int = STEPS,
+    until=None,
+    stop_s: float | None = None,
 ) -> tuple[Path, int]:
     """`agentrl run` with `victims` (comma-separated children) killed (SIGKILL) together after the
-    learner's 2nd step; returns the run directory and the learner version at the kill once the run
-    has completed — or, given `until(run_dir, at_kill)`, once that holds (bounded), after a SIGTERM
-    stopped the run."""
+    learner's 2nd step — or, given `stop_s`, stopped (SIGSTOP) for that long, then continued;
+    returns the run directory and the learner version at the fault once the run has completed —
+    or, given `until(run_dir, at_kill)`, once that holds (bounded), after a SIGTERM stopped the run."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -74,7 +81,10 @@ def run_with_fault(
         at_kill = _steps(run_dir)[-1]
         assert at_kill < steps - 1, "the run got too far before the fault to test recovery"
         for victim in victims.split(","):
-            os.kill(_pids(log)[victim], signal.SIGKILL)
+            pid = _pids(log)[victim]
+            os.kill(pid, signal.SIGKILL if stop_s is None else signal.SIGSTOP)
+            if stop_s is not None:
+                threading.Timer(stop_s, os.kill, (pid, signal.SIGCONT)).start()
         if until is not None:
             deadline = time.monotonic() + 400
             while not until(run_dir, at_kill):
@@ -105,6 +115,30 @@ def assert_account(run_dir: Path) -> None:
 def restarts(run_dir: Path) -> list[dict]:
     path = run_dir / "launcher.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_server_stopped_mid_run_is_dropped_from_pushes_and_brought_back(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """SIGSTOP of one of two servers for three push timeouts: the pushes meanwhile drop it (logged
+    per server, never raising into the learner loop), the run reaches max_steps, and once it
+    answers again a push brings it back: both servers commit the last version."""
+    steps = 24  # about a step a second: the run goes on well past the stop
+    run_dir, _ = run_with_fault(
+        tmp_path, tiny_model, 1, "server1", "--inference.num_servers=2", "--weight_sync.timeout_s=3",
+        steps=steps, stop_s=7.0,
+    )  # fmt: skip
+    records = read_metrics(run_dir / "learner.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    dropped = re.findall(r"version (\d+) on (\S+): dropped \(", learner_log)
+    assert dropped, learner_log[-4000:]
+    url = dropped[0][1]
+    assert re.search(rf"version {steps} on {re.escape(url)}: committed v{steps}", learner_log), learner_log[
+        -4000:
+    ]
+    assert records[-1]["sync/servers_updated"] == 2 and records[-1]["sync/servers_dropped"] == 0
+    assert_account(run_dir)
 
 
 @pytest.mark.parametrize("k", [0, 2])

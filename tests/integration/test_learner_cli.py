@@ -1,11 +1,15 @@
 """`agentrl learner` end to end: a real process hosting the ZeroMQ TransferQueue, fed by a real
 producer from the test; it trains, writes metrics, a resumable checkpoint and a loadable HF
-export, exits cleanly, and `--resume` continues the version numbering."""
+export, exits cleanly, and `--resume` continues the version numbering. On a full disk (a small
+tmpfs in a private mount namespace) the checkpoint's ENOSPC is the error it exits with."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shlex
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -30,7 +34,7 @@ async def _put(address: str, groups) -> None:
         producer.close()
 
 
-def _learner(processes, tiny_model, run_dir, address, max_steps, *extra):
+def _learner(processes, tiny_model, run_dir, address, max_steps, *extra, wrap=None):
     overrides = {
         "run_dir": run_dir,
         "learner.model_path": tiny_model,
@@ -42,7 +46,8 @@ def _learner(processes, tiny_model, run_dir, address, max_steps, *extra):
     }
     args = [f"--{k}={v}" for k, v in overrides.items()]
     env = {**os.environ, **SECRET, "OMP_NUM_THREADS": "1"}
-    return processes.start([sys.executable, "-m", "agentrl", "learner", *args, *extra], env=env)
+    command = [sys.executable, "-m", "agentrl", "learner", *args, *extra]
+    return processes.start(wrap(command) if wrap else command, env=env)
 
 
 @pytest.mark.slow
@@ -68,3 +73,37 @@ def test_learner_cli_trains_from_the_queue_and_resumes(processes, tiny_model, tm
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "latest")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_full_disk_at_a_checkpoint_is_the_error_the_learner_exits_with(
+    processes, tiny_model, tmp_path, free_port
+):
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "--mount", "--propagation", "private", "true"],
+                           capture_output=True) if unshare else None  # fmt: skip
+    if probe is None or probe.returncode != 0:
+        pytest.skip(
+            "needs unshare(1) and the right to make a private mount namespace (root) for a small tmpfs"
+        )
+    run_dir, listing = tmp_path / "run", tmp_path / "listing"
+    run_dir.mkdir()
+
+    def on_small_tmpfs(command):  # room for the run's small files, not for one checkpoint
+        learner = " ".join(map(shlex.quote, command))
+        script = (f"mount -t tmpfs -o size=384k tmpfs {run_dir} && {{ {learner}; code=$?; "
+                  f"ls -a {run_dir}/checkpoints > {listing}; exit $code; }}")  # fmt: skip
+        return [unshare, "--mount", "--propagation", "private", "sh", "-c", script]
+
+    address = f"tcp://127.0.0.1:{free_port}"
+    proc = _learner(processes, tiny_model, run_dir, address, 2, "--learner.checkpoint.every=1",
+                    wrap=on_small_tmpfs)  # fmt: skip
+    asyncio.run(_put(address, make_groups(2, seed=23)))
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
+    assert proc.returncode == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if " E agentrl" in line]
+    assert errors and "No space left on device" in errors[0] and "step_00000001" in errors[0], err[-3000:]
+    assert "Traceback" not in err  # the first error is the message, not masked by a later one
+    assert "partial-" not in listing.read_text()

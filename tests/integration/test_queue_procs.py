@@ -181,6 +181,45 @@ def test_kill_9_of_a_durable_server_loses_and_duplicates_nothing(
     assert max(delivered.values()) == 1, [g for g, n in delivered.items() if n > 1]
 
 
+@pytest.mark.integration
+def test_a_queue_frozen_past_the_roller_lease_reclaims_nothing_from_a_live_roller(
+    processes, free_port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGSTOP of the queue's process for three roller leases, then SIGCONT: the live roller's
+    heartbeats waited unread in the socket, so its lease stands, its credit stays, and the group
+    it finishes afterwards is stored (a learner hosting the queue freezes it the same way)."""
+    from agentrl.config import ZmqQueueConfig
+    from agentrl.queue import create
+    from tests.unit.queue.conftest import make_group
+
+    fast = ("--queue.heartbeat_s", "0.25", "--queue.roller_lease_s", "1")
+    log = tmp_path / "server.log"
+    server = _start_server(processes, free_port, log, *fast)
+    config = ZmqQueueConfig(address=f"tcp://127.0.0.1:{free_port}", heartbeat_s=0.25, roller_lease_s=1.0)
+    monkeypatch.setenv("AGENTRL_QUEUE_SECRET", SECRET)
+
+    async def roller() -> None:
+        producer = create(config).producer()
+        await producer.acquire_start(2)
+        await producer.put(make_group(seed=1))  # one credit still held
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(3.5)  # the heartbeat goes on, into the frozen queue's socket
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        await asyncio.sleep(1.5)  # longer than a lease after the thaw
+        await asyncio.wait_for(producer.put(make_group(seed=2)), timeout=20)  # the finished group
+        producer.close()
+
+    asyncio.run(roller())
+    consumer = create(config).consumer("rank0")
+    m = consumer.metrics()
+    consumer.close()
+    assert (m["leases_lapsed"], m["admission_reclaimed"], m["refused_lapsed"]) == (0, 0, 0), m
+    assert m["groups_in"] == 2
+    assert "did not run for" in log.read_text()  # the stall is said, with its length
+
+
 def test_standalone_server_refuses_to_start_without_a_secret() -> None:
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_QUEUE_SECRET"}
     result = subprocess.run(

@@ -8,7 +8,8 @@ abort by rid; pause with a request in flight (partial output with its log-probs)
 broadcast push (gloo, the worker extension) after which vLLM's log-probs equal HF's on the
 learner's exported checkpoint and differ from the old weights' (the tied head included); a
 disk push the same; pushes that fail midway (the learner's group dies mid-bucket; a tensor
-of the wrong shape) leave the server alive on its previous weights; a server killed -9
+of the wrong shape; a bucket refused by a proxy in front of it, twice) leave the server alive
+on its previous weights and version, not paused; a server killed -9
 mid-broadcast is dropped while the push completes to the other server, and, restarted,
 rejoins at the current version.
 """
@@ -312,6 +313,33 @@ def test_push_of_a_wrong_shape_is_refused_whole(served: Served, learner) -> None
     receive, commit = _raw_push(served.url, tensors, cut_after=None)
     assert receive is None and commit is not None and "wrong shape" in str(commit)
     assert_serves(served.url, learner, version=2)  # none of the refused push's tensors was loaded
+
+
+def test_a_refused_bucket_drops_the_server_whole_on_its_previous_version(served: Served, learner) -> None:
+    """A proxy in front of vLLM answers 500 to the second bucket's receive, on the attempt and on
+    its redo: the push drops the server without raising, the learner records the version it reads
+    back (the previous one), and the server serves the previous weights, not paused (its worker
+    staged the buckets and discarded them at the abort)."""
+    from tests.fault_proxy import FaultProxy
+
+    before = run(VLLMClient(served.url).get_weight_version())
+    proxy = FaultProxy(served.url).start()
+    proxy.fail("/collective_rpc", nth=2, count=1, only_if="agentrl_receive")
+    proxy.fail("/collective_rpc", nth=4, count=1, only_if="agentrl_receive")
+    engine = create(
+        BroadcastSyncConfig(backend="gloo", timeout_s=10, bucket_mb=1), inference_config(), [proxy.url]
+    )
+    engine.init()
+    try:
+        other = [(n, p.detach() + 0.5) for n, p in learner.named_parameters()]  # mini: 4 buckets
+        stats = engine.push(lambda: iter(other), version=5)
+    finally:
+        engine.close()
+        proxy.stop()
+    outcome = stats.outcomes[proxy.url]
+    assert not outcome.committed and "failed twice" in outcome.reason and not outcome.paused, outcome
+    assert outcome.version == before == run(VLLMClient(served.url).get_weight_version())
+    assert_serves(served.url, learner, version=before)
 
 
 def test_server_killed_mid_push_is_dropped_and_rejoins_at_the_current_version(

@@ -275,9 +275,14 @@ async def test_update_weights_from_distributed_over_gloo(tiny_model: Path, tmp_p
                 for n in bucket:
                     await asyncio.to_thread(group.broadcast, new[n].clone(), 0)
                 await asyncio.wait_for(call, 30)
-            after = await client.generate(PROMPT, GREEDY)
+            # staged, not applied: the model and its version change only at the commit
+            assert await client.get_weight_version() == 0 and client.stages_updates
+            assert (await client.generate(PROMPT, GREEDY)).output_ids == before.output_ids
+            await client.end_weight_update()
+            assert await client.get_weight_version() == 3
             for n in names:
                 assert torch.equal(srv.engine.model.state_dict()[n], new[n]), n
+            await client.begin_weight_update()
             # one bucket as a single flattened uint8 broadcast (SGLang's FlattenedTensorBucket layout)
             flat_new = {n: (t * 0.5).contiguous() for n, t in new.items()}
             call = asyncio.create_task(
@@ -307,7 +312,22 @@ async def test_update_weights_from_distributed_over_gloo(tiny_model: Path, tmp_p
             with pytest.raises(BadRequestError, match="unknown parameter names"):
                 await asyncio.wait_for(call, 30)
             assert await client.get_weight_version() == 3
-            await client.end_weight_update()
+            # a failed bucket spoils the session: its commit is refused, nothing changes
+            with pytest.raises(BadRequestError, match="a bucket of this session failed"):
+                await client.end_weight_update()
+            # an aborted session discards what it staged
+            await client.begin_weight_update()
+            call = asyncio.create_task(
+                client.update_weights_from_distributed(
+                    names[:1], [dtype_name(new[names[0]].dtype)], [list(new[names[0]].shape)], "wg", 9
+                )
+            )
+            await asyncio.to_thread(group.broadcast, new[names[0]] * 3, 0)
+            await asyncio.wait_for(call, 30)
+            await client.abort_weight_update()
+            assert await client.get_weight_version() == 3
+            assert torch.equal(srv.engine.model.state_dict()[names[0]], flat_new[names[0]])
+            await client.abort_weight_update()  # no session open: nothing to abort, not an error
             with pytest.raises(InferenceError, match="no weight-update session"):
                 await client.end_weight_update()
             await client.destroy_weights_update_group("wg")

@@ -334,6 +334,8 @@ def test_a_learner_with_another_config_is_refused(zmq_queue: Harness) -> None:
     zmq_queue.start(groups_per_step=4, max_staleness=1)
     with pytest.raises(QueueUnavailable, match=r"learner\.groups_per_step: the learner has 8"):
         zmq_queue.backend.consumer("rank0", address=zmq_queue.address, hello={"gps": 8, "ms": 1})
+    with pytest.raises(QueueUnavailable, match=r"learner\.staleness: the learner has token .* group"):
+        zmq_queue.backend.consumer("rank1", address=zmq_queue.address, hello={"gps": 4, "ms": 1, "pt": 1})
 
 
 def test_binding_a_taken_address_says_what_to_do(zmq_queue: Harness) -> None:
@@ -447,3 +449,26 @@ def test_a_request_sent_while_the_queue_was_down_is_granted_once(zmq_queue: Harn
         producer.close()
 
     asyncio.run(go())
+
+
+def test_a_stalled_queue_thread_reclaims_nothing_from_a_live_roller(zmq_queue: Harness) -> None:
+    """The server's thread held up for three roller leases (here by its own lock, as a stopped or
+    starved process holds it up): when it runs again, the live roller's pings are still unread in
+    its socket, yet its lease stands, its credit stays and the group it then puts is stored."""
+    zmq_queue.start(groups_per_step=2, max_staleness=0, heartbeat_s=0.5, roller_lease_s=1.0)
+    server = zmq_queue.server
+
+    async def go() -> None:
+        producer = zmq_queue.producer()
+        await producer.acquire_start(2)
+        await producer.put(make_group(seed=1))  # one credit still held
+        with server._lock:
+            await asyncio.sleep(3.0)  # the heartbeat goes on, into the stalled server's socket
+        await asyncio.sleep(1.5)  # longer than a lease after the thaw
+        await asyncio.wait_for(producer.put(make_group(seed=2)), timeout=20)
+        producer.close()
+
+    asyncio.run(go())
+    m = server.metrics()
+    assert (m["leases_lapsed"], m["admission_reclaimed"], m["refused_lapsed"]) == (0, 0, 0), m
+    assert m["groups_in"] == 2 and _residuals_zero(m)

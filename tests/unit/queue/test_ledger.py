@@ -65,3 +65,33 @@ def test_groups_a_dead_queue_held_are_lost_with_durability_off_and_counted(
     assert acct.lost == 0 and acct.duplicated == 0
     assert acct.lost_undurable == (0 if durable else 2)
     assert acct.remaining == (held if durable else set())
+
+
+def test_a_group_acknowledged_then_cut_from_the_wal_tail_is_counted_and_named(
+    tmp_path: Path, secret: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Durable without `wal_fsync`: a machine crash can lose the WAL's tail from the page cache
+    (here: the last record cut by hand, as the attack did). The group acknowledged past the cut is
+    named and counted as lost_undurable by the next queue and by the account, never silent."""
+    roller_file = tmp_path / "roller-0.groups"
+    backend, first = _life(tmp_path, durable=True)
+    groups = [make_group(seed=i) for i in range(3)]
+    _put(backend, first, groups, roller_file)
+    first.ledger._file.close()  # kill -9: no `remaining` row
+    first.stop()
+    segment = max((tmp_path / "wal").glob("wal-*.log"))
+    segment.write_bytes(segment.read_bytes()[:-10])  # the last put's record torn
+
+    with caplog.at_level("WARNING", logger="agentrl.queue.ledger"):
+        backend, second = _life(tmp_path, durable=True)
+    cut = groups[-1].group_id
+    assert second.metrics()["recovered"] == 2
+    assert second.metrics()["lost_undurable"] == 1
+    assert cut in caplog.text and "lost_undurable" in caplog.text
+    second.stop()
+    backend, third = _life(tmp_path, durable=True)  # a later life does not count it again
+    assert third.metrics()["lost_undurable"] == 0
+    third.stop()
+    assert undurable_losses(read_rows(tmp_path / "queue_ledger.jsonl")) == {cut}
+    acct = account(tmp_path)
+    assert acct.lost == 0 and acct.lost_undurable == 1

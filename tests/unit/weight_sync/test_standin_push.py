@@ -222,3 +222,115 @@ def test_servers_follow_the_live_list_a_new_one_catches_up_a_removed_one_leaves(
         assert first.state()["weight_version"] == "1" and first.url not in engine.clients
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_bucket_refused_with_400_twice_is_recorded_truly_and_resynced(processes, where) -> None:
+    """SGLang loads each bucket as it arrives: a server whose bucket k of n is refused (a 400
+    from a proxy in front of it, every server alive) on the attempt and on its redo is dropped,
+    its version read back is the one recorded for it (the version travels with the last bucket
+    only, so a partial update never carries it), and it is kept paused (its weights may be a
+    mix) until the next push brings it back; the other server commits."""
+    from agentrl.weight_sync.broadcast import iter_buckets
+    from tests.fault_proxy import FaultProxy
+
+    good, bad = start_standin(processes), start_standin(processes)
+    proxy = FaultProxy(bad.url).start()
+    engine = create(
+        BroadcastSyncConfig(backend="gloo", bucket_mb=0.001, timeout_s=3),
+        InferenceConfig(type="sglang", servers=[good.url, proxy.url], connect_timeout_s=2.0),
+    )
+    engine.init()
+    try:
+        engine.push(lambda: iter(_weights(1).items()), 1)
+        n = sum(1 for _ in iter_buckets(_weights(2).items(), int(0.001 * (1 << 20))))
+        assert n == 3  # embed | norm + layer.0 + layer.1 | head
+        k = {"first": 1, "middle": 2, "last": n}[where]
+        proxy.fail("/update_weights_from_distributed", nth=k, count=1, status=400)
+        proxy.fail("/update_weights_from_distributed", nth=2 * k, count=1, status=400)
+        weights = _weights(2)
+        stats = engine.push(lambda: iter(weights.items()), 2)
+        assert stats.buckets == n and stats.outcomes[good.url].committed
+        _assert_pushed(good, weights, 2)
+        outcome, state = stats.outcomes[proxy.url], bad.state()
+        assert not outcome.committed and "failed twice" in outcome.reason and outcome.paused, outcome
+        assert state["weight_version"] == str(outcome.version) == "1" and state["paused"], state
+        assert _balanced(state)
+        proxy.clear()
+        weights = _weights(3)
+        stats = engine.push(lambda: iter(weights.items()), 3)
+        assert all(o.committed and not o.paused for o in stats.outcomes.values()), stats.outcomes
+        for server in (good, bad):
+            _assert_pushed(server, weights, 3)
+    finally:
+        engine.close()
+        proxy.stop()
+
+
+def test_a_lost_commit_reply_is_judged_by_the_version_read_back_and_a_stopped_server_comes_back(
+    processes,
+) -> None:
+    """A proxy loses `/end_weight_update`'s reply (the stand-in never sees it): the version read
+    back decides (committed), and the session left open is closed. Then the other stand-in is
+    SIGSTOP'd when the first bucket reaches the proxied one: the push completes on the proxied
+    one without raising and drops the stopped one; continued, it is brought back by the next push
+    (its stale session closed first)."""
+    import os
+    import signal
+    import threading
+
+    from tests.fault_proxy import FaultProxy
+
+    proxied, other = start_standin(processes), start_standin(processes)
+    proxy = FaultProxy(proxied.url).start()
+    engine = create(
+        BroadcastSyncConfig(backend="gloo", bucket_mb=0.001, timeout_s=3),
+        InferenceConfig(type="sglang", servers=[proxy.url, other.url], connect_timeout_s=1.0),
+    )
+    engine.init()
+    try:
+        proxy.fail("/end_weight_update", nth=1, skip_if="abort", status=503)
+        weights = _weights(1)
+        stats = engine.push(lambda: iter(weights.items()), 1)
+        assert all(o.committed and not o.paused for o in stats.outcomes.values()), stats.outcomes
+        for server in (proxied, other):
+            _assert_pushed(server, weights, 1)
+        proxy.clear()
+
+        def stop() -> None:
+            os.kill(other.proc.pid, signal.SIGSTOP)
+            threading.Timer(4 * 3, os.kill, (other.proc.pid, signal.SIGCONT)).start()
+
+        proxy.fail("/update_weights_from_distributed", nth=1, on_request=stop)
+        weights = _weights(2)
+        stats = engine.push(lambda: iter(weights.items()), 2)
+        assert stats.outcomes[proxy.url].committed, stats.outcomes
+        assert (
+            not stats.outcomes[other.url].committed
+            and "stopped answering" in stats.outcomes[other.url].reason
+        )
+        _assert_pushed(proxied, weights, 2)
+        deadline = time.monotonic() + 60
+        while True:  # continued: it answers again
+            try:
+                state = other.state()
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        # recorded as unknown (it did not answer); it holds v1 (the version travels with the last bucket)
+        # and stays paused, as it was when it stopped, until the next push re-syncs it
+        assert (
+            stats.outcomes[other.url].version is None and state["weight_version"] == "1" and state["paused"]
+        )
+        weights = _weights(3)
+        stats = engine.push(lambda: iter(weights.items()), 3)
+        assert all(o.committed and not o.paused for o in stats.outcomes.values()), stats.outcomes
+        _assert_pushed(proxied, weights, 3)
+        state = other.state()  # its session from the interrupted push was refused once, then closed
+        assert state["refused"] == ["a weight-update session is already open; call end_weight_update() first"]
+        assert state["weight_version"] == "3" and not state["paused"] and not state["session"], state
+        assert state["weights"] == {name: digest(t) for name, t in weights.items()}
+    finally:
+        engine.close()
+        proxy.stop()
