@@ -1,6 +1,6 @@
 """One agent episode: the user's agent program drives, the endpoint keeps the tokens.
 
-    episodes = await run_agent_episode(env, task, client, tokenizer, config, endpoint)
+    episodes = await run_agent_episode(env, task, client, RendererCache(tokenizer), config, endpoint)
 
 Steps of an episode:
 1. A session with its own API key is registered with the roller's endpoint
@@ -105,13 +105,8 @@ class AgentSession:
         greedy: bool = False,
     ) -> None:
         self.key = "agentrl-" + secrets.token_urlsafe(24)
-        self.env, self.client, self.renderers, self.config, self.greedy = (
-            env,
-            client,
-            renderers,
-            config,
-            greedy,
-        )
+        self.env, self.client, self.renderers = env, client, renderers
+        self.config, self.greedy = config, greedy
         self.session_id = uuid.uuid4().hex
         self.segments: list[_Segment] = []
         self.counts: Counter[str] = Counter()
