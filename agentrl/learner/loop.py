@@ -14,7 +14,8 @@ few lines in `run`):
        gradient norm is non-finite; a non-finite optimizer state, or weights after the step, stop
        the learner naming the tensor, before anything is pushed or saved)
     5. version += 1; publish it; hand the weights to weight sync
-    6. ack the groups; record their ids (`<run_dir>/learner_groups.jsonl`); log metrics
+    6. ack the groups; record their ids (`<run_dir>/learner_groups.jsonl`); log metrics; a
+       sample of transcripts every N steps (`transcripts.py`)
     7. checkpoint and export every N steps (and at the end)
 
 A stop request (`stop.set()`, from SIGTERM / SIGINT in `learner.main`) is honoured between
@@ -47,6 +48,7 @@ from agentrl.learner import checkpoint, step
 from agentrl.learner.backend import LearnerBackend, ModelPart
 from agentrl.learner.critic import build_critic
 from agentrl.learner.data import no_generation_why
+from agentrl.learner.transcripts import StepNotes
 from agentrl.log import MetricsLogger, get_logger
 from agentrl.types import Group
 
@@ -157,7 +159,7 @@ def build_learner(
     and its LR schedule (distributed by `shard` when given: the colocated HybridEngine's layout),
     the frozen reference when kl_coef > 0, and the critic with its own AdamW when
     `loss.advantage: gae` (both in the backend's own layout)."""
-    backend = backend if backend is not None else backends.create(cfg.backend)
+    backend = backend if backend is not None else backends.create(cfg.backend, cfg.megatron, cfg.seed)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
     schedule = lr_lambda(cfg.schedule, cfg.max_steps * cfg.mini_batches)
@@ -337,6 +339,7 @@ def run(
     if learner.rank == 0 and consumer is not None:
         consumer.publish_version(learner.version)
     tally = RunTally(ConsoleProgress(cfg.max_steps, learner.version, enabled=learner.rank == 0))
+    notes = StepNotes(learner.run_dir, cfg.model_path, cfg.logging) if learner.rank == 0 else None
     while learner.version < cfg.max_steps:
         # 1. wait for a batch admissible at the current version (or stop)
         t0 = time.perf_counter()
@@ -370,6 +373,7 @@ def run(
             m = {**result.metrics(learner), **queue_stats, "time/wait_data_s": t_wait,
                  "groups_consumed": float(learner.consumed_groups)}  # fmt: skip
             m.update({f"skipped/{k}": float(v) for k, v in tally.skipped.items()})
+            notes.step(learner.version, groups, m, metrics)  # flat-reward count; transcripts when due
             _report(learner, consumer, metrics, m, pushed, tally)
 
         # 7. checkpoint and export every N steps
