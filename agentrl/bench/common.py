@@ -35,3 +35,31 @@ def stop_child(proc: subprocess.Popen, timeout_s: float) -> tuple[Any, Any]:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.communicate()
+
+
+def steady_rate(records: list[dict[str, Any]], warmup_steps: int, samples_per_step: int) -> dict[str, Any]:
+    """Samples/s of a run's steady state: from the end of its step `warmup_steps` to the end of its
+    last step, given its per-step records in order (each with `time`, wall seconds at the end of
+    that step, and `step`). Every run a bench compares goes through this with the same
+    `warmup_steps`, so none carries work done before its window into it (an asynchronous run's
+    rollers start groups before the learner's first step; a synchronous run's do not).
+
+    Returns the raw figures beside the rate: `samples` and `seconds` (numerator and denominator),
+    and the steps that bound the window."""
+    if warmup_steps < 1:
+        raise ValueError("warmup_steps must be at least 1: the window starts at the end of a step")
+    if len(records) < warmup_steps + 1:
+        raise ValueError(
+            f"{len(records)} step records cannot give a window after {warmup_steps} warm-up steps: "
+            "the run needs at least warmup_steps + 1 steps"
+        )
+    start, end = records[warmup_steps - 1], records[-1]
+    samples = samples_per_step * (len(records) - warmup_steps)
+    seconds = end["time"] - start["time"]
+    return {
+        "samples": samples,
+        "seconds": seconds,
+        "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        "from_step": start["step"],
+        "to_step": end["step"],
+    }

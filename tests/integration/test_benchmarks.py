@@ -88,10 +88,10 @@ def test_bench_sync_reports_vs_raw_broadcast_and_vs_disk(processes: Processes) -
 
 def test_bench_async_reports_each_k_against_sync(processes: Processes) -> None:
     # the sync baseline and one async k (each k is a whole run; the bench's default runs every k
-    # the issue names), two learner steps each (a rate needs two step times), one group of four
+    # the issue names), one warm-up and one timed learner step each, one group of four
     # episodes per step, after a one-step warm start (the path the default run takes)
     stdout, line = _bench(
-        processes, "async", "--ks", "0,2", "--steps", "2", "--groups-per-step", "1",
+        processes, "async", "--ks", "0,2", "--steps", "1", "--warmup-steps", "1", "--groups-per-step", "1",
         "--concurrency", "4", "--latency-s", "0.01", "--warmstart-steps", "1",
         timeout=540,
     )  # fmt: skip
@@ -99,6 +99,18 @@ def test_bench_async_reports_each_k_against_sync(processes: Processes) -> None:
     _positive(line["ratios"], "k2_vs_sync")
     metrics = line["metrics"]
     _positive(metrics, *[f"k{k}_samples_per_s" for k in (0, 2)])
+    assert metrics["warmup_steps"] == 1
+    for k in (0, 2):  # numerator and denominator of each rate, from this run, over the same steps
+        assert metrics[f"k{k}_window_samples"] == 4 and (
+            metrics[f"k{k}_window_from_step"],
+            metrics[f"k{k}_window_to_step"],
+        ) == (1, 2)
+        assert metrics[f"k{k}_samples_per_s"] == pytest.approx(
+            metrics[f"k{k}_window_samples"] / metrics[f"k{k}_window_seconds"]
+        )
+    assert line["ratios"]["k2_vs_sync"] == pytest.approx(
+        metrics["k2_samples_per_s"] / metrics["k0_samples_per_s"]
+    )
     for k in (0, 2):  # the final mean reward at each k: any finite value, zero included
         reward = metrics[f"k{k}_final_reward"]
         assert isinstance(reward, (int, float)) and math.isfinite(reward), (k, reward)
