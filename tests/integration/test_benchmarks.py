@@ -162,4 +162,13 @@ def test_bench_queue_reports_ratios_rates_and_cpu(processes: Processes) -> None:
             _positive(ratios, ratio)
     if shutil.which("redis-server"):
         assert "redis" not in skipped, skipped["redis"]
+        # plain redis-py, measured in this run over the same sizes and group counts as raw and ours
+        groups = metrics["groups_per_run"]  # one count per size, for every contender alike
+        assert set(groups) == {"4KiB", "1MiB"} and groups["4KiB"] == 400 and metrics["repeat"] == 1
+        for size in ("4KiB", "1MiB"):
+            _positive(metrics, f"redis_MBps_{size}")
+        assert ratios["vs_redis"] == pytest.approx(
+            metrics["ours_MBps_1MiB"] / metrics["redis_MBps_1MiB"], rel=0.01
+        )
     assert "TransferQueue throughput" in stdout and "│ 1MiB" in stdout and "CPU per MiB moved" in stdout
+
