@@ -63,3 +63,49 @@ def steady_rate(records: list[dict[str, Any]], warmup_steps: int, samples_per_st
         "from_step": start["step"],
         "to_step": end["step"],
     }
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} (a Linux kernel is needed)")
+
+
+class PeakResident:
+    """This process's resident-set growth over a block, from the kernel's own high-water mark
+    (`VmHWM`, reset on entry by writing 5 to /proc/self/clear_refs): every page the process
+    touched counts, whoever allocated it (Python tensors, gloo's internal buffers, the C heap).
+    `extra` = peak during the block - resident at its start. Pair with `fix_mmap_threshold()`,
+    or glibc may serve the block's allocations from memory an earlier block freed and hide them."""
+
+    def __enter__(self) -> PeakResident:
+        import gc
+
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base = _status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak = _status_bytes("VmHWM")
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def fix_mmap_threshold() -> bool:
+    """Map every allocation of 64 KiB or more afresh (glibc `mallopt(M_MMAP_THRESHOLD)`, which also
+    turns off the dynamic threshold), so a freed buffer's pages leave the resident set and a later
+    allocation shows in it; False where the C library has no `mallopt`."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, 64 * 1024))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 from typing import Any
 
@@ -82,8 +83,20 @@ def test_bench_sync_reports_vs_raw_broadcast_and_vs_disk(processes: Processes) -
     # a push never holds a second copy of the model (documented bound ~2 buckets; measured ~1 here)
     assert metrics["peak_extra_rss_exact"] is True
     assert metrics["peak_extra_rss_bytes"] < metrics["model_bytes"], metrics
+    # both sides of each ratio from this run: every repeat's seconds, raw over the same buckets
+    assert metrics["push_s"] == statistics.median(metrics["push_s_each"])
+    assert metrics["raw_broadcast_s"] == statistics.median(metrics["raw_broadcast_s_each"])
+    assert len(metrics["push_s_each"]) == len(metrics["raw_broadcast_s_each"]) == 1
+    assert metrics["raw_buckets"] == metrics["buckets"] > 1
+    assert line["ratios"]["vs_raw_broadcast"] == pytest.approx(metrics["raw_broadcast_s"] / metrics["push_s"])
+    phases = metrics["phase_s"]  # the push by phase, each timed by the engine, within the push
+    assert set(phases) >= {"pause", "begin", "broadcast", "replies", "commit", "read_back", "continue"}
+    assert all(v >= 0 for v in phases.values()) and phases["broadcast"] > 0
+    assert sum(phases.values()) <= metrics["push_s"]
+    _positive(metrics, "bucket_round_trip_s")
     for row in ("ours: broadcast engine", "raw gloo broadcast", "disk engine", "peak extra resident memory"):
         assert row in stdout, row
+    assert "our push by phase" in stdout and "each bucket's round trip" in stdout
 
 
 def test_bench_async_reports_each_k_against_sync(processes: Processes) -> None:
