@@ -235,10 +235,11 @@ def main(args: list[str]) -> int:
         rows,
     )
     phase_s = {name: statistics.median(p.get(name, 0.0) for p in phases) for name in PHASES}
-    phase_rows = [[name, 1e3 * seconds, seconds / ours_s] for name, seconds in phase_s.items()]
-    phase_rows.append(
-        ["(unaccounted)", 1e3 * (ours_s - sum(phase_s.values())), 1 - sum(phase_s.values()) / ours_s]
-    )
+    phase_rows = [
+        [name, 1e3 * seconds, f"{100 * seconds / ours_s:.1f}%"] for name, seconds in phase_s.items()
+    ]
+    rest = ours_s - sum(phase_s.values())
+    phase_rows.append(["(unaccounted)", 1e3 * rest, f"{100 * rest / ours_s:.1f}%"])
     phase_rows.append(["each bucket's round trip (median)", 1e3 * statistics.median(round_trips), "-"])
     print_table(f"our push by phase (median of {opts.repeats})", ["phase", "ms", "share"], phase_rows)
     print(

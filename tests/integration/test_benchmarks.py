@@ -1,4 +1,4 @@
-"""`agentrl bench learner|sync|async|roller` run end to end through the command line, each at
+"""`agentrl bench learner|sync|async|roller|queue|reshard` run end to end through the command line, each at
 the smallest size that still takes every path, and end with the JSON line their issues promise.
 
 Only the schema is checked: the promised keys exist, numbers are finite (and positive where a
@@ -185,3 +185,22 @@ def test_bench_queue_reports_ratios_rates_and_cpu(processes: Processes) -> None:
         )
     assert "TransferQueue throughput" in stdout and "│ 1MiB" in stdout and "CPU per MiB moved" in stdout
 
+def test_bench_reshard_measures_the_process_peak_and_both_sides_of_its_ratios(processes: Processes) -> None:
+    # the tiny model on two ranks: both layouts of world 2 (TP only; micro-DP gather only)
+    stdout, line = _bench(
+        processes, "reshard", "--presets", "tiny", "--worlds", "2", "--repeats", "1", timeout=400
+    )
+    metrics = line["metrics"]
+    assert metrics["peak_exact"] is True  # glibc maps large allocations afresh: growth shows
+    rows = metrics["rows"]
+    assert {(r["tg"], r["dg"]) for r in rows} == {(2, 1), (1, 2)}
+    for r in rows:  # numerator and denominator of each ratio, from this run
+        _positive(r, "reshard_s", "raw_allgather_s", "naive_s")
+        assert r["vs_raw_allgather"] == pytest.approx(r["raw_allgather_s"] / r["reshard_s"])
+        assert r["vs_naive"] == pytest.approx(r["naive_s"] / r["reshard_s"])
+        assert r["peak_rss_added_bytes"] >= 0
+    # the peak is the process's resident-set growth on top of the same training shard
+    assert len({r["peak_param_bytes"] - r["peak_rss_added_bytes"] for r in rows}) == 1
+    gathering = next(r for r in rows if r["dg"] == 2)  # allocates generation buffers: their pages show
+    assert gathering["peak_rss_added_bytes"] >= gathering["added_bytes"] // 2, gathering
+    assert "HybridEngine reshard" in stdout
