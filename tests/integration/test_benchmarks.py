@@ -144,13 +144,32 @@ def test_bench_roller_reports_concurrency_and_overhead(processes: Processes) -> 
     stdout, line = _bench(
         processes, "roller", "--concurrency", "8", "--delay-s", "0.01", "--groups", "2", timeout=300
     )
-    assert set(line["ratios"]) == {"concurrency_vs_target", "overhead_budget_vs_ours"}
-    _positive(line["ratios"], "concurrency_vs_target", "overhead_budget_vs_ours")
+    ratios = line["ratios"]
+    assert set(ratios) == {"concurrency_vs_target", "overhead_budget_vs_ours", "cpu_per_turn_bare_vs_ours",
+                           "concurrency_vs_bare"}  # fmt: skip
+    _positive(ratios, *ratios)
     metrics = line["metrics"]
     _positive(metrics, "max_concurrent_episodes", "overhead_ms_per_turn", "turns_per_s", "wall_s")
     assert metrics["episodes"] == 2 * 8  # every episode of every group finished
+    # the bare asyncio loop ran the same episodes in this run: both sides' raw figures
+    assert metrics["bare_episodes"] == metrics["episodes"]
+    _positive(metrics, "cpu_s", "turns", "bare_cpu_s", "bare_turns", "bare_max_concurrent_episodes")
+    assert metrics["overhead_ms_per_turn"] == pytest.approx(1000 * metrics["cpu_s"] / metrics["turns"])
+    assert metrics["bare_overhead_ms_per_turn"] == pytest.approx(
+        1000 * metrics["bare_cpu_s"] / metrics["bare_turns"]
+    )
+    assert ratios["cpu_per_turn_bare_vs_ours"] == pytest.approx(
+        metrics["bare_overhead_ms_per_turn"] / metrics["overhead_ms_per_turn"]
+    )
+    assert 0 < metrics["bare_max_concurrent_episodes"] <= 8
     assert 0 < metrics["max_concurrent_episodes"] <= 8
-    for row in ("peak concurrent episodes", "roller CPU per turn", "turns/s", "groups put"):
+    for row in (
+        "peak concurrent episodes",
+        "roller CPU per turn",
+        "turns/s",
+        "groups put",
+        "bare loop",
+    ):
         assert row in stdout, row
 
 
@@ -184,6 +203,7 @@ def test_bench_queue_reports_ratios_rates_and_cpu(processes: Processes) -> None:
             metrics["ours_MBps_1MiB"] / metrics["redis_MBps_1MiB"], rel=0.01
         )
     assert "TransferQueue throughput" in stdout and "│ 1MiB" in stdout and "CPU per MiB moved" in stdout
+
 
 def test_bench_reshard_measures_the_process_peak_and_both_sides_of_its_ratios(processes: Processes) -> None:
     # the tiny model on two ranks: both layouts of world 2 (TP only; micro-DP gather only)
