@@ -12,9 +12,9 @@ preset with FSDP2 (meta init, so no rank ever holds a full copy), and for each g
   move);
 - raw: one `all_gather_into_tensor` of the same bytes (the generation shard) in the same micro-DP
   group, into one flat buffer: the like-for-like baseline, what a bare collective does with the
-  bytes the reshard moves. It is not a lower bound: it gathers one flat tensor per rank, while the
-  reshard's bucketed `allgather_coalesced` moves the same bytes in fewer, larger gloo operations
-  per layer group and writes straight into the generation buffers, so it can beat raw;
+  bytes the reshard moves. It is not a lower bound, and the reshard can beat it: on gloo one
+  all-gather of the whole shard goes through a flat temporary as large as its output, fresh
+  memory every time, while the reshard's bucketed gathers each touch a bucket's worth;
 - naive: every parameter gathered whole on every rank (`DTensor.full_tensor()`, the FSDP group),
   then the generation shard sliced out of it.
 
