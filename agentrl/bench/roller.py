@@ -19,6 +19,13 @@ no accounting. It is what running the episodes costs with nothing of the roller'
 around them, so `ratios.cpu_per_turn_bare_vs_ours` (bare CPU per turn / ours) is the share of the
 roller's CPU the episodes themselves take, and `ratios.concurrency_vs_bare` compares the peak
 episodes in flight. The JSON carries both sides' CPU seconds, turns and peaks.
+
+A second run in the same process, against the same edge, plays the same calculator task through
+the OpenAI-compatible endpoint (`env.name: agent`): `calculator_agent`, written only with the
+`openai` SDK, runs in the roller's process, so its CPU time (the SDK's request building and
+parsing, httpx) counts with the endpoint's. Episodes/s and CPU per turn of the two runs, side by
+side, are what plugging an existing agent in costs over the built-in agent loop. Without the
+`openai` package (a dev extra) that row is left out, and the table says so.
 """
 
 from __future__ import annotations
@@ -82,7 +89,42 @@ def _edge(model_dir: str, http_port: int, queue_address: str, delay_s: float) ->
     asyncio.run(serve())
 
 
-async def _run_roller(model_dir: str, url: str, queue_address: str, concurrency: int, groups: int) -> dict:
+_sdk_client = None
+
+
+async def calculator_agent(base_url: str, api_key: str, task: dict) -> str | None:
+    """The calculator task as an `openai`-SDK agent: it runs the model's calculator calls itself."""
+    import json
+
+    from openai import AsyncOpenAI
+
+    from agentrl.envs.toy import CalculatorEnv, safe_eval
+
+    global _sdk_client
+    if _sdk_client is None:
+        _sdk_client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    llm = _sdk_client.with_options(base_url=base_url, api_key=api_key)
+    env = CalculatorEnv()
+    messages, tools = env.prompt(task), env.tool_schemas
+    for _ in range(4):
+        reply = (await llm.chat.completions.create(model="policy", messages=messages, tools=tools)).choices[0]
+        messages.append(reply.message.model_dump(exclude_none=True))
+        if not reply.message.tool_calls:
+            return reply.message.content
+        for call in reply.message.tool_calls:
+            expression = json.loads(call.function.arguments).get("expression", "")
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(safe_eval(expression))})
+    return None
+
+
+def calculator_reward(transcript, result) -> float:
+    return float(result is not None and result.strip() == transcript.task["answer"])
+
+
+async def _run_roller(
+    model_dir: str, url: str, queue_address: str, concurrency: int, groups: int, agent: bool = False
+) -> dict:
+    """One roller run; `agent`: through the endpoint with `calculator_agent`, else the built-in env."""
     from transformers import AutoTokenizer
 
     from agentrl.config import EnvConfig, RollerConfig, ZmqQueueConfig
@@ -94,7 +136,10 @@ async def _run_roller(model_dir: str, url: str, queue_address: str, concurrency:
     from agentrl.rollers.roller import Roller
     from agentrl.rollers.tasks import task_stream
 
-    make_env = env_factory(EnvConfig(name="toy_calculator"))
+    kwargs = {"agent": f"{__name__}:calculator_agent", "reward": f"{__name__}:calculator_reward"}
+    make_env = env_factory(
+        EnvConfig(name="agent", kwargs=kwargs) if agent else EnvConfig(name="toy_calculator")
+    )
     config = RollerConfig(group_size=8, max_concurrent_episodes=concurrency, max_groups=groups, log_every_s=5)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir), make_env().tool_schemas)
     client = SGLangClient(url, timeout_s=600)
@@ -112,6 +157,8 @@ async def _run_roller(model_dir: str, url: str, queue_address: str, concurrency:
         "turns": stats.turns,
         "peak_in_flight": stats.peak_in_flight_episodes,
         "groups_put": stats.groups_put,
+        "failed": stats.groups_failed,
+        "reward": sum(stats.rewards) / max(1, len(stats.rewards)),
     }
 
 
@@ -202,6 +249,14 @@ def main(args: list[str]) -> int:
             url = f"http://127.0.0.1:{http_port}"
             result = asyncio.run(_run_roller(model_dir, url, queue_address, opts.concurrency, opts.groups))
             bare = asyncio.run(_run_bare(model_dir, url, opts.concurrency, opts.groups))
+            try:
+                import openai  # noqa: F401
+            except ImportError:
+                agent = None
+            else:
+                agent = asyncio.run(
+                    _run_roller(model_dir, url, queue_address, opts.concurrency, opts.groups, agent=True)
+                )
         finally:
             os.killpg(edge.pid, 9)
             edge.wait()
@@ -220,6 +275,27 @@ def main(args: list[str]) -> int:
             ["groups put", result["groups_put"], "-", ""],
         ],
     )
+    agent_row = {}
+    if agent is None:
+        print("endpoint row left out: the openai package is not installed (pip install 'agentrl[dev]')")
+    else:
+        agent_row = {
+            "endpoint_episodes_per_s": agent["episodes"] / agent["wall_s"],
+            "builtin_episodes_per_s": result["episodes"] / result["wall_s"],
+            "endpoint_overhead_ms_per_turn": 1000 * agent["cpu_s"] / max(1, agent["turns"]),
+            "endpoint_reward": agent["reward"],
+            "endpoint_groups_failed": agent["failed"],
+        }
+        print_table(
+            "same task and server: built-in agent loop vs an openai-SDK agent through the endpoint",
+            ["measure", "built-in", "endpoint"],
+            [
+                ["episodes/s", agent_row["builtin_episodes_per_s"], agent_row["endpoint_episodes_per_s"]],
+                ["CPU per turn (ms)", overhead_ms, agent_row["endpoint_overhead_ms_per_turn"]],
+                ["episodes", result["episodes"], agent["episodes"]],
+                ["reward", result["reward"], agent["reward"]],
+            ],
+        )
     emit(
         "roller",
         {
@@ -236,6 +312,7 @@ def main(args: list[str]) -> int:
             "bare_wall_s": bare["wall_s"],
             "bare_max_concurrent_episodes": bare["peak_in_flight"],
             "bare_overhead_ms_per_turn": bare_ms,
+            **agent_row,
         },
         {
             "concurrency_vs_target": result["peak_in_flight"] / 2000,

@@ -171,6 +171,10 @@ def test_bench_roller_reports_concurrency_and_overhead(processes: Processes) -> 
         "bare loop",
     ):
         assert row in stdout, row
+    # the same task through the OpenAI-compatible endpoint, by an openai-SDK agent, in the same run
+    _positive(metrics, "endpoint_episodes_per_s", "builtin_episodes_per_s", "endpoint_overhead_ms_per_turn")
+    assert metrics["endpoint_groups_failed"] == 0
+    assert "episodes/s" in stdout  # the side-by-side table's first row
 
 
 def test_bench_queue_reports_ratios_rates_and_cpu(processes: Processes) -> None:
