@@ -291,7 +291,7 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
     if config.mode == "colocated":  # no servers, rollers or queue: ranks that generate and train
         from agentrl.colocated.launch import launch as launch_colocated
 
-        return launch_colocated(config, config_path)
+        return launch_colocated(config, config_path, resume)
     if config.launcher.type == "ray":
         from agentrl.launch.ray import launch_ray
 

@@ -69,43 +69,14 @@ def _clock(device) -> tuple[float, float]:
 
 
 def _ours(learner, groups, padded: bool = False) -> tuple[tuple[float, float], int]:
-    from agentrl.learner.data import prepare_batch
-    from agentrl.learner.packing import padded_plan, plan_microbatches
-    from agentrl.learner.train_step import optimizer_step
+    """The learner's own step (`learner.step`), as the loop runs it: with `loss.advantage: gae`,
+    the critic's forward for the old values, GAE, the actor's step and the critic's step."""
+    from agentrl.learner import step
 
-    cfg = learner.cfg
     t0, c0 = _clock(learner.device)
-    batch = prepare_batch(groups, advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg, vocab_size=learner.vocab_size,
-                          learner_version=0)  # fmt: skip
-    samples = batch.mini_batches[0]
-    plan = (
-        padded_plan(samples, cfg.micro_batch_tokens)
-        if padded
-        else plan_microbatches(samples, cfg.micro_batch_tokens, row_tokens=learner.pack_rows)
-    )
-    optimizer_step(learner.backend, learner.actor, [mb.to(learner.device) for mb in plan], cfg, 0)
+    result = step.train(learner, step.prepare(learner, groups), padded=padded)
     t1, c1 = _clock(learner.device)
-    return (t1 - t0, c1 - c0), sum(mb.real_tokens for mb in plan)
-
-
-def _ppo(learner, groups) -> tuple[tuple[float, float], int]:
-    """The loop's steps 2-4 under `loss.advantage: gae`: GAE from the critic, actor and critic steps."""
-    from agentrl.learner.critic import critic_step, gae_advantages
-    from agentrl.learner.data import prepare_batch
-    from agentrl.learner.packing import plan_microbatches
-    from agentrl.learner.train_step import optimizer_step
-
-    cfg = learner.cfg
-    t0, c0 = _clock(learner.device)
-    batch = prepare_batch(groups, advantage="gae", loss_agg=cfg.loss.loss_agg, vocab_size=learner.vocab_size,
-                          learner_version=0)  # fmt: skip
-    plan = [mb.to(learner.device) for mb in plan_microbatches(batch.mini_batches[0], cfg.micro_batch_tokens,
-                                                             row_tokens=learner.pack_rows)]  # fmt: skip
-    gae_advantages(learner.backend, learner.critic, [plan], cfg.loss)
-    optimizer_step(learner.backend, learner.actor, plan, cfg, 0)
-    critic_step(learner.backend, learner.critic, plan, cfg.critic)
-    t1, c1 = _clock(learner.device)
-    return (t1 - t0, c1 - c0), sum(mb.real_tokens for mb in plan)
+    return (t1 - t0, c1 - c0), result.tokens
 
 
 def _bare(model, optimizer, plan, device) -> tuple[float, float]:
@@ -130,7 +101,7 @@ def bench_preset(
     from transformers import AutoModelForCausalLM
 
     from agentrl.config import LearnerConfig
-    from agentrl.learner.data import prepare_batch
+    from agentrl.learner import step
     from agentrl.learner.loop import build_learner
     from agentrl.learner.packing import non_padding_fraction, padded_plan, plan_microbatches
     from agentrl.tiny_model import PRESETS, init_model
@@ -139,7 +110,7 @@ def bench_preset(
     vocab = PRESETS[preset].vocab_size
     cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5})
     learner = build_learner(cfg, workdir / f"run-{preset}")
-    rows = learner.pack_rows  # the learner's own layout (loop.pack), for the bare loop too
+    rows = learner.pack_rows  # the learner's own layout (step.pack), for the bare loop too
     ppo_cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5},
                             loss={"advantage": "gae"}, critic={"optim": {"lr": 1e-5}})  # fmt: skip
     ppo = build_learner(ppo_cfg, workdir / f"run-ppo-{preset}")
@@ -161,8 +132,7 @@ def bench_preset(
     cpu: dict[str, list[float]] = {k: [] for k in wall}
     counts: dict[str, int] = {}
     for i in range(steps + 1):  # step 0 warms up every path
-        samples = prepare_batch(uniform[i], advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg, vocab_size=vocab,
-                                learner_version=0).mini_batches[0]  # fmt: skip
+        samples = step.prepare(learner, uniform[i]).mini_batches[0]
         bare_plan = plan_microbatches(samples, budget, row_tokens=rows)
         runs = {
             "ours": lambda i=i: _ours(learner, uniform[i]),
@@ -172,7 +142,7 @@ def bench_preset(
             ),
             "packed": lambda i=i: _ours(learner, tailed[i]),
             "padded": lambda i=i: _ours(learner, tailed[i], padded=True),
-            "ppo": lambda i=i: _ppo(ppo, uniform[i]),
+            "ppo": lambda i=i: _ours(ppo, uniform[i]),
         }
         if meg is not None:
             runs["megatron"] = lambda i=i: _ours(meg, uniform[i])
@@ -191,8 +161,7 @@ def bench_preset(
             or counts.get("megatron", counts["ours"]) != counts["ours"]
         ):
             raise RuntimeError(f"the variants trained on different tokens: {counts}")  # not comparable
-    tail_samples = prepare_batch(tailed[-1], advantage="grpo", loss_agg="token_mean", vocab_size=vocab,
-                                 learner_version=0).mini_batches[0]  # fmt: skip
+    tail_samples = step.prepare(learner, tailed[-1]).mini_batches[0]
     # Ratios use tokens per CPU-second of this process (median over steps): other jobs on a shared
     # machine stretch wall time but barely change the CPU work a step needs. Wall-clock rates
     # (tokens/s, median) are reported alongside; on a dedicated machine the two agree.

@@ -36,6 +36,7 @@ can exceed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -101,6 +102,7 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
     from agentrl.hybrid.procs import init_gloo, preset_config
     from agentrl.hybrid.reshard import HybridEngine, build_meshes, shard_training_model
     from agentrl.hybrid.tp import check_tp_degree, parallelize_generation_model, param_specs
+    from agentrl.learner.fsdp import local_shards
 
     exact = fix_mmap_threshold()  # before any large allocation: every one maps fresh pages
     init_gloo(rank, world, port)
@@ -127,7 +129,9 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
                     p.to_local().normal_(0, 0.02)
             model_sharded = True
         gen_model = parallelize_generation_model(config, meshes.tp)
-        engine = HybridEngine(model, gen_model, layout, meshes, bucket_bytes=bucket_bytes)
+        engine = HybridEngine(
+            functools.partial(local_shards, model), gen_model, layout, meshes, bucket_bytes=bucket_bytes
+        )
         gen_numel = engine.generation_bytes // 4
         micro = meshes.gen.get_group("dg")
         raw_out = torch.empty(gen_numel)

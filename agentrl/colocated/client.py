@@ -9,6 +9,7 @@ In colocated mode each engine replica's leader runs the same agent loop as the d
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from typing import Any
 
@@ -22,8 +23,14 @@ class EngineClient(InferenceClient):
 
     url = "engine://local"
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, seed: int | None = None) -> None:
+        """`seed`: every request without its own `sampling_seed` gets one drawn from `seed`, the
+        prompt and how many times this client has seen that prompt, so that the same step
+        samples the same tokens however the engine batches its requests (a resumed run repeats
+        the uninterrupted one)."""
         self.engine = engine
+        self.seed = seed
+        self._seen: dict[bytes, int] = {}
 
     async def generate(
         self,
@@ -34,6 +41,8 @@ class EngineClient(InferenceClient):
     ) -> GenerateResult:
         from agentrl.inference.server import _prompt_ids, _sampling
 
+        if self.seed is not None and sampling_params.get("sampling_seed") is None:
+            sampling_params = {**sampling_params, "sampling_seed": self._seed_for(input_ids)}
         try:
             params, _ = _sampling(sampling_params, self.engine)
             ids = _prompt_ids(input_ids, self.engine, "input_ids")
@@ -63,6 +72,12 @@ class EngineClient(InferenceClient):
             completion_tokens=len(req.output_ids),
             server=self.url,
         )
+
+    def _seed_for(self, input_ids: list[int]) -> int:
+        key = hashlib.sha256(repr(list(input_ids)).encode()).digest()
+        nth = self._seen[key] = self._seen.get(key, -1) + 1
+        material = f"{self.seed}:{key.hex()}:{nth}".encode()
+        return int.from_bytes(hashlib.sha256(material).digest()[:8], "little") >> 1
 
     async def health(self) -> bool:
         return self.engine.alive

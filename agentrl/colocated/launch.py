@@ -24,9 +24,16 @@ log = get_logger("colocated.launch")
 STOP_GRACE_S = 30.0
 
 
-def launch(config: AgentRLConfig, config_path: Path) -> int:
+def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
+    """The warm start (kept from an earlier attempt with `resume`), then the ranks (`--resume`:
+    from the newest intact checkpoint)."""
+    from agentrl.launcher import _warm_model
+
     model = config.learner.model_path
-    if config.learner.warmstart.steps > 0:
+    warm = _warm_model(Path(config.run_dir)) if resume and config.learner.warmstart.steps > 0 else None
+    if warm is not None:
+        model = str(warm)
+    elif config.learner.warmstart.steps > 0:
         code = _run([sys.executable, "-m", "agentrl", "warmstart", "--config", str(config_path)])
         if code != 0:
             log.error("colocated: the warm start exited with %d", code)
@@ -35,7 +42,7 @@ def launch(config: AgentRLConfig, config_path: Path) -> int:
     n = config.colocated.num_processes
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            "-m", "agentrl.colocated.loop", "--config", str(config_path),
-           f"--learner.model_path={model}"]  # fmt: skip
+           f"--learner.model_path={model}"] + (["--resume"] if resume else [])  # fmt: skip
     log.info("colocated: %d ranks: %s", n, " ".join(cmd))
     return _run(cmd)
 

@@ -6,8 +6,10 @@
 Start-up (`ColocatedRank`, every rank, in this order, because each creates process groups): the
 hybrid layout (training: `colocated.t`-way tensor parallel times FSDP2 over the S/t dp ranks, a
 (dp, tp) mesh, or FSDP2 over all S ranks at t = 1; generation: `colocated.tg`-way TP replicas,
-S/tg of them), the meshes, the learner (the actor sharded by the HybridEngine's training layout,
-AdamW, LR schedule, data parallel over the dp mesh: hybrid/backend.py), the TP generation model
+S/tg of them), the meshes, the learner (`learner.loop.build_learner`: the actor sharded by the
+HybridEngine's training layout, AdamW, LR schedule, data parallel over the dp mesh:
+hybrid/backend.py; the frozen reference with `loss.kl_coef > 0`, the critic with its own AdamW
+with `loss.advantage: gae`, both FSDP2 over all ranks, never resharded), the TP generation model
 whose parameters the HybridEngine binds to its buffers, the replica's lock-step channel, and the
 engine on that module (no second copy of the weights is ever loaded). Each replica's leader
 starts the engine thread.
@@ -15,13 +17,17 @@ starts the engine thread.
 One step, a short script (`ColocatedRank.generate`, then `.train`):
 
     1. reshard: training shards -> generation buffers (all-gather inside each micro-DP group)
-    2. generate: each replica's leader runs its share of the step's groups with the roller's agent
-       loop (`run_episode`, the same envs, tools and rewards) on its engine; followers replay
+    2. generate: each replica's leader runs its share of the step's groups with the roller's own
+       group code (`Roller` against an in-process `StepProducer`: the same envs, tools, rewards,
+       reward model, ReMax greedy episode, dynamic sampling) on its engine; followers replay
     3. release: KV cache and generation buffers go (the training shards stay)
     4. share: every rank gets every group (all_gather_object); the tokens carry version v
-    5. train: advantages, packing over the S/t dp ranks (the t ranks of a TP group get the same
-       micro-batches), recompute, forward/backward, AdamW (the learner's own functions); version v+1
+    5. train: the learner's step (`learner.step`: advantages, packing over the S/t dp ranks, the t
+       ranks of a TP group getting the same micro-batches, recompute, GAE, forward/backward,
+       AdamW); version v+1 when the step was applied (a skipped step is counted, as in the
+       decoupled loop)
     6. log: generation / reshard / training seconds, peak memory per rank, reward, staleness
+    7. checkpoint and export every N versions (`run`, with the decoupled learner's functions)
 
 Generation runs on the weights of version v and training consumes them at version v: the loop is
 on-policy, every group has staleness 0, and TIS / decoupled PPO see ratios of ~1.
@@ -30,6 +36,7 @@ on-policy, every group has staleness 0, and TIS / decoupled PPO see ratios of ~1
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import resource
 import time
@@ -51,31 +58,15 @@ def build_learner(cfg: AgentRLConfig, meshes: Any) -> Any:
     training layout (tensor parallel over `meshes.train_tp` when `colocated.t > 1`, then FSDP2 over
     `meshes.train`, each parameter on its TP dim, so every training shard lies inside a generation
     shard); the backend's data parallel is the dp mesh (hybrid/backend.py)."""
-    import functools
-
     from agentrl.hybrid.backend import HybridFSDP2Backend
     from agentrl.hybrid.reshard import shard_training_model
-    from agentrl.learner.loop import Learner, lr_lambda
+    from agentrl.learner.loop import build_learner as build
 
     lc = cfg.learner
-    if lc.loss.kl_coef > 0:
-        raise ValueError(
-            "learner.loss.kl_coef > 0 is not supported in mode: colocated (no reference model yet)"
-        )
-    if lc.loss.advantage == "gae":
-        raise ValueError("learner.loss.advantage: gae is not supported in mode: colocated (no critic yet)")
     if lc.backend != "fsdp2":
         raise ValueError(f"learner.backend: {lc.backend!r}; mode: colocated trains with fsdp2")
-    backend = HybridFSDP2Backend(meshes.train)
-    torch.manual_seed(lc.seed)
-    schedule = lr_lambda(lc.schedule, lc.max_steps * lc.mini_batches)
     shard = functools.partial(shard_training_model, mesh=meshes.train, tp_mesh=meshes.train_tp)
-    actor = backend.build(
-        "policy", lc.model_path, name="actor", optim=lc.optim, lr_lambda=schedule, shard=shard
-    )
-    config = actor.module.config
-    pad = config.pad_token_id if config.pad_token_id is not None else 0
-    return Learner(lc, Path(cfg.run_dir), backend, actor, None, config.vocab_size, pad)
+    return build(lc, cfg.run_dir, HybridFSDP2Backend(meshes.train), shard)
 
 
 def _lockstep(meshes: Any) -> Any:
@@ -90,25 +81,41 @@ def _lockstep(meshes: Any) -> Any:
     return mine
 
 
-async def _generate_groups(
-    cfg: AgentRLConfig, tasks: list[dict], engine: Any, make_env, renderer
-) -> list[Group]:
-    """The replica's groups: `group_size` episodes per task, all at once (the engine batches them)."""
-    from agentrl.colocated.client import EngineClient
-    from agentrl.rollers.agent_loop import run_episode
+def hash_seed(*parts: int) -> int:
+    """A sampling seed from integers (the same in every process, unlike `hash`)."""
+    import hashlib
 
-    client = EngineClient(engine)
-    limit = asyncio.Semaphore(cfg.roller.max_concurrent_episodes)
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
 
-    async def one(task: dict) -> Any:
-        async with limit:
-            return await run_episode(make_env(), task, client, renderer, cfg.roller)
 
-    async def group(task: dict) -> Group:
-        episodes = await asyncio.gather(*(one(task) for _ in range(cfg.roller.group_size)))
-        return Group(list(episodes), prompt_id=str(task.get("id", "")))
+class StepProducer:
+    """One replica's queue for one step (the roller's `Producer`, in process): it admits the
+    replica's next tasks (task `k·replicas + replica` for its k-th admission, so the replicas
+    split one task stream) and keeps the groups the roller puts. The roller drops groups itself
+    (dynamic sampling, failures) and is then admitted a further task, as against the queue."""
 
-    return list(await asyncio.gather(*(group(t) for t in tasks)))
+    def __init__(self, version: int, cursor: int, replica: int, replicas: int) -> None:
+        self.version, self.cursor, self.replica, self.replicas = version, cursor, replica, replicas
+        self.groups: list[Group] = []
+
+    async def acquire_start(self, n: int = 1) -> Any:
+        from agentrl.queue.base import Admission
+
+        first = self.cursor * self.replicas + self.replica
+        self.cursor += n
+        return Admission(self.version, first)
+
+    async def put(self, group: Group) -> None:
+        self.groups.append(group)
+
+    async def release_start(self, n: int = 1) -> None:
+        return None  # a dropped group's task is not tried again; the next admission is a new task
+
+    async def current_version(self) -> int:
+        return self.version
+
+    def close(self) -> None:
+        return None
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -130,6 +137,7 @@ class ColocatedRank:
         from agentrl.hybrid.tp import parallelize_generation_model
         from agentrl.inference.engine import Engine
         from agentrl.learner import fsdp
+        from agentrl.rewards.client import RewardModelClient
         from agentrl.rollers.chat import ChatRenderer
         from agentrl.rollers.tasks import TaskSource
 
@@ -144,7 +152,8 @@ class ColocatedRank:
         self.meshes = build_meshes(layout, self.device.type)
         self.learner = build_learner(cfg, self.meshes)
         self.gen_model = parallelize_generation_model(self.learner.model.config, self.meshes.tp)
-        self.hybrid = HybridEngine(self.learner.model, self.gen_model, layout, self.meshes)
+        shards = functools.partial(self.learner.backend.local_shards, self.learner.actor)
+        self.hybrid = HybridEngine(shards, self.gen_model, layout, self.meshes)
         self.lock = _lockstep(self.meshes)
         tokenizer = AutoTokenizer.from_pretrained(lc.model_path)
         self.engine = Engine(lc.model_path, device=str(self.device), model=self.gen_model, tokenizer=tokenizer,
@@ -161,6 +170,14 @@ class ColocatedRank:
             cfg.roller.tasks, load_env_class(cfg.env.name), cfg.roller.seed, **cfg.roller.task_kwargs
         )
         self.renderer = ChatRenderer(tokenizer, self.make_env().tool_schemas or None)
+        self.reward_model = RewardModelClient(cfg.reward) if cfg.reward.url else None
+        self.cursor = 0  # this replica's admitted tasks so far (its next is cursor·replicas + index)
+        self.cursors: dict[int, int] = {}  # every replica's, after each step (what a checkpoint saves)
+        self.roller_metrics: dict[str, Any] = {}
+        from agentrl.learner.loop import ConsoleProgress, RunTally
+
+        self.tally = RunTally(ConsoleProgress(lc.max_steps, 0, enabled=False))  # skips, saved / exported
+        self.applied = False
         if self.lock.is_leader:
             self.engine.start()
         # one event loop for every step: asyncio.run() (Python 3.11) reprs its main task, results and
@@ -168,6 +185,30 @@ class ColocatedRank:
         self.gen_loop = asyncio.new_event_loop()
         log.info("colocated: %d ranks, training t=%d x dp=%d, %d generation replica(s) of tg=%d, %d groups/step",
                  self.world, cc.t, self.world // cc.t, self.replicas, cc.tg, lc.groups_per_step)  # fmt: skip
+
+    async def _roll(self) -> list[Group]:
+        """This replica's share of the step, by the roller's own group code (`Roller`: episodes,
+        ReMax's greedy episode, reward-model scores, dynamic sampling, accounting) against an
+        in-process `StepProducer`; the groups in task order, so that the step does not depend
+        on which episode finished first."""
+        from agentrl.colocated.client import EngineClient
+        from agentrl.rollers.roller import Roller
+
+        producer = StepProducer(self.learner.version, self.cursor, self.replica_index, self.replicas)
+        config = self.cfg.roller.model_copy(update={"max_groups": self.per_replica})
+        Path(self.cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        groups_file = str(Path(self.cfg.run_dir) / f"colocated_replica{self.replica_index}.groups")
+        client = EngineClient(
+            self.engine, seed=hash_seed(self.cfg.learner.seed, self.learner.version, self.replica_index)
+        )
+        roller = Roller(config, self.make_env, self.tasks, client, self.renderer, producer,
+                        groups_file=groups_file, reward_model=self.reward_model)  # fmt: skip
+        await roller.run()
+        if roller.fatal is not None:
+            raise RuntimeError(f"colocated replica {self.replica_index}: {roller.fatal}")
+        self.cursor = producer.cursor
+        self.roller_metrics = roller.stats.snapshot()
+        return sorted(producer.groups, key=lambda g: g.metrics.get("task_index", 0))
 
     def generate(self) -> tuple[list[Group], dict[str, float]]:
         """Steps 1-4: reshard, generate on the rank-local replica, release, share. Every rank
@@ -183,11 +224,7 @@ class ColocatedRank:
         t0 = time.perf_counter()
         mine: list[Group] = []
         if lock.is_leader:
-            first = (learner.version * self.replicas + self.replica_index) * self.per_replica
-            chunk = [self.tasks[first + i] for i in range(self.per_replica)]
-            mine = self.gen_loop.run_until_complete(
-                _generate_groups(self.cfg, chunk, engine, self.make_env, self.renderer)
-            )
+            mine = self.gen_loop.run_until_complete(self._roll())
             engine.end_phase()
         else:
             engine.follow()
@@ -202,49 +239,62 @@ class ColocatedRank:
 
         # 4. share: every rank gets every group
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine)
-        groups = [g for part in gathered for g in part]
-        return groups, {"time/generation_s": t_gen, "time/reshard_s": t_reshard, "time/release_s": t_release,
+        dist.all_gather_object(gathered, (mine, self.replica_index, self.cursor if lock.is_leader else None))
+        groups = [g for part, _, _ in gathered for g in part]
+        self.cursors = {i: c for _, i, c in gathered if c is not None}
+        return groups, {**self.roller_metrics, "time/generation_s": t_gen, "time/reshard_s": t_reshard, "time/release_s": t_release,
                         "reshard/collectives": stats.collectives, "reshard/bytes": stats.bytes_out}  # fmt: skip
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """Step 5: advantages, packing over the dp ranks, recompute, forward/backward, AdamW (the
         learner's own functions); version v+1. Returns the step's metrics (the same on every rank)."""
-        from agentrl.learner.data import prepare_batch
-        from agentrl.learner.loop import pack
-        from agentrl.learner.train_step import optimizer_step
+        from agentrl.learner import step
+        from agentrl.learner.loop import _prepare, _publish
 
-        learner, lc = self.learner, self.cfg.learner
-        t0 = time.perf_counter()
-        batch = prepare_batch(groups, advantage=lc.loss.advantage, loss_agg=lc.loss.loss_agg,
-                              vocab_size=learner.vocab_size, learner_version=learner.version,
-                              mini_batches=lc.mini_batches, max_seq_tokens=lc.max_seq_tokens,
-                              overlong=lc.loss.overlong)  # fmt: skip
-        plans = pack(learner, batch)
-        steps = [optimizer_step(learner.backend, learner.actor, plan, lc, learner.version) for plan in plans]
-        t_train = time.perf_counter() - t0
+        learner, tally = self.learner, self.tally
+        result = step.train(learner, _prepare(learner, groups, tally))
+        self.applied = result.applied
+        if result.nonfinite:
+            tally.count("nonfinite_step")
+            log.error("step at version %d skipped: non-finite loss or gradient norm", learner.version)
         staleness = max(g.staleness(learner.version) for g in groups)
-        learner.version += 1
         learner.consumed_groups += len(groups)
-        m = {k: sum(s[k] for s in steps) / len(steps) for k in (steps[-1] if steps else {})}
-        m.update(batch.metrics)
-        m.update(
-            {"time/train_s": t_train, "groups_consumed": learner.consumed_groups, "staleness/max": staleness}
-        )
+        _publish(learner, None, None, result.applied, tally, counts_as_skip=not result.used)
+        m = result.metrics(learner)
+        m.update({"groups_consumed": learner.consumed_groups, "staleness/max": staleness})
+        m.update({f"skipped/{k}": float(v) for k, v in tally.skipped.items()})
         return m
 
+    # the checkpoint's cursor (`learner.loop._save` / `resume` call these as a consumer's)
+    def state_dict(self) -> dict[str, Any]:
+        return {"task_cursors": {str(i): c for i, c in self.cursors.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursors = {int(i): c for i, c in state["task_cursors"].items()}
+        self.cursor = self.cursors[self.replica_index]
+
     def close(self) -> None:
+        if self.reward_model is not None:
+            self.gen_loop.run_until_complete(self.reward_model.close())
         self.gen_loop.close()
         if self.lock.is_leader:
             self.engine.stop()
 
 
-def run(cfg: AgentRLConfig) -> int:
-    """Every rank: train `learner.max_steps` colocated steps; returns the final version."""
-    from agentrl.learner.loop import export
+def run(cfg: AgentRLConfig, resume: bool = False) -> int:
+    """Every rank: train until `learner.max_steps` versions exist, checkpointing every
+    `checkpoint.every` versions and exporting every `checkpoint.export_every` (and both at the
+    end), as the decoupled learner does (`learner.loop`'s own functions); `resume` continues from
+    the newest intact checkpoint: weights, optimizer states, version and every replica's task
+    cursor (generation is seeded per step and prompt: `EngineClient`), so the resumed run
+    repeats the uninterrupted one. Returns the final version."""
+    from agentrl.learner import loop
 
     r = ColocatedRank(cfg)
-    learner = r.learner
+    learner, tally = r.learner, r.tally
+    if resume and loop.resume(learner, r):
+        tally.saved = learner.version
+        log.info("resumed at version %d (task cursors %s)", learner.version, r.cursors)
     metrics = MetricsLogger(cfg.run_dir, "learner") if r.rank == 0 else None
     try:
         while learner.version < cfg.learner.max_steps:
@@ -260,7 +310,12 @@ def run(cfg: AgentRLConfig) -> int:
                 log.info("version %d  reward %.3f  gen %.1fs  reshard %.2fs  train %.1fs", learner.version,
                          m.get("reward/mean", math.nan), m["time/generation_s"], m["time/reshard_s"],
                          m["time/train_s"])  # fmt: skip
-        export(learner)
+            # 7. checkpoint and export every N versions
+            loop._periodic_save(learner, r, r.applied, tally)
+        if tally.saved != learner.version:
+            loop._save(learner, r)
+        if tally.exported != learner.version:
+            loop.export(learner)
     finally:
         r.close()
         if metrics is not None:
@@ -274,11 +329,13 @@ def main() -> int:
     from agentrl.config import load_config
 
     args = sys.argv[1:]
+    resume = "--resume" in args
+    args = [a for a in args if a != "--resume"]
     path = None
     if args[:1] == ["--config"]:
         path, args = args[1], args[2:]
-    cfg = load_config(path, args, uses=("learner", "roller", "env"))
-    run(cfg)
+    cfg = load_config(path, args, uses=("learner", "roller", "env", "reward"))
+    run(cfg, resume)
     dist.barrier()
     dist.destroy_process_group()
     return 0

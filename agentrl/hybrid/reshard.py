@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,12 +53,14 @@ from agentrl.hybrid.gather import (
     unpack,
 )
 from agentrl.hybrid.layout import HybridLayout, box_numel
-from agentrl.hybrid.tp import fsdp_shard_placement, param_specs, tensor_parallelize, tp_dim
+from agentrl.hybrid.tp import fsdp_shard_placement, specs_of, tensor_parallelize, tp_dim
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
+
+    from agentrl.learner.backend import LocalShard
 
 BUCKET_BYTES = 4 << 20
 MAX_STAGING = 2  # bucket stagings alive at once: one being filled by gloo, one being copied out
@@ -128,15 +130,18 @@ def shard_training_model(model: nn.Module, mesh: DeviceMesh, tp_mesh: DeviceMesh
 class HybridEngine:
     """Switches one actor between its training layout and its TP generation layout.
 
-    `train_model` is sharded by `shard_training_model(model, meshes.train, meshes.train_tp)`;
-    `gen_model` comes from `tp.parallelize_generation_model(config, meshes.tp)`. The constructor
+    `shards` gives the actor's training shards in place through the learner-backend seam
+    (`backend.local_shards(actor)`, or `fsdp.local_shards(model)`: a `LocalShard` per parameter,
+    the model put back in its sharded state), laid out by
+    `shard_training_model(model, meshes.train, meshes.train_tp)`; `gen_model` comes from
+    `tp.parallelize_generation_model(config, meshes.tp)`. The constructor
     binds a generation buffer (storage released) or a view of the training shard to every
     parameter of `gen_model`; `to_generation()` fills the buffers, `release()` frees them. Both are
     collective: every rank calls them in step."""
 
     def __init__(
         self,
-        train_model: nn.Module,
+        shards: Callable[[], Iterable[LocalShard]],
         gen_model: nn.Module,
         layout: HybridLayout,
         meshes: HybridMeshes,
@@ -144,11 +149,10 @@ class HybridEngine:
         transport: str = "auto",
     ):
         import torch.distributed as dist
-        from torch.distributed.fsdp import FSDPModule
 
         _check_supported(layout)
         self.layout, self.meshes = layout, meshes
-        self.train_model, self.gen_model = train_model, gen_model
+        self.shards, self.gen_model = shards, gen_model
         self.rank = dist.get_rank()
         if meshes.gen.mesh.tolist() != layout.gen_mesh():
             raise ValueError(
@@ -161,13 +165,12 @@ class HybridEngine:
             "micro": Group.of(meshes.gen.get_group("dg"), lambda r: layout.gen_coords(r).micro_dp),
             "fsdp": Group.of(meshes.train.get_group(), lambda r: layout.train_coords(r).d),
         }
-        self._fsdp_modules = [m for m in train_model.modules() if isinstance(m, FSDPModule)]
-        self._owners: dict[str, tuple[nn.Module, str]] = {}
-        self._reshard_training()
-        self.slots = [self._bind(spec) for spec in param_specs(train_model)]
+        self._read_shards()
+        shapes = [(name, tuple(s.global_shape)) for name, s in self._train.items()]
+        self.slots = [self._bind(spec) for spec in specs_of(shapes, gen_model.config.num_hidden_layers)]
         if getattr(gen_model.config, "tie_word_embeddings", False):
             gen_model.lm_head.weight = gen_model.model.embed_tokens.weight
-        self.training_bytes = sum(_local(self._train_param(s.name)).nbytes for s in self.slots)
+        self.training_bytes = sum(self._train[s.name].local.nbytes for s in self.slots)
         self.generation_bytes = sum(s.nbytes for s in self.slots)
         self.added_bytes = sum(s.nbytes for s in self.slots if not s.view)
         sizes = {name: group.size for name, group in self.groups.items()}
@@ -210,7 +213,7 @@ class HybridEngine:
         memory there)."""
         import torch
 
-        self._reshard_training()
+        self._read_shards()
         start = time.perf_counter()
         with torch.no_grad():
             self.allocate()
@@ -301,22 +304,15 @@ class HybridEngine:
         return self._allocated
 
     # internals -----------------------------------------------------------------------------
-    def _train_param(self, name: str) -> nn.Parameter:
-        owner = self._owners.get(name)
-        if owner is None:
-            owner = self._owners[name] = _owner(self.train_model, name)
-        return getattr(*owner)
-
     def _block(self, slot: GenSlot) -> torch.Tensor:
         """This rank's training block of `slot`, in the buffer's orientation."""
-        local = _local(self._train_param(slot.name))
+        local = self._train[slot.name].local
         return local.t() if slot.kind == "row" else local
 
-    def _reshard_training(self) -> None:
-        """Put FSDP2 back in its sharded state (a forward with reshard_after_forward=False leaves
-        the full parameters registered), so the parameters read below are the shards."""
-        for module in self._fsdp_modules:
-            module.reshard()
+    def _read_shards(self) -> None:
+        """The training shards as they are now, by name (the backend puts the model back in its
+        sharded state first: a forward that kept full parameters registered leaves none behind)."""
+        self._train: dict[str, LocalShard] = {s.name: s for s in self.shards()}
 
     def _bind(self, spec) -> GenSlot:
         import torch
@@ -324,16 +320,16 @@ class HybridEngine:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         name = spec.name
-        train_param = self._train_param(name)
-        if not isinstance(train_param, DTensor):
+        shard = self._train[name]
+        if not shard.placements:
             raise TypeError(f"{name}: the training model is not sharded by FSDP2 (shard_training_model)")
         dim = tp_dim(name)
-        local = _local(train_param)
+        local = shard.local
         want = tuple(b - a for a, b in self.layout.train_box(self.rank, spec))
-        fsdp_dim = getattr(train_param.placements[0], "dim", None)
+        fsdp_dim = getattr(shard.placements[0], "dim", None)
         if fsdp_dim != (dim or 0) or tuple(local.shape) != want:
             raise ValueError(
-                f"{name}: training placement {train_param.placements}, local shape {tuple(local.shape)}; "
+                f"{name}: training placement {shard.placements}, local shape {tuple(local.shape)}; "
                 f"the layout wants FSDP on dim {dim or 0} and a local block of {want} (shard_training_model)"
             )
         box = self.layout.gen_box(self.rank, spec)
@@ -365,10 +361,6 @@ def _alloc(slot: GenSlot) -> None:
     storage = slot.buffer.untyped_storage()
     if storage.nbytes() != slot.nbytes:
         storage.resize_(slot.nbytes)
-
-
-def _local(param) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:

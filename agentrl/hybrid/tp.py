@@ -48,12 +48,16 @@ def tp_dim(name: str) -> int | None:
 def param_specs(model: nn.Module, p: int = 1) -> list[ParamSpec]:
     """The model's parameters (tied ones once, under their first name) as `ParamSpec`s, with the
     FSDP dim equal to the TP dim, and pipeline stages for `p` stages."""
-    layers = model.config.num_hidden_layers
-    specs = []
-    for name, param in model.named_parameters():
-        dim = tp_dim(name)
-        specs.append(ParamSpec(name, tuple(param.shape), dim, dim or 0, stage_of(name, layers, p)))
-    return specs
+    shapes = [(name, tuple(param.shape)) for name, param in model.named_parameters()]
+    return specs_of(shapes, model.config.num_hidden_layers, p)
+
+
+def specs_of(shapes: list[tuple[str, tuple[int, ...]]], layers: int, p: int = 1) -> list[ParamSpec]:
+    """`ParamSpec`s of (name, full shape) pairs of a model with `layers` decoder layers."""
+    return [
+        ParamSpec(name, shape, tp_dim(name), tp_dim(name) or 0, stage_of(name, layers, p))
+        for name, shape in shapes
+    ]
 
 
 def check_tp_degree(config, tg: int) -> None:

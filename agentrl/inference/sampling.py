@@ -7,7 +7,7 @@ renormalised. Which log-prob is reported is `InferenceConfig.logprobs`:
 - "full" (`full_logprobs=True`): `log_softmax(logits / T)` over the whole vocabulary, before
   truncation — what SGLang 0.5.23's `Sampler.forward` returns (`srt/layers/sampler.py`:
   `log(softmax(logits / T))` taken before `_sample_from_probs` truncates) and what the learner
-  recomputes (`learner.train_step.forward_logprobs`);
+  recomputes (`learner.hf_model.forward_logprobs`);
 - "truncated": the log-prob under the truncated, renormalised distribution actually sampled.
 
 With no truncation the two agree. Greedy rows (temperature 0) report the untempered

@@ -114,7 +114,7 @@ class LearnerBackend(Protocol):
         self, part: ModelPart, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A policy's log-prob of each target token (flat [rows·T], 0 off the loss mask) and its
-        entropy ("grad", "metric" or "none"; see `train_step.forward_logprobs`)."""
+        entropy ("grad", "metric" or "none"; see `hf_model.forward_logprobs`)."""
         ...
 
     def values(self, part: ModelPart, mb: MicroBatch) -> torch.Tensor:

@@ -5,8 +5,9 @@ learner backend (FSDP2-sharded like the actor), with its own AdamW and learning 
     adv_metrics = gae_advantages(backend, critic, plans, cfg.loss)   # before any update
     metrics = critic_step(backend, critic, plan, cfg.critic)         # per mini-batch
 
-The model is Hugging Face's `AutoModelForTokenClassification` with one label, loaded from the
-policy's checkpoint (or `critic.model_path`): the decoder is the checkpoint's, the `score` head
+The model (the backend builds it: `backend.build("value", ...)`; for HF models
+`hf_model.load_value_model`) is Hugging Face's `AutoModelForTokenClassification` with one label,
+loaded from the policy's checkpoint (or `critic.model_path`): the decoder is the checkpoint's, the `score` head
 (hidden → 1) is new and zero-initialised, so every value starts at 0 (no random offset to
 unlearn); a checkpoint that already is a one-label token classifier (an exported critic) keeps
 its head. Position p of a packed micro-batch has seen tokens ≤ p, so its output is V(state
@@ -28,48 +29,14 @@ are sums over all ranks.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from agentrl.config import CriticConfig, LearnerConfig, LossConfig
 from agentrl.learner.backend import LearnerBackend, ModelPart
 from agentrl.learner.gae import gae, value_loss
 from agentrl.learner.packing import MicroBatch
-
-
-def load_value_model(path: str | Path, device: torch.device) -> nn.Module:
-    """The checkpoint's decoder with a scalar head in fp32: zero-initialised, unless the
-    checkpoint is a one-label token classifier already (an exported critic)."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    architectures = AutoConfig.from_pretrained(str(path)).architectures or []
-    is_critic = any(a.endswith("ForTokenClassification") for a in architectures)
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "some weights were newly initialised": the head, on purpose
-    try:
-        model = AutoModelForTokenClassification.from_pretrained(
-            str(path), num_labels=1, dtype=torch.float32, attn_implementation="sdpa"
-        )
-    finally:
-        hf_logging.set_verbosity(level)
-    model.config.use_cache = False
-    if not is_critic:
-        with torch.no_grad():
-            model.score.weight.zero_()
-            if model.score.bias is not None:
-                model.score.bias.zero_()
-    return model.to(device)
-
-
-def critic_values(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """V at every position of the micro-batch, flat [rows·T], in fp32."""
-    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
-    return out.logits.reshape(-1).float()
 
 
 def build_critic(backend: LearnerBackend, cfg: LearnerConfig) -> ModelPart:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agentrl.learner import hf_model
 from agentrl.learner.backend import LocalShard, ModelPart, NonFiniteError, PartKind
 from agentrl.learner.packing import MicroBatch
 from agentrl.log import get_logger
@@ -134,6 +135,18 @@ def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, param in model.named_parameters():
         data = param.detach()
         yield name, data.full_tensor() if hasattr(data, "full_tensor") else data
+
+
+def local_shards(model: nn.Module) -> Iterator[LocalShard]:
+    """This rank's piece of every parameter of an FSDP2 (or FSDP2 + TP) model, in place, with its
+    DTensor placement; the model is put back in its sharded state first."""
+    _reshard(model)
+    for name, param in model.named_parameters():
+        data = param.detach()
+        if hasattr(data, "to_local"):
+            yield LocalShard(name, data.to_local(), tuple(data.placements), data.device_mesh, data.shape)
+        else:
+            yield LocalShard(name, data, (), None, data.shape)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -255,9 +268,7 @@ class FSDP2Backend:
         if kind == "policy":
             module = load_model(path, self.device)
         else:
-            from agentrl.learner.critic import load_value_model
-
-            module = load_value_model(path, self.device)
+            module = hf_model.load_value_model(path, self.device)
         if shard is not None:
             module = shard(module)
         else:
@@ -274,14 +285,10 @@ class FSDP2Backend:
     def logprobs(
         self, part: ModelPart, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from agentrl.learner.train_step import forward_logprobs
-
-        return forward_logprobs(part.module, mb, temperature, entropy)
+        return hf_model.forward_logprobs(part.module, mb, temperature, entropy)
 
     def values(self, part: ModelPart, mb: MicroBatch) -> torch.Tensor:
-        from agentrl.learner.critic import critic_values
-
-        return critic_values(part.module, mb)
+        return hf_model.values(part.module, mb)
 
     @contextlib.contextmanager
     def frozen(self, part: ModelPart) -> Iterator[None]:
@@ -370,13 +377,7 @@ class FSDP2Backend:
         return iter_full_tensors(part.module)
 
     def local_shards(self, part: ModelPart) -> Iterator[LocalShard]:
-        _reshard(part.module)
-        for name, param in part.module.named_parameters():
-            data = param.detach()
-            if hasattr(data, "to_local"):
-                yield LocalShard(name, data.to_local(), tuple(data.placements), data.device_mesh, data.shape)
-            else:
-                yield LocalShard(name, data, (), None, data.shape)
+        return local_shards(part.module)
 
     def _state(self, parts: list[ModelPart]) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -44,12 +44,10 @@ from torch import nn
 
 from agentrl.config import LearnerConfig, ScheduleConfig
 from agentrl.learner import backend as backends
-from agentrl.learner import checkpoint
+from agentrl.learner import checkpoint, step
 from agentrl.learner.backend import LearnerBackend, ModelPart
-from agentrl.learner.critic import build_critic, critic_step, gae_advantages
-from agentrl.learner.data import no_generation_why, prepare_batch
-from agentrl.learner.packing import MicroBatch, non_padding_fraction, plan_microbatches
-from agentrl.learner.train_step import optimizer_step, recompute_logprobs
+from agentrl.learner.critic import build_critic
+from agentrl.learner.data import no_generation_why
 from agentrl.learner.transcripts import StepNotes
 from agentrl.log import MetricsLogger, get_logger
 from agentrl.types import Group
@@ -151,15 +149,22 @@ def lr_lambda(schedule: ScheduleConfig, total_steps: int):
     return factor
 
 
-def build_learner(cfg: LearnerConfig, run_dir: str | Path) -> Learner:
-    """The backend (process group), the actor with AdamW and its LR schedule, the frozen
-    reference when kl_coef > 0, and the critic with its own AdamW when `loss.advantage: gae`."""
-    backend = backends.create(cfg.backend, cfg.megatron, cfg.seed)
+def build_learner(
+    cfg: LearnerConfig,
+    run_dir: str | Path,
+    backend: LearnerBackend | None = None,
+    shard: Callable[[nn.Module], nn.Module] | None = None,
+) -> Learner:
+    """The backend (process group; `learner.backend` unless one is given), the actor with AdamW
+    and its LR schedule (distributed by `shard` when given: the colocated HybridEngine's layout),
+    the frozen reference when kl_coef > 0, and the critic with its own AdamW when
+    `loss.advantage: gae` (both in the backend's own layout)."""
+    backend = backend if backend is not None else backends.create(cfg.backend, cfg.megatron, cfg.seed)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
     schedule = lr_lambda(cfg.schedule, cfg.max_steps * cfg.mini_batches)
     actor = backend.build("policy", cfg.model_path, name="actor", optim=cfg.optim, lr_lambda=schedule,
-                          activation_checkpointing=cfg.activation_checkpointing, bf16=bf16)  # fmt: skip
+                          activation_checkpointing=cfg.activation_checkpointing, bf16=bf16, shard=shard)  # fmt: skip
     ref = backend.build("policy", cfg.model_path, name="ref", bf16=bf16) if cfg.loss.kl_coef > 0 else None
     critic = build_critic(backend, cfg) if cfg.loss.advantage == "gae" else None
     config = actor.module.config
@@ -349,40 +354,25 @@ def run(
         # 2. validate, skip bad groups with a counted reason, compute advantages
         batch = _prepare(learner, groups, tally)
 
-        # 3. pack into micro-batches balanced across ranks; recompute frozen log-probs; with a
-        #    critic, its values and the GAE advantages and returns
-        plans = pack(learner, batch)
-        critic = learner.critic
-        adv_stats = gae_advantages(learner.backend, critic, plans, cfg.loss) if critic and plans else {}
-
-        # 4. forward/backward, clip, AdamW step per mini-batch (skipped when non-finite): the
-        #    actor (not while the critic warms up), then the critic
-        t1 = time.perf_counter()
-        warming = learner.critic_warming_up
-        steps = [] if warming else [optimizer_step(learner.backend, learner.actor, plan, cfg, learner.version)
-                                    for plan in plans]  # fmt: skip
-        critic_steps = (
-            [critic_step(learner.backend, critic, plan, cfg.critic) for plan in plans] if critic else []
-        )
-        t_train = time.perf_counter() - t1
-        applied = any(not s["step_skipped"] for s in steps)
-        if steps and not applied:
+        # 3-4. pack, recompute frozen log-probs (and the critic's values, GAE); forward/backward,
+        #      clip, AdamW per mini-batch: the actor (not while the critic warms up), then the critic
+        result = step.train(learner, batch)
+        applied = result.applied
+        if result.nonfinite:
             tally.count("nonfinite_step")
             log.error("step at version %d skipped: non-finite loss or gradient norm", learner.version)
-        used = applied or (warming and any(not s["critic/step_skipped"] for s in critic_steps))
 
         # 5. version += 1; publish; hand weights to weight sync
-        pushed = _publish(learner, consumer, weight_sync, applied, tally, counts_as_skip=not used)
+        pushed = _publish(learner, consumer, weight_sync, applied, tally, counts_as_skip=not result.used)
 
         # 6. ack the groups (after the step: a crash before it means redelivery); log metrics
         if learner.rank == 0:
             # a warm-up step's groups go back as skipped too: the actor never trains on them, and
             # the queue's admission counts groups_per_step groups per version
             _ack(learner, consumer, groups, applied)
-            m = _step_metrics(learner, steps, batch, plans, queue_stats, tally.skipped, t_wait, t_train)
-            m.update({**adv_stats, **_mean(critic_steps)})
-            if critic is not None:
-                m["critic/warmup"] = float(warming)
+            m = {**result.metrics(learner), **queue_stats, "time/wait_data_s": t_wait,
+                 "groups_consumed": float(learner.consumed_groups)}  # fmt: skip
+            m.update({f"skipped/{k}": float(v) for k, v in tally.skipped.items()})
             notes.step(learner.version, groups, m, metrics)  # flat-reward count; transcripts when due
             _report(learner, consumer, metrics, m, pushed, tally)
 
@@ -399,13 +389,7 @@ def run(
 
 def _prepare(learner: Learner, groups: list[Group], tally: RunTally):
     """Step 2: validated samples with advantages, split into mini-batches; skips counted."""
-    cfg = learner.cfg
-    batch = prepare_batch(groups, advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg,
-                          vocab_size=learner.vocab_size, learner_version=learner.version,
-                          mini_batches=cfg.mini_batches, max_seq_tokens=cfg.max_seq_tokens,
-                          overlong=cfg.loss.overlong)  # fmt: skip
-    if batch.trainable_tokens == 0:
-        batch.skipped["no_trainable_tokens"] += 1
+    batch = step.prepare(learner, groups)
     empty = [g for g in groups if g.episodes and not any(ep.loss_mask[1:].any() for ep in g.episodes)]
     if empty:
         tally.last_skip = no_generation_why(empty[-1])
@@ -423,26 +407,6 @@ def row_tokens(setting: int | None, model: Any) -> int | None:
         attn = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "")
         return None if attn.startswith("flash") else 1  # 1: every row as wide as the longest sequence
     return setting
-
-
-def pack(learner: Learner, batch) -> list[list[MicroBatch]]:
-    """Step 3: each mini-batch packed into this rank's micro-batches, on the device, with the
-    frozen policies' log-probs the objective needs (π_old / π_prox, π_ref). The batch is split
-    over the backend's data-parallel ranks (under tensor parallel the ranks of a TP group get the
-    same micro-batches)."""
-    cfg, loss, backend = learner.cfg, learner.cfg.loss, learner.backend
-    if batch.trainable_tokens == 0:
-        return []
-    plans = [plan_microbatches(samples, cfg.micro_batch_tokens, backend.dp_size, backend.dp_rank,
-                               cfg.pad_multiple, learner.pad_id, learner.pack_rows) for samples in batch.mini_batches]  # fmt: skip
-    plans = [[mb.to(learner.device) for mb in plan] for plan in plans]
-    needs_old = loss.needs_old_logp(cfg.mini_batches)
-    for plan in plans:
-        if needs_old:
-            recompute_logprobs(learner.backend, learner.actor, plan, "old_logp", cfg.temperature)
-        if learner.ref is not None:
-            recompute_logprobs(learner.backend, learner.ref, plan, "ref_logp", cfg.temperature)
-    return plans
 
 
 def _publish(
@@ -539,33 +503,3 @@ class ConsoleProgress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
-
-
-def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
-    """Per-key mean of per-mini-batch metrics."""
-    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
-
-
-def _tokens(plans: list) -> int:
-    return sum(mb.real_tokens for plan in plans for mb in plan)
-
-
-def _step_metrics(
-    learner, steps, batch, plans, queue_stats, total_skipped, t_wait, t_train
-) -> dict[str, float]:
-    m: dict[str, float] = {}
-    if steps:
-        for key in steps[-1]:
-            m[key] = sum(s[key] for s in steps) / len(steps)
-        m["step_skipped"] = float(sum(s["step_skipped"] for s in steps))
-    m.update(batch.metrics)
-    m.update(queue_stats)
-    m.update({f"skipped/{k}": float(v) for k, v in total_skipped.items()})
-    mbs = [mb for plan in plans for mb in plan]
-    m["packing/non_padding_frac"] = non_padding_fraction(mbs) if mbs else 0.0
-    m["packing/micro_batches"] = float(len(mbs))
-    m["time/wait_data_s"] = t_wait
-    m["time/train_s"] = t_train
-    m["tokens_per_s"] = _tokens(plans) * learner.world_size / max(t_train, 1e-9)
-    m["groups_consumed"] = float(learner.consumed_groups)
-    return m

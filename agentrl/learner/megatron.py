@@ -251,7 +251,7 @@ class MegatronBackend:
     def logprobs(
         self, part: ModelPart, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from agentrl.learner.train_step import logprobs_from_logits
+        from agentrl.learner.hf_model import logprobs_from_logits
 
         if self._logits is not None:  # inside the schedule, on the last stage
             return logprobs_from_logits(self._logits, mb, temperature, entropy)

@@ -17,55 +17,11 @@ import math
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from agentrl.config import LearnerConfig, LossConfig
 from agentrl.learner import losses
 from agentrl.learner.backend import LearnerBackend, ModelPart
 from agentrl.learner.packing import MicroBatch
-
-ENTROPY_METRIC_STRIDE = 8
-
-
-def forward_logprobs(
-    model: nn.Module, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each target token (flat [rows·T], 0 where nothing is trained) and the entropy.
-
-    Only positions that predict a loss token go through the vocabulary softmax (prompt and tool
-    output positions are skipped). `entropy`: "grad" computes it on every loss token as part of
-    the loss; "metric" estimates its mean from every ENTROPY_METRIC_STRIDE-th loss token, without
-    gradient (unsampled positions hold NaN); "none" skips it."""
-    out = model(
-        input_ids=mb.input_ids,
-        position_ids=mb.position_ids,
-        attention_mask=mb.attention_mask,
-        use_cache=False,
-    )
-    return logprobs_from_logits(out.logits, mb, temperature, entropy)
-
-
-def logprobs_from_logits(
-    logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`forward_logprobs` from the full-vocabulary logits [rows, T, V] a backend computed."""
-    logits = logits.reshape(-1, logits.shape[-1])
-    where = mb.mask.nonzero().squeeze(-1)
-    picked = logits[where].float()
-    if temperature != 1.0:
-        picked = picked / temperature
-    logp_picked = -F.cross_entropy(picked, mb.targets[where], reduction="none")
-    logp = logp_picked.new_zeros(logits.shape[0]).index_put((where,), logp_picked)
-    ent = None
-    if entropy == "grad":
-        ent = logp.new_zeros(logp.shape).index_put((where,), losses.entropy_from_logits(picked))
-    elif entropy == "metric":
-        with torch.no_grad():
-            rows = torch.arange(0, where.numel(), ENTROPY_METRIC_STRIDE)
-            sampled = losses.entropy_from_logits(picked.detach()[rows])
-            ent = torch.full_like(logp, float("nan"), requires_grad=False).index_put((where[rows],), sampled)
-    return logp, ent
 
 
 def recompute_logprobs(

@@ -19,6 +19,8 @@ def test_colocated_run_trains_on_policy_with_per_phase_metrics(tiny_model: Path,
         "run", "--config", "recipes/quickstart_colocated.yaml", f"--run_dir={run_dir}",
         f"--learner.model_path={tiny_model}", "--learner.warmstart.steps=0", "--learner.max_steps=2",
         "--learner.groups_per_step=2", "--roller.group_size=2", "--roller.max_new_tokens=8",
+        # ReMax: the roller's own group code runs each group's greedy episode on the replica
+        "--learner.loss.advantage=remax", "--roller.greedy_baseline=true",
         timeout=400,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
@@ -30,6 +32,7 @@ def test_colocated_run_trains_on_policy_with_per_phase_metrics(tiny_model: Path,
         assert r["memory/peak_rss_bytes_rank0"] > 0 and r["memory/peak_rss_bytes_rank1"] > 0
         assert r["staleness/max"] == 0  # generated at version v, trained at version v
         assert r["groups_consumed"] > 0
+        assert r["roller/greedy_episodes"] == 1  # rank 0's replica: one group per step, one greedy episode
     assert (run_dir / "hf" / "latest" / "config.json").exists()
 
 

@@ -4,6 +4,7 @@ with and without buckets, and at dg = 1 where the generation shard is a view."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -
     from agentrl.hybrid.procs import init_gloo, preset_config
     from agentrl.hybrid.reshard import HybridEngine, build_meshes, shard_training_model
     from agentrl.hybrid.tp import parallelize_generation_model, param_specs
+    from agentrl.learner.fsdp import local_shards
 
     init_gloo(rank, world, port)
     ids = torch.tensor(PROMPT)
@@ -53,7 +55,12 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -
                 ref = model(ids).logits
             gen_model = parallelize_generation_model(model.config, meshes.tp)
             engine = HybridEngine(
-                model, gen_model, layout, meshes, bucket_bytes=bucket_bytes, transport=transport
+                functools.partial(local_shards, model),
+                gen_model,
+                layout,
+                meshes,
+                bucket_bytes=bucket_bytes,
+                transport=transport,
             )
             # the garbage collector runs when it likes: a cycle of the last layout's objects freed
             # during release() read as memory release() gave back (61440 bytes in one CI run)

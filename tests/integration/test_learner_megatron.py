@@ -72,9 +72,9 @@ def worker(out_dir: str, model_path: str) -> None:
 
     from agentrl.learner.data import prepare_batch
     from agentrl.learner.fsdp import load_model
+    from agentrl.learner.hf_model import forward_logprobs
     from agentrl.learner.loop import build_learner, run
     from agentrl.learner.packing import plan_microbatches
-    from agentrl.learner.train_step import forward_logprobs
     from tests.unit.learner.source import ListSource, learner_config, make_groups
 
     original = load_file(Path(model_path) / "model.safetensors")

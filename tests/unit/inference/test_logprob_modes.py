@@ -1,7 +1,7 @@
 """Behaviour log-prob semantics (`InferenceConfig.logprobs`) against the learner's recompute.
 
 With "full" (SGLang 0.5.23's semantics) the embedded server's log-probs under top-p / top-k
-sampling equal `learner.train_step.forward_logprobs` on the same tokens to < 1e-4 (fp32);
+sampling equal `learner.hf_model.forward_logprobs` on the same tokens to < 1e-4 (fp32);
 "truncated" log-probs do not, so a config asking for them with truncation is refused, and so is
 top-p / top-k with vLLM, whose log-probs are always of the truncated distribution."""
 
@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.config import AgentRLConfig
 from agentrl.inference.sglang import SGLangClient
+from agentrl.learner.hf_model import forward_logprobs
 from agentrl.learner.packing import MicroBatch
-from agentrl.learner.train_step import forward_logprobs
 from tests.unit.inference.conftest import ServerThread
 
 PROMPT = [5, 17, 42, 99, 3, 64, 8]

@@ -10,8 +10,9 @@ import torch
 
 from agentrl.config import ConfigError, LossConfig, load_config
 from agentrl.learner import checkpoint, fsdp, loop
+from agentrl.learner.hf_model import forward_logprobs
 from agentrl.learner.packing import MicroBatch
-from agentrl.learner.train_step import forward_logprobs, microbatch_loss, recompute_logprobs
+from agentrl.learner.train_step import microbatch_loss, recompute_logprobs
 from tests.unit.learner.source import ListSource, learner_config, make_groups
 
 

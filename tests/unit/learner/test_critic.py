@@ -9,10 +9,11 @@ import numpy as np
 import torch
 
 from agentrl.config import OptimConfig
-from agentrl.learner.critic import _packed_gae, critic_step, load_value_model
+from agentrl.learner.critic import _packed_gae, critic_step
 from agentrl.learner.data import prepare_batch
 from agentrl.learner.fsdp import FSDP2Backend, full_state_dict
 from agentrl.learner.gae import gae
+from agentrl.learner.hf_model import load_value_model
 from agentrl.learner.loop import build_learner, run
 from agentrl.learner.packing import plan_microbatches
 from agentrl.log import MetricsLogger, read_metrics

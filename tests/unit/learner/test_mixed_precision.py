@@ -22,9 +22,10 @@ import torch
 
 from agentrl.learner.data import prepare_batch
 from agentrl.learner.fsdp import full_state_dict, iter_full_tensors
+from agentrl.learner.hf_model import forward_logprobs
 from agentrl.learner.loop import build_learner, run
 from agentrl.learner.packing import plan_microbatches
-from agentrl.learner.train_step import forward_logprobs, microbatch_loss
+from agentrl.learner.train_step import microbatch_loss
 from agentrl.log import MetricsLogger, read_metrics
 from tests.conftest import end_rank, run_torchrun
 from tests.unit.learner.source import ListSource, learner_config, make_groups

@@ -8,6 +8,7 @@ import torch
 
 from agentrl.config import LossConfig
 from agentrl.learner.data import prepare_batch
+from agentrl.learner.hf_model import forward_logprobs
 from agentrl.learner.packing import (
     balance_across_ranks,
     first_fit_decreasing,
@@ -17,7 +18,7 @@ from agentrl.learner.packing import (
     padded_plan,
     plan_microbatches,
 )
-from agentrl.learner.train_step import forward_logprobs, microbatch_loss
+from agentrl.learner.train_step import microbatch_loss
 from tests.unit.learner.source import make_groups
 
 

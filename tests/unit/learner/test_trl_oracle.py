@@ -12,9 +12,10 @@ import torch
 
 from agentrl.config import LossConfig
 from agentrl.learner.advantages import compute_advantages
+from agentrl.learner.hf_model import forward_logprobs
 from agentrl.learner.losses import token_weights
 from agentrl.learner.packing import Sample, packed_microbatch
-from agentrl.learner.train_step import forward_logprobs, microbatch_loss
+from agentrl.learner.train_step import microbatch_loss
 
 trl = pytest.importorskip("trl")
 
