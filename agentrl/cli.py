@@ -192,38 +192,30 @@ def serve(
     backend: Annotated[
         str,
         typer.Option(
-            help="embedded (agentrl's server), vllm (a real vLLM from .venv-vllm) or sglang (a real SGLang; GPU, .venv-sglang)."
+            help="embedded (agentrl's server), vllm (a real vLLM from .venv-vllm), sglang (a real SGLang; GPU, "
+            ".venv-sglang), or a backend another package registers (entry-point group agentrl.inference_backends)."
         ),
     ] = "embedded",
     config: ConfigOpt = None,
 ) -> None:
-    """Serve a model: the embedded server or a real SGLang (SGLang's native HTTP API), or a real vLLM."""
+    """Serve a model with an inference backend: the embedded server, a real SGLang or vLLM, or a registered one."""
+    from agentrl.inference.registry import backend as inference_backend
+
     cfg = load(config, ctx)
+    try:
+        kind = inference_backend(backend)
+    except ValueError as exc:  # not registered: the message lists those that are
+        raise _fail(f"--backend: {str(exc).removeprefix('inference.type: ')}") from None
     model_path = model or cfg.inference.model_path or cfg.learner.model_path
     if not Path(model_path).is_dir():
         raise _fail(
             f"--model: {model_path} is not a checkpoint directory (make one: agentrl init-model tiny DIR)"
         )
-    if backend == "sglang":
-        from agentrl.inference.sglang_launch import run_sglang
-
-        try:
-            code = run_sglang(model_path, host, port, cfg.inference)
-        except RuntimeError as exc:  # no SGLang here, or it exited while starting
-            raise _fail(str(exc)) from None
-        raise typer.Exit(code)
-    if backend == "vllm":
-        from agentrl.inference.vllm_launch import exec_server
-
-        try:
-            exec_server(model_path, host, port, cfg.inference)  # returns only on failure
-        except (FileNotFoundError, OSError) as exc:
-            raise _fail(f"--backend vllm: {exc}") from None
-    if backend != "embedded":
-        raise _fail(f"--backend: unknown backend {backend!r}; choose embedded, vllm or sglang")
-    from agentrl.inference.server import run_server
-
-    run_server(model_path, host, port, cfg.inference)
+    try:
+        code = kind.serve(model_path, host, port, cfg.inference)
+    except RuntimeError as exc:  # the backend is not installed here, or it exited while starting
+        raise _fail(str(exc)) from None
+    raise typer.Exit(code or 0)
 
 
 @app.command("serve-reward", context_settings=OVERRIDES, epilog=CONFIG_HELP)

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from agentrl.config import AgentRLConfig, save_resolved
 from agentrl.inference import server_list
+from agentrl.inference.registry import backend as inference_backend
 from agentrl.launch.plan import Addresses, Role, plan, render, server_url, service_roles
 from agentrl.launch.progress import watch
 from agentrl.launch.servers import LiveServers, LocalScaler
@@ -319,7 +320,7 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
         specs = plan_children(config, config_path, model, service_overrides, resume)
         servers = [supervisor.run(s) for s in specs if s.health_url]
         try:
-            timeout_s = config.inference.vllm.startup_timeout_s if config.inference.type == "vllm" else 300
+            timeout_s = inference_backend(config.inference.type).startup_timeout_s(config.inference)
             wait_healthy(
                 [s.health_url for s in specs if s.health_url], [c.proc for c in servers], timeout_s=timeout_s
             )

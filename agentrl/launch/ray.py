@@ -282,7 +282,9 @@ class RayRun:
         self.members.append(m)
 
     def _startup_timeout(self) -> float:
-        return self.config.inference.vllm.startup_timeout_s if self.config.inference.type == "vllm" else 300
+        from agentrl.inference.registry import backend
+
+        return backend(self.config.inference.type).startup_timeout_s(self.config.inference)
 
     # -------------------------------------------------------------- supervision
     def supervise(self) -> str | None:

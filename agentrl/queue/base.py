@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentrl.types import Group
 
@@ -38,10 +38,6 @@ def check_drop_reason(dropped: str | None) -> None:
     """Refuse an `ack(dropped=...)` reason the queue would not count."""
     if dropped not in DROP_REASONS:
         raise ValueError(f"dropped must be one of {DROP_REASONS}, got {dropped!r}")
-
-
-if TYPE_CHECKING:
-    from agentrl.config import RedisQueueConfig, ZmqQueueConfig
 
 
 class QueueError(RuntimeError):
@@ -173,14 +169,11 @@ class Backend(abc.ABC):
         raise QueueError(f"the {type(self).__name__} backend has no server to host")
 
 
-def create(config: ZmqQueueConfig | RedisQueueConfig) -> Backend:
-    """The backend named by `config.type`."""
-    if config.type == "zmq":
-        from agentrl.queue.zmq_client import ZmqBackend
+def __getattr__(name: str) -> Any:
+    """`create` moved to `agentrl/queue/registry.py` (the interface imports none of its backends);
+    kept reachable here for callers not yet moved (agentrl/learner/main.py, agentrl/rollers/main.py)."""
+    if name == "create":
+        from agentrl.queue.registry import create
 
-        return ZmqBackend(config)
-    if config.type == "redis":
-        from agentrl.queue.redis_backend import RedisBackend
-
-        return RedisBackend(config)
-    raise QueueError(f"queue.type: unknown backend {config.type!r}")
+        return create
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
