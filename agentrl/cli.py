@@ -265,6 +265,7 @@ def queue(
         server = create(cfg.queue).server(
             groups_per_step=cfg.learner.groups_per_step,
             max_staleness=cfg.max_staleness,
+            per_token_staleness=cfg.learner.staleness == "token",
             bind=bind,
             wal_dir=wal_dir,
             ledger=Path(cfg.run_dir) / "queue_ledger.jsonl",

@@ -660,10 +660,6 @@ class AgentRLConfig(Section):
                 "learner.loss.advantage: 'remax' needs roller.greedy_baseline: true (the rollers run the "
                 "greedy episode whose reward is each group's baseline)"
             )
-        if concerns("learner") and self.learner.loss.clip_high < self.learner.loss.clip_low:
-            raise ValueError(
-                "learner.loss.clip_high: must be >= learner.loss.clip_low (clip-higher widens the upper bound only)"
-            )
         return self
 
 

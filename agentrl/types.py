@@ -20,6 +20,7 @@ This module imports nothing else from agentrl.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import uuid
 from collections.abc import Sequence
@@ -141,6 +142,24 @@ class Episode:
         return int(generated.min()) if generated.size else -1
 
     @property
+    def max_version(self) -> int:
+        """Newest weight version behind any generated token (-1 if none were generated)."""
+        generated = self.versions[self.loss_mask.astype(bool)]
+        return int(generated.max()) if generated.size else -1
+
+    def without_tokens_before(self, oldest_version: int) -> tuple[Episode, int]:
+        """This episode with its generated tokens of weights older than `oldest_version` out of
+        the loss mask (a shallow copy with a new mask: the arrays may be read-only wire frames
+        or shared with a queue that may hand the group out again), and how many were taken out."""
+        stale = self.loss_mask.astype(bool) & (self.versions < oldest_version)
+        count = int(stale.sum())
+        if not count:
+            return self, 0
+        out = copy.copy(self)
+        out.loss_mask = np.where(stale, 0, self.loss_mask).astype(self.loss_mask.dtype)
+        return out, count
+
+    @property
     def nbytes(self) -> int:
         return sum(getattr(self, name).nbytes for name, _ in ARRAY_FIELDS + TURN_FIELDS)
 
@@ -183,9 +202,29 @@ class Group:
         """Learner steps since the oldest weights that produced this group."""
         return learner_version - self.min_version if self.min_version >= 0 else 0
 
-    def is_admissible(self, learner_version: int, max_staleness: int) -> bool:
-        """DESIGN.md: admissible at v iff v − min(versions) ≤ max_staleness."""
-        return self.staleness(learner_version) <= max_staleness
+    @property
+    def max_version(self) -> int:
+        """Newest weight version behind any generated token of the group (-1 if none)."""
+        versions = [e.max_version for e in self.episodes if e.num_generated]
+        return max(versions) if versions else -1
+
+    def is_admissible(self, learner_version: int, max_staleness: int, per_token: bool = False) -> bool:
+        """Admissible at v iff v − min(versions) ≤ max_staleness (by its oldest generated token).
+        `per_token` (`learner.staleness: token`): iff some generated token is within the bound,
+        v − max(versions) ≤ max_staleness; its older tokens are then masked (`without_stale_tokens`)."""
+        judged_by = self.max_version if per_token else self.min_version
+        return judged_by < 0 or learner_version - judged_by <= max_staleness
+
+    def without_stale_tokens(self, learner_version: int, max_staleness: int) -> tuple[Group, int]:
+        """This group with the generated tokens older than the bound (v − version > max_staleness)
+        out of its episodes' loss masks (a shallow copy), and how many were taken out."""
+        pairs = [e.without_tokens_before(learner_version - max_staleness) for e in self.episodes]
+        masked = sum(n for _, n in pairs)
+        if not masked:
+            return self, 0
+        out = copy.copy(self)
+        out.episodes = [e for e, _ in pairs]
+        return out, masked
 
 
 # --------------------------------------------------------------------------- encoding

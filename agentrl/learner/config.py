@@ -65,10 +65,13 @@ class LossConfig(Section):
     policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo"] = "ppo_clip"
     """Policy objective: token-level PPO clip, GSPO's sequence-level ratio, CISPO (clipped
     importance-weight REINFORCE; uses clip_low / clip_high on the weight) or SAPO (soft gate)."""
-    clip_low: float = Field(0.2, ge=0)
-    """Lower clip range ε of the importance ratio (1 − ε)."""
+    clip_low: float | None = Field(0.2, ge=0)
+    """Lower clip range ε of the importance ratio (1 − ε). null: no lower bound, allowed with cispo
+    only (MiniMax-M1's setting), and cispo's default when clip_low is not given, so that CISPO does
+    not raise small weights up to 1 − ε."""
     clip_high: float = Field(0.28, ge=0)
-    """Upper clip range (1 + ε_high); DAPO's clip-higher when above clip_low."""
+    """Upper clip range (1 + ε_high); DAPO's clip-higher when above clip_low. With cispo and
+    clip_low: null the weight is min(r, 1 + clip_high): TRL's `epsilon_high` is 1 + clip_high."""
     dual_clip: float | None = Field(None, gt=1)
     """Dual-clip constant c (> 1) bounding the loss for negative advantages (ppo_clip and gspo;
     refused with cispo / sapo, which have no clip to bound); null disables."""
@@ -86,11 +89,26 @@ class LossConfig(Section):
     """DAPO's L_cache: the penalty grows linearly over the last this-many tokens below L_max."""
     overlong_penalty: float = Field(1.0, ge=0)
     """Scale of DAPO's overlong penalty (1.0 is the paper's: from 0 down to −1)."""
-    off_policy: Literal["none", "tis", "decoupled"] = "tis"
-    """Off-policy correction: none (π_old = behaviour), truncated importance sampling, or
-    decoupled PPO (π_prox recomputed by the learner; behaviour weights above the cap dropped)."""
+    off_policy: Literal["none", "tis", "decoupled", "mis", "icepop", "seq_tis"] = "tis"
+    """Off-policy correction, a detached weight on each token's policy loss from ρ = π_old/π_behav
+    (learner over inference server): none (π_old = behaviour, no weight); tis: min(ρ, is_cap);
+    decoupled PPO (π_prox recomputed by the learner; ρ above is_cap gets 0); mis: ρ inside
+    [mis_low, is_cap], else 0 (masked IS); icepop: ρ inside [icepop_low, icepop_high], else 0
+    (IcePop); seq_tis: min(g, is_cap) on every token of a sequence, g the geometric mean of its
+    token ratios. See `seq_mask` for dropping whole sequences."""
     is_cap: float = Field(2.0, gt=0)
-    """Cap C on importance weights (TIS weight or decoupled behaviour weight)."""
+    """Cap C on importance weights: the truncation of tis and seq_tis, the drop threshold of
+    decoupled and the upper bound of mis."""
+    mis_low: float = Field(0.0, ge=0)
+    """off_policy: mis: ratios below this are masked too; 0 masks only those above is_cap."""
+    icepop_low: float = Field(0.5, gt=0)
+    """off_policy: icepop: α, the lower end of the kept ratio band (IcePop's 0.5)."""
+    icepop_high: float = Field(5.0, gt=0)
+    """off_policy: icepop: β, the upper end of the kept ratio band (IcePop's 5)."""
+    seq_mask: tuple[float, float] | None = None
+    """[lo, hi]: sequences whose geometric-mean ratio g = exp(mean_t log π_old/π_behav) lies outside
+    are masked out of the loss whole (SkyRL's geometric sequence mask, verl's geometric rejection
+    sampling), with any off_policy; g is near 1, so bands like [0.99, 1.01] are usual. null: off."""
     kl_coef: float = Field(0.0, ge=0)
     """Coefficient of the KL penalty to the reference model; 0 disables the reference model."""
     kl_estimator: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
@@ -105,13 +123,23 @@ class LossConfig(Section):
             return None
         return self.overlong_max_tokens, self.overlong_buffer_tokens, self.overlong_penalty
 
+    def needs_old_logp(self, mini_batches: int) -> bool:
+        """Whether π_old must be recomputed before the update: decoupled PPO's π_prox always; the
+        other corrections (and `seq_mask`) when several mini-batches would otherwise read it from
+        weights already updated by this batch (with one, π_old is the forward's own detached π)."""
+        corrects = self.off_policy != "none" or self.seq_mask is not None
+        return self.off_policy == "decoupled" or (corrects and mini_batches > 1)
+
     @model_validator(mode="before")
     @classmethod
     def _objective_defaults(cls, data: Any) -> Any:
         """GSPO's own aggregation is the sequence mean (GSPO paper, eq. 5-7): it is the default
-        when `loss_agg` is not given, so the resolved config names it."""
+        when `loss_agg` is not given, so the resolved config names it. CISPO's weight has no
+        lower bound unless `clip_low` is given (MiniMax-M1 sets ε_low large)."""
         if isinstance(data, dict) and data.get("policy_loss") == "gspo" and "loss_agg" not in data:
             data = {**data, "loss_agg": "seq_mean_token_mean"}
+        if isinstance(data, dict) and data.get("policy_loss") == "cispo" and "clip_low" not in data:
+            data = {**data, "clip_low": None}  # MiniMax-M1: no lower bound on CISPO's weight
         return data
 
     @model_validator(mode="after")
@@ -125,6 +153,19 @@ class LossConfig(Section):
             raise ValueError(
                 f"dual_clip: {self.policy_loss} has no clipped surrogate to bound; set it to null"
             )
+        if self.clip_low is None and self.policy_loss in ("ppo_clip", "gspo"):
+            raise ValueError(
+                f"clip_low: {self.policy_loss} needs a lower clip (without it a negative advantage pushes "
+                "the ratio down without bound); null is for cispo's one-sided weight"
+            )
+        if self.policy_loss in ("ppo_clip", "gspo") and self.clip_high < self.clip_low:
+            raise ValueError("clip_high: must be >= clip_low (clip-higher widens the upper bound only)")
+        if self.off_policy == "mis" and self.mis_low >= self.is_cap:
+            raise ValueError("mis_low: must be below is_cap (the kept band of mis is [mis_low, is_cap])")
+        if self.off_policy == "icepop" and self.icepop_low >= self.icepop_high:
+            raise ValueError("icepop_low: must be below icepop_high (IcePop keeps ratios in [α, β])")
+        if self.seq_mask is not None and not 0 < self.seq_mask[0] < self.seq_mask[1]:
+            raise ValueError("seq_mask: needs 0 < lo < hi (the kept band of the geometric-mean ratio)")
         if self.overlong_max_tokens is not None and self.overlong_buffer_tokens > self.overlong_max_tokens:
             raise ValueError("overlong_buffer_tokens: must not exceed overlong_max_tokens (L_cache <= L_max)")
         return self
@@ -216,6 +257,13 @@ class LearnerConfig(Section):
     block-diagonal mask: one row of 16 sequences of 58 tokens trained 2.5x slower than 16 rows
     on CPU), one row under flash attention (varlen); null: always one row; N: rows of at most N
     tokens or the longest sequence."""
+    staleness: Literal["group", "token"] = "group"
+    """How `max_staleness` is judged. group: a group is trained only while its oldest generated
+    token is within the bound, else dropped whole. token: a group stays while any generated token
+    is; its tokens older than the bound leave the loss mask and the rest of each episode trains
+    (an episode that spans a weight push keeps its newer turns); a group with none left is
+    dropped as stale. The masked share is logged as `queue/stale_tokens_masked`. With
+    `loss.advantage: gae` masked tokens are not steps, like tool output."""
     max_seq_tokens: int | None = Field(None, ge=2)
     """Episodes longer than this are skipped and counted (`too_long`); null accepts any length."""
     temperature: float = Field(1.0, gt=0)

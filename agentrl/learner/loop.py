@@ -432,7 +432,7 @@ def pack(learner: Learner, batch) -> list[list[MicroBatch]]:
     plans = [plan_microbatches(samples, cfg.micro_batch_tokens, backend.dp_size, backend.dp_rank,
                                cfg.pad_multiple, learner.pad_id, learner.pack_rows) for samples in batch.mini_batches]  # fmt: skip
     plans = [[mb.to(learner.device) for mb in plan] for plan in plans]
-    needs_old = loss.off_policy == "decoupled" or (loss.off_policy == "tis" and cfg.mini_batches > 1)
+    needs_old = loss.needs_old_logp(cfg.mini_batches)
     for plan in plans:
         if needs_old:
             recompute_logprobs(learner.backend, learner.actor, plan, "old_logp", cfg.temperature)

@@ -15,16 +15,31 @@ Objectives (minimised; A is the advantage, r = π_θ/π_old):
     gspo       the same clip (and dual clip) on the sequence ratio s = exp(mean_t log r_t), in GSPO's
                token form s_t = sg[s]·π_θ(y_t)/sg[π_θ(y_t)] so that gradients flow per token   (GSPO)
     cispo      −sg[clip(r, 1−ε_low, 1+ε_high)]·A·log π_θ: REINFORCE with a clipped, detached
-               importance weight, so clipped tokens still get gradient     (MiniMax-M1, CISPO)
+               importance weight, so clipped tokens still get gradient     (MiniMax-M1, CISPO);
+               with no lower bound (ε_low = None) the weight is min(r, 1+ε_high), the paper's
+               setting and TRL's `clamp(r, max=epsilon_high)` (TRL's ε_high is our 1 + ε_high)
     sapo       −(4/τ)·σ(τ(r − 1))·A with τ = τ_pos for A > 0, τ_neg for A < 0: a soft gate in
                place of the hard clip; its gradient weight 4σ(1−σ) is 1 at r = 1   (SAPO)
 
-Off-policy correction multiplies the per-token policy loss by a detached weight:
+Off-policy correction multiplies the per-token policy loss by a detached weight built from the
+token ratio ρ = π_old/π_behav (learner before the update over inference server; it carries both
+the training-inference mismatch and the staleness of the sampling weights):
 
-    tis        min(π_old/π_behav, C)                  truncated IS (slime, SkyRL)
-    decoupled  π_prox/π_behav, tokens above C dropped (weight 0) — AReaL's decoupled PPO with
-               its behaviour-weight cap; π_prox is recomputed by the learner before the update
+    tis        min(ρ, C)                              truncated IS (slime, SkyRL, verl)
+    decoupled  ρ with π_prox as π_old, tokens above C dropped (weight 0) — AReaL's decoupled PPO
+               with its behaviour-weight cap; π_prox is recomputed by the learner before the update
+    mis        ρ·1[lo ≤ ρ ≤ C]                        masked IS (slime's MIS; verl's token IS with
+               token rejection); lo = 0 by default: only ratios above C are masked
+    icepop     ρ·1[α ≤ ρ ≤ β]                         IcePop's M(ρ) (Ring-1T): two-sided mask,
+               α = 0.5, β = 5 by default
+    seq_tis    min(g, C) on every token of a sequence, g = exp(mean_t log ρ_t) the geometric-mean
+               sequence ratio                          (sequence-level truncated IS)
     none       no weight; π_old is the behaviour policy itself (classic PPO on rollout log-probs)
+
+and, with any of them, a sequence mask 1[lo ≤ g ≤ hi] drops whole sequences whose geometric-mean
+ratio leaves the band (SkyRL's geometric sequence mask, verl's geometric rejection sampling).
+Masked tokens keep their place in the aggregation's denominator (IcePop's objective averages
+M(ρ)·surrogate over all tokens), so masking lowers the loss's scale rather than re-weighting the rest.
 
 Aggregation is a per-token weight computed when the batch is packed (`token_weights`), so the
 loss of a batch split over micro-batches and ranks is the plain sum of `loss · weight`.
@@ -86,14 +101,15 @@ def gspo(
 
 
 def cispo(
-    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float | None, clip_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4): −sg[clip(r, 1−ε_low, 1+ε_high)]·A·log π_θ.
 
     The weight is detached, so every token keeps a gradient A·w·∇log π_θ (PPO's clip zeroes it).
-    The second value marks tokens whose weight was clipped."""
+    `clip_low=None` leaves the weight unbounded below, min(r, 1+ε_high): the paper sets ε_low
+    large for this. The second value marks tokens whose weight was clipped."""
     ratio = torch.exp((logp - old_logp).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    weight = ratio.clamp(None if clip_low is None else 1.0 - clip_low, 1.0 + clip_high)
     return -weight * adv * logp, weight != ratio
 
 
@@ -115,10 +131,23 @@ def tis_weight(old_logp: torch.Tensor, behav_logp: torch.Tensor, cap: float) -> 
     return torch.exp((old_logp - behav_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)).clamp(max=cap).detach()
 
 
-def decoupled_weight(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """Behaviour weight π_prox/π_behav of decoupled PPO; tokens whose weight exceeds C get 0."""
-    w = torch.exp((prox_logp - behav_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    return torch.where(w <= cap, w, torch.zeros_like(w)).detach()
+def masked_is_weight(
+    old_logp: torch.Tensor, behav_logp: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
+    """Masked importance weight ρ·1[low ≤ ρ ≤ high], ρ = π_old/π_behav, detached: MIS, IcePop's
+    M(ρ), and decoupled PPO's behaviour weight with its cap (low = 0, π_old = π_prox)."""
+    w = torch.exp((old_logp - behav_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    return torch.where((w >= low) & (w <= high), w, torch.zeros_like(w)).detach()
+
+
+def geometric_seq_ratio(
+    old_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, seq_idx: torch.Tensor, num_seqs: int
+) -> torch.Tensor:
+    """Each token's sequence ratio g = exp(mean over the sequence's loss tokens of log π_old/π_behav),
+    detached: the geometric mean of the token ratios, which does not grow with length as their
+    product does."""
+    log_g = sequence_mean((old_logp - behav_logp).detach(), mask, seq_idx, num_seqs)
+    return torch.exp(log_g.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))[seq_idx]
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:

@@ -60,7 +60,8 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
     backend = create(cfg.queue)
     server = None
     servers_file = server_list.from_env()  # the launcher's live list, handed on to the rollers
-    hello = {"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness}
+    per_token = cfg.learner.staleness == "token"
+    hello = {"gps": cfg.learner.groups_per_step, "ms": cfg.max_staleness, "pt": int(per_token)}
     if cfg.queue.type != "zmq" or cfg.queue.standalone:
         if cfg.queue.type != "zmq":
             # the run's admission window in `<stream>:state` (Redis is the server): without it no
@@ -69,8 +70,10 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
                 groups_per_step=cfg.learner.groups_per_step, max_staleness=cfg.max_staleness
             ).start().stop()
             consumer = backend.consumer("rank0", ledger=Path(cfg.run_dir) / "queue_ledger.jsonl")
+            consumer.per_token_staleness = per_token
         else:
             consumer = backend.consumer("rank0", hello=hello)
+            consumer.per_token_staleness = per_token
             log.info("TransferQueue: consuming from the standalone queue at %s (run %s)", cfg.queue.address,
                      consumer.run_id)  # fmt: skip
         if servers_file is not None:  # the queue is not ours: we hand the list on (server_list.Publisher)
@@ -84,10 +87,13 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
         run_id=run_id(cfg, resume),
         ledger=Path(cfg.run_dir) / "queue_ledger.jsonl",
         servers_file=servers_file,
+        per_token_staleness=per_token,
     )
     server.start()
     log.info("TransferQueue listening on %s (run %s)", cfg.queue.address, server.run_id)
-    return backend.consumer("rank0", server=server, hello=hello), server
+    consumer = backend.consumer("rank0", server=server, hello=hello)
+    consumer.per_token_staleness = per_token
+    return consumer, server
 
 
 def open_weight_sync(cfg: AgentRLConfig, rank: int) -> Any:

@@ -87,6 +87,32 @@ def policy_loss(
     return losses.ppo_clip(logp, old, mb.adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
 
 
+def off_policy_weight(
+    learner_old: torch.Tensor, mb: MicroBatch, cfg: LossConfig
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The detached per-token correction weight of `cfg.off_policy` times the sequence mask (None:
+    no weight), and the bool per-token mask `seq_mask` kept (None when it is off)."""
+    behav, mode = mb.behav_logp, cfg.off_policy
+    w = None
+    if mode == "tis":
+        w = losses.tis_weight(learner_old, behav, cfg.is_cap)
+    elif mode == "decoupled":
+        w = losses.masked_is_weight(learner_old, behav, 0.0, cfg.is_cap)
+    elif mode == "mis":
+        w = losses.masked_is_weight(learner_old, behav, cfg.mis_low, cfg.is_cap)
+    elif mode == "icepop":
+        w = losses.masked_is_weight(learner_old, behav, cfg.icepop_low, cfg.icepop_high)
+    elif mode == "seq_tis":
+        w = losses.geometric_seq_ratio(learner_old, behav, mb.mask, mb.seq_idx, mb.num_seqs).clamp(
+            max=cfg.is_cap
+        )
+    if cfg.seq_mask is None:
+        return w, None
+    g = losses.geometric_seq_ratio(learner_old, behav, mb.mask, mb.seq_idx, mb.num_seqs)
+    kept = (g >= cfg.seq_mask[0]) & (g <= cfg.seq_mask[1])
+    return (kept.to(g.dtype) if w is None else w * kept), kept
+
+
 def microbatch_loss(
     logp: torch.Tensor, ent: torch.Tensor | None, mb: MicroBatch, cfg: LossConfig, version: int
 ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
@@ -95,11 +121,7 @@ def microbatch_loss(
     learner_old = mb.extra.get("old_logp", logp.detach())  # the learner's π before this update
     old = mb.behav_logp if cfg.off_policy == "none" else learner_old
     pg, clipped = policy_loss(logp, old, mb, cfg)
-    is_w = None
-    if cfg.off_policy == "tis":
-        is_w = losses.tis_weight(old, mb.behav_logp, cfg.is_cap)
-    elif cfg.off_policy == "decoupled":
-        is_w = losses.decoupled_weight(old, mb.behav_logp, cfg.is_cap)
+    is_w, seq_kept = off_policy_weight(learner_old, mb, cfg)
     per_token = pg if is_w is None else pg * is_w
     kl = None
     if cfg.kl_coef > 0:
@@ -115,6 +137,7 @@ def microbatch_loss(
         raw_w = torch.exp((learner_old - mb.behav_logp).clamp(-20, 20))[m]  # before capping
         diff = (mb.behav_logp - learner_old)[m]  # log π_behav − log π_learner, tokens sampled from π_behav
         on_policy = (mb.versions == version)[m]
+        seq_has_loss = mask.new_zeros(mb.num_seqs).index_add(0, mb.seq_idx, mask) > 0
         sums = {
             "tokens": float(m.sum()),
             "loss": float(loss),
@@ -123,6 +146,9 @@ def microbatch_loss(
             "ratio": float(torch.exp((logp.detach() - old).clamp(-20, 20))[m].sum()),
             "is_weight": float(raw_w.sum()),
             "is_capped": float((raw_w > cfg.is_cap).sum()),
+            "is_masked": float((is_w[m] == 0).sum()) if is_w is not None else 0.0,
+            "seqs": float(seq_has_loss.sum()),
+            "seqs_masked": float(_masked_seqs(seq_kept, mb, seq_has_loss)),
             "mismatch_kl_k1": float(diff.sum()),
             "mismatch_kl_k3": float((torch.exp(-diff) + diff - 1).sum()),
             "on_policy_tokens": float(on_policy.sum()),
@@ -134,6 +160,14 @@ def microbatch_loss(
         maxes = {"is_weight_max": float(raw_w.max()) if raw_w.numel() else 0.0}
         maxes["is_weight_min_neg"] = float(-raw_w.min()) if raw_w.numel() else 0.0
     return loss, sums, maxes
+
+
+def _masked_seqs(kept: torch.Tensor | None, mb: MicroBatch, seq_has_loss: torch.Tensor) -> int:
+    """Sequences with loss tokens that the sequence mask dropped."""
+    if kept is None:
+        return 0
+    dropped = mb.mask.new_zeros(mb.num_seqs).index_add(0, mb.seq_idx, mb.mask * (~kept).to(mb.mask.dtype))
+    return int(((dropped > 0) & seq_has_loss).sum())
 
 
 def optimizer_step(
@@ -174,6 +208,8 @@ def optimizer_step(
         "is_weight/max": maxes["is_weight_max"],
         "is_weight/min": -maxes["is_weight_min_neg"],
         "is_weight/capped_frac": sums["is_capped"] / n,
+        "is_weight/masked_frac": sums["is_masked"] / n,
+        "is_weight/seq_masked_frac": sums["seqs_masked"] / max(sums["seqs"], 1.0),
         "mismatch_kl/k1": sums["mismatch_kl_k1"] / n,
         "mismatch_kl/k3": sums["mismatch_kl_k3"] / n,
         "mismatch_kl/k3_on_policy": sums["mismatch_kl_k3_on_policy"] / n_on,

@@ -79,7 +79,11 @@ class Batch:
     ages_s: list[float] = field(default_factory=list)
     """Seconds each group waited in the queue before being handed out."""
     staleness: list[int] = field(default_factory=list)
-    """`learner_version - min(versions)` of each group."""
+    """`learner_version - min(versions)` of each group (with per-token staleness, over the
+    generated tokens still in its loss mask)."""
+    stale_tokens_masked: float = 0.0
+    """Per-token staleness: the share of the batch's generated tokens taken out of the loss mask
+    as older than the bound (`Group.without_stale_tokens`); 0 when staleness is judged per group."""
 
     @property
     def group_ids(self) -> list[str]:
@@ -122,8 +126,24 @@ class Producer(abc.ABC):
         """Release sockets; pending puts are abandoned."""
 
 
+def mask_stale(groups: list[Group], learner_version: int, max_staleness: int) -> tuple[list[Group], float]:
+    """Per-token staleness on groups about to be handed out: copies without their tokens older
+    than the bound in the loss mask, and the share of generated tokens taken out."""
+    generated = sum(e.num_generated for g in groups for e in g.episodes)
+    pairs = [g.without_stale_tokens(learner_version, max_staleness) for g in groups]
+    masked = sum(n for _, n in pairs)
+    return [g for g, _ in pairs], (masked / generated if generated else 0.0)
+
+
 class Consumer(abc.ABC):
-    """Learner side (blocking)."""
+    """Learner side (blocking).
+
+    `per_token_staleness` (`learner.staleness: token`): a group stays admissible while any of its
+    generated tokens is within `max_staleness` (`Group.is_admissible(..., per_token=True)`), and
+    its older tokens leave the loss mask before it is handed out (`Batch.stale_tokens_masked`);
+    a group with none left is dropped as stale, as a group is under the per-group rule."""
+
+    per_token_staleness: bool = False
 
     @abc.abstractmethod
     def get_batch(

@@ -58,6 +58,7 @@ from agentrl.queue.base import (
     Producer,
     RunOver,
     check_drop_reason,
+    mask_stale,
 )
 from agentrl.queue.ledger import Ledger
 from agentrl.queue.redis_scripts import (
@@ -311,7 +312,9 @@ class RedisConsumer(Consumer):
         dropped = 0
         while True:
             stale = [
-                g.group_id for g, _ in self._buffer if not g.is_admissible(learner_version, max_staleness)
+                g.group_id
+                for g, _ in self._buffer
+                if not g.is_admissible(learner_version, max_staleness, self.per_token_staleness)
             ]
             if stale:
                 self._buffer = [b for b in self._buffer if b[0].group_id not in stale]
@@ -333,12 +336,17 @@ class RedisConsumer(Consumer):
         taken, self._buffer = self._buffer[:num_groups], self._buffer[num_groups:]
         self._ages.extend(a for _, a in taken)
         self._redis.hincrby(self.state, "groups_out", len(taken))
+        groups = [g for g, _ in taken]
+        masked = 0.0
+        if self.per_token_staleness:
+            groups, masked = mask_stale(groups, learner_version, max_staleness)
         return Batch(
-            groups=[g for g, _ in taken],
+            groups=groups,
             learner_version=learner_version,
             dropped_stale=dropped,
             ages_s=[a for _, a in taken],
-            staleness=[g.staleness(learner_version) for g, _ in taken],
+            staleness=[g.staleness(learner_version) for g in groups],
+            stale_tokens_masked=masked,
         )
 
     def _give_back(self) -> None:

@@ -50,6 +50,7 @@ from agentrl.queue.base import (
     QueueUnavailable,
     RunOver,
     check_drop_reason,
+    mask_stale,
 )
 from agentrl.queue.frames import pack, unpack
 from agentrl.types import Group, decode_group, encode_group
@@ -436,7 +437,7 @@ class ZmqConsumer(Consumer):
         """With `server` (a `QueueServer` in this process) batches come as the server's already
         validated `Group` objects over its inproc socket: no frames copied, nothing decoded twice.
         `hello`: what the queue checks this learner against (groups per step and
-        staleness as `gps`, `ms`; `r`: run id); no answer within `connect_timeout_s` raises `QueueUnavailable`."""
+        staleness as `gps`, `ms`, per-token staleness as `pt`; `r`: run id); no answer within `connect_timeout_s` raises `QueueUnavailable`."""
         self.name = name
         self.address = address
         self._server = server
@@ -545,16 +546,25 @@ class ZmqConsumer(Consumer):
                 )
             self._take(reply, frames)
         taken, self._buffer = self._buffer[:num_groups], self._buffer[num_groups:]
+        groups = [g for g, _, _ in taken]
+        masked = 0.0
+        if self.per_token_staleness:
+            groups, masked = mask_stale(groups, learner_version, max_staleness)
         return Batch(
-            groups=[g for g, _, _ in taken],
+            groups=groups,
             learner_version=learner_version,
             dropped_stale=dropped,
             ages_s=[a for _, a, _ in taken],
-            staleness=[s for _, _, s in taken],
+            staleness=[g.staleness(learner_version) for g in groups],
+            stale_tokens_masked=masked,
         )
 
     def _drop_stale_buffered(self, version: int, max_staleness: int) -> int:
-        stale = [g.group_id for g, _, _ in self._buffer if not g.is_admissible(version, max_staleness)]
+        stale = [
+            g.group_id
+            for g, _, _ in self._buffer
+            if not g.is_admissible(version, max_staleness, self.per_token_staleness)
+        ]
         if stale:
             self._buffer = [b for b in self._buffer if b[0].group_id not in stale]
             self.ack(stale, dropped="stale")  # leaves the queue; counted as dropped

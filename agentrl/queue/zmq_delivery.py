@@ -46,6 +46,7 @@ class _Entry:
     holder: str | None = None
     lease_until: float = 0.0
     handed_version: int = -1  # the learner version it was last handed out for
+    max_version: int | None = None  # newest generated token's version, once per-token staleness asks
 
 
 @dataclass
@@ -67,15 +68,25 @@ _NO_VERSION = np.iinfo(np.int32).max
 class Delivery:
     """Mixin of `QueueServer`: get / ack / hello / pub / stats handlers (its state lives there)."""
 
+    def _stale_key(self, entry: _Entry) -> int:
+        """The version staleness is judged by: the oldest generated token's, or with per-token
+        staleness the newest's (a group stays while any token is within the bound)."""
+        if not self.per_token_staleness:
+            return entry.min_version
+        if entry.max_version is None:
+            entry.max_version = entry.group.max_version if entry.group is not None else entry.min_version
+        return entry.max_version
+
     def _drop_stale(self, version: int, max_staleness: int) -> int:
+        # `_low_version` bounds every queued key from below (min_version ≤ the newest version)
         if self._low_version >= version - max_staleness:  # nothing queued can be stale: skip the scan
             return 0
         self._low_version = min(
-            (e.min_version for e in self._queued.values() if e.min_version >= version - max_staleness),
+            (k for e in self._queued.values() if (k := self._stale_key(e)) >= version - max_staleness),
             default=_NO_VERSION,
         )
         stale = [
-            e for e in self._queued.values() if e.min_version >= 0 and version - e.min_version > max_staleness
+            e for e in self._queued.values() if (k := self._stale_key(e)) >= 0 and version - k > max_staleness
         ]
         for entry in stale:
             del self._queued[entry.gid]
@@ -102,6 +113,13 @@ class Delivery:
                     f"{field}: the learner has {ctl[key]} but this queue was started with {mine}; "
                     "start `agentrl queue` with the learner's config",
                 )
+        if ctl.get("pt") is not None and bool(ctl["pt"]) != self.per_token_staleness:
+            theirs, mine = ("token", "group") if ctl["pt"] else ("group", "token")
+            raise PeerRefused(
+                "config",
+                f"learner.staleness: the learner has {theirs} but this queue was started with {mine}; "
+                "start `agentrl queue` with the learner's config",
+            )
         held = [e for e in self._inflight.values() if e.holder == ctl["c"]]
         self._requeue(held)
         self._reply(sock, ident, {"k": "ok", "rid": ctl["rid"], "requeued": len(held)})

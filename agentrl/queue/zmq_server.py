@@ -108,13 +108,16 @@ class QueueServer(Admission, Delivery):
         run_id: str | None = None,
         ledger: str | Path | None = None,
         servers_file: str | Path | None = None,
+        per_token_staleness: bool = False,
     ) -> None:
         """`run_id`: the run this queue serves (else `config.run_id`, else the WAL's, else new).
         `ledger`: a JSONL file of trained / dropped group ids (see the module docstring).
         `servers_file`: the launcher's live server list (`inference.server_list`), reread every
         0.5 s and carried in every reply (`sl`: [epoch, urls, services]) to the producers (their
-        routers, and their env services map)."""
+        routers, and their env services map). `per_token_staleness` (`learner.staleness: token`):
+        a queued group is dropped as stale only once its newest generated token is past the bound."""
         self.config = config
+        self.per_token_staleness = per_token_staleness
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.bind = bind or config.address

@@ -169,6 +169,8 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model, tmp_path):
             clip_high=4e-4,
         ),
         dict(advantage="reinforce_pp", off_policy="none", dual_clip=3.0, kl_coef=0.1, kl_estimator="k3"),
+        dict(policy_loss="cispo", off_policy="icepop", mini_batches=2),  # π_old recomputed for the mask
+        dict(off_policy="seq_tis", seq_mask=(0.05, 20.0)),
     ],
 )
 def test_other_objectives_train(tiny_model, tmp_path, overrides):
@@ -182,6 +184,9 @@ def test_other_objectives_train(tiny_model, tmp_path, overrides):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     if overrides.get("kl_coef"):
         assert row["kl_ref"] >= 0  # k3 is non-negative; the reference is the initial policy
+    # every step logs the corrections' masked shares and the mismatch KL (k3, non-negative)
+    assert 0 <= row["is_weight/masked_frac"] <= 1 and 0 <= row["is_weight/seq_masked_frac"] <= 1
+    assert row["mismatch_kl/k3"] >= 0
 
 
 def test_micro_batch_budget_does_not_change_the_update(tiny_model, tmp_path):

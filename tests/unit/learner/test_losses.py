@@ -60,8 +60,8 @@ def test_tis_weight_is_truncated_at_cap():
     torch.testing.assert_close(w, t(2.0, math.exp(-0.5), 1.0))
 
 
-def test_decoupled_weight_drops_tokens_above_cap():
-    w = losses.decoupled_weight(t(0.0, 0.0, -1.0), t(-2.0, 0.5, -1.0), cap=2.0)
+def test_masked_is_weight_drops_tokens_above_cap():
+    w = losses.masked_is_weight(t(0.0, 0.0, -1.0), t(-2.0, 0.5, -1.0), 0.0, 2.0)
     torch.testing.assert_close(w, t(0.0, math.exp(-0.5), 1.0))
 
 

@@ -180,3 +180,29 @@ def test_a_producer_learns_the_runs_max_staleness_from_the_queue(queue: Harness)
         return producer.max_staleness, told
 
     assert asyncio.run(go()) == (3, [3])
+
+
+def test_per_token_staleness_keeps_partly_stale_groups_with_their_old_tokens_masked(queue: Harness) -> None:
+    # learner.staleness: token. At v=5 with k=2 a group is kept while any generated token is of
+    # version >= 3; its older tokens leave the loss mask; a group with none left is dropped as stale
+    queue.start(max_staleness=2, server_args={"per_token_staleness": True})
+    old, spanning, fresh = (make_group(version=0, seed=1), make_group(version=1, seed=2),
+                            make_group(version=5, seed=3))  # fmt: skip
+    for ep in spanning.episodes:  # the episode's later half was generated after two pushes
+        generated = np.flatnonzero(ep.loss_mask)
+        ep.versions[generated[len(generated) // 2 :]] = 4
+    queue.put([old, spanning, fresh])
+    consumer = queue.consumer()
+    consumer.per_token_staleness = True
+    batch = consumer.get_batch(2, learner_version=5, max_staleness=2, timeout_s=10)
+    assert batch.group_ids == [spanning.group_id, fresh.group_id]
+    assert batch.dropped_stale == 1 and consumer.metrics()["dropped_stale"] == 1
+    for sent, got in zip(spanning.episodes, batch.groups[0].episodes, strict=True):
+        np.testing.assert_array_equal(got.loss_mask, sent.loss_mask * (sent.versions >= 3))
+    generated = sum(e.num_generated for g in (spanning, fresh) for e in g.episodes)
+    stale = sum(int(((e.loss_mask == 1) & (e.versions < 3)).sum()) for e in spanning.episodes)
+    assert batch.stale_tokens_masked == pytest.approx(stale / generated) and stale > 0
+    assert batch.staleness == [1, 0]  # by the oldest token that still trains
+    consumer.ack(batch.group_ids)
+    m = consumer.metrics()
+    assert m["groups_in"] == 3 and m["depth"] == 0

@@ -334,6 +334,8 @@ def test_a_learner_with_another_config_is_refused(zmq_queue: Harness) -> None:
     zmq_queue.start(groups_per_step=4, max_staleness=1)
     with pytest.raises(QueueUnavailable, match=r"learner\.groups_per_step: the learner has 8"):
         zmq_queue.backend.consumer("rank0", address=zmq_queue.address, hello={"gps": 8, "ms": 1})
+    with pytest.raises(QueueUnavailable, match=r"learner\.staleness: the learner has token .* group"):
+        zmq_queue.backend.consumer("rank1", address=zmq_queue.address, hello={"gps": 4, "ms": 1, "pt": 1})
 
 
 def test_binding_a_taken_address_says_what_to_do(zmq_queue: Harness) -> None:
