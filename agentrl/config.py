@@ -255,9 +255,7 @@ class InferenceConfig(Section):
     def _registered(cls, value: str) -> str:
         from agentrl.inference.registry import BACKENDS
 
-        if value not in BACKENDS:
-            raise ValueError(BACKENDS.unknown(value).removeprefix(f"{BACKENDS.what}: "))
-        return value
+        return BACKENDS.require(value)
 
     logprobs: Literal["full", "truncated"] = "full"
     """Which distribution the behaviour log-probs are of. "full": log_softmax(logits / temperature)
@@ -466,9 +464,7 @@ class PluginSandboxConfig(Section):
     def _registered(cls, value: str) -> str:
         from agentrl.envs.sandbox import SANDBOXES
 
-        if value not in SANDBOXES:
-            raise ValueError(SANDBOXES.unknown(value).removeprefix(f"{SANDBOXES.what}: "))
-        return value
+        return SANDBOXES.require(value)
 
 
 _BUILTIN_SANDBOXES = ("local", "docker", "remote")

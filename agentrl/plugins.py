@@ -77,6 +77,13 @@ class Registry(Generic[T]):
         self._loaded[name] = value
         return value
 
+    def require(self, name: str) -> str:
+        """`name` if it is registered; else ValueError with `unknown`'s message (for validators,
+        which name the field themselves)."""
+        if name not in self:
+            raise ValueError(self.unknown(name).removeprefix(f"{self.what}: "))
+        return name
+
     def unknown(self, name: str) -> str:
         """The message for a name nothing registers."""
         close = difflib.get_close_matches(name, self.names(), n=1)

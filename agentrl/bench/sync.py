@@ -156,8 +156,7 @@ def main(args: list[str]) -> int:
     from transformers import AutoModelForCausalLM
 
     from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
-    from agentrl.launcher import wait_healthy
-    from agentrl.net import free_port
+    from agentrl.net import free_port, wait_healthy
     from agentrl.tiny_model import init_model
     from agentrl.weight_sync.registry import create
 
