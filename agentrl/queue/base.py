@@ -1,8 +1,9 @@
-"""The TransferQueue's interfaces and the factory that picks a backend by `config.type`.
+"""The TransferQueue's interfaces (`registry.py` picks a backend by `config.type`).
 
 Rollers hold a `Producer` (asyncio): `put(group)` returns once the queue has taken the
 group (after its write-ahead-log write when durable) and waits while the queue is full;
-`acquire_start(n)` is the admission gate of DESIGN.md "Versions and staleness" and hands out
+`acquire_start(n)` is the admission gate (a roller starts a group only while it can still be
+trained on within `max_staleness`, docs/architecture.md "TransferQueue") and hands out
 the next `n` numbers of the run's shared task cursor. The zmq backend keeps a producer's
 admitted-but-unput groups under a lease that its heartbeat renews (see `zmq_admission.py`).
 Learner ranks hold a `Consumer` (blocking, usable from a torch loop): `get_batch` hands
