@@ -303,6 +303,25 @@ class InferenceConfig(Section):
     CPU next to other processes (more threads thrash on a busy machine); null keeps torch's default."""
     vllm: VLLMLaunchConfig = VLLMLaunchConfig()
     """How vLLM servers are started when agentrl starts them (`inference.type: vllm` without `servers`)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Settings of a backend another package registers, checked by its descriptor's `options` model
+    (a backend without one takes none)."""
+
+    @model_validator(mode="after")
+    def _backend_options(self) -> InferenceConfig:
+        from agentrl.inference.registry import backend
+
+        model = backend(self.type).options
+        if model is None and self.options:
+            raise ValueError(
+                f"inference.options: the {self.type} backend takes no options (got {sorted(self.options)})"
+            )
+        if model is not None:
+            try:
+                model.model_validate(self.options)
+            except ValidationError as exc:
+                raise ValueError(f"inference.options for the {self.type} backend: {exc}") from None
+        return self
 
 
 class LauncherConfig(Section):

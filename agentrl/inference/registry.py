@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from agentrl.plugins import Registry
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from agentrl.config import InferenceConfig
     from agentrl.inference.base import InferenceClient, WeightUpdateClient
 
@@ -41,7 +43,10 @@ class InferenceBackend:
     doctor: Callable[[InferenceConfig], str] | None = None
     """What `agentrl doctor` prints on this backend's row (e.g. where it is installed); None: no row."""
     config_field: str | None = None
-    """The `inference:` field holding this backend's own settings (`vllm` for vLLM), if any."""
+    """The `inference:` field holding a built-in backend's own settings (`vllm` for vLLM), if any."""
+    options: type[BaseModel] | None = None
+    """The model `inference.options` must validate against (another package's backend keeps its
+    settings there; the backend reads `config.options`); None: it takes no options."""
     help: str = ""
     """One line for `agentrl serve --help`."""
 

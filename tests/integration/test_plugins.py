@@ -45,6 +45,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from agentrl.envs.sandbox import ExecResult, Sandbox, create
 from agentrl.envs.toy import LookupEnv
 from agentrl.inference.backends import EMBEDDED
@@ -54,8 +56,13 @@ def _mark(what):
     Path(os.environ["TINYPLUGIN_MARKS"], f"{what}-{os.getpid()}").touch()
 
 
+class TinyOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tag: str
+
+
 def _serve(model_path, host, port, config):
-    _mark("served")
+    _mark(f"served_{config.options['tag']}")
     return EMBEDDED.serve(model_path, host, port, config)
 
 
@@ -64,7 +71,9 @@ def _client(url, config, **kwargs):
     return EMBEDDED.client(url, config, **kwargs)
 
 
-BACKEND = dataclasses.replace(EMBEDDED, name="tiny_embedded", serve=_serve, client=_client, help="tiny")
+BACKEND = dataclasses.replace(
+    EMBEDDED, name="tiny_embedded", serve=_serve, client=_client, options=TinyOptions, help="tiny"
+)
 
 
 class TinyBox(Sandbox):
@@ -143,14 +152,14 @@ def test_run_uses_an_installed_inference_backend_env_and_sandbox(
         f"--learner.model_path={tiny_model}", "--learner.max_steps=2", "--learner.groups_per_step=1",
         "--learner.warmstart.steps=0", "--roller.group_size=2", "--roller.max_turns=1",
         f"--queue.address=tcp://127.0.0.1:{find_free_port()}",
-        "--inference.type=tiny_embedded", "--env.name=tiny_lookup",
+        "--inference.type=tiny_embedded", "--inference.options.tag=hi", "--env.name=tiny_lookup",
         "--env.sandbox.type=tiny_box", "--env.sandbox.options.greeting=hello",
         timeout=600, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert [r["step"] for r in read_metrics(run_dir / "learner.jsonl")] == [1, 2]
     made = {p.name.split("-")[0] for p in marks.iterdir()}
-    assert made == {"served", "client", "exec"}, sorted(p.name for p in marks.iterdir())
+    assert made == {"served_hi", "client", "exec"}, sorted(p.name for p in marks.iterdir())
     resolved = (run_dir / "config.resolved.yaml").read_text()
     assert "type: tiny_embedded" in resolved and "type: tiny_box" in resolved
 
