@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU wheel that lies on this disk; GPU users install their own torch into .venv first.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,mcp,redis,nixl,docker,search,ray
+EXTRAS ?= dev,mcp,redis,nixl,docker,search,ray,megatron
 MODEL_DIR ?= runs/models/mini
 
 # vLLM lives in its own venv (its pinned deps fight the main one). On a machine without a GPU:

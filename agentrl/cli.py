@@ -3,6 +3,7 @@
     agentrl --help
     agentrl init-model tiny runs/models/tiny
     agentrl run --config recipes/quickstart.yaml --learner.optim.lr 1e-6
+    agentrl show transcripts runs/quickstart --worst
 
 Every command that takes `--config` also takes dotted overrides of any field
 (`--section.key VALUE` or `--section.key=VALUE`); the config is validated before
@@ -362,6 +363,39 @@ def status(run_dir: RunDirOpt) -> None:
         Console().print(status_table(run_dir))
     except FileNotFoundError as exc:
         raise _fail(str(exc)) from None
+
+
+show_app = typer.Typer(help="Read what a run wrote.", no_args_is_help=True)
+app.add_typer(show_app, name="show")
+
+
+@show_app.command("transcripts")
+def show_transcripts(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory (holds transcripts.jsonl).")],
+    step: Annotated[
+        int | None, typer.Option(help="Only this step's episodes (default: the last step).")
+    ] = None,
+    worst: Annotated[bool, typer.Option("--worst", help="The lowest rewards first (all steps).")] = False,
+    best: Annotated[bool, typer.Option("--best", help="The highest rewards first (all steps).")] = False,
+    limit: Annotated[int, typer.Option("-n", help="At most this many episodes.")] = 4,
+) -> None:
+    """Episodes the learner trained on, as text: the prompt, what the model wrote (its tool calls),
+    what the env answered, reward and finish reason (`learner.logging.transcripts_every`)."""
+    from rich.console import Console
+
+    from agentrl.learner.transcripts import read_transcripts, render, select
+
+    if worst and best:
+        raise _fail("--worst and --best exclude each other")
+    try:
+        records = read_transcripts(run_dir)
+    except FileNotFoundError as exc:
+        raise _fail(str(exc)) from None
+    chosen = select(records, step, "worst" if worst else "best" if best else None, limit)
+    if not chosen:
+        steps = sorted({r["step"] for r in records})
+        raise _fail(f"no transcripts for step {step} in {run_dir}; steps written: {steps}")
+    render(chosen, Console())
 
 
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)

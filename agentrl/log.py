@@ -3,7 +3,8 @@
 `get_logger(name)` gives a logger under the `agentrl` namespace with one consistent
 format. `MetricsLogger.log(metrics, step)` writes scalar metrics to every configured
 sink: JSONL always (one object per line, with step and wall time), TensorBoard and
-Weights & Biases when asked for and installed.
+Weights & Biases when asked for and installed. `MetricsLogger.log_text(texts, step)` sends
+longer text (the learner's transcripts) to TensorBoard and W&B only; its JSONL is the caller's.
 """
 
 from __future__ import annotations
@@ -121,6 +122,26 @@ class MetricsLogger:
             strings = {k: v for k, v in values.items() if isinstance(v, str)}
             try:
                 self._wandb.log({**numbers, **strings}, step=step)
+            except Exception:
+                self._wandb = _drop_sink("wandb", self._wandb.finish)
+
+    def log_text(self, texts: dict[str, str], step: int) -> None:
+        """Text under each key: TensorBoard's text tab, W&B as preformatted HTML."""
+        if self._tb is not None:
+            try:
+                for key, text in texts.items():
+                    self._tb.add_text(key, "    " + text.replace("\n", "\n    "), step)  # markdown code block
+            except Exception:
+                self._tb = _drop_sink("tensorboard", self._tb.close)
+        if self._wandb is not None:
+            import html
+
+            import wandb
+
+            try:
+                self._wandb.log(
+                    {k: wandb.Html(f"<pre>{html.escape(t)}</pre>") for k, t in texts.items()}, step=step
+                )
             except Exception:
                 self._wandb = _drop_sink("wandb", self._wandb.finish)
 

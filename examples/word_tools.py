@@ -2,15 +2,15 @@
 
 Run from the repository root (env modules are also looked up in the current directory):
 
-    agentrl roller --config recipes/quickstart.yaml --env.name examples.word_tools:WordTools \
-        --env.kwargs '{}' --queue tcp://127.0.0.1:5555 --servers http://127.0.0.1:30000
+    agentrl run --config recipes/word_tools.yaml        # warm start on demonstrate(), then RL
+    agentrl roller --config recipes/word_tools.yaml --queue tcp://127.0.0.1:5555 --servers http://127.0.0.1:30000
 """
 
 import json
 
 from agentrl.envs import ToolEnv, tool
 
-WORDS = ["banana", "committee", "mississippi", "bookkeeper", "assessment"]
+WORDS = ["banana", "committee", "mississippi", "bookkeeper", "assessment", "balloon", "referee", "tomorrow"]
 
 
 class WordTools(ToolEnv):
@@ -32,22 +32,27 @@ class WordTools(ToolEnv):
         tasks = []
         for i in range(num):
             word = WORDS[(seed + i) % len(WORDS)]
+            letter = word[(seed + i) // len(WORDS) % len(word)]  # a letter of the word
             tasks.append(
                 {
-                    "id": f"w{i}",
-                    "question": f"How many 's' are in {word}?",
+                    "id": f"w{seed + i}",
+                    "question": f"How many '{letter}' are in {word}?",
                     "word": word,
-                    "answer": str(word.count("s")),
+                    "letter": letter,
+                    "answer": str(word.count(letter)),
                 }
             )
         return tasks
 
     def reward(self, transcript):
-        return float(transcript.final_text.strip() == self.task["answer"])
+        # a guess earns nothing: the answer counts only after a well-formed call of the tool
+        called = transcript.metrics["tool_calls"] > transcript.metrics["tool_errors"]
+        return float(called and transcript.final_text.strip() == self.task["answer"])
 
     def demonstrate(self, task):
         """The ideal conversation, for the supervised warm start (`learner.warmstart.steps`)."""
-        call = json.dumps({"name": "count_letters", "arguments": {"word": task["word"], "letter": "s"}})
+        arguments = {"word": task["word"], "letter": task["letter"]}
+        call = json.dumps({"name": "count_letters", "arguments": arguments})
         return [
             *self.prompt(task),
             {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},

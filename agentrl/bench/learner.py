@@ -18,6 +18,8 @@
    GAE, the actor's step, the critic's step) on the same episodes as the actor-only step of 1:
    ratio = PPO seconds per step ÷ actor-only seconds per step (about 2 would mean the critic
    costs as much as the actor).
+4. megatron (`--megatron`, needs `agentrl[megatron]`) — the same actor-only step of 1 through
+   `learner.backend: megatron` (TP 1, PP 1 on the one rank): tokens/s beside FSDP2's and bare HF's.
 
 Runs alternate between the variants (rotating which goes first). Because these machines are
 shared, ratios on CPU compare tokens per CPU-second of this process (median over steps); wall-clock
@@ -121,7 +123,9 @@ def _bare(model, optimizer, plan, device) -> tuple[float, float]:
     return t1 - t0, c1 - c0
 
 
-def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Path) -> dict[str, float]:
+def bench_preset(
+    preset: str, steps: int, tokens: int, budget: int, workdir: Path, megatron: bool = False
+) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -139,6 +143,10 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     ppo_cfg = LearnerConfig(model_path=str(model_dir), micro_batch_tokens=budget, optim={"lr": 1e-5},
                             loss={"advantage": "gae"}, critic={"optim": {"lr": 1e-5}})  # fmt: skip
     ppo = build_learner(ppo_cfg, workdir / f"run-ppo-{preset}")
+    meg = None
+    if megatron:
+        meg_cfg = cfg.model_copy(update={"backend": "megatron"})
+        meg = build_learner(meg_cfg, workdir / f"run-megatron-{preset}")
     bare = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation="sdpa"
     ).to(learner.device)  # the baseline runs where ours does (on a GPU machine: the GPU)
@@ -148,6 +156,8 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     tailed = [_groups(rng, tokens, True, vocab) for _ in range(steps + 1)]
 
     wall: dict[str, list[float]] = {"ours": [], "bare": [], "packed": [], "padded": [], "ppo": []}
+    if meg is not None:
+        wall["megatron"] = []
     cpu: dict[str, list[float]] = {k: [] for k in wall}
     counts: dict[str, int] = {}
     for i in range(steps + 1):  # step 0 warms up every path
@@ -164,7 +174,10 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
             "padded": lambda i=i: _ours(learner, tailed[i], padded=True),
             "ppo": lambda i=i: _ppo(ppo, uniform[i]),
         }
-        order = list(runs)[i % 5 :] + list(runs)[: i % 5]  # rotate so no variant always runs first
+        if meg is not None:
+            runs["megatron"] = lambda i=i: _ours(meg, uniform[i])
+        k = i % len(runs)
+        order = list(runs)[k:] + list(runs)[:k]  # rotate so no variant always runs first
         for name in order:
             (wall_s, cpu_s), n = runs[name]()
             if i:
@@ -175,6 +188,7 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
             counts["ours"] != counts["bare"]
             or counts["packed"] != counts["padded"]
             or counts["ppo"] != counts["ours"]
+            or counts.get("megatron", counts["ours"]) != counts["ours"]
         ):
             raise RuntimeError(f"the variants trained on different tokens: {counts}")  # not comparable
     tail_samples = prepare_batch(tailed[-1], advantage="grpo", loss_agg="token_mean", vocab_size=vocab,
@@ -186,7 +200,13 @@ def bench_preset(preset: str, steps: int, tokens: int, budget: int, workdir: Pat
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     med_wall = {k: statistics.median(v) for k, v in wall.items()}
     basis = med_wall if learner.device.type == "cuda" else med_cpu
-    return {
+    extra = {}
+    if meg is not None:
+        extra = {
+            "megatron_tok_s": med_wall["megatron"],
+            "megatron_vs_fsdp2": basis["megatron"] / basis["ours"],
+        }
+    return extra | {
         "ours_tok_s": med_wall["ours"],
         "bare_hf_tok_s": med_wall["bare"],
         "packed_tok_s": med_wall["packed"],
@@ -213,6 +233,7 @@ def main(args: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per variant (after one warm-up)")
     parser.add_argument("--tokens", type=int, default=768, help="episode tokens per step")
     parser.add_argument("--budget", type=int, default=384, help="micro-batch token budget")
+    parser.add_argument("--megatron", action="store_true", help="add the Megatron-core backend's step (TP 1)")
     opts = parser.parse_args(args)
 
     import torch
@@ -225,7 +246,9 @@ def main(args: list[str]) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-learner-") as tmp:
         for preset in opts.presets.split(","):
-            results[preset] = bench_preset(preset, opts.steps, opts.tokens, opts.budget, Path(tmp))
+            results[preset] = bench_preset(
+                preset, opts.steps, opts.tokens, opts.budget, Path(tmp), opts.megatron
+            )
     rows = [
         [p, r["ours_tok_s"], r["bare_hf_tok_s"], r["vs_bare_hf"], r["vs_bare_hf_wall"], r["packed_vs_padded"],
          r["packed_vs_padded_wall"], f"{r['non_padding_packed']:.2f}/{r['non_padding_padded']:.2f}"]
@@ -253,6 +276,13 @@ def main(args: list[str]) -> int:
             for p, r in results.items()
         ],
     )
+    if opts.megatron:
+        print_table(
+            "learner backends: the same actor-only step through FSDP2 and Megatron-core (TP 1), and bare HF",
+            ["model", "FSDP2 tok/s", "Megatron tok/s", "HF tok/s", "Megatron/FSDP2"],
+            [[p, r["ours_tok_s"], r["megatron_tok_s"], r["bare_hf_tok_s"], r["megatron_vs_fsdp2"]]
+             for p, r in results.items()],
+        )  # fmt: skip
     main_preset = "small" if "small" in results else next(iter(results))
     metrics = {f"{p}.{k}": v for p, r in results.items() for k, v in r.items()}
     metrics["ratios_from"] = main_preset

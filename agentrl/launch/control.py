@@ -2,7 +2,9 @@
 its run directory, so they work from any shell that sees the run directory.
 
 - The launcher rewrites `<run_dir>/launcher_state.json` about once a second: its own PID and
-  kind, and per process its role, node, PID, state and restarts.
+  kind, and per process its role, node, PID, state and restarts. When the run ends, after its
+  processes were stopped, it writes it once more with `ended: true` and each process's final
+  state (`mark_ended`): no process of an ended run is listed as running.
 - `agentrl scale` writes `<run_dir>/launcher_scale.json` (`{"rollers": N, "servers": M}`); the
   launcher reads it on its next round, starts or stops rollers, and starts or stops servers
   (new slots on new ports, handed on through the live server list, `launch/servers.py`),
@@ -12,6 +14,7 @@ its run directory, so they work from any shell that sees the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -32,6 +35,35 @@ def write_state(run_dir: Path, launcher: str, processes: list[dict[str, Any]], *
     tmp.replace(run_dir / STATE)
 
 
+def exit_state(code: int | None) -> str:
+    """A process's state from its exit code: running, `exited N`, or `stopped by SIGNAL`."""
+    import signal
+
+    if code is None:
+        return "running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"stopped by {signal.Signals(-code).name}"
+    return f"exited {code}"
+
+
+def mark_ended(run_dir: Path, final: dict[str, str]) -> None:
+    """After the launcher stopped the run's processes: the last state written, with each named
+    process's final state from `final` (name -> state), every other one not already ended marked
+    `stopped`, and `ended: true`."""
+    try:
+        state = read_state(run_dir)
+    except (FileNotFoundError, ValueError):
+        return  # the run ended before its first state was written
+    for p in state["processes"]:
+        if p["name"] in final:
+            p["state"] = final[p["name"]]
+        elif not p.get("state", "").startswith(("exited", "stopped", "scaled down")):
+            p["state"] = "stopped"
+    extra = {k: v for k, v in state.items() if k not in ("launcher", "pid", "time", "processes")}
+    write_state(run_dir, state["launcher"], state["processes"], **{**extra, "ended": True})
+
+
 def read_state(run_dir: Path) -> dict[str, Any]:
     path = run_dir / STATE
     if not path.exists():
@@ -43,8 +75,8 @@ def read_state(run_dir: Path) -> dict[str, Any]:
 
 def launcher_alive(state: dict[str, Any], fresh_s: float = 10.0) -> bool:
     """Whether the launcher still runs: it rewrote its state in the last `fresh_s` seconds (its
-    PID alone is no proof from another PID namespace or node)."""
-    return time.time() - float(state.get("time", 0)) < fresh_s
+    PID alone is no proof from another PID namespace or node) and has not marked the run ended."""
+    return not state.get("ended") and time.time() - float(state.get("time", 0)) < fresh_s
 
 
 def request_scale(run_dir: Path, rollers: int | None, servers: int | None) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from pathlib import Path
 from agentrl.config import AgentRLConfig, save_resolved
 from agentrl.inference import server_list
 from agentrl.inference.registry import backend as inference_backend
+from agentrl.launch.control import exit_state, mark_ended
 from agentrl.launch.plan import Addresses, Role, plan, render, server_url, service_roles
 from agentrl.launch.procs import Child, ChildSpec, Supervisor, agentrl_command, warm_model
 from agentrl.launch.progress import watch
@@ -195,6 +196,7 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
         return 1
     finally:
         supervisor.stop_all()
+        mark_ended(run_dir, {c.name: exit_state(c.proc.returncode) for c in supervisor.children})
 
 
 def supervise(supervisor: Supervisor, learner: Child, max_restarts: int, backoff_s: float) -> str | None:

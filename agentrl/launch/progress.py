@@ -31,21 +31,24 @@ def watch(
     from rich.live import Live
 
     run_dir = Path(config.run_dir)
-    scale, last = ScaleWatch(run_dir), None
-    with Live(progress_table(run_dir, config), refresh_per_second=1, transient=False) as live:
-        while True:
-            outcome = supervise_once()
-            request = scale.poll()
-            if request is not None and outcome is None:
-                last = apply_scale(request)
-            write_state(run_dir, kind, processes(), scale=last, scale_id=scale.last_id, **state)
-            live.update(progress_table(run_dir, config, restarts()))
-            if outcome == "failed":
-                live.stop()
-                return 1
-            if outcome == "done":
-                break
-            time.sleep(0.5)
+    scale, last, outcome = ScaleWatch(run_dir), None, None
+    live = Live(progress_table(run_dir, config), refresh_per_second=1, transient=False)
+    try:
+        with live:
+            while outcome not in ("done", "failed"):
+                outcome = supervise_once()
+                request = scale.poll()
+                if request is not None and outcome is None:
+                    last = apply_scale(request)
+                write_state(run_dir, kind, processes(), scale=last, scale_id=scale.last_id, **state)
+                live.update(progress_table(run_dir, config, restarts()))
+                if outcome is None:
+                    time.sleep(0.5)
+    finally:
+        if not live.console.is_terminal:
+            live.console.line()  # off a terminal, the last render ends without a newline
+    if outcome == "failed":
+        return 1
     finish(run_dir)
     return 0
 
@@ -65,6 +68,10 @@ def progress_table(run_dir: Path, config: AgentRLConfig, restarts: int = 0):
     table.add_row("queue depth", _fmt(learner.get("queue/depth")))
     table.add_row("weight push (s)", _fmt(learner.get("sync/push_s")))
     table.add_row("restarts (servers, rollers)", str(restarts))
+    flat, limit = learner.get("reward/flat_steps", 0), config.learner.logging.flat_reward_steps
+    if limit and flat >= limit:
+        table.add_row("[bold yellow]warning[/]", f"[yellow]every group's rewards equal for {flat:.0f} steps: "
+                      f"nothing to learn from; see agentrl show transcripts {run_dir}[/]")  # fmt: skip
     return table
 
 

@@ -49,7 +49,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig
 from agentrl.inference import server_list
-from agentrl.launch.control import write_state
+from agentrl.launch.control import mark_ended, write_state
 from agentrl.launch.devices import DEVICE_ENV, check_gpu_index, ray_device
 from agentrl.launch.plan import (
     Addresses,
@@ -540,4 +540,5 @@ def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -
     finally:
         write_state(run_dir, "ray", job.processes(), namespace=ray_namespace(run_dir))
         job.stop_all()
+        mark_ended(run_dir, {})  # what was still running was stopped by stop_all
         ray.shutdown()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from agentrl.launch.control import exit_state
 from agentrl.launch.plan import server_url
 from agentrl.launch.procs import Child, ChildSpec, Supervisor
 from agentrl.log import get_logger
@@ -181,7 +182,7 @@ class LocalScaler:
         rows = []
         for c in self.supervisor.children:
             code = c.proc.poll()
-            state = "running" if code is None else ("restarting" if c.restart_at else f"exited {code}")
+            state = "restarting" if code is not None and c.restart_at else exit_state(code)
             rows.append({"name": c.name, "kind": c.name.rstrip("0123456789"), "node": "localhost",
                          "pid": c.proc.pid, "state": state, "restarts": c.restarts})  # fmt: skip
         rows += [{"name": n, "kind": "server", "node": "-", "pid": None, "state": "scaled down", "restarts": 0}

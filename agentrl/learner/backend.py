@@ -177,10 +177,16 @@ class LearnerBackend(Protocol):
         ...
 
 
-def create(backend: str) -> LearnerBackend:
-    """The backend named by `learner.backend` (initialising the process group)."""
+def create(backend: str, megatron: Any = None, seed: int = 0) -> LearnerBackend:
+    """The backend named by `learner.backend` (initialising the process group); `megatron` is
+    `learner.megatron` (tp, pp) for the Megatron-core backend."""
     if backend == "fsdp2":
         from agentrl.learner.fsdp import FSDP2Backend
 
         return FSDP2Backend()
-    raise ValueError(f"learner.backend: unknown backend {backend!r}; available: fsdp2")
+    if backend == "megatron":
+        from agentrl.learner.megatron import MegatronBackend
+
+        tp, pp = (megatron.tp, megatron.pp) if megatron is not None else (1, 1)
+        return MegatronBackend(tp=tp, pp=pp, seed=seed)
+    raise ValueError(f"learner.backend: unknown backend {backend!r}; available: fsdp2, megatron")

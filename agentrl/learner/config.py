@@ -198,13 +198,31 @@ class CheckpointConfig(Section):
     """Write a Hugging Face checkpoint every N steps; 0 exports only at the end."""
 
 
+class MegatronConfig(Section):
+    """The Megatron-core backend's parallel layout (`backend: megatron`); data parallel takes
+    the remaining ranks (`num_processes / (tp * pp)`)."""
+
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel size: must divide the attention heads, key/value heads and vocabulary."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel stages (Megatron's 1F1B schedule): must divide the decoder layers."""
+
+
 class LoggingConfig(Section):
-    """Metric sinks beyond `<run_dir>/metrics.jsonl`."""
+    """Metric sinks beyond `<run_dir>/metrics.jsonl`, transcripts, and the flat-reward warning."""
 
     tensorboard: bool = False
     """Also write metrics to TensorBoard under `<run_dir>/tensorboard`."""
     wandb_project: str | None = None
     """Also log metrics to this Weights & Biases project."""
+    transcripts_every: int = Field(10, ge=0)
+    """Decode a sample of the batch's episodes into `<run_dir>/transcripts.jsonl` (and the TensorBoard /
+    W&B sinks) at the first step and every N steps (`agentrl show transcripts RUN_DIR`); 0 never."""
+    transcripts_episodes: int = Field(4, ge=0)
+    """Episodes per transcript sample: the lowest and highest reward of the batch, the rest at random."""
+    flat_reward_steps: int = Field(10, ge=0)
+    """Warn (log and live view) after this many steps in a row whose groups each had all-equal rewards
+    (no advantage: nothing to learn from); 0 never."""
 
 
 class WarmstartConfig(Section):
@@ -239,8 +257,11 @@ class LearnerConfig(Section):
 
     model_path: str = "runs/models/tiny"
     """Hugging Face checkpoint directory (or hub id where a hub is reachable) to train."""
-    backend: Literal["fsdp2"] = "fsdp2"
-    """Training backend (`agentrl/learner/backend.py`): FSDP2 is the one implemented."""
+    backend: Literal["fsdp2", "megatron"] = "fsdp2"
+    """Training backend (`agentrl/learner/backend.py`): FSDP2, or Megatron-core (`megatron`:
+    tensor and pipeline parallel; `pip install 'agentrl[megatron]'`; see the README)."""
+    megatron: MegatronConfig = MegatronConfig()
+    """Tensor and pipeline parallel sizes of `backend: megatron`."""
     groups_per_step: int = Field(8, ge=1)
     """Prompt groups consumed per learner step (the batch size in groups)."""
     mini_batches: int = Field(1, ge=1)
@@ -282,7 +303,8 @@ class LearnerConfig(Section):
     seed: int = 0
     """Random seed of the learner."""
     num_processes: int = Field(1, ge=1)
-    """Learner ranks `agentrl run` starts (torchrun with this many processes when above 1)."""
+    """Learner ranks `agentrl run` starts (torchrun with this many processes when above 1); under
+    `backend: megatron` it defaults to megatron.tp x pp."""
     resources: dict[str, float] = Field(default_factory=dict)
     """`--launcher ray` only: what each rank asks Ray for, e.g. `{GPU: 1, CPU: 8}` (`CPU`, `GPU` and
     custom resources of `ray start --resources`); the ranks are one placement group, packed per node."""
@@ -297,7 +319,7 @@ class LearnerConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Resumable checkpoints and HF exports."""
     logging: LoggingConfig = LoggingConfig()
-    """TensorBoard and W&B sinks."""
+    """TensorBoard and W&B sinks, transcripts, the flat-reward warning."""
     warmstart: WarmstartConfig = WarmstartConfig()
     """The supervised warm start before RL."""
 
@@ -311,3 +333,20 @@ class LearnerConfig(Section):
                 where = "; ".join(f"learner.{k} is now learner.{MOVED[k]}" for k in moved)
                 raise ValueError(f"moved keys: {where}")
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _megatron_ranks(cls, data: Any) -> Any:
+        """Under `backend: megatron` an unset `num_processes` is tp x pp (one model replica)."""
+        if isinstance(data, dict) and data.get("backend") == "megatron" and "num_processes" not in data:
+            m = data.get("megatron") or {}
+            m = m.model_dump() if isinstance(m, MegatronConfig) else m
+            data = {**data, "num_processes": int(m.get("tp", 1)) * int(m.get("pp", 1))}
+        return data
+
+    @model_validator(mode="after")
+    def _megatron_layout(self) -> LearnerConfig:
+        if self.backend == "megatron" and self.num_processes % (self.megatron.tp * self.megatron.pp):
+            raise ValueError(f"num_processes: {self.num_processes} learner ranks cannot hold megatron.tp "
+                             f"{self.megatron.tp} x pp {self.megatron.pp}; use a multiple of {self.megatron.tp * self.megatron.pp}")  # fmt: skip
+        return self

@@ -14,7 +14,8 @@ few lines in `run`):
        gradient norm is non-finite; a non-finite optimizer state, or weights after the step, stop
        the learner naming the tensor, before anything is pushed or saved)
     5. version += 1; publish it; hand the weights to weight sync
-    6. ack the groups; record their ids (`<run_dir>/learner_groups.jsonl`); log metrics
+    6. ack the groups; record their ids (`<run_dir>/learner_groups.jsonl`); log metrics; a
+       sample of transcripts every N steps (`transcripts.py`)
     7. checkpoint and export every N steps (and at the end)
 
 A stop request (`stop.set()`, from SIGTERM / SIGINT in `learner.main`) is honoured between
@@ -49,6 +50,7 @@ from agentrl.learner.critic import build_critic, critic_step, gae_advantages
 from agentrl.learner.data import no_generation_why, prepare_batch
 from agentrl.learner.packing import MicroBatch, non_padding_fraction, plan_microbatches
 from agentrl.learner.train_step import optimizer_step, recompute_logprobs
+from agentrl.learner.transcripts import StepNotes
 from agentrl.log import MetricsLogger, get_logger
 from agentrl.types import Group
 
@@ -152,7 +154,7 @@ def lr_lambda(schedule: ScheduleConfig, total_steps: int):
 def build_learner(cfg: LearnerConfig, run_dir: str | Path) -> Learner:
     """The backend (process group), the actor with AdamW and its LR schedule, the frozen
     reference when kl_coef > 0, and the critic with its own AdamW when `loss.advantage: gae`."""
-    backend = backends.create(cfg.backend)
+    backend = backends.create(cfg.backend, cfg.megatron, cfg.seed)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
     schedule = lr_lambda(cfg.schedule, cfg.max_steps * cfg.mini_batches)
@@ -332,6 +334,7 @@ def run(
     if learner.rank == 0 and consumer is not None:
         consumer.publish_version(learner.version)
     tally = RunTally(ConsoleProgress(cfg.max_steps, learner.version, enabled=learner.rank == 0))
+    notes = StepNotes(learner.run_dir, cfg.model_path, cfg.logging) if learner.rank == 0 else None
     while learner.version < cfg.max_steps:
         # 1. wait for a batch admissible at the current version (or stop)
         t0 = time.perf_counter()
@@ -380,6 +383,7 @@ def run(
             m.update({**adv_stats, **_mean(critic_steps)})
             if critic is not None:
                 m["critic/warmup"] = float(warming)
+            notes.step(learner.version, groups, m, metrics)  # flat-reward count; transcripts when due
             _report(learner, consumer, metrics, m, pushed, tally)
 
         # 7. checkpoint and export every N steps

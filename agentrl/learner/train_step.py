@@ -43,7 +43,14 @@ def forward_logprobs(
         attention_mask=mb.attention_mask,
         use_cache=False,
     )
-    logits = out.logits.reshape(-1, out.logits.shape[-1])
+    return logprobs_from_logits(out.logits, mb, temperature, entropy)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`forward_logprobs` from the full-vocabulary logits [rows, T, V] a backend computed."""
+    logits = logits.reshape(-1, logits.shape[-1])
     where = mb.mask.nonzero().squeeze(-1)
     picked = logits[where].float()
     if temperature != 1.0:

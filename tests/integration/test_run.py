@@ -52,6 +52,21 @@ def test_closed_loop_run_keeps_its_invariants(tiny_model: Path, tmp_path: Path, 
     assert f"max_staleness: {k}" in resolved
     assert f"learner: {ranks} FSDP2 rank(s)" in (tmp_path / "logs" / "learner.log").read_text()
     assert (tmp_path / "hf" / "latest" / "model.safetensors").exists()
+    # the live view's last table ends its line; the state lists no process of the ended run as running
+    assert re.search(r"┘\nmetrics: ", result.stdout), result.stdout[-500:]
+    state = json.loads((tmp_path / "launcher_state.json").read_text())
+    assert state["ended"] and {p["name"]: p["state"] for p in state["processes"]}["learner"] == "exited 0"
+    assert not [p for p in state["processes"] if p["state"] == "running"], state["processes"]
+    # the learner's transcripts (the first step's sample), rendered by `agentrl show transcripts`
+    transcripts = [json.loads(line) for line in (tmp_path / "transcripts.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in transcripts] == [1] * 4 and all(t["num_generated"] > 0 for t in transcripts)
+    assert all(
+        t["turns"][0]["source"] == "prompt" and t["turns"][1]["source"] == "model" for t in transcripts
+    )
+    shown = run_agentrl("show", "transcripts", str(tmp_path), "--worst", "-n", "1")
+    assert shown.returncode == 0 and "[model]" in shown.stdout and "What colour is" in shown.stdout, (
+        shown.stderr
+    )
 
 
 def test_a_run_on_redis_trains_and_accounts_for_every_group(

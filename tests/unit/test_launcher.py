@@ -554,3 +554,49 @@ def test_a_lost_learner_rank_ends_the_run_naming_the_last_checkpoint(tmp_path: P
     assert run.learner_lost  # the other ranks are then killed at once (stop_all)
     assert "no checkpoint" in records[0] and "learner-rank1" in records[0]
     assert str(tmp_path / "checkpoints" / "step_00000003") in records[1] and "--resume" in records[1]
+
+
+def test_an_ended_run_lists_no_process_as_running(tmp_path: Path) -> None:
+    """What the launchers do when a run ends: their children stopped by PID, then `mark_ended`
+    (each child's final state from its exit code; a row with no final state, as under Ray, becomes
+    `stopped`)."""
+    from agentrl.launch.control import exit_state, launcher_alive, mark_ended, read_state, write_state
+
+    supervisor = Supervisor(tmp_path, stop_timeout_s=5)
+    done = supervisor.start("learner", [sys.executable, "-c", "pass"])
+    server = supervisor.start("server0", [sys.executable, "-c", "import time; time.sleep(60)"])
+    done.proc.wait(timeout=30)
+    rows = [{"name": c.name, "state": exit_state(c.proc.poll())} for c in supervisor.children]
+    rows.append({"name": "roller0", "state": "running"})  # a process this launcher no longer tracks
+    write_state(tmp_path, "local", rows, scale="rollers 1")
+    assert [r["state"] for r in read_state(tmp_path)["processes"]] == ["exited 0", "running", "running"]
+    supervisor.stop_all()
+    mark_ended(tmp_path, {c.name: exit_state(c.proc.returncode) for c in supervisor.children})
+    state = read_state(tmp_path)
+    assert {p["name"]: p["state"] for p in state["processes"]} == {
+        "learner": "exited 0", "server0": "stopped by SIGTERM", "roller0": "stopped"
+    }  # fmt: skip
+    assert server.proc.returncode == -15 and exit_state(3) == "exited 3" and exit_state(None) == "running"
+    assert state["ended"] and state["scale"] == "rollers 1" and not launcher_alive(state)
+
+
+def test_the_live_view_ends_its_last_line_and_warns_of_flat_rewards(tmp_path: Path, capsys) -> None:
+    from rich.console import Console
+
+    from agentrl.launch.progress import progress_table, watch
+
+    config = _config(tmp_path)
+    (tmp_path / "learner.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    rounds = iter([None, "done"])
+    assert watch(config, "local", lambda: next(rounds), lambda r: None, lambda: [], lambda: 0) == 0
+    out = capsys.readouterr().out
+    assert "┘\nmetrics: " in out, out[-300:]  # off a terminal too, the table's last line ends
+    (tmp_path / "learner.jsonl").write_text(json.dumps({"step": 12, "reward/flat_steps": 10.0}) + "\n")
+    console = Console(width=250, record=True)
+    console.print(progress_table(tmp_path, config))
+    text = console.export_text()
+    assert "rewards equal for 10 steps" in text and f"agentrl show transcripts {tmp_path}" in text
+    (tmp_path / "learner.jsonl").write_text(json.dumps({"step": 12, "reward/flat_steps": 9.0}) + "\n")
+    console = Console(width=250, record=True)
+    console.print(progress_table(tmp_path, config))
+    assert "warning" not in console.export_text()

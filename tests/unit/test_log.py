@@ -201,3 +201,37 @@ def test_wandb_run_continues_when_the_run_directory_is_reused(
     for log_file in glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")):
         ids |= {r.run.run_id for r in wandb_records(Path(log_file)) if r.WhichOneof("record_type") == "run"}
     assert ids == {(run_dir / "metrics.wandb_id").read_text()}
+
+
+def test_text_reaches_tensorboard_and_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`log_text` (the learner's transcripts): TensorBoard's text plugin, W&B as an HTML panel."""
+    import json
+
+    pytest.importorskip(
+        "tensorboard", reason="tensorboard not installed (pip install 'agentrl[tensorboard]')"
+    )
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    wandb = _offline_wandb(tmp_path, monkeypatch)
+    run_dir = tmp_path / "run"
+    try:
+        logger = MetricsLogger(run_dir, tensorboard=True, wandb_project="agentrl-test")
+        logger.log_text({"transcripts/0": "step 3\n--- model ---\n<tool_call> & more"}, step=3)
+        logger.log({"loss": 1.0}, step=3)
+        logger.close()
+    finally:
+        wandb.teardown()
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    (event,) = events.Tensors("transcripts/0/text_summary")
+    assert event.step == 3 and "<tool_call> & more" in event.tensor_proto.string_val[0].decode()
+    (log_file,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    items = {}
+    for r in wandb_records(Path(log_file)):
+        if r.WhichOneof("record_type") == "history" and r.history.step.num == 3:
+            items.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+    assert items["transcripts/0/_type"] == "html-file" and items["loss"] == 1.0
+    (html,) = glob.glob(
+        str(run_dir / "wandb" / "offline-run-*" / "files" / "media" / "html" / "transcripts" / "*")
+    )
+    assert "&lt;tool_call&gt; &amp; more" in Path(html).read_text()

@@ -1,0 +1,474 @@
+"""The Megatron-core learner backend (`MegatronBackend`, `learner.backend: megatron`): the policy
+as a Megatron-core `GPTModel` with tensor parallel (`learner.megatron.tp`), pipeline parallel
+(`pp`, Megatron's own 1F1B schedule) and data parallel over the remaining ranks.
+
+    backend = MegatronBackend(tp=2, pp=1)       # world 4: 2 data-parallel replicas of a TP-2 model
+    actor = backend.build("policy", "runs/models/tiny", optim=cfg.optim)
+
+The model is built from the checkpoint's Hugging Face config with Megatron's local layer spec
+(no Transformer Engine, so the same code runs on CPU) and loaded from its safetensors by
+`megatron_convert`. Every forward goes through `get_forward_backward_func()` (with one stage
+it runs the micro-batches in turn); the learner's `loss_fn` runs on the last stage, on the
+vocabulary-parallel logits gathered over the TP group, so the same log-prob code, losses and
+corrections as the FSDP2 backend apply. Packed rows get an explicit block-diagonal causal mask;
+Megatron's RoPE numbers positions along the row, which within each sequence differs from the
+restarting position ids by a constant shift (RoPE attends by relative position).
+
+Optimizer: torch AdamW over each rank's TP/PP shard (AdamW is elementwise, so sharded AdamW is
+full AdamW), gradients summed over the data-parallel group, tied embeddings' two copies
+(first and last pipeline stage) summed over Megatron's embedding group, and the global norm
+clipped as `clip_grad_norm_` does. Megatron's DistributedOptimizer (optimizer state sharded
+over DP) is not used here.
+
+On a machine without CUDA, `megatron_cpu.apply()` installs the shims Megatron needs first.
+Resumable checkpoints are one file per (TP, PP) coordinate, written by data-parallel rank 0:
+resuming needs the same tp and pp (any data-parallel size). Critic (`kind="value"`) and the
+colocated HybridEngine's `local_shards` are FSDP2-only here and refuse with that message.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agentrl.learner import megatron_convert as convert
+from agentrl.learner.backend import LocalShard, ModelPart, NonFiniteError, PartKind
+from agentrl.learner.fsdp import FSDP2Backend, copy_tokenizer, init_distributed
+from agentrl.learner.packing import MicroBatch
+from agentrl.log import get_logger
+
+log = get_logger("learner.megatron")
+
+
+class MegatronPolicy(nn.Module):
+    """The GPTModel of one pipeline stage (`gpt`), with the HF config it was built from
+    (`config`: what the loop reads, e.g. `vocab_size`) and its layout (`shape`)."""
+
+    def __init__(self, gpt: nn.Module, hf_config: Any, shape: convert.Shape) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.config = hf_config
+        self.shape = shape
+
+    def hf_names(self, name: str) -> tuple[str, ...]:
+        layers = self.gpt.decoder.layers
+        return convert.hf_names(name, lambda local: layers[local].layer_number - 1, self.shape)
+
+
+def causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Megatron's attention mask (True = masked, [rows, 1, T, T]) for packed rows: each position
+    attends to the earlier positions of its own sequence (sequences start where position ids
+    restart at 0)."""
+    seq = (position_ids == 0).cumsum(-1)
+    same = seq[:, :, None] == seq[:, None, :]
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return ~(same & causal)[:, None]
+
+
+def _padding_idx(embedding: nn.Module, pad_id: int) -> None:
+    """HF's `nn.Embedding(..., padding_idx=pad_token_id)` (Qwen2/Qwen3/Llama): the pad token's
+    input-embedding row gets no gradient from its lookups (the tied output side still trains
+    it). Megatron's embedding has no padding index, so the lookup's output gradient is zeroed
+    at pad positions."""
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            pad = (args[0] == pad_id)[..., None]
+            output.register_hook(lambda grad: grad.masked_fill(pad, 0.0))
+
+    embedding.register_forward_hook(hook)
+
+
+def _hf_tensors(path: Path) -> Callable[[str], torch.Tensor]:
+    """A reader of the checkpoint's tensors by HF name (all safetensors files)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (an HF `from_pretrained` checkpoint)")
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+
+    def read(name: str) -> torch.Tensor:
+        if name not in where:
+            raise KeyError(f"{path}: no tensor {name!r} in the checkpoint")
+        with safe_open(str(where[name]), "pt") as f:
+            return f.get_tensor(name)
+
+    return read
+
+
+class MegatronBackend:
+    """`LearnerBackend` on Megatron-core (see `backend.py` for each method's contract)."""
+
+    def __init__(self, tp: int = 1, pp: int = 1, seed: int = 0) -> None:
+        self.rank, self.world_size, self.device = init_distributed()
+        if self.device.type == "cpu":
+            from agentrl.learner import megatron_cpu
+
+            megatron_cpu.apply()
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        if self.world_size % (tp * pp):
+            raise ValueError(f"learner.megatron: tp {tp} x pp {pp} must divide the {self.world_size} learner "
+                             "ranks (learner.num_processes)")  # fmt: skip
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+        self.ps = ps
+        self.tp, self.pp = tp, pp
+        self.tp_rank, self.pp_rank = (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+        )
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self._logits: torch.Tensor | None = None  # the last stage's output inside the schedule
+        log.info("megatron: rank %d is tp %d/%d, pp %d/%d, dp %d/%d", self.rank, self.tp_rank, tp,
+                 self.pp_rank, pp, self.dp_rank, self.dp_size)  # fmt: skip
+
+    # -- building and loading -------------------------------------------------------------
+
+    def build(
+        self,
+        kind: PartKind,
+        path: str | Path,
+        *,
+        name: str = "actor",
+        optim: Any = None,
+        lr_lambda: Callable[[int], float] | None = None,
+        activation_checkpointing: bool = False,
+        bf16: bool = False,
+        shard: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> ModelPart:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from transformers import AutoConfig
+
+        if kind != "policy":
+            raise ValueError(
+                "learner.backend megatron: the critic (loss.advantage: gae) runs on fsdp2 only here"
+            )
+        if shard is not None:
+            raise ValueError(
+                "learner.backend megatron: colocated mode (the HybridEngine) needs learner.backend fsdp2"
+            )
+        if bf16:
+            raise ValueError(
+                "learner.backend megatron: learner.dtype bfloat16 is not wired here; use float32"
+            )
+        path = Path(path)
+        hf = AutoConfig.from_pretrained(str(path))
+        shape = convert.shape_of(hf)
+        config = convert.transformer_config(hf, self.tp, self.pp, torch.float32, activation_checkpointing)
+        gpt = GPTModel(
+            config,
+            get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm"),
+            vocab_size=shape.vocab,
+            max_sequence_length=hf.max_position_embeddings,
+            pre_process=self.first,
+            post_process=self.last,
+            share_embeddings_and_output_weights=shape.tied,
+            position_embedding_type="rope",
+            rotary_base=convert.rope_theta(hf),
+        ).to(self.device)
+        if self.first and getattr(hf, "pad_token_id", None) is not None:
+            _padding_idx(gpt.embedding.word_embeddings, hf.pad_token_id)
+        module = MegatronPolicy(gpt, hf, shape)
+        self._load_hf(module, path)
+        if optim is None:
+            module.eval().requires_grad_(False)
+            return ModelPart(name, kind, module)
+        module.train()
+        optimizer = torch.optim.AdamW(module.parameters(), lr=optim.lr, betas=optim.adam_betas,
+                                      weight_decay=optim.weight_decay, fused=True)  # fmt: skip
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda or (lambda step: 1.0))
+        return ModelPart(name, kind, module, optimizer, scheduler)
+
+    def _load_hf(self, module: MegatronPolicy, path: Path) -> None:
+        """Copy this rank's shard of every parameter from the HF checkpoint."""
+        read = _hf_tensors(path)
+        with torch.no_grad():
+            for name, param in module.gpt.named_parameters():
+                full = convert.to_megatron(
+                    name, [read(n) for n in module.hf_names(name)], module.shape, self.tp
+                )
+                dim = convert.partition_dim(name)
+                if dim is not None:
+                    full = full.chunk(self.tp, dim=dim)[self.tp_rank]
+                if full.shape != param.shape:
+                    raise ValueError(f"{path}: {name} has shape {tuple(full.shape)} for this rank, the model "
+                                     f"{tuple(param.shape)}")  # fmt: skip
+                param.copy_(full)
+
+    # -- forwards and the step ------------------------------------------------------------
+
+    def _schedule(
+        self,
+        part: ModelPart,
+        mbs: list[MicroBatch],
+        on_logits: Callable[[MicroBatch], torch.Tensor],
+        forward_only: bool,
+    ) -> None:
+        """Run Megatron's forward(-backward) schedule over `mbs`; on the last stage, `on_logits(mb)`
+        runs with that micro-batch's gathered logits in `self._logits` and returns its loss."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        def forward_step(data: Iterator[MicroBatch], gpt: nn.Module) -> tuple[torch.Tensor, Callable]:
+            mb = next(data)
+            out = gpt(mb.input_ids, mb.position_ids, causal_mask(mb.position_ids))
+
+            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                self._logits = gather_from_tensor_model_parallel_region(logits)
+                try:
+                    loss = on_logits(mb)
+                finally:
+                    self._logits = None
+                # (loss, tokens, metrics) with calculate_per_token_loss: taken as is (no rescaling)
+                return loss, torch.ones((), dtype=torch.int), {}
+
+            return out, loss_func
+
+        rows, width = mbs[0].input_ids.shape
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[part.module.gpt],
+            num_microbatches=len(mbs), seq_length=width, micro_batch_size=rows, forward_only=forward_only,
+        )  # fmt: skip
+
+    def logprobs(
+        self, part: ModelPart, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from agentrl.learner.train_step import logprobs_from_logits
+
+        if self._logits is not None:  # inside the schedule, on the last stage
+            return logprobs_from_logits(self._logits, mb, temperature, entropy)
+        # a forward of its own (frozen policies): the last stage computes, every stage receives
+        if entropy != "none":
+            raise ValueError("MegatronBackend.logprobs: entropy is computed inside forward_backward only")
+        result: dict[str, torch.Tensor] = {}
+
+        def keep(mb: MicroBatch) -> torch.Tensor:
+            result["logp"] = logprobs_from_logits(self._logits, mb, temperature, "none")[0]
+            return result["logp"].sum() * 0
+
+        self._schedule(part, [mb], keep, forward_only=True)
+        logp = result["logp"] if self.last else torch.empty(mb.input_ids.numel(), device=self.device)
+        if self.pp > 1:
+            group = self.ps.get_pipeline_model_parallel_group()
+            dist.broadcast(logp, dist.get_process_group_ranks(group)[-1], group=group)
+        return logp, None
+
+    def values(self, part: ModelPart, mb: MicroBatch) -> torch.Tensor:
+        raise ValueError("learner.backend megatron: value models (the critic) run on fsdp2 only here")
+
+    # framework-independent: eval mode and no_grad; rank 0's object over the world
+    frozen = FSDP2Backend.frozen
+    broadcast_object = FSDP2Backend.broadcast_object
+
+    def forward_backward(
+        self, part: ModelPart, mbs: list[MicroBatch], loss_fn: Callable[[MicroBatch], torch.Tensor]
+    ) -> None:
+        part.optimizer.zero_grad(set_to_none=True)
+        self._schedule(part, mbs, loss_fn, forward_only=False)
+        params = [p for p in part.module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a stage can leave a parameter unused (e.g. empty micro-batches)
+                p.grad = torch.zeros_like(p)
+        if self.dp_size > 1:  # each rank's loss is already normalised over the whole batch: sum
+            _all_reduce_flat([p.grad for p in params], self.ps.get_data_parallel_group())
+        tied = self._tied_copy(part)
+        if tied is not None:  # the embedding on the first stage and its copy on the last
+            dist.all_reduce(tied.grad, group=self.ps.get_embedding_group())
+
+    def _tied_copy(self, part: ModelPart) -> nn.Parameter | None:
+        """Under pipeline parallel with tied embeddings, this stage's copy of the shared matrix."""
+        gpt = part.module.gpt
+        if self.pp == 1 or not part.module.shape.tied:
+            return None
+        if self.first:
+            return gpt.embedding.word_embeddings.weight
+        return gpt.output_layer.weight if self.last else None
+
+    def _grad_norm(self, part: ModelPart) -> float:
+        """The global L2 norm of the gradients: TP-sharded parameters summed over the TP group,
+        replicated ones counted once, the stages summed, the tied copy on the last stage skipped."""
+        gpt = part.module.gpt
+        skip = gpt.output_layer.weight if (self.pp > 1 and part.module.shape.tied and self.last) else None
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in gpt.named_parameters():
+            if p.grad is None or p is skip:
+                continue
+            if convert.partition_dim(name) is not None or self.tp_rank == 0:
+                squares += p.grad.double().pow(2).sum()
+        dist.all_reduce(squares, group=self.ps.get_model_parallel_group())
+        return math.sqrt(float(squares))
+
+    def optimizer_step(self, part: ModelPart, max_grad_norm: float, skip: bool = False) -> tuple[float, bool]:
+        norm = self._grad_norm(part)
+        grads = [p.grad for p in part.module.parameters() if p.grad is not None]
+        if math.isfinite(norm) and grads:  # as torch's clip_grad_norm_: scale by min(1, max/(norm+1e-6))
+            torch._foreach_mul_(grads, min(1.0, max_grad_norm / (norm + 1e-6)))
+        applied = math.isfinite(norm) and not skip
+        if applied:
+            self._checked_step(part)
+        part.optimizer.zero_grad(set_to_none=True)
+        return norm, applied
+
+    def _checked_step(self, part: ModelPart) -> None:
+        """AdamW and the LR schedule between finiteness checks of the state it reads and the
+        weights it writes (`NonFiniteError`; as the FSDP2 backend's)."""
+        bad = self.first_nonfinite(part, params=False, state=True)
+        if bad is not None:
+            part.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"{bad} of the {part.name} is not finite: the optimizer step was not taken "
+                                 "(resume from an earlier checkpoint)")  # fmt: skip
+        lr = part.lr
+        part.optimizer.step()
+        part.scheduler.step()
+        bad = self.first_nonfinite(part, params=True, state=False)
+        if bad is not None:
+            raise NonFiniteError(f"{bad} of the {part.name} is not finite after the optimizer step (lr {lr:g}): "
+                                 "not pushed and not saved")  # fmt: skip
+
+    def first_nonfinite(self, part: ModelPart, params: bool = True, state: bool = True) -> str | None:
+        bad = None
+        for name, param in part.module.gpt.named_parameters():
+            tensors = [(name, param.detach())] if params else []
+            if state and part.optimizer is not None:
+                tensors += [(f"{name} ({k})", v) for k, v in part.optimizer.state.get(param, {}).items()
+                            if torch.is_tensor(v) and v.dim() > 0]  # fmt: skip
+            bad = next((n for n, t in tensors if not torch.isfinite(t).all()), None)
+            if bad is not None:
+                bad = f"{bad} (tp {self.tp_rank}, pp {self.pp_rank})"
+                break
+        found = [None] * self.world_size
+        dist.all_gather_object(found, bad)
+        return next((b for b in found if b is not None), None)
+
+    def all_reduce(self, values: dict[str, float], op: Literal["sum", "max"]) -> dict[str, float]:
+        """Over one rank per data-parallel replica (TP rank 0 of the last stage: where the loss ran)."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (self.tp_rank == 0 and self.last, values))
+        counted = [v for speaks, v in gathered if speaks]
+        combine = sum if op == "sum" else max
+        return {k: float(combine(v[k] for v in counted)) for k in counted[0]}
+
+    # -- gathering, saving, exporting -----------------------------------------------------
+
+    def _layout(self, part: ModelPart) -> list[list[tuple[str, tuple[str, ...], list[torch.Size]]]]:
+        """Per pipeline stage: (Megatron name, HF names, HF shapes) of its parameters, in order."""
+        mine = []
+        for name, param in part.module.gpt.named_parameters():
+            if param is self._tied_copy(part) and self.last and not self.first:
+                continue  # the tied matrix is exported once, from the first stage
+            full, dim = list(param.shape), convert.partition_dim(name)
+            if dim is not None:
+                full[dim] *= self.tp
+            meta = torch.empty(full, device="meta")
+            shapes = [t.shape for t in convert.to_hf(name, meta, part.module.shape, self.tp)]
+            mine.append((name, part.module.hf_names(name), shapes))
+        stages: list[Any] = [None] * self.world_size
+        dist.all_gather_object(stages, (self.pp_rank, mine))
+        return [next(m for r, m in stages if r == s) for s in range(self.pp)]
+
+    def _full(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """The full Megatron tensor of a parameter (its TP shards gathered)."""
+        dim = convert.partition_dim(name)
+        if self.tp == 1 or dim is None:
+            return param.detach()
+        shards = [torch.empty_like(param) for _ in range(self.tp)]
+        dist.all_gather(shards, param.detach().contiguous(), group=self.ps.get_tensor_model_parallel_group())
+        return torch.cat(shards, dim=dim)
+
+    def full_tensors(self, part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
+        params = dict(part.module.gpt.named_parameters())
+        group = self.ps.get_pipeline_model_parallel_group() if self.pp > 1 else None
+        for stage, entries in enumerate(self._layout(part)):
+            for name, hf_names, shapes in entries:
+                if stage == self.pp_rank:
+                    tensors = convert.to_hf(name, self._full(name, params[name]), part.module.shape, self.tp)
+                else:
+                    tensors = [torch.empty(s, device=self.device) for s in shapes]
+                for hf_name, tensor in zip(hf_names, tensors, strict=True):
+                    if group is not None:
+                        tensor = tensor.contiguous()
+                        dist.broadcast(tensor, dist.get_process_group_ranks(group)[stage], group=group)
+                    yield hf_name, tensor
+
+    def local_shards(self, part: ModelPart) -> Iterator[LocalShard]:
+        raise ValueError(
+            "learner.backend megatron: colocated mode (the HybridEngine) needs learner.backend fsdp2"
+        )
+
+    def _shard_file(self, path: Path) -> Path:
+        return path / f"megatron_tp{self.tp_rank}_pp{self.pp_rank}.pt"
+
+    def save(self, parts: list[ModelPart], path: Path) -> None:
+        """Each (TP, PP) shard's weights and AdamW state, written by its data-parallel rank 0."""
+        path.mkdir(parents=True, exist_ok=True)
+        if self.dp_rank == 0:
+            state = {"tp": self.tp, "pp": self.pp}
+            for part in parts:
+                state[part.name] = {
+                    "model": part.module.gpt.state_dict(),
+                    "optim": part.optimizer.state_dict(),
+                }
+            with open(self._shard_file(path), "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        dist.barrier()
+
+    def load(self, parts: list[ModelPart], path: Path) -> None:
+        file = self._shard_file(path)
+        if not file.exists():
+            raise FileNotFoundError(f"{file}: no shard for tp {self.tp} x pp {self.pp}; resume with the "
+                                    "learner.megatron tp and pp the checkpoint was written with")  # fmt: skip
+        state = torch.load(file, weights_only=False, map_location=self.device)
+        if (state["tp"], state["pp"]) != (self.tp, self.pp):
+            raise ValueError(f"{path}: written with tp {state['tp']} x pp {state['pp']}, this learner is "
+                             f"tp {self.tp} x pp {self.pp}")  # fmt: skip
+        for part in parts:
+            part.module.gpt.load_state_dict(state[part.name]["model"])
+            part.optimizer.load_state_dict(state[part.name]["optim"])
+
+    def export(self, part: ModelPart, out_dir: Path, tokenizer_path: str | Path | None) -> Path:
+        """A plain HF checkpoint (safetensors, config, tokenizer) of the gathered weights."""
+        from transformers import AutoModelForCausalLM
+
+        state = {name: tensor.cpu() for name, tensor in self.full_tensors(part)}
+        out = Path(out_dir)
+        if self.rank == 0:
+            with torch.device("meta"):
+                plain = AutoModelForCausalLM.from_config(part.module.config)
+            plain.load_state_dict(state, strict=False, assign=True)
+            plain.tie_weights()
+            plain.config.use_cache = True
+            plain.save_pretrained(out, safe_serialization=True)
+            if tokenizer_path is not None:
+                copy_tokenizer(Path(tokenizer_path), out)
+        dist.barrier()
+        return out
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum `tensors` over `group` in one collective (flattened into one buffer and back)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    flat = _flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    for tensor, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+        tensor.copy_(reduced)
