@@ -98,7 +98,7 @@ def step_command(name: str, python: str, workdir: Path, device: str) -> list[str
     if name == "bench_sync":
         return [python, "-m", "agentrl", "bench", *"sync --preset mini --repeats 1 --bucket-mb 1".split()]
     if name == "bench_peer":
-        return [python, "-m", "agentrl", "bench", "peer", "--steps", "3", "--prompts-per-step", "2",
+        return [python, "-m", "agentrl", "bench", "peer", "--steps", "2", "--warmup-steps", "1", "--prompts-per-step", "2",
                 "--completions", "4", "--length", "8"]  # fmt: skip
     out = workdir / f"{name}.json"
     return [python, str(Path(__file__).resolve()), "--step", name, "--workdir", str(workdir),

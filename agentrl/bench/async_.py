@@ -1,13 +1,21 @@
 """`agentrl bench async`: samples/s of the whole system at max_staleness 0, 1, 2, 4.
 
-    agentrl bench async [--steps 8] [--latency-s 0.3] [--model-dir DIR]
-    agentrl bench async --steps 2 --groups-per-step 1 --concurrency 4 --latency-s 0.01 --warmstart-steps 1
+    agentrl bench async [--steps 8] [--warmup-steps K+1] [--latency-s 0.3] [--model-dir DIR]
+    agentrl bench async --steps 2 --warmup-steps 1 --groups-per-step 1 --concurrency 4 --latency-s 0.01 --warmstart-steps 1
 
 Runs `agentrl run` four times on the same machine, one after the other, identical but for
 `max_staleness`, on the quickstart's lookup task whose lookups take a long-tailed time (Pareto,
 as sandboxes and search engines do), from the quickstart's warm-started model (so rewards are
-not zero and the price of staleness can show). Samples/s is the learner's consumption rate between
-its first and last step (episodes trained on per second of wall time). With k = 0 the
+not zero and the price of staleness can show).
+
+The baseline is k = 0 (the synchronous system) measured in the same invocation, and every k is
+timed over the same window: each run trains `--warmup-steps` + `--steps` steps, and samples/s is
+episodes trained on per second from the end of step `--warmup-steps` to the end of the last
+step (`common.steady_rate`). At version 0 admission lets a run at k start (k+1) × groups_per_step
+groups before the learner's first step; the default warm-up, max(k) + 1 steps, has every run
+consume that backlog before its window opens, so no k carries work done outside its window into
+it, and k = 0 gets the same exclusion. The JSON carries each k's window samples and seconds (the
+rate's numerator and denominator) and the warm-up used. With k = 0 the
 rollers wait for every weight push and the slowest tool call of each batch stalls the
 learner; with k ≥ 1 generation overlaps training. Ratios `k{1,2,4}_vs_sync` are samples/s
 at k over k = 0; the final mean reward at each k is in `metrics` (the price of staleness).
@@ -22,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from agentrl.bench.common import emit, print_table, stop_child
+from agentrl.bench.common import emit, print_table, steady_rate, stop_child
 from agentrl.log import read_metrics
 from agentrl.net import free_port
 
@@ -50,7 +58,7 @@ def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) ->
     args = [
         sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml",
         f"--run_dir={run_dir}", f"--max_staleness={k}", f"--learner.model_path={model_dir}",
-        f"--learner.max_steps={opts.steps}", f"--learner.groups_per_step={opts.groups_per_step}",
+        f"--learner.max_steps={opts.warmup_steps + opts.steps}", f"--learner.groups_per_step={opts.groups_per_step}",
         "--learner.warmstart.steps=0", f"--roller.group_size={GROUP_SIZE}", f"--roller.max_concurrent_episodes={opts.concurrency}",
         "--env.name=toy_lookup_slow", "--env.kwargs", f"{{latency_s: {opts.latency_s}}}",
         "--queue.address", f"tcp://127.0.0.1:{free_port()}",
@@ -61,15 +69,9 @@ def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) ->
             f"agentrl run at max_staleness={k} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
         )
     records = read_metrics(run_dir / "learner.jsonl")
-    first, last = records[0], records[-1]
-    samples = opts.groups_per_step * GROUP_SIZE * (len(records) - 1)
-    seconds = last["time"] - first["time"]
+    window = steady_rate(records, opts.warmup_steps, opts.groups_per_step * GROUP_SIZE)
     tail = records[-max(1, len(records) // 4) :]
-    return {
-        "samples_per_s": samples / seconds if seconds > 0 else 0.0,
-        "seconds": seconds,
-        "final_reward": sum(r.get("reward/mean", 0.0) for r in tail) / len(tail),
-    }
+    return {**window, "final_reward": sum(r.get("reward/mean", 0.0) for r in tail) / len(tail)}
 
 
 def _warmstart(model_dir: str, run_dir: Path, steps: int) -> str:
@@ -85,7 +87,9 @@ def _warmstart(model_dir: str, run_dir: Path, steps: int) -> str:
 
 def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agentrl bench async")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps, after the warm-up")
+    parser.add_argument("--warmup-steps", type=int,
+                        help="untimed steps first, the same for every k (default: max k + 1)")  # fmt: skip
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--latency-s", type=float, default=0.3, help="median tool latency (Pareto tail)")
@@ -96,8 +100,12 @@ def main(args: list[str]) -> int:
     )
     opts = parser.parse_args(args)
     ks = [int(k) for k in opts.ks.split(",")]
-    if 0 not in ks or opts.steps < 2:  # the ratios are over k = 0; a rate needs two steps' times
-        parser.error("--ks must include 0 (the synchronous baseline) and --steps must be at least 2")
+    if 0 not in ks or opts.steps < 1:  # the ratios are over k = 0; a rate needs one timed step
+        parser.error("--ks must include 0 (the synchronous baseline) and --steps must be at least 1")
+    if opts.warmup_steps is None:
+        opts.warmup_steps = max(ks) + 1
+    if opts.warmup_steps < 1:
+        parser.error("--warmup-steps must be at least 1 (the window starts at the end of a step)")
 
     from agentrl.tiny_model import init_model
 
@@ -110,7 +118,8 @@ def main(args: list[str]) -> int:
 
     base = results[0]["samples_per_s"]
     print_table(
-        f"whole system, {opts.steps} steps × {opts.groups_per_step} groups × {GROUP_SIZE} episodes, "
+        f"whole system, {opts.steps} timed steps after {opts.warmup_steps} warm-up steps (every k) × "
+        f"{opts.groups_per_step} groups × {GROUP_SIZE} episodes, "
         f"tool latency ~{opts.latency_s}s (Pareto)",
         ["max_staleness", "samples/s", "vs k=0", "final mean reward"],
         [
@@ -120,6 +129,11 @@ def main(args: list[str]) -> int:
     )
     metrics = {f"k{k}_samples_per_s": r["samples_per_s"] for k, r in results.items()}
     metrics.update({f"k{k}_final_reward": r["final_reward"] for k, r in results.items()})
+    for k, r in results.items():  # the raw figures behind each rate, and the window they cover
+        metrics.update(
+            {f"k{k}_window_{key}": r[key] for key in ("samples", "seconds", "from_step", "to_step")}
+        )
+    metrics["warmup_steps"] = opts.warmup_steps
     ratios = {
         f"k{k}_vs_sync": r["samples_per_s"] / base if base else 0.0 for k, r in results.items() if k != 0
     }

@@ -8,13 +8,17 @@ this process receives them:
 - ours: `ZmqProducer.put` (MAC on) -> `QueueServer` hosted here -> in-process consumer
   `get_batch` + `ack` (the learner's deployment);
 - raw ZeroMQ: PUSH -> PULL of exactly the frames `encode_group` makes, `copy=False`;
-- Redis: the Redis Streams backend against a local redis-server;
+- Redis: plain `redis-py` against a local redis-server, the same frames as one stream entry per
+  group: the producer `XADD`s them (pipelined, flushed every `_batch(size)` groups, the receiver's
+  batch), this process `XREADGROUP`s batches and `XACK`s (+ `XDEL`, so the stream stays bounded as
+  our queue's does). That is what a team using Redis Streams directly would write, so it is the
+  baseline our queue must beat to be worth its code;
 - Ray: the group's arrays put into Ray's object store by a task (a streaming generator), `ray.get` here;
 - NIXL: the array payloads over NIXL (UCX), ZeroMQ as control plane.
 Throughput is counted from the producer's first send (once connected) to the last group
-received, in MB/s (both ends are on this host, so they share a clock); raw and ours
-run alternately `--repeat` times and each keeps its best (other jobs share this machine);
-Ray also keeps the best of `--repeat` runs.
+received, in MB/s (both ends are on this host, so they share a clock); raw, ours and Redis
+run alternately `--repeat` times with the same group counts and each keeps its best (other jobs
+share this machine); Ray also keeps the best of `--repeat` runs.
 Ratios are
 ours / baseline (higher is better); `vs_raw_zmq`, `vs_redis`, `vs_ray` and `nixl_vs_zmq`
 are the lowest over payloads >= 1 MiB.
@@ -91,6 +95,9 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
     """A producer process: connects, then sends `count` groups and reports (on stdout) when it
     started sending and the CPU it spent from then on."""
     groups = make_groups(size, count)
+    if kind == "redis":
+        _redis_worker(address, groups, size)
+        return
     if kind == "raw":
         import zmq
         from zmq.utils.monitor import recv_monitor_message
@@ -111,16 +118,11 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
         return
 
     async def run() -> None:
-        if kind in ("ours", "nixl"):
-            from agentrl.config import ZmqQueueConfig
-            from agentrl.queue import create
+        from agentrl.config import ZmqQueueConfig
+        from agentrl.queue import create
 
-            config = ZmqQueueConfig(address=address, nixl=kind == "nixl", auth=_auth())
-            producer = create(config).producer()
-        else:
-            from agentrl.queue.redis_backend import RedisProducer
-
-            producer = RedisProducer(address, "bench", capacity_groups=4096)
+        config = ZmqQueueConfig(address=address, nixl=kind == "nixl", auth=_auth())
+        producer = create(config).producer()
         await producer.current_version()  # connected and answered once before the clock starts
         todo = iter(groups)
 
@@ -134,6 +136,24 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
         _report(started, time.process_time() - cpu)
 
     asyncio.run(run())
+
+
+def _redis_worker(address: str, groups: list[Group], size: int) -> None:
+    """The Redis baseline's producer: plain redis-py, one `XADD` per group (its frames as one
+    field), pipelined and flushed every `_batch(size)` groups. `address` is `URL STREAM`."""
+    import redis
+
+    url, stream = address.split(" ")
+    client = redis.Redis.from_url(url)
+    client.ping()  # connected and answered once before the clock starts, as for ours
+    started, cpu = time.time(), time.process_time()
+    pipe, batch = client.pipeline(transaction=False), _batch(size)
+    for i, group in enumerate(groups, 1):
+        pipe.xadd(stream, {"data": b"".join(bytes(frame) for frame in encode_group(group))})
+        if i % batch == 0 or i == len(groups):
+            pipe.execute()
+    client.close()
+    _report(started, time.process_time() - cpu)
 
 
 def _report(started: float, cpu_s: float) -> None:
@@ -241,18 +261,36 @@ def bench_ours(size: int, count: int, nixl: bool = False) -> Run:
 
 
 def bench_redis(size: int, count: int, url: str) -> Run:
-    from agentrl.config import RedisQueueConfig
-    from agentrl.queue import create
+    """The Redis baseline's receiver: `XREADGROUP` up to `_batch(size)` entries at a time, then
+    `XACK` + `XDEL` them in one pipelined round trip; a fresh stream per run."""
+    import redis
 
-    backend = create(RedisQueueConfig(url=url, stream="bench", capacity_groups=4096))
-    backend.server(groups_per_step=1, max_staleness=0).start()
-    consumer = backend.consumer("bench")
-    proc = _spawn("redis", url, size, count)
+    client = redis.Redis.from_url(url)
+    stream = f"bench-{os.urandom(4).hex()}"
+    client.xgroup_create(stream, "learner", id="0", mkstream=True)
+    cpu = time.process_time()
+    proc = _spawn("redis", f"{url} {stream}", size, count)
+    got, batch = 0, _batch(size)
     try:
-        return _drain(consumer, count, _batch(size), proc, size)
+        while got < count:
+            reply = client.xreadgroup(
+                "learner", "rank0", {stream: ">"}, count=min(batch, count - got), block=5000
+            )
+            if not reply:
+                if proc.poll() not in (None, 0):
+                    raise RuntimeError(f"the producer process failed (exit {proc.returncode})")
+                continue
+            ids = [entry_id for entry_id, _fields in reply[0][1]]
+            got += len(ids)
+            pipe = client.pipeline(transaction=False)
+            pipe.xack(stream, "learner", *ids)
+            pipe.xdel(stream, *ids)
+            pipe.execute()
+        return _finish(proc, cpu, count, size)
     finally:
         proc.wait()
-        consumer.close()
+        client.delete(stream)
+        client.close()
 
 
 def bench_ray(size: int, count: int) -> Run:
@@ -284,7 +322,7 @@ def _start_redis() -> tuple[subprocess.Popen | None, str]:
     if exe is None:
         return None, "redis-server not installed"
     try:
-        import redis  # noqa: F401
+        import redis
     except ImportError:
         return None, "the redis package is not installed (pip install 'agentrl[redis]')"
     import socket
@@ -297,8 +335,21 @@ def _start_redis() -> tuple[subprocess.Popen | None, str]:
         stdout=subprocess.DEVNULL,
         start_new_session=True,
     )
-    time.sleep(0.5)
-    return proc, f"redis://127.0.0.1:{port}/0"
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while True:  # answering before the first run
+        try:
+            redis.Redis.from_url(url).ping()
+            return proc, url
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.terminate()
+                proc.wait()
+                return (
+                    None,
+                    f"redis-server on port {port} did not answer within 10 s (exit {proc.returncode})",
+                )
+            time.sleep(0.1)
 
 
 def _best(fn: Any, size: int, count: int, repeat: int) -> Run:
@@ -329,7 +380,7 @@ def main(args: list[str]) -> int:
     parser.add_argument("--small-groups", type=int, default=20000, help="Groups sent at 4 KiB.")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="Payload bytes per group.")
     parser.add_argument(
-        "--repeat", type=int, default=3, help="Runs of raw, ours and ray per size (best kept)."
+        "--repeat", type=int, default=3, help="Runs of raw, ours, redis and ray per size (best kept)."
     )
     parser.add_argument(
         "--auth",
@@ -346,15 +397,27 @@ def main(args: list[str]) -> int:
     sizes = [int(s) for s in opts.sizes.split(",")]
     results: dict[str, dict[int, Run]] = {"raw": {}, "ours": {}}
     skipped: dict[str, str] = {}
-    for size in sizes:  # alternate raw and ours, keep each one's best: the machine is shared and noisy
-        count = _count(size, opts.total_mib, opts.small_groups)
-        for _ in range(opts.repeat):
-            for name, fn in (("raw", bench_raw), ("ours", bench_ours)):
-                result = fn(size, count)
-                if size not in results[name] or result.mbps > results[name][size].mbps:
-                    results[name][size] = result
+    redis_proc, redis_url = (None, "--no-redis") if opts.no_redis else _start_redis()
+    contenders: list[tuple[str, Any]] = [("raw", bench_raw), ("ours", bench_ours)]
+    if redis_proc is None:
+        skipped["redis"] = redis_url
+    else:
+        results["redis"] = {}
+        contenders.append(("redis", lambda size, count: bench_redis(size, count, redis_url)))
+    try:
+        for size in sizes:  # alternate the contenders, keep each one's best: the machine is shared and noisy
+            count = _count(size, opts.total_mib, opts.small_groups)
+            for _ in range(opts.repeat):
+                for name, fn in contenders:
+                    result = fn(size, count)
+                    if size not in results[name] or result.mbps > results[name][size].mbps:
+                        results[name][size] = result
+    finally:
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait()
 
-    baselines = _run_baselines(opts, sizes, results, skipped)
+    baselines = (["redis"] if "redis" in results else []) + _run_baselines(opts, sizes, results, skipped)
     rows = []
     for size in sizes:
         row = [_label(size), _count(size, opts.total_mib, opts.small_groups)]
@@ -383,6 +446,8 @@ def main(args: list[str]) -> int:
         "small_groups_per_s": round(results["ours"][small].groups_per_s),
         "raw_zmq_small_groups_per_s": round(results["raw"][small].groups_per_s),
         "small_group_bytes": small,
+        "groups_per_run": {_label(s): _count(s, opts.total_mib, opts.small_groups) for s in sizes},
+        "repeat": opts.repeat,
         "auth": opts.auth,
         **{f"{name}_MBps_{_label(s)}": round(v, 1) for name, per in mbps.items() for s, v in per.items()},
         **{
@@ -406,23 +471,6 @@ def main(args: list[str]) -> int:
 def _run_baselines(opts: Any, sizes: list[int], results: dict, skipped: dict[str, str]) -> list[str]:
     big = [s for s in sizes if s >= 1 << 20] or sizes[-1:]
     names = []
-    if opts.no_redis:
-        skipped["redis"] = "--no-redis"
-    else:
-        proc, url = _start_redis()
-        if proc is None:
-            skipped["redis"] = url
-        else:
-            try:
-                results["redis"] = {
-                    s: bench_redis(s, min(4000, max(8, (64 << 20) // s)), url) for s in [min(sizes), *big]
-                }
-                names.append("redis")
-            except Exception as exc:
-                skipped["redis"] = f"{type(exc).__name__}: {exc}"
-            finally:
-                proc.terminate()
-                proc.wait()
     if opts.no_ray:
         skipped["ray"] = "--no-ray"
     else:

@@ -9,8 +9,23 @@ that answers after `--delay-s` (standing in for a GPU fleet's latency) with scri
 calculator turns, and a real TransferQueue server whose consumer acks every group. The
 roller under test is the real one (toy calculator env, incremental chat rendering,
 admission, queue producer). Its CPU time per turn is measured with `process_time`, which
-excludes the child. The baseline is the one the issue names: a roller must never limit a
-GPU fleet — ≥ 2,000 concurrent episodes and < 1 ms of roller CPU per turn.
+excludes the child. The targets: a roller must never limit a GPU fleet — ≥ 2,000 concurrent
+episodes and < 1 ms of roller CPU per turn.
+
+The baseline, measured in the same run against the same edge: the same episodes (the same
+tasks, `group_size` each, through the same `run_episode`, env, renderer and client, at the same
+concurrency) driven by a minimal asyncio loop — a semaphore and `gather`, no queue, no admission,
+no accounting. It is what running the episodes costs with nothing of the roller's machinery
+around them, so `ratios.cpu_per_turn_bare_vs_ours` (bare CPU per turn / ours) is the share of the
+roller's CPU the episodes themselves take, and `ratios.concurrency_vs_bare` compares the peak
+episodes in flight. The JSON carries both sides' CPU seconds, turns and peaks.
+
+A second run in the same process, against the same edge, plays the same calculator task through
+the OpenAI-compatible endpoint (`env.name: agent`): `calculator_agent`, written only with the
+`openai` SDK, runs in the roller's process, so its CPU time (the SDK's request building and
+parsing, httpx) counts with the endpoint's. Episodes/s and CPU per turn of the two runs, side by
+side, are what plugging an existing agent in costs over the built-in agent loop. Without the
+`openai` package (a dev extra) that row is left out, and the table says so.
 """
 
 from __future__ import annotations
@@ -74,7 +89,42 @@ def _edge(model_dir: str, http_port: int, queue_address: str, delay_s: float) ->
     asyncio.run(serve())
 
 
-async def _run_roller(model_dir: str, url: str, queue_address: str, concurrency: int, groups: int) -> dict:
+_sdk_client = None
+
+
+async def calculator_agent(base_url: str, api_key: str, task: dict) -> str | None:
+    """The calculator task as an `openai`-SDK agent: it runs the model's calculator calls itself."""
+    import json
+
+    from openai import AsyncOpenAI
+
+    from agentrl.envs.toy import CalculatorEnv, safe_eval
+
+    global _sdk_client
+    if _sdk_client is None:
+        _sdk_client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    llm = _sdk_client.with_options(base_url=base_url, api_key=api_key)
+    env = CalculatorEnv()
+    messages, tools = env.prompt(task), env.tool_schemas
+    for _ in range(4):
+        reply = (await llm.chat.completions.create(model="policy", messages=messages, tools=tools)).choices[0]
+        messages.append(reply.message.model_dump(exclude_none=True))
+        if not reply.message.tool_calls:
+            return reply.message.content
+        for call in reply.message.tool_calls:
+            expression = json.loads(call.function.arguments).get("expression", "")
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(safe_eval(expression))})
+    return None
+
+
+def calculator_reward(transcript, result) -> float:
+    return float(result is not None and result.strip() == transcript.task["answer"])
+
+
+async def _run_roller(
+    model_dir: str, url: str, queue_address: str, concurrency: int, groups: int, agent: bool = False
+) -> dict:
+    """One roller run; `agent`: through the endpoint with `calculator_agent`, else the built-in env."""
     from transformers import AutoTokenizer
 
     from agentrl.config import EnvConfig, RollerConfig, ZmqQueueConfig
@@ -86,7 +136,10 @@ async def _run_roller(model_dir: str, url: str, queue_address: str, concurrency:
     from agentrl.rollers.roller import Roller
     from agentrl.rollers.tasks import task_stream
 
-    make_env = env_factory(EnvConfig(name="toy_calculator"))
+    kwargs = {"agent": f"{__name__}:calculator_agent", "reward": f"{__name__}:calculator_reward"}
+    make_env = env_factory(
+        EnvConfig(name="agent", kwargs=kwargs) if agent else EnvConfig(name="toy_calculator")
+    )
     config = RollerConfig(group_size=8, max_concurrent_episodes=concurrency, max_groups=groups, log_every_s=5)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir), make_env().tool_schemas)
     client = SGLangClient(url, timeout_s=600)
@@ -104,6 +157,52 @@ async def _run_roller(model_dir: str, url: str, queue_address: str, concurrency:
         "turns": stats.turns,
         "peak_in_flight": stats.peak_in_flight_episodes,
         "groups_put": stats.groups_put,
+        "failed": stats.groups_failed,
+        "reward": sum(stats.rewards) / max(1, len(stats.rewards)),
+    }
+
+
+async def _run_bare(model_dir: str, url: str, concurrency: int, groups: int) -> dict:
+    """The baseline: the roller's episodes (same tasks, `group_size` each) in a minimal asyncio
+    loop — a semaphore for the concurrency, `gather`, nothing else."""
+    from itertools import islice
+
+    from transformers import AutoTokenizer
+
+    from agentrl.config import EnvConfig, RollerConfig
+    from agentrl.envs.registry import env_factory
+    from agentrl.envs.toy import CalculatorEnv
+    from agentrl.inference.sglang import SGLangClient
+    from agentrl.rollers.agent_loop import run_episode
+    from agentrl.rollers.chat import ChatRenderer
+    from agentrl.rollers.tasks import task_stream
+
+    make_env = env_factory(EnvConfig(name="toy_calculator"))
+    config = RollerConfig(group_size=8, max_concurrent_episodes=concurrency, max_groups=groups)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir), make_env().tool_schemas)
+    client = SGLangClient(url, timeout_s=600)
+    slots, in_flight, peak = asyncio.Semaphore(concurrency), [0], [0]
+
+    async def one(task: dict) -> int:
+        async with slots:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+            try:
+                return (await run_episode(make_env(), task, client, renderer, config)).num_turns
+            finally:
+                in_flight[0] -= 1
+
+    tasks = list(islice(task_stream("builtin", CalculatorEnv, 0), groups))
+    wall, cpu = time.perf_counter(), time.process_time()
+    turns = await asyncio.gather(*(one(task) for task in tasks for _ in range(config.group_size)))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    await client.close()
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "episodes": len(turns),
+        "turns": sum(turns),
+        "peak_in_flight": peak[0],
     }
 
 
@@ -147,28 +246,56 @@ def main(args: list[str]) -> int:
         try:
             if edge.stdout.readline().strip() != "ready":
                 raise RuntimeError("the scripted edge process failed to start")
-            result = asyncio.run(
-                _run_roller(
-                    model_dir, f"http://127.0.0.1:{http_port}", queue_address, opts.concurrency, opts.groups
+            url = f"http://127.0.0.1:{http_port}"
+            result = asyncio.run(_run_roller(model_dir, url, queue_address, opts.concurrency, opts.groups))
+            bare = asyncio.run(_run_bare(model_dir, url, opts.concurrency, opts.groups))
+            try:
+                import openai  # noqa: F401
+            except ImportError:
+                agent = None
+            else:
+                agent = asyncio.run(
+                    _run_roller(model_dir, url, queue_address, opts.concurrency, opts.groups, agent=True)
                 )
-            )
         finally:
             os.killpg(edge.pid, 9)
             edge.wait()
 
     overhead_ms = 1000 * result["cpu_s"] / max(1, result["turns"])
     turns_per_s = result["turns"] / result["wall_s"]
+    bare_ms = 1000 * bare["cpu_s"] / max(1, bare["turns"])
     print_table(
-        f"roller against an instant scripted server (latency {opts.delay_s:.1f}s per turn)",
-        ["measure", "value", "target"],
+        f"roller against an instant scripted server (latency {opts.delay_s:.1f}s per turn); bare loop: the same episodes, no queue, no admission",
+        ["measure", "value", "bare loop", "target"],
         [
-            ["peak concurrent episodes", result["peak_in_flight"], ">= 2000"],
-            ["roller CPU per turn (ms)", overhead_ms, "< 1"],
-            ["turns/s", turns_per_s, ""],
-            ["episodes", result["episodes"], ""],
-            ["groups put", result["groups_put"], ""],
+            ["peak concurrent episodes", result["peak_in_flight"], bare["peak_in_flight"], ">= 2000"],
+            ["roller CPU per turn (ms)", overhead_ms, bare_ms, "< 1"],
+            ["turns/s", turns_per_s, bare["turns"] / bare["wall_s"], ""],
+            ["episodes", result["episodes"], bare["episodes"], ""],
+            ["groups put", result["groups_put"], "-", ""],
         ],
     )
+    agent_row = {}
+    if agent is None:
+        print("endpoint row left out: the openai package is not installed (pip install 'agentrl[dev]')")
+    else:
+        agent_row = {
+            "endpoint_episodes_per_s": agent["episodes"] / agent["wall_s"],
+            "builtin_episodes_per_s": result["episodes"] / result["wall_s"],
+            "endpoint_overhead_ms_per_turn": 1000 * agent["cpu_s"] / max(1, agent["turns"]),
+            "endpoint_reward": agent["reward"],
+            "endpoint_groups_failed": agent["failed"],
+        }
+        print_table(
+            "same task and server: built-in agent loop vs an openai-SDK agent through the endpoint",
+            ["measure", "built-in", "endpoint"],
+            [
+                ["episodes/s", agent_row["builtin_episodes_per_s"], agent_row["endpoint_episodes_per_s"]],
+                ["CPU per turn (ms)", overhead_ms, agent_row["endpoint_overhead_ms_per_turn"]],
+                ["episodes", result["episodes"], agent["episodes"]],
+                ["reward", result["reward"], agent["reward"]],
+            ],
+        )
     emit(
         "roller",
         {
@@ -177,10 +304,23 @@ def main(args: list[str]) -> int:
             "turns_per_s": turns_per_s,
             "episodes": result["episodes"],
             "wall_s": result["wall_s"],
+            "cpu_s": result["cpu_s"],
+            "turns": result["turns"],
+            "bare_cpu_s": bare["cpu_s"],
+            "bare_turns": bare["turns"],
+            "bare_episodes": bare["episodes"],
+            "bare_wall_s": bare["wall_s"],
+            "bare_max_concurrent_episodes": bare["peak_in_flight"],
+            "bare_overhead_ms_per_turn": bare_ms,
+            **agent_row,
         },
         {
             "concurrency_vs_target": result["peak_in_flight"] / 2000,
             "overhead_budget_vs_ours": 1.0 / overhead_ms if overhead_ms else 0.0,
+            "cpu_per_turn_bare_vs_ours": bare_ms / overhead_ms if overhead_ms else 0.0,
+            "concurrency_vs_bare": result["peak_in_flight"] / bare["peak_in_flight"]
+            if bare["peak_in_flight"]
+            else 0.0,
         },
     )
     return 0

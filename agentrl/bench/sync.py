@@ -7,15 +7,22 @@ a raw gloo broadcast of the same tensors and with the disk engine, in one run.
 One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter model.
 - ours: `BroadcastEngine.push` — pause, bucketed broadcast with the server loading each
   bucket into its model, continue (what the learner does after every step);
-- raw: a bare `ProcessGroupGloo` broadcast of the same tensors from this process to one
-  receiver process that only receives into buffers it allocated once (no HTTP, no load):
+- raw: the like-for-like baseline, the best a bare `ProcessGroupGloo` broadcast of the same bytes
+  does: the model packed once, before timing, into one flat uint8 buffer per bucket (the buckets
+  ours sends, same `--bucket-mb`), each broadcast from this process to one receiver process that
+  only receives into buffers it allocated once (no HTTP, no gather, no load), with the server
+  alive; raw and ours take turns within every repeat, so the machine's load falls on both alike:
   the transport's limit here;
 - disk: `DiskEngine.push` — safetensors written, then `/update_weights_from_disk`;
 - vllm (`--vllm`, needs `make vllm`): `BroadcastEngine.push` into a real vLLM server started
   after the embedded one has stopped: the same broadcast into agentrl's worker extension, which
   stages every bucket and loads the whole set with vLLM's in-place reload at the end.
-Ratios (higher is better): `vs_raw_broadcast` = raw / ours (target ≥ 0.8), `vs_disk` =
-disk / ours (target ≥ 3). The peak extra memory of a push is shown as the learner's
+Ratios (higher is better): `vs_raw_broadcast` = raw / ours (target ≥ 0.9), `vs_disk` =
+disk / ours (target ≥ 3); the JSON carries both sides' seconds (`push_s`, `raw_broadcast_s`,
+`disk_s`, medians, and every repeat's). A phase table splits our push (median per phase over
+the repeats, from the engine's `PushStats.phases`): regroup, pause, begin, waiting for the
+gather thread, flatten, broadcast, the servers' replies after each broadcast (their load), commit,
+version read-back, continue; and each bucket's round trip (announce to last reply). The peak extra memory of a push is shown as the learner's
 resident-set growth while pushing, next to the bucket size. glibc's dynamic mmap threshold
 would serve a freed bucket's memory again from the heap and hide even a full copy of the model
 after the first push, so the bench fixes the threshold at 64 KiB (`mallopt`): every large
@@ -37,34 +44,22 @@ from pathlib import Path
 
 import torch
 
-from agentrl.bench.common import emit, print_table
+from agentrl.bench.common import emit, fix_mmap_threshold, print_table
 
 RECEIVER = """
 import sys, time, torch
 from agentrl.inference.weight_group import join_group
-port, shapes_file = int(sys.argv[1]), sys.argv[2]
-shapes = [tuple(map(int, line.split())) for line in open(shapes_file).read().splitlines()]
+port, sizes = int(sys.argv[1]), [int(n) for n in sys.argv[3].split(",")]
 group = join_group("127.0.0.1", port, 1, 2, "raw", "gloo", 300)
-buffers = [torch.empty(shape) for shape in shapes]  # allocated once: the transport alone is measured
-for _ in range(int(sys.argv[3])):
+buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]  # allocated once: the transport alone
+for _ in range(int(sys.argv[2])):
     for buffer in buffers:
         group.broadcast(buffer, 0)
     group.barrier()
 import os; os._exit(0)
 """
-
-
-def _fix_mmap_threshold() -> bool:
-    """Map every allocation of 64 KiB or more afresh (glibc `mallopt(M_MMAP_THRESHOLD)`, which also
-    turns off the dynamic threshold); False where the C library has no `mallopt`."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, 64 * 1024))  # -3: M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
+PHASES = ["regroup", "pause", "begin", "gather_wait", "flatten", "broadcast", "replies", "commit",
+          "read_back", "continue"]  # fmt: skip
 
 
 def _rss() -> int:
@@ -95,29 +90,39 @@ class PeakRSS:
         return self.peak - self.base
 
 
-def _raw_broadcast(model: torch.nn.Module, repeats: int, workdir: Path) -> list[float]:
-    from agentrl.inference.weight_group import join_group
-    from agentrl.net import free_port
+class RawBroadcast:
+    """The raw baseline: the model's bytes packed once into one flat uint8 buffer per bucket (the
+    buckets `iter_buckets` makes at the engine's bucket size), broadcast to a receiver process
+    that allocated its buffers once. `once()` times one pass; `rounds` passes in all."""
 
-    tensors = [p.detach().contiguous() for p in model.parameters()]
-    shapes = workdir / "shapes.txt"
-    shapes.write_text("\n".join(" ".join(map(str, t.shape)) for t in tensors))
-    port = free_port()
-    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), str(shapes), str(repeats)])
-    try:
-        group = join_group("127.0.0.1", port, 0, 2, "raw", "gloo", 300)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for t in tensors:
-                group.broadcast(t, 0)
-            group.barrier()
-            times.append(time.perf_counter() - start)
-        receiver.wait(60)
-        return times
-    finally:
-        if receiver.poll() is None:
-            receiver.kill()
+    def __init__(self, model: torch.nn.Module, bucket_bytes: int, rounds: int) -> None:
+        from agentrl.inference.weight_group import join_group
+        from agentrl.net import free_port
+        from agentrl.weight_sync.broadcast import iter_buckets
+
+        with torch.no_grad():
+            self.buffers = [
+                torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.tensors])
+                for bucket in iter_buckets(model.named_parameters(), bucket_bytes)
+            ]
+        port = free_port()
+        sizes = ",".join(str(b.numel()) for b in self.buffers)
+        self.receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), str(rounds), sizes])
+        self.group = join_group("127.0.0.1", port, 0, 2, "raw", "gloo", 300)
+
+    def once(self) -> float:
+        start = time.perf_counter()
+        for buffer in self.buffers:
+            self.group.broadcast(buffer, 0)
+        self.group.barrier()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        try:
+            self.receiver.wait(60)
+        finally:
+            if self.receiver.poll() is None:
+                self.receiver.kill()
 
 
 def _vllm_pushes(model: torch.nn.Module, model_dir: str, opts: argparse.Namespace) -> list[float]:
@@ -151,7 +156,7 @@ def main(args: list[str]) -> int:
     opts = parser.parse_args(args)
     if opts.repeats < 1 or opts.bucket_mb < 1:
         parser.error("--repeats and --bucket-mb must be at least 1")
-    exact_rss = _fix_mmap_threshold()
+    exact_rss = fix_mmap_threshold()
 
     from transformers import AutoModelForCausalLM
 
@@ -179,18 +184,26 @@ def main(args: list[str]) -> int:
         try:
             wait_healthy([url], [server])
             inference = InferenceConfig(servers=[url])
-            ours, peaks = [], []
+            ours, raw, peaks, phases, round_trips = [], [], [], [], []
             engine = create(BroadcastSyncConfig(bucket_mb=opts.bucket_mb, timeout_s=300), inference)
             engine.init()
+            baseline = RawBroadcast(model, int(opts.bucket_mb * (1 << 20)), opts.repeats + 1)
             try:
-                for version in range(1, opts.repeats + 2):
+                for version in range(1, opts.repeats + 2):  # ours and raw take turns, server alive
                     with PeakRSS() as rss:
                         stats = engine.push(model.named_parameters, version)
-                    if version > 1:  # the first push warms up connections and allocations
+                    raw_s = baseline.once()
+                    if stats.servers_updated != 1:
+                        raise RuntimeError(f"push {version} did not commit on the server: {stats.outcomes}")
+                    if version > 1:  # the first round warms up connections and allocations
                         ours.append(stats.seconds)
+                        raw.append(raw_s)
                         peaks.append(rss.extra)
-                bucket, pushed = stats.peak_bucket_bytes, stats.bytes
+                        phases.append(stats.phases)
+                        round_trips.extend(stats.bucket_round_trips)
+                bucket, pushed, raw_buckets = stats.peak_bucket_bytes, stats.bytes, len(baseline.buffers)
             finally:
+                baseline.close()
                 engine.close()
             disk_engine = create(DiskSyncConfig(keep_last=1), inference, run_dir=workdir)
             disk_engine.init()
@@ -205,12 +218,11 @@ def main(args: list[str]) -> int:
             os.killpg(server.pid, 9)
             server.wait()
         vllm = _vllm_pushes(model, str(model_dir), opts) if opts.vllm else []
-        raw = _raw_broadcast(model, opts.repeats + 1, workdir)[1:]
 
     ours_s, raw_s, disk_s = statistics.median(ours), statistics.median(raw), statistics.median(disk)
     rows = [
         ["ours: broadcast engine (pause, buckets, load, continue)", ours_s, nbytes / ours_s / 1e9],
-        ["raw gloo broadcast, same tensors, no load", raw_s, nbytes / raw_s / 1e9],
+        ["raw gloo broadcast, same bytes, one flat buffer per bucket", raw_s, nbytes / raw_s / 1e9],
         ["disk engine (safetensors + /update_weights_from_disk)", disk_s, nbytes / disk_s / 1e9],
     ]
     if vllm:
@@ -221,6 +233,14 @@ def main(args: list[str]) -> int:
         ["path", "seconds", "GB/s"],
         rows,
     )
+    phase_s = {name: statistics.median(p.get(name, 0.0) for p in phases) for name in PHASES}
+    phase_rows = [
+        [name, 1e3 * seconds, f"{100 * seconds / ours_s:.1f}%"] for name, seconds in phase_s.items()
+    ]
+    rest = ours_s - sum(phase_s.values())
+    phase_rows.append(["(unaccounted)", 1e3 * rest, f"{100 * rest / ours_s:.1f}%"])
+    phase_rows.append(["each bucket's round trip (median)", 1e3 * statistics.median(round_trips), "-"])
+    print_table(f"our push by phase (median of {opts.repeats})", ["phase", "ms", "share"], phase_rows)
     print(
         f"peak extra resident memory during our push: {max(peaks) / 1e6:.1f} MB "
         f"(bucket {bucket / 1e6:.1f} MB; bound ~2 buckets; model {nbytes / 1e6:.0f} MB)"
@@ -234,6 +254,12 @@ def main(args: list[str]) -> int:
             "push_s": ours_s,
             "raw_broadcast_s": raw_s,
             "disk_s": disk_s,
+            "push_s_each": ours,
+            "raw_broadcast_s_each": raw,
+            "buckets": stats.buckets,
+            "raw_buckets": raw_buckets,
+            "phase_s": phase_s,
+            "bucket_round_trip_s": statistics.median(round_trips),
             "gb_per_s": nbytes / ours_s / 1e9,
             "peak_extra_rss_bytes": max(peaks),
             "peak_extra_rss_exact": exact_rss,

@@ -145,7 +145,7 @@ def check_run_budget(config: Any, tokenizer_path: str) -> Budget:
     naming the field otherwise)."""
     import asyncio
 
-    from agentrl.envs.registry import env_factory, load_env_class
+    from agentrl.envs.registry import env_factory, load_env_class, task_env_class
     from agentrl.rollers.tasks import TaskSource
 
     cls = load_env_class(config.env.name)
@@ -156,7 +156,8 @@ def check_run_budget(config: Any, tokenizer_path: str) -> Budget:
         env_config = env_config.model_copy(update={"kwargs": {**env_config.kwargs, **placeholders}})
     try:  # the env's own code may raise anything: one line naming the env, not a traceback
         make_env = env_factory(env_config)
-        tasks = TaskSource(config.roller.tasks, cls, config.roller.seed, **config.roller.task_kwargs)
+        tasks = TaskSource(config.roller.tasks, task_env_class(config.env), config.roller.seed,
+                           **config.roller.task_kwargs)  # fmt: skip
         schemas = make_env().tool_schemas
         from transformers import AutoTokenizer  # after the env's own errors, which need none of it
 
@@ -329,7 +330,7 @@ async def _check_malformed(report: Report, make_env, task, env: Env) -> None:
 async def check_env(config: Any, tokenizer_path: str | None) -> Report:
     """Every check of `agentrl env check` on the env of `config` (an `AgentRLConfig`), with the
     model's tokenizer at `tokenizer_path` (None or unloadable: the token counts are skipped)."""
-    from agentrl.envs.registry import env_factory, load_env_class
+    from agentrl.envs.registry import env_factory, load_env_class, task_env_class
     from agentrl.rollers.tasks import TaskSource
 
     report = Report()
@@ -343,12 +344,20 @@ async def check_env(config: Any, tokenizer_path: str | None) -> Report:
     kind = " (a ToolEnv)" if isinstance(env, ToolEnv) else ""
     report.add("env", f"{cls.__module__}:{cls.__qualname__}{kind}")
     try:
-        tasks = TaskSource(config.roller.tasks, cls, config.roller.seed, **config.roller.task_kwargs)
+        tasks = TaskSource(config.roller.tasks, task_env_class(config.env), config.roller.seed,
+                           **config.roller.task_kwargs)  # fmt: skip
         task = tasks[0]
     except Exception as exc:  # user code (the generator) or a bad task file: the finding
         report.add("tasks", f"{type(exc).__name__}: {exc}", "fail")
         return report
     report.add("tasks", f"{config.roller.tasks}; task 0 has keys {sorted(task)}")
+    from agentrl.envs.agent import AgentEnv
+
+    if isinstance(env, AgentEnv):  # its program drives the episode: no step() to replay
+        report.add("agent", "an agent env: the episode checks (prompt budget, replayed demonstrations, "
+                   "malformed turns) need its agent and a model, so they are left out", "warn")  # fmt: skip
+        await resolve(env.close())
+        return report
     report.schemas = list(env.tool_schemas)
     names = [s.get("function", s).get("name", "?") for s in report.schemas]
     report.add("tools", ", ".join(names) or "none")

@@ -37,6 +37,7 @@ BUILTIN_ENVS = {
     "search_r1": "agentrl.envs.search.env:SearchR1Env",
     "search_r1_tools": "agentrl.envs.search.env:SearchToolEnv",
     "swe": "agentrl.envs.swe.env:SWEEnv",
+    "agent": "agentrl.envs.agent:AgentEnv",
 }
 ENVS: Registry[type[Env]] = Registry("env.name", "agentrl.envs", BUILTIN_ENVS, kind="env")
 """Envs by name: the built-ins and those other packages register (entry-point group `agentrl.envs`)."""
@@ -89,6 +90,17 @@ def _import(module_name: str):
         return importlib.import_module(module_name)
 
 
+def task_env_class(config: EnvConfig) -> type[Env]:
+    """The env class whose tasks the run draws (generator, required fields): the env's own, or for
+    an agent env (`env.name: agent`) the env its `tasks_from` / `verifier` kwarg names."""
+    from agentrl.envs.agent import AgentEnv
+
+    cls = load_env_class(config.name)
+    if issubclass(cls, AgentEnv):
+        return cls.task_env(dict(config.kwargs)) or cls
+    return cls
+
+
 def env_factory(config: EnvConfig) -> Callable[[], Env]:
     """A function making a fresh env per episode, from the env section of the config.
 
@@ -107,6 +119,9 @@ def env_factory(config: EnvConfig) -> Callable[[], Env]:
         kwargs.setdefault("tool_timeout_s", config.tool_timeout_s)
         kwargs.setdefault("max_tool_output_chars", config.max_tool_output_chars)
     else:
+        if "parser" in inspect.signature(cls).parameters:  # an agent env parses its calls too
+            kwargs.setdefault("parser", config.tool_parser)
+            tool_options.discard("tool_parser")
         # compared with the defaults, not with the keys given: a resolved config names every field
         changed = sorted(
             k for k in tool_options if getattr(config, k) != type(config).model_fields[k].default

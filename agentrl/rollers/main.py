@@ -54,7 +54,7 @@ async def run_roller(config: AgentRLConfig) -> int:
 
     from agentrl.envs.base import live_services
     from agentrl.envs.check import model_context, require_budget
-    from agentrl.envs.registry import env_factory, load_env_class
+    from agentrl.envs.registry import env_factory, task_env_class
     from agentrl.inference.router import from_config as create_router
     from agentrl.queue.base import create as create_queue
     from agentrl.rewards.client import RewardModelClient, RewardModelError
@@ -65,7 +65,7 @@ async def run_roller(config: AgentRLConfig) -> int:
     index = roller_index(config)
     name = f"roller-{index}"
     make_env = env_factory(config.env)
-    env_cls = load_env_class(config.env.name)
+    env_cls = task_env_class(config.env)  # an agent env runs the tasks of the env it names
     tasks = TaskSource(config.roller.tasks, env_cls, config.roller.seed, **config.roller.task_kwargs)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(config))
     renderer = ChatRenderer(tokenizer, make_env().tool_schemas or None)

@@ -51,11 +51,14 @@ from typing import Any
 import numpy as np
 
 from agentrl.config import RollerConfig
+from agentrl.envs.agent import AgentEnv, AgentFailed
 from agentrl.envs.base import Env
 from agentrl.inference.base import InferenceClient
 from agentrl.log import MetricsLogger, get_logger
 from agentrl.queue.base import LeaseLapsed, Producer, QueueError, QueueUnavailable, RunOver
 from agentrl.rewards.client import RewardModelClient
+from agentrl.rollers.agent_endpoint import AgentEndpoint
+from agentrl.rollers.agent_episode import RendererCache, run_agent_episode
 from agentrl.rollers.agent_loop import run_episode
 from agentrl.rollers.chat import ChatRenderer
 from agentrl.rollers.tasks import TaskSource
@@ -92,6 +95,8 @@ class RollerStats:
     no_generation: Counter = field(default_factory=Counter)  # why episodes generated nothing
     tool_calls: int = 0
     tool_errors: int = 0
+    agent_failures: Counter = field(default_factory=Counter)  # why agent episodes failed (`AgentEnv`)
+    agent_non_extensions: int = 0
     rewards: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     staleness_at_put: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
     newest_version: int = -1
@@ -122,7 +127,10 @@ class RollerStats:
             "roller/staleness_max": max(self.staleness_at_put, default=0),
             "roller/version": self.newest_version,
             "roller/version_regressions": self.version_regressions,
-        }
+            **({"roller/agent_failures": sum(self.agent_failures.values()),
+                "roller/agent_non_extensions": self.agent_non_extensions} if self.agent_failures
+               or self.agent_non_extensions else {}),
+        }  # fmt: skip
 
 
 class Roller:
@@ -161,6 +169,8 @@ class Roller:
         self.fatal: str | None = None  # why the roller gave up, if it did
         self.finished: str | None = None  # why the run is over, if the queue said so
         self._groups_file = open(groups_file, "a", buffering=1) if groups_file else None  # noqa: SIM115
+        self._endpoint: AgentEndpoint | None = None  # started by the first agent episode (`AgentEnv`)
+        self._renderers = RendererCache(renderer.tokenizer)
 
     def stop(self) -> None:
         """Stop admitting new groups; `run()` returns once in-flight groups are put."""
@@ -181,6 +191,8 @@ class Roller:
             reporter.cancel()
             for task in self._groups:
                 task.cancel()
+            if self._endpoint is not None:
+                await self._endpoint.stop()
             self._report()
             if self._groups_file is not None:
                 self._groups_file.close()
@@ -248,6 +260,8 @@ class Roller:
                 run.cancel()
             self.stats.groups_failed += 1
             self._failures_in_a_row += 1
+            if isinstance(exc, AgentFailed):
+                self.stats.agent_failures[exc.reason] += 1
             log = logger.exception if self.stats.groups_failed <= 3 else logger.warning
             log("group for task %s failed and was dropped (counted): %s", task.get("id", "?"), exc)
             try:
@@ -263,9 +277,10 @@ class Roller:
             return
         finally:
             self._group_slots.release()
-        episodes = list(episodes)
+        runs_out = list(episodes)
         if self.config.greedy_baseline:
-            admission = {**admission, "greedy_reward": episodes.pop().reward}
+            admission = {**admission, "greedy_reward": runs_out.pop()[0].reward}
+        episodes = [ep for run in runs_out for ep in run]  # an agent episode may be several segments
         group = Group(episodes, prompt_id=str(task.get("id", "")), metrics=admission)
         if not any(ep.num_generated for ep in episodes):
             self._no_generation(task, episodes)
@@ -295,23 +310,42 @@ class Roller:
         if self.config.max_groups is not None and self.stats.groups_put >= self.config.max_groups:
             self.stop()
 
-    async def _run_one(self, task: dict[str, Any], greedy: bool = False) -> Episode:
+    async def _run_one(self, task: dict[str, Any], greedy: bool = False) -> list[Episode]:
+        """One episode: one sequence, or for an agent env one per segment (`agent_episode`)."""
         async with self._episode_slots:
             self.stats.in_flight_episodes += 1
             self.stats.peak_in_flight_episodes = max(
                 self.stats.peak_in_flight_episodes, self.stats.in_flight_episodes
             )
             try:
-                episode = await run_episode(
-                    self.make_env(), task, self.client, self.renderer, self.config, self.reward_model, greedy
-                )
+                env = self.make_env()
+                if isinstance(env, AgentEnv):
+                    episodes = await run_agent_episode(env, task, self.client, self._renderers, self.config,
+                                                       await self._agent_endpoint(env), self.reward_model,
+                                                       greedy)  # fmt: skip
+                    self.stats.agent_non_extensions += int(episodes[0].metrics.get("non_extensions", 0))
+                else:
+                    episodes = [await run_episode(
+                        env, task, self.client, self.renderer, self.config, self.reward_model, greedy
+                    )]  # fmt: skip
             finally:
                 self.stats.in_flight_episodes -= 1
         if greedy:
             self.stats.greedy_episodes += 1
         else:
-            self._account(episode)
-        return episode
+            for episode in episodes:
+                self._account(episode)
+        return episodes
+
+    async def _agent_endpoint(self, env: AgentEnv) -> AgentEndpoint:
+        """The roller's one OpenAI-compatible endpoint, started by its first agent episode."""
+        if self._endpoint is None:
+            endpoint = AgentEndpoint(model=env.model)
+            self._endpoint = endpoint
+            await endpoint.start()
+        while not self._endpoint.base_url:  # another episode is starting it
+            await asyncio.sleep(0.01)
+        return self._endpoint
 
     def _no_generation(self, task: dict[str, Any], episodes: list[Episode]) -> None:
         """Count and say why a group's episodes generated nothing (the learner cannot train on it)."""

@@ -94,6 +94,15 @@ class PushStats:
     attempts: int = 1
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     """Every server of the live list, by URL: committed, or dropped and why."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds by phase of the push, summed over buckets and attempts, where the engine times them
+    (the broadcast engine: regroup, pause, begin, gather_wait, flatten, broadcast, replies, commit,
+    read_back, continue); not logged, for `agentrl bench sync`'s phase table."""
+    bucket_round_trips: list[float] = field(default_factory=list)
+    """Per bucket sent (broadcast engine): seconds from announcing it to the last server's reply."""
+
+    def add_phase(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
 
     def as_metrics(self) -> dict[str, float]:
         return {

@@ -116,6 +116,32 @@ def _prefetch(buckets: Iterator[Bucket], depth: int = 1) -> Iterator[Bucket]:
     thread.join()
 
 
+def _timed_iter(items: Iterator[Bucket], stats: PushStats | None, phase: str) -> Iterator[Bucket]:
+    """`items`, adding the time spent waiting for each to `stats.phases[phase]` (when stats)."""
+    while True:
+        start = time.perf_counter()
+        item = next(items, None)
+        if stats is not None:
+            stats.add_phase(phase, time.perf_counter() - start)
+        if item is None:
+            return
+        yield item
+
+
+class _Phase:
+    """Adds the seconds of a `with` block to `stats.phases[name]` (nothing when stats is None)."""
+
+    def __init__(self, stats: PushStats | None, name: str) -> None:
+        self.stats, self.name = stats, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stats is not None:
+            self.stats.add_phase(self.name, time.perf_counter() - self.start)
+
+
 def _agree(value: bool) -> bool:
     """Rank 0's decision, shared with every learner rank (no-op without a training group)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -394,13 +420,16 @@ class BroadcastEngine(WeightSyncEngine):
             self._drop(list(refused), refused)
             self._build_group([u for u in self.members if u not in refused])
 
-    def _start_push(self) -> None:
+    def _start_push(self, stats: PushStats | None = None) -> None:
         """Rank 0: regroup (members probed down leave, servers back up join), pause every member,
         open their sessions; a member that fails either is dropped before anything is broadcast."""
         self._why, self._dead, self._touched, self._gave_up = {}, set(), set(), ""
-        self._regroup()
-        self._pause_members()
-        self._open_sessions()
+        with _Phase(stats, "regroup"):
+            self._regroup()
+        with _Phase(stats, "pause"):
+            self._pause_members()
+        with _Phase(stats, "begin"):
+            self._open_sessions()
 
     def push(self, weights: WeightSource, version: int) -> PushStats | None:
         """One transaction per server: begin, buckets, commit, version read back. A failed bucket
@@ -412,14 +441,15 @@ class BroadcastEngine(WeightSyncEngine):
         stats = PushStats(version) if self.rank == 0 else None
         start = time.perf_counter()
         if self.rank == 0:
-            self._start_push()
+            self._start_push(stats)
         attempt = 0
         failures: dict[str, int] = {}  # failed attempts per server in this push
         try:
             while True:
                 attempt += 1
                 failed: dict[str, str] = {}
-                for bucket in _prefetch(iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20)))):
+                buckets = _prefetch(iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20))))
+                for bucket in _timed_iter(buckets, stats, "gather_wait"):
                     if self.rank == 0 and not failed and self.members:
                         # the version travels with the last bucket only: a server that loads buckets
                         # as they arrive (SGLang) never labels a partial update with it
@@ -479,11 +509,13 @@ class BroadcastEngine(WeightSyncEngine):
         server's version back, resume those with whole weights, record and log one outcome per
         server of the live list."""
         committing = [] if self._gave_up else list(self.members)
-        errors = self._all("end_weight_update", committing, timeout_s=self.config.timeout_s)
+        with _Phase(stats, "commit"):
+            errors = self._all("end_weight_update", committing, timeout_s=self.config.timeout_s)
         asked = [u for u in self.urls if u not in self._dead and (u in self.members or u in self._why)]
-        read = self._read_versions(asked, self.config.timeout_s)
-        unread = [u for u in asked if not isinstance(read[u], int)]
-        read.update(self._read_versions(unread, self.config.timeout_s))  # once more: a lost reply
+        with _Phase(stats, "read_back"):
+            read = self._read_versions(asked, self.config.timeout_s)
+            unread = [u for u in asked if not isinstance(read[u], int)]
+            read.update(self._read_versions(unread, self.config.timeout_s))  # once more: a lost reply
         self._abort([u for u in committing if errors[u] is not None])  # no session is left open
         outcomes: dict[str, Outcome] = {}
         for url in self.urls:
@@ -512,7 +544,8 @@ class BroadcastEngine(WeightSyncEngine):
                 why = self._why.get(url, "not in the weight group (not answering)")
             outcomes[url] = Outcome(False, seen if isinstance(seen, int) else None, why)
         resume = [u for u in asked if outcomes[u].committed or u in self._whole([u])]
-        errors = self._all("continue_generation", resume, timeout_s=self.config.timeout_s)
+        with _Phase(stats, "continue"):
+            errors = self._all("continue_generation", resume, timeout_s=self.config.timeout_s)
         for url in asked:
             if url not in resume:
                 outcomes[url].paused = True
@@ -553,8 +586,10 @@ class BroadcastEngine(WeightSyncEngine):
         dtypes = [dtype_name(t.dtype) for t in bucket.tensors]
         shapes = [list(t.shape) for t in bucket.tensors]
         assert self.group is not None, "a push streams only over a built group"
-        flat = self._flatten(bucket)
+        with _Phase(stats, "flatten"):
+            flat = self._flatten(bucket)
         self._touched.update(self.members)
+        announced = time.perf_counter()
         futures = {
             url: self._bridge.submit(
                 asyncio.wait_for(
@@ -568,8 +603,9 @@ class BroadcastEngine(WeightSyncEngine):
         }
         device = "cuda" if self.backend == "nccl" else "cpu"
         try:
-            for tensor in [flat] if flat is not None else bucket.tensors:
-                self.group.broadcast(tensor.to(device), 0)
+            with _Phase(stats, "broadcast"):
+                for tensor in [flat] if flat is not None else bucket.tensors:
+                    self.group.broadcast(tensor.to(device), 0)
         except Exception as exc:
             logger.error("broadcast of a bucket failed (%s); finding the server that failed", exc)
             # a server that already answered with an error broke the collective; the others then fail
@@ -584,7 +620,9 @@ class BroadcastEngine(WeightSyncEngine):
             if early:
                 return {u: failed[u] for u in early}
             return failed or {u: f"broadcast failed: {exc}" for u in self.members}
-        failed = self._replies(futures)
+        with _Phase(stats, "replies"):
+            failed = self._replies(futures)
+        stats.bucket_round_trips.append(time.perf_counter() - announced)
         stats.bytes += bucket.nbytes
         stats.tensors += len(bucket.tensors)
         stats.buckets += 1

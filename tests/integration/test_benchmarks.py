@@ -1,4 +1,4 @@
-"""`agentrl bench learner|sync|async|roller` run end to end through the command line, each at
+"""`agentrl bench learner|sync|async|roller|queue|reshard` run end to end through the command line, each at
 the smallest size that still takes every path, and end with the JSON line their issues promise.
 
 Only the schema is checked: the promised keys exist, numbers are finite (and positive where a
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 from typing import Any
 
@@ -82,16 +83,28 @@ def test_bench_sync_reports_vs_raw_broadcast_and_vs_disk(processes: Processes) -
     # a push never holds a second copy of the model (documented bound ~2 buckets; measured ~1 here)
     assert metrics["peak_extra_rss_exact"] is True
     assert metrics["peak_extra_rss_bytes"] < metrics["model_bytes"], metrics
+    # both sides of each ratio from this run: every repeat's seconds, raw over the same buckets
+    assert metrics["push_s"] == statistics.median(metrics["push_s_each"])
+    assert metrics["raw_broadcast_s"] == statistics.median(metrics["raw_broadcast_s_each"])
+    assert len(metrics["push_s_each"]) == len(metrics["raw_broadcast_s_each"]) == 1
+    assert metrics["raw_buckets"] == metrics["buckets"] > 1
+    assert line["ratios"]["vs_raw_broadcast"] == pytest.approx(metrics["raw_broadcast_s"] / metrics["push_s"])
+    phases = metrics["phase_s"]  # the push by phase, each timed by the engine, within the push
+    assert set(phases) >= {"pause", "begin", "broadcast", "replies", "commit", "read_back", "continue"}
+    assert all(v >= 0 for v in phases.values()) and phases["broadcast"] > 0
+    assert sum(phases.values()) <= metrics["push_s"]
+    _positive(metrics, "bucket_round_trip_s")
     for row in ("ours: broadcast engine", "raw gloo broadcast", "disk engine", "peak extra resident memory"):
         assert row in stdout, row
+    assert "our push by phase" in stdout and "each bucket's round trip" in stdout
 
 
 def test_bench_async_reports_each_k_against_sync(processes: Processes) -> None:
     # the sync baseline and one async k (each k is a whole run; the bench's default runs every k
-    # the issue names), two learner steps each (a rate needs two step times), one group of four
+    # the issue names), one warm-up and one timed learner step each, one group of four
     # episodes per step, after a one-step warm start (the path the default run takes)
     stdout, line = _bench(
-        processes, "async", "--ks", "0,2", "--steps", "2", "--groups-per-step", "1",
+        processes, "async", "--ks", "0,2", "--steps", "1", "--warmup-steps", "1", "--groups-per-step", "1",
         "--concurrency", "4", "--latency-s", "0.01", "--warmstart-steps", "1",
         timeout=540,
     )  # fmt: skip
@@ -99,6 +112,18 @@ def test_bench_async_reports_each_k_against_sync(processes: Processes) -> None:
     _positive(line["ratios"], "k2_vs_sync")
     metrics = line["metrics"]
     _positive(metrics, *[f"k{k}_samples_per_s" for k in (0, 2)])
+    assert metrics["warmup_steps"] == 1
+    for k in (0, 2):  # numerator and denominator of each rate, from this run, over the same steps
+        assert metrics[f"k{k}_window_samples"] == 4 and (
+            metrics[f"k{k}_window_from_step"],
+            metrics[f"k{k}_window_to_step"],
+        ) == (1, 2)
+        assert metrics[f"k{k}_samples_per_s"] == pytest.approx(
+            metrics[f"k{k}_window_samples"] / metrics[f"k{k}_window_seconds"]
+        )
+    assert line["ratios"]["k2_vs_sync"] == pytest.approx(
+        metrics["k2_samples_per_s"] / metrics["k0_samples_per_s"]
+    )
     for k in (0, 2):  # the final mean reward at each k: any finite value, zero included
         reward = metrics[f"k{k}_final_reward"]
         assert isinstance(reward, (int, float)) and math.isfinite(reward), (k, reward)
@@ -119,14 +144,37 @@ def test_bench_roller_reports_concurrency_and_overhead(processes: Processes) -> 
     stdout, line = _bench(
         processes, "roller", "--concurrency", "8", "--delay-s", "0.01", "--groups", "2", timeout=300
     )
-    assert set(line["ratios"]) == {"concurrency_vs_target", "overhead_budget_vs_ours"}
-    _positive(line["ratios"], "concurrency_vs_target", "overhead_budget_vs_ours")
+    ratios = line["ratios"]
+    assert set(ratios) == {"concurrency_vs_target", "overhead_budget_vs_ours", "cpu_per_turn_bare_vs_ours",
+                           "concurrency_vs_bare"}  # fmt: skip
+    _positive(ratios, *ratios)
     metrics = line["metrics"]
     _positive(metrics, "max_concurrent_episodes", "overhead_ms_per_turn", "turns_per_s", "wall_s")
     assert metrics["episodes"] == 2 * 8  # every episode of every group finished
+    # the bare asyncio loop ran the same episodes in this run: both sides' raw figures
+    assert metrics["bare_episodes"] == metrics["episodes"]
+    _positive(metrics, "cpu_s", "turns", "bare_cpu_s", "bare_turns", "bare_max_concurrent_episodes")
+    assert metrics["overhead_ms_per_turn"] == pytest.approx(1000 * metrics["cpu_s"] / metrics["turns"])
+    assert metrics["bare_overhead_ms_per_turn"] == pytest.approx(
+        1000 * metrics["bare_cpu_s"] / metrics["bare_turns"]
+    )
+    assert ratios["cpu_per_turn_bare_vs_ours"] == pytest.approx(
+        metrics["bare_overhead_ms_per_turn"] / metrics["overhead_ms_per_turn"]
+    )
+    assert 0 < metrics["bare_max_concurrent_episodes"] <= 8
     assert 0 < metrics["max_concurrent_episodes"] <= 8
-    for row in ("peak concurrent episodes", "roller CPU per turn", "turns/s", "groups put"):
+    for row in (
+        "peak concurrent episodes",
+        "roller CPU per turn",
+        "turns/s",
+        "groups put",
+        "bare loop",
+    ):
         assert row in stdout, row
+    # the same task through the OpenAI-compatible endpoint, by an openai-SDK agent, in the same run
+    _positive(metrics, "endpoint_episodes_per_s", "builtin_episodes_per_s", "endpoint_overhead_ms_per_turn")
+    assert metrics["endpoint_groups_failed"] == 0
+    assert "episodes/s" in stdout  # the side-by-side table's first row
 
 
 def test_bench_queue_reports_ratios_rates_and_cpu(processes: Processes) -> None:
@@ -150,4 +198,33 @@ def test_bench_queue_reports_ratios_rates_and_cpu(processes: Processes) -> None:
             _positive(ratios, ratio)
     if shutil.which("redis-server"):
         assert "redis" not in skipped, skipped["redis"]
+        # plain redis-py, measured in this run over the same sizes and group counts as raw and ours
+        groups = metrics["groups_per_run"]  # one count per size, for every contender alike
+        assert set(groups) == {"4KiB", "1MiB"} and groups["4KiB"] == 400 and metrics["repeat"] == 1
+        for size in ("4KiB", "1MiB"):
+            _positive(metrics, f"redis_MBps_{size}")
+        assert ratios["vs_redis"] == pytest.approx(
+            metrics["ours_MBps_1MiB"] / metrics["redis_MBps_1MiB"], rel=0.01
+        )
     assert "TransferQueue throughput" in stdout and "│ 1MiB" in stdout and "CPU per MiB moved" in stdout
+
+
+def test_bench_reshard_measures_the_process_peak_and_both_sides_of_its_ratios(processes: Processes) -> None:
+    # the tiny model on two ranks: both layouts of world 2 (TP only; micro-DP gather only)
+    stdout, line = _bench(
+        processes, "reshard", "--presets", "tiny", "--worlds", "2", "--repeats", "1", timeout=400
+    )
+    metrics = line["metrics"]
+    assert metrics["peak_exact"] is True  # glibc maps large allocations afresh: growth shows
+    rows = metrics["rows"]
+    assert {(r["tg"], r["dg"]) for r in rows} == {(2, 1), (1, 2)}
+    for r in rows:  # numerator and denominator of each ratio, from this run
+        _positive(r, "reshard_s", "raw_allgather_s", "naive_s")
+        assert r["vs_raw_allgather"] == pytest.approx(r["raw_allgather_s"] / r["reshard_s"])
+        assert r["vs_naive"] == pytest.approx(r["naive_s"] / r["reshard_s"])
+        assert r["peak_rss_added_bytes"] >= 0
+    # the peak is the process's resident-set growth on top of the same training shard
+    assert len({r["peak_param_bytes"] - r["peak_rss_added_bytes"] for r in rows}) == 1
+    gathering = next(r for r in rows if r["dg"] == 2)  # allocates generation buffers: their pages show
+    assert gathering["peak_rss_added_bytes"] >= gathering["added_bytes"] // 2, gathering
+    assert "HybridEngine reshard" in stdout

@@ -117,3 +117,15 @@ def test_a_class_the_module_lacks_is_named_as_missing_with_the_closest() -> None
         load_env_class(f"{module}:UnitConvrt")
     with pytest.raises(ValueError, match=r"unknown env 'toy_lookupp' \(did you mean toy_lookup\?\)"):
         load_env_class("toy_lookupp")
+
+
+async def test_env_check_of_an_agent_env_draws_the_named_envs_tasks_and_says_what_it_leaves_out(
+    tiny_model: Path,
+) -> None:
+    config = _config("agent", tiny_model)
+    config.env = EnvConfig(
+        name="agent", kwargs={"agent": "examples.lookup_agent:solve", "tasks_from": "toy_lookup"}
+    )
+    found = _findings(await check_env(config, str(tiny_model)))
+    assert found["tasks"][0] == "ok" and "'table'" in found["tasks"][1]  # the lookup env's tasks
+    assert found["agent"][0] == "warn" and "left out" in found["agent"][1]
