@@ -144,12 +144,12 @@ def test_a_nonfinite_weight_after_the_step_is_never_pushed_or_saved(tiny_model, 
 
 
 def _fill(path: Path) -> None:
-    """Write zeros to `path` until the file system is full."""
-    with open(path, "wb") as f:
+    """Write zeros to `path` until the file system is full (unbuffered: a buffered file would try
+    to flush its last partial block again when closed, and raise ENOSPC there)."""
+    with open(path, "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * (1 << 16))
-                f.flush()
         except OSError:
             pass
 
