@@ -65,16 +65,16 @@ ConfigOpt = Annotated[
 
 # name -> (what it measures, issue that builds it)
 BENCHMARKS = {
-    "serve": ("embedded server tokens/s at concurrency 1, 8, 32", 3),
-    "queue": ("TransferQueue vs raw ZeroMQ, Redis Streams and Ray", 4),
-    "roller": ("roller concurrency and per-turn overhead", 5),
-    "learner": ("train step vs bare HF, packed vs padded", 6),
-    "sync": ("weight push vs raw gloo broadcast and disk", 7),
-    "async": ("samples/s at max_staleness 0, 1, 2, 4", 7),
-    "faults": ("seconds from a kill -9 to the next trained step, and the group account", 14),
-    "launch": ("the Ray launcher vs the local one: seconds to the first step, episodes/s", 20),
-    "peer": ("TRL GRPOTrainer vs agentrl colocated and decoupled (k=0, k=2) samples/s", 19),
-    "reshard": ("HybridEngine reshard vs one raw all-gather and vs gather-then-slice", 19),
+    "serve": "embedded server tokens/s at concurrency 1, 8, 32",
+    "queue": "TransferQueue vs raw ZeroMQ, Redis Streams and Ray",
+    "roller": "roller concurrency and per-turn overhead",
+    "learner": "train step vs bare HF, packed vs padded",
+    "sync": "weight push vs raw gloo broadcast and disk",
+    "async": "samples/s at max_staleness 0, 1, 2, 4",
+    "faults": "seconds from a kill -9 to the next trained step, and the group account",
+    "launch": "the Ray launcher vs the local one: seconds to the first step, episodes/s",
+    "peer": "TRL GRPOTrainer vs agentrl colocated and decoupled (k=0, k=2) samples/s",
+    "reshard": "HybridEngine reshard vs one raw all-gather and vs gather-then-slice",
 }
 
 
@@ -193,38 +193,30 @@ def serve(
     backend: Annotated[
         str,
         typer.Option(
-            help="embedded (agentrl's server), vllm (a real vLLM from .venv-vllm) or sglang (a real SGLang; GPU, .venv-sglang)."
+            help="embedded (agentrl's server), vllm (a real vLLM from .venv-vllm), sglang (a real SGLang; GPU, "
+            ".venv-sglang), or a backend another package registers (entry-point group agentrl.inference_backends)."
         ),
     ] = "embedded",
     config: ConfigOpt = None,
 ) -> None:
-    """Serve a model: the embedded server or a real SGLang (SGLang's native HTTP API), or a real vLLM."""
+    """Serve a model with an inference backend: the embedded server, a real SGLang or vLLM, or a registered one."""
+    from agentrl.inference.registry import backend as inference_backend
+
     cfg = load(config, ctx)
+    try:
+        kind = inference_backend(backend)
+    except ValueError as exc:  # not registered: the message lists those that are
+        raise _fail(f"--backend: {str(exc).removeprefix('inference.type: ')}") from None
     model_path = model or cfg.inference.model_path or cfg.learner.model_path
     if not Path(model_path).is_dir():
         raise _fail(
             f"--model: {model_path} is not a checkpoint directory (make one: agentrl init-model tiny DIR)"
         )
-    if backend == "sglang":
-        from agentrl.inference.sglang_launch import run_sglang
-
-        try:
-            code = run_sglang(model_path, host, port, cfg.inference)
-        except RuntimeError as exc:  # no SGLang here, or it exited while starting
-            raise _fail(str(exc)) from None
-        raise typer.Exit(code)
-    if backend == "vllm":
-        from agentrl.inference.vllm_launch import exec_server
-
-        try:
-            exec_server(model_path, host, port, cfg.inference)  # returns only on failure
-        except (FileNotFoundError, OSError) as exc:
-            raise _fail(f"--backend vllm: {exc}") from None
-    if backend != "embedded":
-        raise _fail(f"--backend: unknown backend {backend!r}; choose embedded, vllm or sglang")
-    from agentrl.inference.server import run_server
-
-    run_server(model_path, host, port, cfg.inference)
+    try:
+        code = kind.serve(model_path, host, port, cfg.inference)
+    except RuntimeError as exc:  # the backend is not installed here, or it exited while starting
+        raise _fail(str(exc)) from None
+    raise typer.Exit(code or 0)
 
 
 @app.command("serve-reward", context_settings=OVERRIDES, epilog=CONFIG_HELP)
@@ -324,7 +316,7 @@ def run(
         check_run_budget(cfg, tokenizer_path(cfg))
     except ValueError as exc:
         raise _user_error(exc) from None
-    from agentrl.launcher import run as launch
+    from agentrl.launch.local import run as launch
 
     raise typer.Exit(launch(cfg, resume=resume))
 
@@ -455,7 +447,7 @@ def eval_(
             f"env.name: agentrl eval reports exact match for the Search-R1 envs, not {cfg.env.name!r}"
         )
     from agentrl.envs.search.evaluate import evaluate_config, format_report
-    from agentrl.launcher import serve_for
+    from agentrl.launch.local import serve_for
 
     with serve_for(cfg, model) as served:
         report = asyncio.run(evaluate_config(served, tasks, limit))
@@ -497,7 +489,7 @@ def bench(
 
     if name not in BENCHMARKS:
         raise _fail(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
-    what, issue = BENCHMARKS[name]
+    what = BENCHMARKS[name]
     module_name = f"agentrl.bench.{name}_" if name == "async" else f"agentrl.bench.{name}"  # a keyword
     try:
         module = importlib.import_module(module_name)
@@ -505,7 +497,7 @@ def bench(
         if exc.name != module_name:
             raise
         raise _fail(
-            f"`agentrl bench {name}` ({what}) is not built yet: it lands with issue #{issue}", code=3
+            f"`agentrl bench {name}` ({what}) is not built in this checkout (no module {module_name})", code=3
         ) from None
     raise typer.Exit(module.main(list(ctx.args)))
 

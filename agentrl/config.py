@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from agentrl.log import get_logger
 from agentrl.rewards.config import RewardConfig
@@ -237,8 +246,17 @@ class VLLMLaunchConfig(Section):
 class InferenceConfig(Section):
     """Inference servers the rollers generate with and the weight sync updates."""
 
-    type: Literal["embedded", "sglang", "vllm"] = "embedded"
-    """Server kind: agentrl's embedded server, SGLang (native API) or vLLM (OpenAI API)."""
+    type: str = "embedded"
+    """Server kind: agentrl's embedded server, SGLang (native API), vLLM (OpenAI API), or a backend
+    another package registers (entry-point group `agentrl.inference_backends`)."""
+
+    @field_validator("type")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from agentrl.inference.registry import BACKENDS
+
+        return BACKENDS.require(value)
+
     logprobs: Literal["full", "truncated"] = "full"
     """Which distribution the behaviour log-probs are of. "full": log_softmax(logits / temperature)
     over the whole vocabulary, before top-k/top-p (SGLang 0.5.23's default, srt/layers/sampler.py;
@@ -285,6 +303,25 @@ class InferenceConfig(Section):
     CPU next to other processes (more threads thrash on a busy machine); null keeps torch's default."""
     vllm: VLLMLaunchConfig = VLLMLaunchConfig()
     """How vLLM servers are started when agentrl starts them (`inference.type: vllm` without `servers`)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Settings of a backend another package registers, checked by its descriptor's `options` model
+    (a backend without one takes none)."""
+
+    @model_validator(mode="after")
+    def _backend_options(self) -> InferenceConfig:
+        from agentrl.inference.registry import backend
+
+        model = backend(self.type).options
+        if model is None and self.options:
+            raise ValueError(
+                f"inference.options: the {self.type} backend takes no options (got {sorted(self.options)})"
+            )
+        if model is not None:
+            try:
+                model.model_validate(self.options)
+            except ValidationError as exc:
+                raise ValueError(f"inference.options for the {self.type} backend: {exc}") from None
+        return self
 
 
 class LauncherConfig(Section):
@@ -432,8 +469,38 @@ class RemoteSandboxConfig(Section):
     """Time to wait for the server to answer before the call fails."""
 
 
+class PluginSandboxConfig(Section):
+    """A sandbox backend another package registers (entry-point group `agentrl.sandboxes`); its
+    class gets this section, `options` as given."""
+
+    type: str = "plugin"
+    """The name the package registers."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Settings of that backend, passed to it as given."""
+
+    @field_validator("type")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from agentrl.envs.sandbox import SANDBOXES
+
+        return SANDBOXES.require(value)
+
+
+_BUILTIN_SANDBOXES = ("local", "docker", "remote")
+
+
+def _sandbox_tag(value: Any) -> str:
+    """The built-in's own section for its `type`, `plugin` for any other name."""
+    kind = value.get("type", "local") if isinstance(value, dict) else getattr(value, "type", "local")
+    return kind if kind in _BUILTIN_SANDBOXES else "plugin"
+
+
 SandboxConfig = Annotated[
-    LocalSandboxConfig | DockerSandboxConfig | RemoteSandboxConfig, Field(discriminator="type")
+    Annotated[LocalSandboxConfig, Tag("local")]
+    | Annotated[DockerSandboxConfig, Tag("docker")]
+    | Annotated[RemoteSandboxConfig, Tag("remote")]
+    | Annotated[PluginSandboxConfig, Tag("plugin")],
+    Discriminator(_sandbox_tag),
 ]
 
 
@@ -454,7 +521,8 @@ class EnvConfig(Section):
     max_tool_output_chars: int = Field(4096, ge=64)
     """Tool output beyond this is truncated with a marker."""
     sandbox: SandboxConfig = LocalSandboxConfig()
-    """Where model-written code runs (SWE and other code envs): local, docker or remote."""
+    """Where model-written code runs (SWE and other code envs): local, docker, remote, or a backend
+    another package registers (entry-point group `agentrl.sandboxes`)."""
     service_resources: dict[str, float] = Field(default_factory=dict)
     """`--launcher ray` only: what each helper service of the env (`Env.services`: the Search-R1
     retriever with `retriever_url: auto`) asks Ray for, e.g. `{CPU: 4}` or `{sandbox: 1}`."""
@@ -739,7 +807,7 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return candidates[0] if len(candidates) == 1 else None
 
 
-_UNION_TAGS = {"zmq", "redis", "broadcast", "disk", "local", "docker", "remote"}
+_UNION_TAGS = {"zmq", "redis", "broadcast", "disk", "local", "docker", "remote", "plugin"}
 
 
 def format_validation_error(exc: ValidationError) -> str:

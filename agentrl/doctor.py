@@ -9,7 +9,6 @@ on the spot; nothing is assumed.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import importlib.util
 import platform
@@ -24,16 +23,10 @@ OPTIONAL_PACKAGES = {
     "redis": "redis",
     "docker": "docker",
     "nixl": "nixl",
-    "sglang": "sglang",
-    "vllm": "vllm",
     "bm25s": "search",
     "mcp": "mcp",
 }
-SEPARATE_ENVS = {
-    "vllm": "make vllm: vLLM in its own .venv-vllm",
-    "sglang": "make sglang on a GPU node: SGLang in its own .venv-sglang",
-}
-"""Backends that pin their own torch: installed by the Makefile in an environment of their own."""
+"""Inference backends report themselves (their descriptor's `doctor`, agentrl/inference/backends.py)."""
 OPTIONAL_BINARIES = ["redis-server", "dockerd", "bwrap", "unshare"]
 
 
@@ -110,6 +103,22 @@ def check_model(model_path: str) -> list[tuple[str, str]]:
     return rows
 
 
+def backend_rows(config: AgentRLConfig) -> list[tuple[str, str]]:
+    """One row per registered inference backend that has a doctor check (built-in or installed)."""
+    from agentrl.inference.registry import BACKENDS, backend
+
+    rows = []
+    for name in BACKENDS.names():
+        try:
+            check = backend(name).doctor
+        except ValueError as exc:  # an installed plugin that does not load
+            rows.append((name, str(exc)))
+            continue
+        if check is not None:
+            rows.append((name, check(config.inference)))
+    return rows
+
+
 def run_doctor(config: AgentRLConfig) -> int:
     """Print the report; return 0 if the config's model is usable, 1 otherwise."""
     import torch
@@ -126,13 +135,10 @@ def run_doctor(config: AgentRLConfig) -> int:
     table.add_row("transformers", _version("transformers") or "missing")
     for module, extra in OPTIONAL_PACKAGES.items():
         found = importlib.util.find_spec(module) is not None
-        hint = escape(f"absent ({SEPARATE_ENVS.get(module) or f'pip install agentrl[{extra}]'})")
-        if module == "vllm" and not found:
-            from agentrl.inference.vllm_launch import find_python
-
-            with contextlib.suppress(FileNotFoundError):
-                hint = f"in {find_python(config.inference.vllm.python)}"
+        hint = escape(f"absent (pip install agentrl[{extra}])")
         table.add_row(module, (_version(module) or "present") if found else hint)
+    for name, row in backend_rows(config):
+        table.add_row(name, escape(row))
     for binary in OPTIONAL_BINARIES:
         table.add_row(binary, shutil.which(binary) or "absent")
 

@@ -159,3 +159,15 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Read back a metrics JSONL file."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def last_metrics(path: str | Path) -> dict[str, Any]:
+    """The last record of a metrics JSONL file being written (read from its tail); {} if none yet."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.startswith("{")]
+        return json.loads(lines[-1]) if lines else {}
+    except (OSError, ValueError):
+        return {}

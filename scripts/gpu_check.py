@@ -322,7 +322,7 @@ def _push_and_compare(
     from transformers import AutoModelForCausalLM
 
     from agentrl.config import BroadcastSyncConfig
-    from agentrl.weight_sync.base import create
+    from agentrl.weight_sync.registry import create
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(learner_device)
     gen = torch.Generator().manual_seed(7)
@@ -387,8 +387,7 @@ async def _version(client: Any) -> int:
 def push_embedded(workdir: Path, device: str) -> tuple[str, str, dict]:
     from agentrl.config import InferenceConfig
     from agentrl.inference.sglang import SGLangClient
-    from agentrl.launcher import wait_healthy
-    from agentrl.net import free_port
+    from agentrl.net import free_port, wait_healthy
 
     model_dir = _tiny_model(workdir)
     learner_device, server_device = _devices(device)

@@ -51,7 +51,7 @@ def _edge(model_dir: str, http_port: int, queue_address: str, delay_s: float) ->
 
     from agentrl.bench.scripted_server import Reply, ScriptedServer
     from agentrl.config import ZmqQueueConfig
-    from agentrl.queue.base import create
+    from agentrl.queue import create
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     response_tag = tok.convert_tokens_to_ids("<tool_response>")
@@ -131,7 +131,7 @@ async def _run_roller(
     from agentrl.envs.registry import env_factory
     from agentrl.envs.toy import CalculatorEnv
     from agentrl.inference.sglang import SGLangClient
-    from agentrl.queue.base import create
+    from agentrl.queue import create
     from agentrl.rollers.chat import ChatRenderer
     from agentrl.rollers.roller import Roller
     from agentrl.rollers.tasks import task_stream

@@ -130,7 +130,7 @@ def _vllm_pushes(model: torch.nn.Module, model_dir: str, opts: argparse.Namespac
     from agentrl.config import BroadcastSyncConfig, InferenceConfig
     from agentrl.inference.vllm_launch import VLLMServer
     from agentrl.net import free_port
-    from agentrl.weight_sync.base import create
+    from agentrl.weight_sync.registry import create
 
     inference = InferenceConfig(type="vllm")
     with VLLMServer(model_dir, free_port(), inference) as server:
@@ -161,10 +161,9 @@ def main(args: list[str]) -> int:
     from transformers import AutoModelForCausalLM
 
     from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
-    from agentrl.launcher import wait_healthy
-    from agentrl.net import free_port
+    from agentrl.net import free_port, wait_healthy
     from agentrl.tiny_model import init_model
-    from agentrl.weight_sync.base import create
+    from agentrl.weight_sync.registry import create
 
     signal.signal(
         signal.SIGTERM, signal.default_int_handler

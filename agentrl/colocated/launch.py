@@ -27,10 +27,10 @@ STOP_GRACE_S = 30.0
 def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
     """The warm start (kept from an earlier attempt with `resume`), then the ranks (`--resume`:
     from the newest intact checkpoint)."""
-    from agentrl.launcher import _warm_model
+    from agentrl.launch.procs import warm_model
 
     model = config.learner.model_path
-    warm = _warm_model(Path(config.run_dir)) if resume and config.learner.warmstart.steps > 0 else None
+    warm = warm_model(Path(config.run_dir)) if resume and config.learner.warmstart.steps > 0 else None
     if warm is not None:
         model = str(warm)
     elif config.learner.warmstart.steps > 0:

@@ -1,9 +1,12 @@
 """Find an environment class by built-in name or dotted path, and build one per episode.
 
 env:
-  name: toy_calculator            # built-in
+  name: toy_calculator            # built-in, or a name another package registers
   name: my_pkg.envs:MyEnv         # any importable class
   kwargs: {format_bonus: 0.1}
+
+Another package registers an env by name through the entry-point group `agentrl.envs`
+(`my_env = "my_pkg.envs:MyEnv"` under `[project.entry-points."agentrl.envs"]`).
 
 A `module:Class` name is imported like any Python module: from the installed packages and
 `PYTHONPATH` first, then from the current directory (so `examples.word_tools:WordTools` works
@@ -24,6 +27,7 @@ from typing import Any
 from agentrl.config import EnvConfig
 from agentrl.envs.base import Env, live_services
 from agentrl.envs.tool_env import ToolEnv
+from agentrl.plugins import Registry
 
 BUILTIN_ENVS = {
     "toy_lookup": "agentrl.envs.toy:LookupEnv",
@@ -35,18 +39,20 @@ BUILTIN_ENVS = {
     "swe": "agentrl.envs.swe.env:SWEEnv",
     "agent": "agentrl.envs.agent:AgentEnv",
 }
+ENVS: Registry[type[Env]] = Registry("env.name", "agentrl.envs", BUILTIN_ENVS, kind="env")
+"""Envs by name: the built-ins and those other packages register (entry-point group `agentrl.envs`)."""
 
 
 def load_env_class(name: str) -> type[Env]:
     """The Env subclass named by `name` (a built-in name or `module.path:ClassName`)."""
+    if ":" not in name and name not in BUILTIN_ENVS:
+        if name not in ENVS:
+            raise ValueError(ENVS.unknown(name) + ", or a dotted path like my_pkg.envs:MyEnv")
+        cls = ENVS.get(name)  # registered by an installed package
+        if not (isinstance(cls, type) and issubclass(cls, Env)):
+            raise ValueError(f"env.name: {name!r} is registered as {cls!r}, not an agentrl Env subclass")
+        return cls
     target = BUILTIN_ENVS.get(name, name)
-    if ":" not in target:
-        close = difflib.get_close_matches(name, BUILTIN_ENVS, n=1)
-        raise ValueError(
-            f"env.name: unknown env {name!r}"
-            + (f" (did you mean {close[0]}?)" if close else "")
-            + f"; use a built-in ({', '.join(BUILTIN_ENVS)}) or a dotted path like my_pkg.envs:MyEnv"
-        )
     module_name, _, attr = target.partition(":")
     try:
         module = _import(module_name)

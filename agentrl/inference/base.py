@@ -1,8 +1,8 @@
 """The two client interfaces over SGLang, vLLM and the embedded server, and their result type.
 
-Rollers generate through `InferenceClient` (`create()`: one client, or a router over many);
-weight sync drives each server through `WeightUpdateClient` (`create_weight_updater()`).
-Which server sits behind them is chosen by `InferenceConfig.type`. Every
+Rollers generate through `InferenceClient`, weight sync drives each server through
+`WeightUpdateClient`; `agentrl/inference/registry.py` builds both for the backend
+`InferenceConfig.type` names. Every
 implementation returns the same `GenerateResult`: token ids exactly as sampled, the
 behaviour log-prob of each, why generation stopped, and the weight version that produced
 them. Errors fall into three kinds the router acts on: `BadRequestError` (the request is
@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from agentrl.config import InferenceConfig
+from typing import Any
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -212,56 +209,3 @@ class WeightUpdateClient(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections."""
-
-
-def _client_kwargs(config: InferenceConfig) -> dict[str, Any]:
-    import os
-
-    return dict(
-        api_key=os.environ.get(config.api_key_env) or None,
-        timeout_s=config.request_timeout_s,
-        connect_timeout_s=config.connect_timeout_s,
-    )
-
-
-def create(config: InferenceConfig, urls: list[str] | None = None) -> InferenceClient:
-    """A client for `config.type`: one server gives its client, several give a `Router` over them.
-
-    The embedded server speaks SGLang's native API, so "embedded" and "sglang" share a client."""
-    urls = list(urls if urls is not None else config.servers)
-    if not urls:
-        raise ValueError("inference: no server URLs given (set inference.servers)")
-    kwargs = _client_kwargs(config)
-    if config.type in ("embedded", "sglang"):
-        from agentrl.inference.sglang import SGLangClient
-
-        clients: list[InferenceClient] = [SGLangClient(u, **kwargs) for u in urls]
-    elif config.type == "vllm":
-        from agentrl.inference.vllm import VLLMClient
-
-        clients = [VLLMClient(u, model=config.served_model_name, **kwargs) for u in urls]
-    else:
-        raise ValueError(f"inference.type: unknown server kind {config.type!r}")
-    if len(clients) == 1:
-        return clients[0]
-    from agentrl.inference.router import Router
-
-    return Router(
-        clients,
-        max_retries=config.max_retries,
-        request_timeout_s=config.request_timeout_s,
-        health_interval_s=config.health_check_interval_s,
-    )
-
-
-def create_weight_updater(config: InferenceConfig, url: str) -> WeightUpdateClient:
-    """The weight-update control client of the server at `url`, for `config.type`."""
-    if config.type in ("embedded", "sglang"):
-        from agentrl.inference.sglang import SGLangClient
-
-        return SGLangClient(url, **_client_kwargs(config))
-    if config.type == "vllm":
-        from agentrl.inference.vllm import VLLMClient
-
-        return VLLMClient(url, model=config.served_model_name, **_client_kwargs(config))
-    raise ValueError(f"inference.type: unknown server kind {config.type!r}")

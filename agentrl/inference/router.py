@@ -68,16 +68,34 @@ HOLD_FIRST_S = 1.0  # how long a server that failed a request with its own error
 HOLD_MAX_S = 30.0  # the longest such hold
 
 
+def create(config: InferenceConfig, urls: list[str] | None = None) -> InferenceClient:
+    """A client for `config.type` (`inference/registry.py`): one server gives its client, several
+    give a `Router` over them."""
+    from agentrl.inference.registry import client
+
+    urls = list(urls if urls is not None else config.servers)
+    if not urls:
+        raise ValueError("inference: no server URLs given (set inference.servers)")
+    if len(urls) == 1:
+        return client(config, urls[0])
+    return Router(
+        [client(config, u) for u in urls],
+        max_retries=config.max_retries,
+        request_timeout_s=config.request_timeout_s,
+        health_interval_s=config.health_check_interval_s,
+    )
+
+
 def from_config(config: InferenceConfig, max_staleness: int | None = None) -> Router:
     """A router over `config.servers` (even one), waiting up to `config.server_wait_s` for a server;
     `set_servers` later creates the clients of new URLs the same way."""
-    from agentrl.inference.base import create
+    from agentrl.inference.registry import client
 
     if not config.servers:
         raise ValueError("inference: no server URLs given (set inference.servers)")
     return Router(
-        [create(config, [url]) for url in config.servers],
-        client_factory=lambda url: create(config, [url]),
+        [client(config, url) for url in config.servers],
+        client_factory=lambda url: client(config, url),
         max_retries=config.max_retries,
         request_timeout_s=config.request_timeout_s,
         health_interval_s=config.health_check_interval_s,

@@ -89,7 +89,7 @@ def check_importable(python: str, timeout_s: float = 60) -> None:
 
 def run_sglang(model_path: str, host: str, port: int, config: InferenceConfig, timeout_s: float = 900) -> int:
     """Start SGLang, wait for its health, serve until it exits or we are signalled; its exit code."""
-    from agentrl.launcher import wait_healthy
+    from agentrl.net import wait_healthy
 
     python = sglang_python()
     check_importable(python)

@@ -44,7 +44,7 @@ Weight-update control runs agentrl's own protocol through `POST /collective_rpc`
 each broadcast bucket, commit the whole set at `end_weight_update`, then
 `/update_weight_version`. The disk fallback loads through the same commit. vLLM's native
 weight-transfer engines (nccl, ipc, ...) are not used: none runs on CPU, and a failed update
-through them killed the engine (issue 16). Pause / resume are `/pause?mode=abort`, `/resume`.
+through them killed the engine. Pause / resume are `/pause?mode=abort`, `/resume`.
 See tests/unit/inference/test_vllm_client.py and tests/integration/test_vllm.py.
 """
 

@@ -122,11 +122,11 @@ def status_table(run_dir: Path):
     """Each process (role, node, PID, state, restarts), the learner's version, the queue's counts."""
     from rich.table import Table
 
-    from agentrl.launch.progress import _last
+    from agentrl.log import last_metrics
 
     state = read_state(run_dir)
     alive = launcher_alive(state)
-    learner = _last(run_dir / "learner.jsonl")
+    learner = last_metrics(run_dir / "learner.jsonl")
     title = (
         f"agentrl status — {run_dir} ({state['launcher']} launcher, pid {state['pid']}, "
         f"{'running' if alive else 'not running'})"

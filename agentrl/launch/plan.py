@@ -60,8 +60,8 @@ def plan(
         f"--inference.model_path={model}",
     ]
     common += overrides
-    # a real vLLM (inference/vllm_launch.py) or SGLang (inference/sglang_launch.py) behind `agentrl serve`
-    backend = ["--backend", config.inference.type] if config.inference.type in ("vllm", "sglang") else []
+    # the backend's own launcher (inference/registry.py) behind `agentrl serve`; embedded is its default
+    backend = ["--backend", config.inference.type] if config.inference.type != "embedded" else []
     servers = [
         Role(
             f"server{i}",

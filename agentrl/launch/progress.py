@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +11,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig
 from agentrl.launch.control import ScaleWatch, write_state
-from agentrl.log import get_logger, read_metrics
+from agentrl.log import get_logger, last_metrics, read_metrics
 
 logger = get_logger(__name__)
 
@@ -59,8 +57,8 @@ def progress_table(run_dir: Path, config: AgentRLConfig, restarts: int = 0):
     """One table from the learner's and rollers' metrics records."""
     from rich.table import Table
 
-    learner = _last(run_dir / "learner.jsonl")
-    rollers = [_last(p) for p in sorted(run_dir.glob("roller*.jsonl"))]
+    learner = last_metrics(run_dir / "learner.jsonl")
+    rollers = [last_metrics(p) for p in sorted(run_dir.glob("roller*.jsonl"))]
     table = Table(title=f"agentrl run — {run_dir}", show_header=False)
     step = learner.get("step", 0)
     table.add_row("step / version", f"{step} / {config.learner.max_steps}")
@@ -90,17 +88,6 @@ def staleness(record: dict) -> tuple[float | None, int | None]:
 
 def _fmt(value: object) -> str:
     return f"{value:.4g}" if isinstance(value, float) else ("-" if value is None else str(value))
-
-
-def _last(path: Path) -> dict:
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.startswith("{")]
-        return json.loads(lines[-1]) if lines else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def finish(run_dir: Path) -> Path | None:

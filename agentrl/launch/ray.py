@@ -125,6 +125,10 @@ class RayRun:
         self.pending: PendingServers | None = None
 
     # -------------------------------------------------------------- starting
+    def new_member(self, role: Role, name: str, port: int = 0) -> Member:
+        """A member for `role` on a fresh actor (restarted at most `launcher.max_restarts` times)."""
+        return Member(role, name, self._actor(role, name, self.lc.max_restarts), {}, port=port)
+
     def _actor(self, role: Role, name: str, restarts: int, **options: Any) -> Any:
         log = self.run_dir / "logs" / f"{name}.log"
         opts = {**actor_options(role.resources), **options}
@@ -282,7 +286,9 @@ class RayRun:
         self.members.append(m)
 
     def _startup_timeout(self) -> float:
-        return self.config.inference.vllm.startup_timeout_s if self.config.inference.type == "vllm" else 300
+        from agentrl.inference.registry import backend
+
+        return backend(self.config.inference.type).startup_timeout_s(self.config.inference)
 
     # -------------------------------------------------------------- supervision
     def supervise(self) -> str | None:
@@ -496,8 +502,8 @@ def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -
     """Run the job on the Ray cluster at `launcher.address`; like `launcher.launch`."""
     import ray
 
+    from agentrl.launch.procs import warm_model
     from agentrl.launch.progress import watch
-    from agentrl.launcher import _warm_model
 
     run_dir = Path(config.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -512,7 +518,7 @@ def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -
             else config.learner.model_path
         )
         if config.learner.warmstart.steps > 0:
-            if (_warm_model(run_dir) if resume else None) is None:
+            if (warm_model(run_dir) if resume else None) is None:
                 job.run_warmstart()
             model = str((run_dir / "warmstart").resolve())
         job.start_plan(model, job.start_services())

@@ -62,7 +62,7 @@ class ProcessActor:
         import signal
         import subprocess
 
-        from agentrl.launcher import die_with_parent
+        from agentrl.launch.procs import die_with_parent
 
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:

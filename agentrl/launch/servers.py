@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agentrl.launch.control import exit_state
 from agentrl.launch.plan import server_url
+from agentrl.launch.procs import Child, ChildSpec, Supervisor
 from agentrl.log import get_logger
 from agentrl.net import answers, free_port
 
 if TYPE_CHECKING:
     from agentrl.launch.ray import RayRun
-    from agentrl.launcher import Child, ChildSpec, Supervisor
 
 logger = get_logger(__name__)
 
@@ -139,7 +139,7 @@ class LocalScaler:
                 self._remove(child)
             next_index = int(rollers[-1].name[6:]) + 1 if rollers else 0
             for i in range(next_index, next_index + request["rollers"] - len(rollers)):
-                spec = _child_spec(f"roller{i}", self.roller_args, {"AGENTRL_ROLLER_INDEX": str(i)}, True)
+                spec = ChildSpec(f"roller{i}", self.roller_args, {"AGENTRL_ROLLER_INDEX": str(i)}, True)
                 self.supervisor.run(spec)
             done.append(f"rollers {len(self._of('roller'))}")
         if "servers" in request:
@@ -197,13 +197,7 @@ def new_server_spec(template: ChildSpec, name: str, port: int) -> ChildSpec:
     at = args.index("--port") + 1
     host = args[args.index("--host") + 1]
     args[at] = str(port)
-    return _child_spec(name, args, dict(template.env), True, server_url(host, port))
-
-
-def _child_spec(*args: Any) -> ChildSpec:
-    from agentrl.launcher import ChildSpec  # the local launcher's, which imports this module
-
-    return ChildSpec(*args)
+    return ChildSpec(name, args, dict(template.env), True, server_url(host, port))
 
 
 def scale_ray_servers(run: RayRun, want: int) -> str:
@@ -211,8 +205,6 @@ def scale_ray_servers(run: RayRun, want: int) -> str:
     list, then stop. Up: stopped slots start again, then new slots on actors with
     `inference.resources`; each joins the list once it answers /health. Without a list only the
     planned slots."""
-    from agentrl.launch.ray import Member
-
     servers = sorted((m for m in run.members if m.role.kind == "server"), key=lambda m: int(m.name[6:]))
     if want < 1:
         return f"servers {len(servers)} (a run keeps at least one server)"
@@ -232,8 +224,7 @@ def scale_ray_servers(run: RayRun, want: int) -> str:
     for name in names:
         old = run.parked.pop(name, None)
         role = old.role if old is not None else replace(template, name=name)
-        m = Member(role, name, run._actor(role, name, run.lc.max_restarts), {},
-                   port=old.port if old is not None else 0)  # fmt: skip
+        m = run.new_member(role, name, port=old.port if old is not None else 0)
         url = run._start_server(m)
         run.members.append(m)
         if run.pending is not None:

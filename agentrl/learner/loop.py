@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,29 +50,11 @@ from agentrl.learner.critic import build_critic
 from agentrl.learner.data import no_generation_why
 from agentrl.learner.transcripts import StepNotes
 from agentrl.log import MetricsLogger, get_logger
+from agentrl.queue.base import Consumer
 from agentrl.types import Group
+from agentrl.weight_sync.base import WeightSyncEngine as WeightSync
 
 log = get_logger("learner")
-
-
-class Consumer(Protocol):
-    """The learner side of the TransferQueue (issue #4)."""
-
-    def get_batch(
-        self, num_groups: int, learner_version: int, max_staleness: int, timeout_s: float | None = None
-    ) -> Any: ...
-    def ack(self, group_ids: list[str], dropped: str | None = None) -> None: ...
-    def publish_version(self, version: int) -> None: ...
-    def metrics(self) -> dict[str, Any]: ...
-
-
-class WeightSync(Protocol):
-    """Hands new weights to inference servers (issue #7): `weights()` yields `(HF name, full
-    tensor)` (here `backend.full_tensors(actor)`, a collective every rank runs)."""
-
-    def push(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], version: int) -> None: ...
-
-    # optional: `behind(version) -> list[str]`, servers up but not at `version` (pushed to at once)
 
 
 @dataclass

@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 -m agentrl learner --config learner.yaml --resume
 
 Start-up order: process group and FSDP2 model (every rank) → on rank 0 the TransferQueue
-(hosted in-process for `queue.type: zmq`, as DESIGN.md's default; with `queue.standalone` a
+(hosted in-process for `queue.type: zmq`, the default; with `queue.standalone` a
 consumer of the `agentrl queue` at `queue.address`; Redis needs no server) and its consumer,
 the metrics sinks and the resolved config → the loop. Rank 0 alone reads the queue and
 broadcasts each batch to the other ranks, which then balance it by tokens; so the ranks
@@ -55,7 +55,7 @@ def run_id(cfg: AgentRLConfig, resume: bool) -> str:
 def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
     """(consumer, hosted server or None) for rank 0."""
     from agentrl.inference import server_list
-    from agentrl.queue.base import create
+    from agentrl.queue.registry import create
 
     backend = create(cfg.queue)
     server = None
@@ -99,7 +99,7 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
 def open_weight_sync(cfg: AgentRLConfig, rank: int) -> Any:
     """The checkpoint engine pushing to `inference.servers` (every rank joins the FSDP gathers)."""
     from agentrl.inference import server_list
-    from agentrl.weight_sync.base import create
+    from agentrl.weight_sync.registry import create
 
     engine = create(cfg.weight_sync, cfg.inference, rank=rank, run_dir=cfg.run_dir,
                     servers_file=server_list.from_env())  # fmt: skip

@@ -1,8 +1,9 @@
-"""The TransferQueue's interfaces and the factory that picks a backend by `config.type`.
+"""The TransferQueue's interfaces (`registry.py` picks a backend by `config.type`).
 
 Rollers hold a `Producer` (asyncio): `put(group)` returns once the queue has taken the
 group (after its write-ahead-log write when durable) and waits while the queue is full;
-`acquire_start(n)` is the admission gate of DESIGN.md "Versions and staleness" and hands out
+`acquire_start(n)` is the admission gate (a roller starts a group only while it can still be
+trained on within `max_staleness`, docs/architecture.md "TransferQueue") and hands out
 the next `n` numbers of the run's shared task cursor. The zmq backend keeps a producer's
 admitted-but-unput groups under a lease that its heartbeat renews (see `zmq_admission.py`).
 Learner ranks hold a `Consumer` (blocking, usable from a torch loop): `get_batch` hands
@@ -26,7 +27,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentrl.types import Group
 
@@ -38,10 +39,6 @@ def check_drop_reason(dropped: str | None) -> None:
     """Refuse an `ack(dropped=...)` reason the queue would not count."""
     if dropped not in DROP_REASONS:
         raise ValueError(f"dropped must be one of {DROP_REASONS}, got {dropped!r}")
-
-
-if TYPE_CHECKING:
-    from agentrl.config import RedisQueueConfig, ZmqQueueConfig
 
 
 class QueueError(RuntimeError):
@@ -192,15 +189,3 @@ class Backend(abc.ABC):
     def server(self, groups_per_step: int, max_staleness: int, **kwargs: Any) -> Any:
         raise QueueError(f"the {type(self).__name__} backend has no server to host")
 
-
-def create(config: ZmqQueueConfig | RedisQueueConfig) -> Backend:
-    """The backend named by `config.type`."""
-    if config.type == "zmq":
-        from agentrl.queue.zmq_client import ZmqBackend
-
-        return ZmqBackend(config)
-    if config.type == "redis":
-        from agentrl.queue.redis_backend import RedisBackend
-
-        return RedisBackend(config)
-    raise QueueError(f"queue.type: unknown backend {config.type!r}")

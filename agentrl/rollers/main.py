@@ -56,7 +56,7 @@ async def run_roller(config: AgentRLConfig) -> int:
     from agentrl.envs.check import model_context, require_budget
     from agentrl.envs.registry import env_factory, task_env_class
     from agentrl.inference.router import from_config as create_router
-    from agentrl.queue.base import create as create_queue
+    from agentrl.queue.registry import create as create_queue
     from agentrl.rewards.client import RewardModelClient, RewardModelError
     from agentrl.rollers.chat import ChatRenderer
     from agentrl.rollers.roller import Roller

@@ -30,7 +30,7 @@ from agentrl.log import get_logger
 if TYPE_CHECKING:
     import torch
 
-    from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
+    from agentrl.config import InferenceConfig
     from agentrl.inference.base import WeightUpdateClient
 
 logger = get_logger(__name__)
@@ -151,7 +151,7 @@ class WeightSyncEngine(abc.ABC):
 
     def init(self) -> None:
         if self.rank == 0:
-            from agentrl.inference.base import create_weight_updater
+            from agentrl.inference.registry import create_weight_updater
 
             self._bridge = AsyncBridge()
             self.clients = {url: create_weight_updater(self.inference, url) for url in self.urls}
@@ -169,7 +169,7 @@ class WeightSyncEngine(abc.ABC):
             logger.warning("server list epoch %d: %s", found.epoch, self._target)
         if self._target is None:
             return []
-        from agentrl.inference.base import create_weight_updater
+        from agentrl.inference.registry import create_weight_updater
 
         added = [u for u in self._target if u not in self.urls]
         for url in added:
@@ -262,25 +262,3 @@ class WeightSyncEngine(abc.ABC):
             self._bridge.close()
             self._bridge = None
 
-
-def create(
-    config: BroadcastSyncConfig | DiskSyncConfig,
-    inference: InferenceConfig,
-    urls: list[str] | None = None,
-    rank: int = 0,
-    run_dir: str | Path = "runs/default",
-    servers_file: str | Path | None = None,
-) -> WeightSyncEngine:
-    """The engine named by `config.type`, pushing to `urls` (default: `inference.servers`), or to
-    the live list in `servers_file` once it exists (`inference.server_list`)."""
-    urls = list(urls if urls is not None else inference.servers)
-    if config.type == "broadcast":
-        from agentrl.weight_sync.broadcast import BroadcastEngine
-
-        return BroadcastEngine(config, urls, inference, rank, servers_file)
-    if config.type == "disk":
-        from agentrl.weight_sync.disk import DiskEngine
-
-        directory = Path(config.directory) if config.directory else Path(run_dir) / "weights"
-        return DiskEngine(config, urls, inference, rank, directory, servers_file)
-    raise ValueError(f"weight_sync.type: unknown engine {config.type!r}")

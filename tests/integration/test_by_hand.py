@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.launcher import wait_healthy
 from agentrl.log import read_metrics
+from agentrl.net import wait_healthy
 from tests.conftest import find_free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

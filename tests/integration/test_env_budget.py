@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import ZmqQueueConfig
-from agentrl.queue.base import create
+from agentrl.queue import create
 from tests.conftest import REPO, find_free_port
 from tests.integration.test_weight_sync import wait_healthy
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.launcher import wait_healthy
+from agentrl.net import wait_healthy
 from agentrl.queue.account import account, read_jsonl
 from tests.conftest import Processes, find_free_port
 

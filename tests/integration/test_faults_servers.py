@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
 from agentrl.log import read_metrics
 from agentrl.queue.account import account
-from agentrl.weight_sync.base import create
+from agentrl.weight_sync.registry import create
 from tests.conftest import REPO, find_free_port, pid_alive
 from tests.integration.test_weight_sync import assert_in_sync, perturb, start_server, wait_healthy
 

@@ -22,7 +22,7 @@ SECRET = {"AGENTRL_QUEUE_SECRET": "test-secret-for-the-learner-cli"}
 
 
 async def _put(address: str, groups) -> None:
-    from agentrl.queue.base import create
+    from agentrl.queue import create
 
     os.environ.update(SECRET)
     # the learner may take longer than the default 30 s to bind on a loaded machine

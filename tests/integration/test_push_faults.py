@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agentrl.config import BroadcastSyncConfig, InferenceConfig
-from agentrl.weight_sync.base import create
+from agentrl.weight_sync.registry import create
 from tests.conftest import Processes, find_free_port
 from tests.fault_proxy import FaultProxy
 from tests.integration.test_weight_sync import learner_logprobs, perturb, server_probe, wait_healthy

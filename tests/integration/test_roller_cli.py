@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentrl.config import ZmqQueueConfig
-from agentrl.queue.base import create
+from agentrl.queue import create
 from agentrl.rollers.chat import ChatRenderer
 from examples.word_tools import WordTools
 from tests.conftest import REPO, find_free_port

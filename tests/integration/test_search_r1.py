@@ -18,7 +18,7 @@ import pytest
 
 from agentrl.config import ZmqQueueConfig
 from agentrl.envs.search.synthetic import build_world
-from agentrl.queue.base import create as create_queue
+from agentrl.queue import create as create_queue
 from tests.conftest import REPO, Processes, find_free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

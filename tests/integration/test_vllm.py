@@ -29,7 +29,7 @@ import torch
 from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
 from agentrl.inference.vllm import VLLMClient
 from agentrl.inference.weight_group import join_group
-from agentrl.weight_sync.base import create
+from agentrl.weight_sync.registry import create
 from tests.conftest import find_free_port
 
 # vLLM's start-up (35 s to minutes on a loaded CPU) falls in the first test, a restart in the last
@@ -349,16 +349,16 @@ def test_server_killed_mid_push_is_dropped_and_rejoins_at_the_current_version(
     server (agentrl's embedded one, in the same weight group); the vLLM server, restarted on its
     address, is named by the engine's `ServerWatch` as behind and the learner's catch-up push (the
     loop's `behind()` path) brings it to the current version and weights."""
-    from agentrl.inference import base
+    from agentrl.inference import registry
     from agentrl.inference.sglang import SGLangClient
     from tests.integration.test_weight_sync import assert_in_sync, start_server, wait_healthy
 
     other = f"http://127.0.0.1:{find_free_port()}"
     start_server(processes, served.model, int(other.rsplit(":", 1)[1]))
     wait_healthy([other], timeout_s=120)
-    vllm_client = base.create_weight_updater
+    vllm_client = registry.create_weight_updater
     monkeypatch.setattr(
-        base,
+        registry,
         "create_weight_updater",
         lambda config, url: SGLangClient(url) if url == other else vllm_client(config, url),
     )

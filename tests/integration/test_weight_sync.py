@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
 from agentrl.inference.sglang import SGLangClient
-from agentrl.weight_sync.base import create
+from agentrl.weight_sync.registry import create
 from tests.conftest import find_free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

@@ -23,7 +23,7 @@ import pytest
 
 from agentrl.config import ZmqQueueConfig
 from agentrl.log import read_metrics
-from agentrl.queue.base import create
+from agentrl.queue.registry import create
 from tests.conftest import REPO, find_free_port
 from tests.integration.test_weight_sync import wait_healthy
 

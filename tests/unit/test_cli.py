@@ -144,9 +144,9 @@ def test_an_unknown_env_in_a_config_is_one_line_and_the_traceback_comes_with_deb
     result = run_agentrl("run", "--config", str(config), f"--run_dir={tmp_path}")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        "agentrl: env.name: unknown env 'toy_lookupp' (did you mean toy_lookup?); use a built-in (toy_lookup, "
-        "toy_calculator, toy_calculator_slow, toy_lookup_slow, search_r1, search_r1_tools, swe) or a dotted "
-        "path like my_pkg.envs:MyEnv"
+        "agentrl: env.name: unknown env 'toy_lookupp' (did you mean toy_lookup?); registered: toy_lookup, "
+        "toy_calculator, toy_calculator_slow, toy_lookup_slow, search_r1, search_r1_tools, swe, agent (other "
+        "packages add names through the entry-point group 'agentrl.envs'), or a dotted path like my_pkg.envs:MyEnv"
     ]
     assert not (tmp_path / "logs").exists()  # nothing was started
     debug = run_agentrl("--debug", "run", "--config", str(config), f"--run_dir={tmp_path}")

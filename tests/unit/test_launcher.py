@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.launcher import Supervisor
+from agentrl.launch.procs import Supervisor
 from tests.conftest import pid_alive
 
 # a child that ignores SIGTERM, as a process stuck in a collective might
@@ -53,7 +53,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path: Path
 def test_the_plan_starts_real_engines_behind_agentrl_serve(tmp_path: Path, kind: str) -> None:
     from agentrl.cli import USES
     from agentrl.config import AgentRLConfig
-    from agentrl.launcher import plan_children
+    from agentrl.launch.local import plan_children
 
     data = {"run_dir": str(tmp_path), "inference": {"type": kind}}
     config = AgentRLConfig.model_validate(
@@ -67,7 +67,7 @@ def test_the_plan_starts_real_engines_behind_agentrl_serve(tmp_path: Path, kind:
 
 def test_the_plan_restarts_servers_and_rollers_but_not_the_learner(tmp_path: Path) -> None:
     from agentrl.config import AgentRLConfig
-    from agentrl.launcher import plan_children
+    from agentrl.launch.local import plan_children
 
     config = AgentRLConfig.model_validate(
         {"run_dir": str(tmp_path), "inference": {"num_servers": 2}, "roller": {"num_processes": 2}}
@@ -88,7 +88,8 @@ def test_a_dead_roller_is_restarted_with_backoff_until_its_restarts_run_out(tmp_
     import json
     import time
 
-    from agentrl.launcher import ChildSpec, supervise
+    from agentrl.launch.local import supervise
+    from agentrl.launch.procs import ChildSpec
 
     supervisor = Supervisor(tmp_path, stop_timeout_s=5)
     try:
@@ -116,7 +117,8 @@ def test_a_dead_roller_is_restarted_with_backoff_until_its_restarts_run_out(tmp_
 
 @pytest.mark.timeout(30)
 def test_the_learner_finishing_or_dying_ends_supervision(tmp_path: Path) -> None:
-    from agentrl.launcher import ChildSpec, supervise
+    from agentrl.launch.local import supervise
+    from agentrl.launch.procs import ChildSpec
 
     supervisor = Supervisor(tmp_path)
     done = supervisor.run(ChildSpec("learner", [sys.executable, "-c", "exit(0)"]))
@@ -143,8 +145,8 @@ def _config(tmp_path: Path, resources: dict | None = None, env: dict | None = No
 def test_one_plan_rendered_with_discovered_addresses_for_ray_and_loopback_ones_locally(
     tmp_path: Path,
 ) -> None:
+    from agentrl.launch.local import plan_children
     from agentrl.launch.plan import Addresses, plan, render
-    from agentrl.launcher import plan_children
 
     resources = {"learner": {"GPU": 1}, "server": {"GPU": 1, "CPU": 2}, "roller": {"sandbox": 1}}
     config = _config(tmp_path, type="ray", resources=resources)
@@ -268,7 +270,8 @@ def test_local_scaling_starts_and_stops_rollers_and_server_slots_and_status_list
     from rich.console import Console
 
     from agentrl.launch.control import status_table, write_state
-    from agentrl.launcher import ChildSpec, LocalScaler
+    from agentrl.launch.procs import ChildSpec
+    from agentrl.launch.servers import LocalScaler
 
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     supervisor = Supervisor(tmp_path, stop_timeout_s=5)
@@ -310,7 +313,7 @@ def test_children_are_stopped_when_the_launcher_itself_is_killed(tmp_path: Path)
     import time
 
     script = (
-        "import sys, time; from pathlib import Path; from agentrl.launcher import Supervisor\n"
+        "import sys, time; from pathlib import Path; from agentrl.launch.procs import Supervisor\n"
         "s = Supervisor(Path(sys.argv[1]))\n"
         "for n in 'ab': print(s.start(n, [sys.executable, '-c', 'import time; time.sleep(120)']).proc.pid, flush=True)\n"
         "time.sleep(120)\n"
@@ -507,7 +510,7 @@ def _retrieves(url: str, run_dir: Path) -> None:
 def test_the_local_launcher_starts_the_same_service_roles_on_loopback(tmp_path: Path) -> None:
     """The local launcher starts the plan's service roles too: the retriever on a loopback port,
     its URL as the env kwarg every other process is given."""
-    from agentrl.launcher import start_services
+    from agentrl.launch.local import start_services
 
     config = _config(tmp_path, env={"name": "search_r1", "kwargs": {"retriever_url": "auto"}})
     supervisor = Supervisor(tmp_path)

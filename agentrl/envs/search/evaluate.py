@@ -67,7 +67,7 @@ async def evaluate_config(
     from agentrl.envs.registry import env_factory
     from agentrl.envs.search.data import load_qa
     from agentrl.envs.search.synthetic import build_world
-    from agentrl.inference.base import create as create_client
+    from agentrl.inference.router import create as create_client
     from agentrl.rollers.main import tokenizer_path
 
     if tasks_path:

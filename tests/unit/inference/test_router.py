@@ -113,7 +113,7 @@ async def test_health_checks_mark_servers_down_and_up_again(server: ServerThread
 
 def test_factory_picks_client_by_type():
     from agentrl.config import InferenceConfig
-    from agentrl.inference.base import create
+    from agentrl.inference.router import create
     from agentrl.inference.vllm import VLLMClient
 
     one = create(InferenceConfig(type="sglang", servers=["http://127.0.0.1:1"]))

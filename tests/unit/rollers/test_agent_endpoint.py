@@ -16,7 +16,7 @@ from agentrl.config import EnvConfig, RollerConfig, ZmqQueueConfig
 from agentrl.envs.agent import AgentEnv, AgentFailed
 from agentrl.envs.registry import env_factory
 from agentrl.inference.sglang import SGLangClient
-from agentrl.queue.base import create as create_queue
+from agentrl.queue.registry import create as create_queue
 from agentrl.rollers.agent_endpoint import AgentEndpoint
 from agentrl.rollers.agent_episode import AgentSession, RendererCache, run_agent_episode
 from agentrl.rollers.chat import ChatRenderer

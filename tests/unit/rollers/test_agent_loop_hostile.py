@@ -20,7 +20,7 @@ from agentrl.config import RollerConfig, ZmqQueueConfig
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.envs.tools import tool
 from agentrl.inference.sglang import SGLangClient
-from agentrl.queue.base import create as create_queue
+from agentrl.queue.registry import create as create_queue
 from agentrl.rollers.chat import ChatRenderer
 from agentrl.rollers.roller import Roller
 from tests.conftest import find_free_port

@@ -19,7 +19,7 @@ from agentrl.config import RollerConfig, ZmqQueueConfig
 from agentrl.envs.base import Env, Transcript
 from agentrl.inference.sglang import SGLangClient
 from agentrl.learner.advantages import remax
-from agentrl.queue.base import create as create_queue
+from agentrl.queue.registry import create as create_queue
 from agentrl.rollers.agent_loop import run_episode
 from agentrl.rollers.chat import ChatRenderer
 from agentrl.rollers.roller import Roller

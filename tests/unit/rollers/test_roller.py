@@ -18,7 +18,7 @@ from agentrl.envs.registry import env_factory
 from agentrl.envs.toy import CalculatorEnv, safe_eval
 from agentrl.inference.router import from_config
 from agentrl.inference.sglang import SGLangClient
-from agentrl.queue.base import create as create_queue
+from agentrl.queue.registry import create as create_queue
 from agentrl.rollers.chat import ChatRenderer
 from agentrl.rollers.roller import Roller
 from agentrl.rollers.tasks import read_task_file, task_stream

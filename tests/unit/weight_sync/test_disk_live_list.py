@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.config import DiskSyncConfig, InferenceConfig
 from agentrl.inference import server_list
-from agentrl.weight_sync.base import create
+from agentrl.weight_sync.registry import create
 from tests.unit.inference.conftest import ServerThread
 
 

@@ -22,7 +22,7 @@ import torch
 
 from agentrl.config import BroadcastSyncConfig, InferenceConfig
 from agentrl.inference.sglang import SGLangClient
-from agentrl.weight_sync.base import create
+from agentrl.weight_sync.registry import create
 from tests.conftest import find_free_port
 from tests.sglang_standin import digest
 

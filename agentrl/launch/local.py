@@ -33,180 +33,29 @@ shows step, version, reward, staleness, episodes/s, queue depth, weight-push tim
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from agentrl.config import AgentRLConfig, save_resolved
 from agentrl.inference import server_list
+from agentrl.inference.registry import backend as inference_backend
 from agentrl.launch.control import exit_state, mark_ended
 from agentrl.launch.plan import Addresses, Role, plan, render, server_url, service_roles
+from agentrl.launch.procs import Child, ChildSpec, Supervisor, agentrl_command, warm_model
 from agentrl.launch.progress import watch
 from agentrl.launch.servers import LiveServers, LocalScaler
 from agentrl.log import get_logger
-from agentrl.net import answers, free_port
+from agentrl.net import free_port, wait_healthy
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class ChildSpec:
-    """One process of the plan: what to run, and whether it is restarted when it dies."""
-
-    name: str
-    args: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    restart: bool = False
-    health_url: str | None = None  # start-up waits until it answers /health
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    spec: ChildSpec | None = None
-    restarts: int = 0
-    restart_at: float | None = None  # when a dead restartable child is started again
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """In a child, before exec: have the kernel send it `sig` when its parent dies (Linux only;
-    elsewhere a no-op). The parent is the thread that started it, so start children from a
-    thread that outlives them."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
-
-
-class Supervisor:
-    """Starts children in their own process groups and stops exactly those (by PID)."""
-
-    def __init__(self, run_dir: Path, stop_timeout_s: float = 30) -> None:
-        self.run_dir = run_dir
-        self.stop_timeout_s = stop_timeout_s
-        self.children: list[Child] = []
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-
-    def start(
-        self, name: str, args: list[str], env: dict[str, str] | None = None, threads: int | None = 1
-    ) -> Child:
-        """Start a child; `threads` caps its intra-op threads (servers and learner share the cores,
-        and oversubscribed OpenMP threads slow small models several-fold). None: the default."""
-        child = Child(name, self._spawn(name, args, env, threads), self.run_dir / "logs" / f"{name}.log")
-        self.children.append(child)
-        return child
-
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None, threads: int | None = 1):
-        log_path = self.run_dir / "logs" / f"{name}.log"
-        if threads is not None and "OMP_NUM_THREADS" not in os.environ:
-            env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {})}
-        log_file = log_path.open("ab")
-        proc = subprocess.Popen(
-            args,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
-        )
-        log_file.close()
-        logger.info("started %s (pid %d), log: %s", name, proc.pid, log_path)
-        return proc
-
-    def run(self, spec: ChildSpec) -> Child:
-        """Start the child a plan entry describes."""
-        child = self.start(spec.name, spec.args, env=spec.env)
-        child.spec = spec
-        return child
-
-    def restart(self, child: Child) -> None:
-        """Start a dead child again with the same command line (a server on the same port)."""
-        assert child.spec is not None and child.proc.poll() is not None
-        child.proc = self._spawn(child.name, child.spec.args, child.spec.env)
-        child.restarts, child.restart_at = child.restarts + 1, None
-
-    def failed(self) -> Child | None:
-        """The first child that exited with an error, if any."""
-        for child in self.children:
-            code = child.proc.poll()
-            if code not in (None, 0):
-                return child
-        return None
-
-    def stop(self, child: Child) -> None:
-        if child.proc.poll() is not None:
-            return
-        try:
-            os.killpg(child.proc.pid, signal.SIGTERM)
-            child.proc.wait(timeout=self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop in %ss; killing it and the rest", child.name, self.stop_timeout_s)
-            self.kill_all()
-        except ProcessLookupError:
-            pass
-
-    def kill_all(self) -> None:
-        for child in self.children:
-            if child.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-                child.proc.wait()
-
-    def stop_all(self) -> None:
-        """SIGTERM each child (newest first) and wait for it. A second Ctrl-C / SIGTERM during
-        this does not abandon the cleanup half-way: it kills what is left, at once."""
-
-        def hurry(signum: int, frame: object) -> None:
-            logger.warning("second stop signal: killing the remaining processes")
-            self.kill_all()
-
-        main = threading.current_thread() is threading.main_thread()
-        old = {s: signal.signal(s, hurry) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-        try:
-            for child in reversed(self.children):
-                self.stop(child)
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-
-    def tail(self, child: Child, lines: int = 15) -> str:
-        try:
-            return "\n".join(child.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def _agentrl(*args: str) -> list[str]:
-    return [sys.executable, "-m", "agentrl", *args]
-
-
-def wait_healthy(
-    urls: list[str],
-    children: list[subprocess.Popen] | None = None,
-    timeout_s: float = 300,
-    path: str = "/health",
-) -> None:
-    """Wait until every server answers `path`; fail early if one of `children` exits."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(urls)
-    while pending:
-        for proc in children or []:
-            if proc.poll() is not None:
-                raise RuntimeError(f"process {proc.args!r} exited with code {proc.returncode} while starting")
-        pending = [url for url in pending if not answers(url, path)]
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"inference servers {pending} not healthy after {timeout_s}s")
-        time.sleep(0.3)
 
 
 def start_services(config: AgentRLConfig, supervisor: Supervisor) -> dict[str, str]:
@@ -215,7 +64,9 @@ def start_services(config: AgentRLConfig, supervisor: Supervisor) -> dict[str, s
     kwargs = {}
     for role in service_roles(config):
         port = free_port()
-        child = supervisor.start(role.name, _agentrl(*render(role, Addresses([]), ("127.0.0.1", port))))
+        child = supervisor.start(
+            role.name, agentrl_command(*render(role, Addresses([]), ("127.0.0.1", port)))
+        )
         try:
             wait_healthy([server_url("127.0.0.1", port)], [child.proc], path=role.health_path)
         except RuntimeError:
@@ -237,7 +88,9 @@ def serve_for(config: AgentRLConfig, model: str | None = None) -> Iterator[Agent
             model = model or config.inference.model_path or config.learner.model_path
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            server = supervisor.start("server", _agentrl("serve", "--model", model, "--port", str(port)))
+            server = supervisor.start(
+                "server", agentrl_command("serve", "--model", model, "--port", str(port))
+            )
             wait_healthy([url], [server.proc])
             update["inference"] = config.inference.model_copy(update={"servers": [url], "model_path": model})
             update["roller"] = config.roller.model_copy(update={"tokenizer_path": model})
@@ -263,7 +116,7 @@ def local_spec(role: Role, addrs: Addresses, ports: list[int]) -> ChildSpec:
     if role.kind == "server":
         i = int(role.name.removeprefix("server"))
         args = render(role, addrs, ("127.0.0.1", ports[i]))
-        return ChildSpec(role.name, _agentrl(*args), role.env, True, addrs.servers[i])
+        return ChildSpec(role.name, agentrl_command(*args), role.env, True, addrs.servers[i])
     args = render(role, addrs)
     if role.kind == "learner" and role.ranks > 1:
         torchrun = [
@@ -274,13 +127,7 @@ def local_spec(role: Role, addrs: Addresses, ports: list[int]) -> ChildSpec:
             f"--nproc_per_node={role.ranks}",
         ]
         return ChildSpec(role.name, [*torchrun, "-m", "agentrl", *args], role.env, role.restart)
-    return ChildSpec(role.name, _agentrl(*args), role.env, role.restart)
-
-
-def _warm_model(run_dir: Path) -> Path | None:
-    """The warm start a previous attempt of this run finished, if any (resume skips redoing it)."""
-    path = run_dir / "warmstart"
-    return path if (path / "config.json").exists() and any(path.glob("*.safetensors")) else None
+    return ChildSpec(role.name, agentrl_command(*args), role.env, role.restart)
 
 
 def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
@@ -305,10 +152,10 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
         os.environ[secret_env] = secrets.token_hex(32)
     try:
         if config.learner.warmstart.steps > 0:
-            warm = _warm_model(run_dir) if resume else None
+            warm = warm_model(run_dir) if resume else None
             if warm is None:
                 child = supervisor.start(
-                    "warmstart", _agentrl("warmstart", "--config", str(config_path)), threads=None
+                    "warmstart", agentrl_command("warmstart", "--config", str(config_path)), threads=None
                 )
                 if child.proc.wait() != 0:
                     raise RuntimeError(
@@ -320,7 +167,7 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
         specs = plan_children(config, config_path, model, service_overrides, resume)
         servers = [supervisor.run(s) for s in specs if s.health_url]
         try:
-            timeout_s = config.inference.vllm.startup_timeout_s if config.inference.type == "vllm" else 300
+            timeout_s = inference_backend(config.inference.type).startup_timeout_s(config.inference)
             wait_healthy(
                 [s.health_url for s in specs if s.health_url], [c.proc for c in servers], timeout_s=timeout_s
             )

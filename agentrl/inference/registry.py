@@ -1,0 +1,90 @@
+"""The inference backends by name: each one `InferenceBackend` descriptor, and the clients built from it.
+
+A backend is everything agentrl needs to know about one kind of server: the client that talks to
+it (generation and weight updates), how `agentrl serve --backend NAME` starts it, how long a
+starting server may take to answer its health check, what `agentrl doctor` reports about it and
+which `inference:` field holds its own settings. `inference.type` names one; `client()` gives one
+server's client (`router.create()` puts several behind a `Router`), `create_weight_updater()`
+gives weight sync its control client. Built-ins: `embedded` (agentrl's server), `sglang` and `vllm`; another
+package adds one through the entry-point group `agentrl.inference_backends`, whose object is an
+`InferenceBackend` (see `agentrl/plugins.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from agentrl.plugins import Registry
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from agentrl.config import InferenceConfig
+    from agentrl.inference.base import InferenceClient, WeightUpdateClient
+
+
+@dataclass(frozen=True)
+class InferenceBackend:
+    """One kind of inference server, as the rest of agentrl sees it."""
+
+    name: str
+    """`inference.type` and `agentrl serve --backend` value."""
+    client: Callable[..., Any]
+    """`client(url, config, **kwargs)`: the `InferenceClient` (and `WeightUpdateClient`) of one
+    server; `kwargs` are the api key and timeouts every client takes (`client_kwargs`)."""
+    serve: Callable[[str, str, int, InferenceConfig], int | None]
+    """`serve(model_path, host, port, config)`: run the server in this process until it stops
+    (`agentrl serve --backend NAME`, which `agentrl run` starts per server); its exit code."""
+    startup_timeout_s: Callable[[InferenceConfig], float] = lambda config: 300.0
+    """How long `agentrl run` waits for a started server to answer its health check."""
+    doctor: Callable[[InferenceConfig], str] | None = None
+    """What `agentrl doctor` prints on this backend's row (e.g. where it is installed); None: no row."""
+    config_field: str | None = None
+    """The `inference:` field holding a built-in backend's own settings (`vllm` for vLLM), if any."""
+    options: type[BaseModel] | None = None
+    """The model `inference.options` must validate against (another package's backend keeps its
+    settings there; the backend reads `config.options`); None: it takes no options."""
+    help: str = ""
+    """One line for `agentrl serve --help`."""
+
+
+BACKENDS: Registry[InferenceBackend] = Registry(
+    "inference.type",
+    "agentrl.inference_backends",
+    {
+        "embedded": "agentrl.inference.backends:EMBEDDED",
+        "sglang": "agentrl.inference.backends:SGLANG",
+        "vllm": "agentrl.inference.backends:VLLM",
+    },
+)
+
+
+def backend(name: str) -> InferenceBackend:
+    """The descriptor registered as `name` (ValueError naming the registered ones if none is)."""
+    found = BACKENDS.get(name)
+    if not isinstance(found, InferenceBackend):
+        raise ValueError(f"inference.type: {name!r} is registered as {found!r}, not an InferenceBackend")
+    return found
+
+
+def client_kwargs(config: InferenceConfig) -> dict[str, Any]:
+    """The api key and timeouts every client takes."""
+    return dict(
+        api_key=os.environ.get(config.api_key_env) or None,
+        timeout_s=config.request_timeout_s,
+        connect_timeout_s=config.connect_timeout_s,
+    )
+
+
+def client(config: InferenceConfig, url: str) -> InferenceClient:
+    """The client of the server at `url`, for `config.type` (`router.create` puts several behind a
+    `Router`)."""
+    return backend(config.type).client(url, config, **client_kwargs(config))
+
+
+def create_weight_updater(config: InferenceConfig, url: str) -> WeightUpdateClient:
+    """The weight-update control client of the server at `url`, for `config.type`."""
+    return backend(config.type).client(url, config, **client_kwargs(config))
