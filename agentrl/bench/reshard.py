@@ -79,11 +79,18 @@ def _naive(engine) -> None:
     """Full weights on every rank, then the generation shard copied out of them (into the
     generation buffer, or into a scratch copy where the generation shard is a view)."""
     import torch
+    from torch.distributed.tensor import DTensor
 
     engine.allocate()
+    shards = {s.name: s for s in engine.shards()}  # the training shards, through the backend seam
     with torch.no_grad():
         for slot in engine.slots:
-            full = engine._train_param(slot.name).full_tensor()
+            shard = shards[slot.name]
+            full = shard.local
+            if shard.mesh is not None:
+                stride = torch.empty(shard.global_shape, device="meta").stride()
+                full = DTensor.from_local(shard.local, shard.mesh, shard.placements, run_check=False,
+                                          shape=shard.global_shape, stride=stride).full_tensor()  # fmt: skip
             piece = full[tuple(slice(a, b) for a, b in slot.box)]
             if slot.view:
                 piece = piece.clone()

@@ -188,4 +188,3 @@ class Backend(abc.ABC):
 
     def server(self, groups_per_step: int, max_staleness: int, **kwargs: Any) -> Any:
         raise QueueError(f"the {type(self).__name__} backend has no server to host")
-

@@ -261,4 +261,3 @@ class WeightSyncEngine(abc.ABC):
                     logger.debug("closing client failed: %s", exc)
             self._bridge.close()
             self._bridge = None
-
