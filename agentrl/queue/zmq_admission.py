@@ -187,23 +187,6 @@ class Admission:
         self.counters[counter] += n
         self._grant_acqs()
 
-    def _credit_stall(self, gap: float) -> None:
-        """The server's loop did not run for `gap` seconds (its process stopped by SIGSTOP, swapped
-        out or starved): whatever arrived meanwhile waits unread in its sockets, so nobody's silence
-        is measured over that time. Every lease, and every group handed out unacked, gets `gap`
-        more seconds: a lease lapses after `roller_lease_s` of the server *listening* and hearing
-        nothing, so a live roller is never reclaimed because the queue (or the learner hosting it)
-        paused."""
-        for lease in self._leases.values():
-            lease.until += gap
-        for entry in self._inflight.values():
-            entry.lease_until += gap
-        log.warning(
-            "queue server did not run for %.1fs (process stopped or starved): roller leases and unacked "
-            "groups extended by as much, so a live roller's messages waiting in the sockets renew it",
-            gap,
-        )
-
     def _expire_leases(self, now: float) -> None:
         if now < self._next_expiry_check:
             return

@@ -19,8 +19,9 @@ What the loop does each turn (`_loop`):
 1. receive what is waiting on both sockets and handle each message (`_handle`);
 2. expire leases (unacked groups go back to the queue; lapsed rollers' admission credits are
    reclaimed) and answer `get`s whose deadline passed; a turn that comes more than `STALL_S`
-   after the last (the process was stopped or starved) first extends every lease by the gap,
-   as the messages that renew them are still unread in the sockets;
+   after the last (the process was stopped or starved) expires nothing: the messages that
+   renew leases may still be unread in the sockets, so expiry waits for the next turn that has
+   read everything waiting (a dead roller's lease is not extended: it lapses at that turn);
 3. commit the write-ahead log, then send the replies — so a producer's ack always
    follows the WAL write of its group. Without fsync, puts are acked after each message
    instead (commit, then send), so a producer refills its window while the next message is
@@ -146,6 +147,7 @@ class QueueServer(Admission, Delivery):
         self._low_version = _NO_VERSION  # lower bound of min_version over queued groups
         self._next_lease_check = 0.0
         self._last_tick = time.monotonic()
+        self._expiry_held = False  # a stall was seen: expire nothing until the sockets are drained
         self._seq = 0
         self._bytes = 0
         self._ages: deque[float] = deque(maxlen=4096)
@@ -286,6 +288,7 @@ class QueueServer(Admission, Delivery):
     def _loop(self, poller: zmq.Poller, public: zmq.Socket, local: zmq.Socket) -> None:
         while not self._stop.is_set():
             events = dict(poller.poll(1 if self._nixl is not None and self._nixl.pending else 50))
+            drained = True
             for sock in (public, local):
                 for _ in range(512 if sock in events else 0):
                     try:
@@ -296,7 +299,11 @@ class QueueServer(Admission, Delivery):
                         self._handle(sock, msg)
                     if self._put_acks and (self.wal is None or not self.wal.fsync):
                         self._commit_and_flush()  # ack now: the producer refills while we go on
+                else:
+                    drained = drained and sock not in events
             with self._lock:
+                if drained:
+                    self._expiry_held = False
                 if self._nixl is not None and self._nixl.pending:
                     self._finish_nixl_reads()
                 self._tick()
@@ -539,11 +546,14 @@ class QueueServer(Admission, Delivery):
     # ---------------------------------------------------------------- timers, metrics
 
     def _tick(self) -> None:
-        # every timer below compares against this one `now`: a stop of the process inside this
-        # turn is credited (`_credit_stall`) at the next turn before anything can lapse
+        # every timer below compares against this one `now`; after a stall (a stop or starvation
+        # of the process anywhere in the last turn) the renewals that arrived meanwhile may still be
+        # unread, so nothing expires until a turn has read every socket empty
         now = time.monotonic()
         if now - self._last_tick > STALL_S:
-            self._credit_stall(now - self._last_tick)
+            log.warning("queue server did not run for %.1fs (process stopped or starved): nothing expires "
+                        "until the messages that waited in its sockets are read", now - self._last_tick)  # fmt: skip
+            self._expiry_held = True
         self._last_tick = now
         if self._servers_file is not None and now >= self._next_servers_check:
             self._next_servers_check = now + 0.5
@@ -551,7 +561,7 @@ class QueueServer(Admission, Delivery):
                 self.servers = as_wire(found)
                 log.info("server list epoch %d: %s (carried to the producers)", found.epoch, found.urls)
         expired = []
-        if now >= self._next_lease_check:
+        if now >= self._next_lease_check and not self._expiry_held:
             self._next_lease_check = now + 0.5
             expired = [e for e in self._inflight.values() if e.lease_until < now]
         if expired:
@@ -561,7 +571,8 @@ class QueueServer(Admission, Delivery):
                 self.config.lease_s,
             )
             self._requeue(expired)
-        self._expire_leases(now)
+        if not self._expiry_held:
+            self._expire_leases(now)
         for ident, get in list(self._gets.items()):
             if get.deadline is not None and get.deadline < now:
                 del self._gets[ident]
