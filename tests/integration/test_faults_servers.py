@@ -171,7 +171,9 @@ class BothBack:
     on groups of the restarted roller: once it is back (at step n), at most (k + 1) steps' groups
     were admitted before, so step n + k + 2 holds at least one of its groups. (Whether a step's push
     went to the one live server depends on timing: with the roller dead too, the learner may not
-    step at all until both are back, so that is not asked.)"""
+    step at all until both are back, so that is not asked.) And the killed roller's lease lapsed
+    (its credits reclaimed, as the account then checks): a run that got both back and trained on
+    within `queue.roller_lease_s` of the kill would otherwise end with the dead lease still open."""
 
     def __init__(self, k: int) -> None:
         self.k, self.back_at = k, None
@@ -186,7 +188,7 @@ class BothBack:
         if at_kill + len(records) < self.back_at + self.k + 2 or records[-1]["sync/servers_updated"] != 2:
             return False
         learner_log = (run_dir / "logs" / "learner.log").read_text(errors="replace")
-        return bool(
+        return "admission credits reclaimed" in learner_log and bool(
             re.search(
                 r"are behind version \d+: pushing|are up again: rebuilding the weight group", learner_log
             )
