@@ -342,6 +342,37 @@ def test_a_refused_bucket_drops_the_server_whole_on_its_previous_version(served:
     assert_serves(served.url, learner, version=before)
 
 
+@pytest.mark.parametrize(
+    ("method", "count", "said"),
+    [("agentrl_join_group", 2, "joining the weight group failed"), ("agentrl_commit", 1, "commit failed")],
+)
+def test_a_refused_group_join_or_commit_leaves_the_server_on_its_previous_version(
+    served: Served, learner, method: str, count: int, said: str
+) -> None:
+    """The proxy answers 500 to the worker's group join (at the engine's start and at the push's
+    rejoin) or to the commit: the push drops the server without raising, records the version it
+    reads back (the previous one) and leaves it serving the previous weights, not paused."""
+    from tests.fault_proxy import FaultProxy
+
+    before = run(VLLMClient(served.url).get_weight_version())
+    proxy = FaultProxy(served.url).start()
+    proxy.fail("/collective_rpc", nth=1, count=count, only_if=method)
+    engine = create(
+        BroadcastSyncConfig(backend="gloo", timeout_s=10, bucket_mb=1), inference_config(), [proxy.url]
+    )
+    engine.init()
+    try:
+        other = [(n, p.detach() + 0.25) for n, p in learner.named_parameters()]
+        stats = engine.push(lambda: iter(other), version=6)
+    finally:
+        engine.close()
+        proxy.stop()
+    outcome = stats.outcomes[proxy.url]
+    assert not outcome.committed and said in outcome.reason and not outcome.paused, outcome
+    assert outcome.version == before == run(VLLMClient(served.url).get_weight_version())
+    assert_serves(served.url, learner, version=before)
+
+
 def test_server_killed_mid_push_is_dropped_and_rejoins_at_the_current_version(
     served: Served, learner, processes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
