@@ -153,3 +153,16 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(timeout=10)
+
+
+def require_private_mounts() -> str:
+    """The path of unshare(1), or skip the test: it needs a private mount namespace (root) to mount
+    a small tmpfs of its own."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare, "--mount", "--propagation", "private", "true"],
+                           capture_output=True) if unshare else None  # fmt: skip
+    if probe is None or probe.returncode != 0:
+        pytest.skip(
+            "needs unshare(1) and the right to make a private mount namespace (root) for a small tmpfs"
+        )
+    return unshare

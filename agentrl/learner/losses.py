@@ -165,12 +165,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     raise ValueError(f"unknown KL estimator {kind!r}; choose k1, k3 or low_var_kl")
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution of each row of logits."""
-    logz = torch.logsumexp(logits, dim=-1)
-    return logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-
-
 def token_weights(seq_loss_tokens: list[int], mode: str, total_tokens: int, total_seqs: int) -> list[float]:
     """Per-token aggregation weight of each sequence, given batch-wide totals.
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 
 import pytest
 
 from agentrl.config import ZmqQueueConfig
 from agentrl.log import read_metrics
+from tests.conftest import require_private_mounts
 from tests.unit.learner.source import make_groups
 
 SECRET = {"AGENTRL_QUEUE_SECRET": "test-secret-for-the-learner-cli"}
@@ -80,13 +79,7 @@ def test_learner_cli_trains_from_the_queue_and_resumes(processes, tiny_model, tm
 def test_a_full_disk_at_a_checkpoint_is_the_error_the_learner_exits_with(
     processes, tiny_model, tmp_path, free_port
 ):
-    unshare = shutil.which("unshare")
-    probe = subprocess.run([unshare or "unshare", "--mount", "--propagation", "private", "true"],
-                           capture_output=True) if unshare else None  # fmt: skip
-    if probe is None or probe.returncode != 0:
-        pytest.skip(
-            "needs unshare(1) and the right to make a private mount namespace (root) for a small tmpfs"
-        )
+    unshare = require_private_mounts()
     run_dir, listing = tmp_path / "run", tmp_path / "listing"
     run_dir.mkdir()
 

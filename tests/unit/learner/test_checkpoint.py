@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from agentrl.learner.backend import NonFiniteError
 from agentrl.learner.checkpoint import CheckpointError
 from agentrl.learner.fsdp import full_state_dict
 from agentrl.learner.loop import build_learner, run
+from tests.conftest import require_private_mounts
 from tests.unit.learner.source import ListSource, learner_config, make_groups
 
 REPO = Path(__file__).resolve().parents[3]
@@ -191,13 +191,7 @@ def _enospc_worker(model: str, run_dir: str, out: str) -> None:
 def test_a_full_disk_during_a_save_is_the_error_reported_and_resume_works_once_space_is_back(
     tiny_model, tmp_path
 ):
-    unshare = shutil.which("unshare")
-    probe = subprocess.run([unshare or "unshare", "--mount", "--propagation", "private", "true"],
-                           capture_output=True) if unshare else None  # fmt: skip
-    if probe is None or probe.returncode != 0:
-        pytest.skip(
-            "needs unshare(1) and the right to make a private mount namespace (root) for a small tmpfs"
-        )
+    unshare = require_private_mounts()
     run_dir, out = tmp_path / "run", tmp_path / "facts.json"
     run_dir.mkdir()
     script = (

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from agentrl.learner import losses
+from agentrl.learner import hf_model, losses
 
 
 def t(*v):
@@ -83,7 +83,7 @@ def test_low_var_kl_is_clamped():
 
 def test_entropy_from_logits():
     # uniform over 4 → log 4; one-hot-ish → ~0
-    ent = losses.entropy_from_logits(torch.tensor([[0.0, 0, 0, 0], [100.0, 0, 0, 0]], dtype=torch.float64))
+    ent = hf_model.entropy_from_logits(torch.tensor([[0.0, 0, 0, 0], [100.0, 0, 0, 0]], dtype=torch.float64))
     torch.testing.assert_close(ent, t(math.log(4), 0.0), atol=1e-12, rtol=0)
 
 
