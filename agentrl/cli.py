@@ -502,6 +502,16 @@ def bench(
     raise typer.Exit(module.main(list(ctx.args)))
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+)
+def plan(ctx: typer.Context) -> None:
+    """Rank deployments of a cluster for a model and workload (`agentrl plan --help`)."""
+    from agentrl.plan.cli import main as plan_main
+
+    raise typer.Exit(plan_main(list(ctx.args)))
+
+
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
 def doctor(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Check this machine and a config: versions, devices, optional backends, the model's chat template."""
