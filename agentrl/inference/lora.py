@@ -17,6 +17,9 @@ name's, whatever is loaded meanwhile, and an adapter is never replaced in place.
 - `unload_adapter(name)`: the server stops serving `name` (read back the same way);
 - `served_adapters()`: `{name: path}` as the server lists them (`GET /v1/models`, both servers).
 
+The adapter directory must be readable by the server; `VLLMClient.load_adapter_tensors` sends
+the tensors and config to a vLLM server instead, which writes them on its own host.
+
 A client built with `lora=BASE` names, per request, the newest served version of `BASE`
 (`newest`), reports that version as the result's weight version and as the server's
 (`get_weight_version`), and generates with the base model, at the server's own version, while

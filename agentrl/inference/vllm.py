@@ -45,7 +45,17 @@ each broadcast bucket, commit the whole set at `end_weight_update`, then
 `/update_weight_version`. The disk fallback loads through the same commit. vLLM's native
 weight-transfer engines (nccl, ipc, ...) are not used: none runs on CPU, and a failed update
 through them killed the engine. Pause / resume are `/pause?mode=abort`, `/resume`.
-See tests/unit/inference/test_vllm_client.py and tests/integration/test_vllm.py.
+LoRA adapters (`inference/lora.py`, servers started with `inference.vllm.lora`): vLLM's own
+runtime loading, `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (`lora_name`,
+`lora_path`; `vllm/entrypoints/serve/lora/api_router.py`, on with
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`), the served set read back from `GET /v1/models`
+(`OpenAIServingModels.show_available_models`: an adapter card has `parent`), the limits from
+`GET /server_info?config_format=json` (`lora_config`), and the adapter named per request as its
+`model` (`_maybe_get_adapters` in `vllm/entrypoints/serve/engine/serving.py`; an unknown name is a
+404 `ErrorResponse`). vLLM's unload only drops the name from the API server's table; the engine
+evicts the weights from its cache (`--max-cpu-loras`) when it needs the room.
+See tests/unit/inference/test_vllm_client.py, tests/integration/test_vllm.py and
+tests/integration/test_vllm_lora.py.
 """
 
 from __future__ import annotations
@@ -67,6 +77,8 @@ from agentrl.inference.lora import (
     AdapterClient,
     AdapterError,
     AdapterLimits,
+    AdapterSpec,
+    adapter_name,
     generate_with_adapter,
     newest,
     served_from_models,
@@ -434,6 +446,36 @@ class VLLMClient(InferenceClient, WeightUpdateClient, AdapterClient):
 
     async def served_adapters(self) -> dict[str, str]:
         return served_from_models(self.url, await self.http.request("GET", "/v1/models"))
+
+    async def load_adapter_tensors(
+        self, base: str, tensors: dict[str, Any], config: dict[str, Any], version: int
+    ) -> str:
+        """`load_adapter` for an adapter held as tensors (PEFT's names, as in `adapter_model.safetensors`)
+        and its PEFT config: checked against the limits, sent over HTTP to the worker extension, which
+        writes it where the server can read it (`agentrl_write_adapter`), then loaded from there. For
+        servers that cannot read the learner's files; the bytes travel once per server."""
+        import base64
+
+        from safetensors.torch import save
+
+        (await self.adapter_limits()).check(AdapterSpec.from_config(config), self.url)
+        name = adapter_name(base, version)
+        data = base64.b64encode(save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
+        try:
+            written = await self.rpc(
+                "agentrl_write_adapter", name=name, config=config, safetensors=data.decode()
+            )
+        except InferenceError as exc:
+            raise AdapterError(f"adapter {name}: writing it on {self.url} failed: {exc}") from exc
+        return await self.load_adapter(base, written[0]["path"], version)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving `name`; then delete its directory if `load_adapter_tensors` wrote it."""
+        await super().unload_adapter(name)
+        try:
+            await self.rpc("agentrl_remove_adapter", name=name)
+        except InferenceError as exc:  # a vLLM without agentrl's worker extension wrote none
+            logger.warning("%s: adapter %s unloaded, its directory not removed: %s", self.url, name, exc)
 
     async def _load(self, name: str, path: str) -> None:
         await self._lora_call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, name)

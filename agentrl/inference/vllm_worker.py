@@ -27,7 +27,9 @@ keeps its own pre-packed copy of the embedding matrix (`dispatch_cpu_unquantized
 log-probs came from the new body and the old output layer. `_retie` re-points the head at
 the embedding and re-runs its quant method's `process_weights_after_loading`.
 
-The same commit path serves the disk fallback (`agentrl_load_from_disk`). Imports only torch
+The same commit path serves the disk fallback (`agentrl_load_from_disk`). LoRA adapters are
+vLLM's own (`/v1/load_lora_adapter`, by path); `agentrl_write_adapter` only writes an adapter
+sent over HTTP where the server can read it (`agentrl_remove_adapter` deletes it). Imports only torch
 and agentrl's weight-group module, so it runs in vLLM's own environment.
 """
 
@@ -139,6 +141,43 @@ class AgentRLWorkerExtension:
             tensors.update(load_file(str(file), device="cpu"))
         return self._agentrl_install(tensors)
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def agentrl_write_adapter(self, payload: str) -> dict[str, Any]:
+        """Write a PEFT adapter directory sent over HTTP (`config`, the `adapter_model.safetensors`
+        bytes in base64) where this server can read it, `<tmp>/agentrl-adapters/<name>`, and answer
+        its path: vLLM loads adapters by path (`/v1/load_lora_adapter`), so a server on another host
+        needs no shared filesystem. Written under a temporary name and renamed; the workers of one
+        server write the same bytes, the first rename wins."""
+        import base64
+        import os
+        import shutil
+
+        args = json.loads(payload)
+        target = _adapter_dir(args["name"])
+        if target.is_dir():
+            return {"path": str(target)}
+        partial = target.with_name(f".{target.name}.{os.getpid()}.{self.rank}")
+        partial.mkdir(parents=True, exist_ok=True)
+        (partial / "adapter_config.json").write_text(json.dumps(args["config"]))
+        (partial / "adapter_model.safetensors").write_bytes(base64.b64decode(args["safetensors"]))
+        try:
+            os.rename(partial, target)
+        except OSError:  # another worker of this server renamed its copy first
+            shutil.rmtree(partial, ignore_errors=True)
+            if not target.is_dir():
+                raise
+        return {"path": str(target)}
+
+    def agentrl_remove_adapter(self, payload: str) -> dict[str, Any]:
+        """Delete a directory `agentrl_write_adapter` wrote (after vLLM stopped serving it)."""
+        import shutil
+
+        target = _adapter_dir(json.loads(payload)["name"])
+        existed = target.is_dir()
+        shutil.rmtree(target, ignore_errors=True)
+        return {"removed": existed}
+
     # ------------------------------------------------------------------ internals
 
     def _agentrl_install(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -210,3 +249,12 @@ class AgentRLWorkerExtension:
                 raise FileNotFoundError(f"no *.safetensors in {directory} to check pushed weights against")
             self._agentrl_shapes = shapes
         return self._agentrl_shapes
+
+
+def _adapter_dir(name: str) -> Path:
+    """Where `agentrl_write_adapter` keeps adapter `name` on this host."""
+    import tempfile
+
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"adapter name {name!r}: a plain file name is required")
+    return Path(tempfile.gettempdir()) / "agentrl-adapters" / name

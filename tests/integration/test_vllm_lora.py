@@ -7,7 +7,8 @@ after loading adapter v1 the log-probs served on a fixed prompt equal PEFT's for
 (< 1e-4, fp32) and differ from the base model's; loading v2 moves them to v2's; the request
 names the version it ran with; a rank above the server's `--max-lora-rank` is refused before
 anything is sent, naming the limit (and vLLM itself refuses it too, if sent); a load vLLM
-refuses raises and leaves the served set as it was; the merged model pushed as full weights
+refuses raises and leaves the served set as it was; an adapter sent as tensors is written on
+the server's host and served the same; the merged model pushed as full weights
 (the broadcast group, the worker extension) serves what the adapter served.
 """
 
@@ -170,6 +171,25 @@ def test_a_refused_load_raises_and_changes_nothing(served: Served, tmp_path: Pat
     assert run(_call(served.url, "served_adapters")) == before
     newest_version = max(int(name.rsplit("-v", 1)[1]) for name in before)
     assert run(_call(served.url, "generate", PROMPT, SAMPLING)).weight_version == newest_version
+
+
+def test_adapter_tensors_are_written_where_the_server_reads_them(served: Served) -> None:
+    """`load_adapter_tensors`: the adapter as tensors + its PEFT config, sent over HTTP to the worker
+    extension, written on the server's host and loaded from there (no shared filesystem needed);
+    it serves PEFT's forward, and its directory goes with the unload."""
+    from safetensors.torch import load_file
+
+    source = served.adapters[1]
+    tensors = load_file(str(source / "adapter_model.safetensors"))
+    config = json.loads((source / "adapter_config.json").read_text())
+    name = run(_call(served.url, "load_adapter_tensors", "sent", tensors, config, 4, lora="sent"))
+    path = Path(run(_call(served.url, "served_adapters"))[name])
+    assert name == "sent-v4" and path != source and (path / "adapter_model.safetensors").is_file()
+    result = run(_call(served.url, "generate", PROMPT, SAMPLING, lora="sent"))
+    assert result.weight_version == 4
+    assert max_diff(result, peft_model(served, 1)) < 1e-4
+    run(_call(served.url, "unload_adapter", name, lora="sent"))
+    assert name not in run(_call(served.url, "served_adapters")) and not path.exists()
 
 
 def test_the_merged_model_pushed_as_full_weights_serves_what_the_adapter_served(served: Served) -> None:
