@@ -15,7 +15,8 @@ name's, whatever is loaded meanwhile, and an adapter is never replaced in place.
   (`AdapterLimitError` names the limit), loads it, then reads the server's adapter list back and
   returns the served name only if it is there with `path`; any failure raises `AdapterError`;
 - `unload_adapter(name)`: the server stops serving `name` (read back the same way);
-- `served_adapters()`: `{name: path}` as the server lists them (`GET /v1/models`, both servers).
+- `served_adapters()`: `{name: path}` as the server lists them (`GET /v1/models`, both servers);
+- `check_servers(clients, spec)`: the limits check alone, for every server, before training.
 
 The adapter directory must be readable by the server; `VLLMClient.load_adapter_tensors` sends
 the tensors and config to a vLLM server instead, which writes them on its own host.
@@ -185,6 +186,18 @@ class AdapterClient(abc.ABC):
             raise AdapterError(
                 f"{self.url}: unloading adapter {name} answered success, but it is still listed"
             )
+
+
+async def check_servers(clients: list[AdapterClient], spec: AdapterSpec) -> None:
+    """Before training: every server can load an adapter like `spec` (e.g. `AdapterSpec(rank,
+    target_modules)` from the learner's LoRA settings); `AdapterLimitError` naming the server and the
+    limit otherwise, `AdapterError` for a server without LoRA."""
+    import asyncio
+
+    for client, limits in zip(
+        clients, await asyncio.gather(*(c.adapter_limits() for c in clients)), strict=True
+    ):
+        limits.check(spec, client.url)
 
 
 def served_from_models(url: str, reply: object) -> dict[str, str]:

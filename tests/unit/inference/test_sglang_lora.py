@@ -13,7 +13,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from agentrl.inference.lora import AdapterError, AdapterLimitError, AdapterSpec, adapter_name, newest
+from agentrl.inference.lora import (
+    AdapterError,
+    AdapterLimitError,
+    AdapterSpec,
+    adapter_name,
+    check_servers,
+    newest,
+)
 from agentrl.inference.sglang import SGLangClient
 from tests.sglang_standin import StandInSGLang
 from tests.unit.inference import schemas as S
@@ -152,3 +159,45 @@ def test_adapter_spec_reads_peft_configs(tmp_path: Path) -> None:
         AdapterSpec.from_config({**config, "peft_type": "IA3"})
     with pytest.raises(AdapterError, match="not a readable PEFT adapter config"):
         AdapterSpec.from_dir(tmp_path / "missing")
+
+
+async def test_check_servers_before_training_names_the_server_and_the_limit() -> None:
+    small = StandInSGLang(device="cpu", lora={"max_lora_rank": 8}).start()
+    large = StandInSGLang(device="cpu", lora={"max_lora_rank": 64}).start()
+    try:
+        clients = [SGLangClient(small.url), SGLangClient(large.url)]
+        await check_servers(clients, AdapterSpec(8, ("q_proj", "v_proj")))
+        with pytest.raises(AdapterLimitError, match=rf"rank 32 is above {small.url}'s --max-lora-rank 8"):
+            await check_servers(clients, AdapterSpec(32, ("q_proj",)))
+        for client in clients:
+            await client.close()
+    finally:
+        small.stop()
+        large.stop()
+
+
+@pytest.mark.slow  # a process of its own: ~10 s on a busy machine (torch's import)
+def test_the_standin_takes_sglangs_lora_flags(processes) -> None:
+    """`python -m tests.sglang_standin --enable-lora ...` (the flags of `sglang_launch`)."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tests.conftest import find_free_port
+
+    port = find_free_port()
+    flags = ["--enable-lora", "--max-lora-rank", "32", "--lora-target-modules", "q_proj", "v_proj"]
+    processes.start([sys.executable, "-m", "tests.sglang_standin", "--port", str(port), *flags],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=2) as reply:
+                info = json.loads(reply.read())
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the stand-in did not start"
+            time.sleep(0.2)
+    assert info["enable_lora"] and info["max_lora_rank"] == 32
+    assert info["lora_target_modules"] == ["q_proj", "v_proj"]
