@@ -167,9 +167,13 @@ class AdapterClient(abc.ABC):
     async def load_adapter(self, base: str, path: str, version: int) -> str:
         """Serve the PEFT adapter directory `path` as `adapter_name(base, version)`; return that name
         once the server lists it with `path`. `AdapterLimitError` (nothing sent) when it does not fit
-        the server's limits, `AdapterError` when the server refuses it or does not list it after."""
+        the server's limits, `AdapterError` when the server refuses it or does not list it after. A
+        name the server already serves (a push redone, a resumed learner) is unloaded and loaded
+        again from `path`."""
         name = adapter_name(base, version)
         (await self.adapter_limits()).check(AdapterSpec.from_dir(path), self.url)
+        if name in await self.served_adapters():  # a redone push: load it afresh, never keep a stale copy
+            await self._unload(name)
         await self._load(name, str(path))
         served = await self.served_adapters()
         if served.get(name) != str(path):

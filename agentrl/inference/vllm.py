@@ -495,7 +495,7 @@ class VLLMClient(InferenceClient, WeightUpdateClient, AdapterClient):
                     f"agentrl serve does with inference.vllm.lora set): {exc}"
                 ) from exc
             raise AdapterError(f"adapter {name}: {exc}") from exc
-        except ServerError as exc:
+        except InferenceError as exc:
             raise AdapterError(f"adapter {name}: {exc}") from exc
 
     async def close(self) -> None:

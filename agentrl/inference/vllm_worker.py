@@ -145,22 +145,27 @@ class AgentRLWorkerExtension:
 
     def agentrl_write_adapter(self, payload: str) -> dict[str, Any]:
         """Write a PEFT adapter directory sent over HTTP (`config`, the `adapter_model.safetensors`
-        bytes in base64) where this server can read it, `<tmp>/agentrl-adapters/<name>`, and answer
-        its path: vLLM loads adapters by path (`/v1/load_lora_adapter`), so a server on another host
-        needs no shared filesystem. Written under a temporary name and renamed; the workers of one
-        server write the same bytes, the first rename wins."""
+        bytes in base64) where this server can read it, `<tmp>/agentrl-adapters/<name>.<digest>`,
+        and answer its path: vLLM loads adapters by path (`/v1/load_lora_adapter`), so a server on
+        another host needs no shared filesystem. Named by content, so the workers of one server
+        agree on the path and a name sent again with other weights gets a directory of its own;
+        written under a temporary name and renamed (the first worker's rename wins)."""
         import base64
+        import hashlib
         import os
         import shutil
 
         args = json.loads(payload)
-        target = _adapter_dir(args["name"])
+        config = json.dumps(args["config"], sort_keys=True)
+        weights = base64.b64decode(args["safetensors"])
+        digest = hashlib.sha256(config.encode() + weights).hexdigest()[:16]
+        target = _adapter_root(args["name"]) / f"{args['name']}.{digest}"
         if target.is_dir():
             return {"path": str(target)}
         partial = target.with_name(f".{target.name}.{os.getpid()}.{self.rank}")
         partial.mkdir(parents=True, exist_ok=True)
-        (partial / "adapter_config.json").write_text(json.dumps(args["config"]))
-        (partial / "adapter_model.safetensors").write_bytes(base64.b64decode(args["safetensors"]))
+        (partial / "adapter_config.json").write_text(config)
+        (partial / "adapter_model.safetensors").write_bytes(weights)
         try:
             os.rename(partial, target)
         except OSError:  # another worker of this server renamed its copy first
@@ -170,13 +175,14 @@ class AgentRLWorkerExtension:
         return {"path": str(target)}
 
     def agentrl_remove_adapter(self, payload: str) -> dict[str, Any]:
-        """Delete a directory `agentrl_write_adapter` wrote (after vLLM stopped serving it)."""
+        """Delete the directories `agentrl_write_adapter` wrote for `name` (after vLLM stopped serving it)."""
         import shutil
 
-        target = _adapter_dir(json.loads(payload)["name"])
-        existed = target.is_dir()
-        shutil.rmtree(target, ignore_errors=True)
-        return {"removed": existed}
+        name = json.loads(payload)["name"]
+        written = list(_adapter_root(name).glob(f"{name}.*"))
+        for directory in written:
+            shutil.rmtree(directory, ignore_errors=True)
+        return {"removed": len(written)}
 
     # ------------------------------------------------------------------ internals
 
@@ -251,10 +257,10 @@ class AgentRLWorkerExtension:
         return self._agentrl_shapes
 
 
-def _adapter_dir(name: str) -> Path:
-    """Where `agentrl_write_adapter` keeps adapter `name` on this host."""
+def _adapter_root(name: str) -> Path:
+    """Where `agentrl_write_adapter` keeps adapters on this host (after checking `name` is a plain name)."""
     import tempfile
 
-    if not name or "/" in name or name.startswith("."):
+    if not name or "/" in name or name.startswith(".") or "*" in name:
         raise ValueError(f"adapter name {name!r}: a plain file name is required")
-    return Path(tempfile.gettempdir()) / "agentrl-adapters" / name
+    return Path(tempfile.gettempdir()) / "agentrl-adapters"

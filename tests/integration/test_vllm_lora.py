@@ -8,7 +8,8 @@ after loading adapter v1 the log-probs served on a fixed prompt equal PEFT's for
 names the version it ran with; a rank above the server's `--max-lora-rank` is refused before
 anything is sent, naming the limit (and vLLM itself refuses it too, if sent); a load vLLM
 refuses raises and leaves the served set as it was; an adapter sent as tensors is written on
-the server's host and served the same; the merged model pushed as full weights
+the server's host and served the same, and sent again as the same version with other weights,
+loaded afresh; the merged model pushed as full weights
 (the broadcast group, the worker extension) serves what the adapter served.
 """
 
@@ -23,7 +24,8 @@ import pytest
 import torch
 
 from agentrl.config import BroadcastSyncConfig, InferenceConfig
-from agentrl.inference.lora import AdapterError, AdapterLimitError
+from agentrl.inference.base import BadRequestError
+from agentrl.inference.lora import AdapterError, AdapterLimitError, AdapterSpec, check_servers
 from agentrl.inference.vllm import VLLMClient
 from agentrl.weight_sync.registry import create
 from tests.conftest import find_free_port
@@ -144,9 +146,19 @@ def test_loaded_adapters_serve_the_peft_forward(served: Served) -> None:
     run(_call(served.url, "unload_adapter", "policy-v1"))
     assert set(run(_call(served.url, "served_adapters"))) == {"policy-v2"}
     assert run(_call(served.url, "generate", PROMPT, SAMPLING)).weight_version == 2
+    # a request naming an unloaded version is refused with its name (what the client's retry keys on)
+    with pytest.raises(BadRequestError, match="policy-v1"):
+        run(_call(served.url, "_generate", PROMPT, SAMPLING, None, None, "policy-v1"))
 
 
 def test_a_rank_above_the_server_limit_is_refused_naming_it(served: Served) -> None:
+    async def check(spec: AdapterSpec) -> None:  # what the learner asks before training
+        async with VLLMClient(served.url) as client:
+            await check_servers([client], spec)
+
+    run(check(AdapterSpec(8, tuple(TARGETS))))
+    with pytest.raises(AdapterLimitError, match=r"rank 16 is above .*--max-lora-rank 8"):
+        run(check(AdapterSpec(16, tuple(TARGETS))))
     before = run(_call(served.url, "served_adapters"))
     with pytest.raises(AdapterLimitError, match=r"rank 16 is above .*--max-lora-rank 8"):
         run(_call(served.url, "load_adapter", "policy", str(served.too_big), 9))
@@ -176,20 +188,26 @@ def test_a_refused_load_raises_and_changes_nothing(served: Served, tmp_path: Pat
 def test_adapter_tensors_are_written_where_the_server_reads_them(served: Served) -> None:
     """`load_adapter_tensors`: the adapter as tensors + its PEFT config, sent over HTTP to the worker
     extension, written on the server's host and loaded from there (no shared filesystem needed);
-    it serves PEFT's forward, and its directory goes with the unload."""
+    it serves PEFT's forward. The same version sent again with other weights (a redone push) is
+    loaded afresh, and the directories go with the unload."""
     from safetensors.torch import load_file
 
-    source = served.adapters[1]
-    tensors = load_file(str(source / "adapter_model.safetensors"))
-    config = json.loads((source / "adapter_config.json").read_text())
-    name = run(_call(served.url, "load_adapter_tensors", "sent", tensors, config, 4, lora="sent"))
-    path = Path(run(_call(served.url, "served_adapters"))[name])
-    assert name == "sent-v4" and path != source and (path / "adapter_model.safetensors").is_file()
-    result = run(_call(served.url, "generate", PROMPT, SAMPLING, lora="sent"))
-    assert result.weight_version == 4
-    assert max_diff(result, peft_model(served, 1)) < 1e-4
-    run(_call(served.url, "unload_adapter", name, lora="sent"))
-    assert name not in run(_call(served.url, "served_adapters")) and not path.exists()
+    paths = []
+    for source in (1, 2):
+        directory = served.adapters[source]
+        tensors = load_file(str(directory / "adapter_model.safetensors"))
+        config = json.loads((directory / "adapter_config.json").read_text())
+        name = run(_call(served.url, "load_adapter_tensors", "sent", tensors, config, 4, lora="sent"))
+        paths.append(Path(run(_call(served.url, "served_adapters"))[name]))
+        assert name == "sent-v4" and paths[-1] != directory
+        assert (paths[-1] / "adapter_model.safetensors").is_file()
+        result = run(_call(served.url, "generate", PROMPT, SAMPLING, lora="sent"))
+        assert result.weight_version == 4
+        assert max_diff(result, peft_model(served, source)) < 1e-4
+    assert paths[0] != paths[1]
+    run(_call(served.url, "unload_adapter", "sent-v4", lora="sent"))
+    assert "sent-v4" not in run(_call(served.url, "served_adapters"))
+    assert not any(path.exists() for path in paths)
 
 
 def test_the_merged_model_pushed_as_full_weights_serves_what_the_adapter_served(served: Served) -> None:

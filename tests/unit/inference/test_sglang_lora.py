@@ -134,6 +134,12 @@ async def test_what_the_server_refuses_or_does_not_serve_is_a_failure(
         await client.load_adapter("policy", str(good), 1)
         with pytest.raises(AdapterError, match="already loaded"):
             await client._load("policy-v1", str(good))
+        # the same version again (a redone push) from other weights: unloaded, then loaded afresh
+        redone = adapter(tmp_path / "redone", seed=5)
+        digest = standin.adapters["policy-v1"]["digest"]
+        assert await client.load_adapter("policy", str(redone), 1) == "policy-v1"
+        assert standin.adapters["policy-v1"]["digest"] != digest
+        assert await client.served_adapters() == {"policy-v1": str(redone)}
 
 
 async def test_a_server_without_lora_says_so(tmp_path: Path) -> None:
