@@ -224,6 +224,41 @@ QueueConfig = Annotated[ZmqQueueConfig | RedisQueueConfig, Field(discriminator="
 # --------------------------------------------------------------------------- inference
 
 
+class VLLMLoRAConfig(Section):
+    """vLLM's LoRA serving: adapters loaded at run time, named per request (`inference/lora.py`)."""
+
+    max_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+    """`--max-lora-rank` (vLLM 0.32 takes only these); an adapter of a larger rank is refused before
+    it is sent. vLLM sizes its LoRA buffers by it, so keep it at the rank trained."""
+    max_loras: int = Field(2, ge=1)
+    """`--max-loras`: adapters one batch may use; 2 lets requests on the previous version finish
+    beside the new one."""
+    max_cpu_loras: int | None = Field(None, ge=1)
+    """`--max-cpu-loras`: adapters kept in host memory (null: vLLM's default, `max_loras`)."""
+
+
+class SGLangLoRAConfig(Section):
+    """SGLang's LoRA serving (`--enable-lora`): adapters loaded at run time, named per request."""
+
+    max_rank: int = Field(16, ge=1)
+    """`--max-lora-rank`; an adapter of a larger rank is refused before it is sent."""
+    target_modules: list[str] = Field(default_factory=lambda: ["all"])
+    """`--lora-target-modules`: the modules SGLang allocates LoRA buffers for (`all`: every one it
+    supports); an adapter targeting another is refused before it is sent."""
+    max_loras_per_batch: int = Field(8, ge=1)
+    """`--max-loras-per-batch` (SGLang's default, 8; base-model requests take a slot)."""
+    max_loaded_loras: int | None = Field(None, ge=1)
+    """`--max-loaded-loras`: adapters kept in host memory (null: no limit; SGLang evicts the least
+    recently used above it)."""
+
+
+class SGLangLaunchConfig(Section):
+    """How `agentrl serve --backend sglang` starts SGLang, beyond the flags every server gets."""
+
+    lora: SGLangLoRAConfig | None = None
+    """Serve LoRA adapters (`--enable-lora` with these limits); null: no LoRA."""
+
+
 class VLLMLaunchConfig(Section):
     """How `agentrl serve --backend vllm` (and `agentrl run` with `inference.type: vllm`) starts vLLM."""
 
@@ -239,6 +274,9 @@ class VLLMLaunchConfig(Section):
     """GPUs per vLLM server; the weight group then takes that many ranks per server."""
     startup_timeout_s: float = Field(900.0, gt=0)
     """Seconds to wait for a started vLLM server to answer `/health`."""
+    lora: VLLMLoRAConfig | None = None
+    """Serve LoRA adapters: `--enable-lora` with these limits, and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`
+    for `/v1/load_lora_adapter`; null: no LoRA."""
     extra_args: list[str] = Field(default_factory=list)
     """More command-line flags for `vllm.entrypoints.openai.api_server`, passed as given."""
 
@@ -303,6 +341,8 @@ class InferenceConfig(Section):
     CPU next to other processes (more threads thrash on a busy machine); null keeps torch's default."""
     vllm: VLLMLaunchConfig = VLLMLaunchConfig()
     """How vLLM servers are started when agentrl starts them (`inference.type: vllm` without `servers`)."""
+    sglang: SGLangLaunchConfig = SGLangLaunchConfig()
+    """How `agentrl serve --backend sglang` starts SGLang."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Settings of a backend another package registers, checked by its descriptor's `options` model
     (a backend without one takes none)."""

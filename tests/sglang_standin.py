@@ -31,6 +31,8 @@ in their own process, as SGLang servers do:
     python -m tests.sglang_standin --port 30000 [--no-session-api]
 
 `GET /_standin/state` and `POST /_standin/fail_updates {"count": n}` are the test's hooks (not SGLang's).
+LoRA adapters (`--enable-lora`, `/load_lora_adapter`, `lora_path` per request) follow the rules
+listed in tests/sglang_standin_lora.py.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import torch
 from aiohttp import web
 
 from tests.conftest import find_free_port
+from tests.sglang_standin_lora import StandInLoRA
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
 
@@ -85,7 +88,7 @@ def _sglang_group(
     return pg
 
 
-class StandInSGLang:
+class StandInSGLang(StandInLoRA):
     """The server, on its own event loop in a daemon thread: `start()`, `url`, `stop()`."""
 
     def __init__(
@@ -94,7 +97,11 @@ class StandInSGLang:
         device: str = "cuda",
         token_interval_s: float = 0.01,
         session_api: bool = True,
+        lora: dict[str, Any] | None = None,
     ) -> None:
+        """`lora`: None (no `--enable-lora`) or the LoRA flags, e.g. `{"max_lora_rank": 8,
+        "lora_target_modules": ["all"], "max_loaded_loras": 4}` (tests/sglang_standin_lora.py)."""
+        self._lora_init(lora)
         self.vocab_size = vocab_size
         self.device = device
         """The device SGLang would receive into; "cuda" receives through the group's cuda backend."""
@@ -156,6 +163,9 @@ class StandInSGLang:
             del post["/begin_weight_update"], post["/end_weight_update"]
         get = {"/health": self._health, "/health_generate": self._health, "/ping": self._ping,
                "/model_info": self._model_info, "/_standin/state": self._state}  # fmt: skip
+        lora_post, lora_get = self._lora_routes()
+        post |= lora_post
+        get |= lora_get
         app.add_routes([web.post(p, h) for p, h in post.items()] + [web.get(p, h) for p, h in get.items()])
         self._runner = web.AppRunner(app, shutdown_timeout=1)
         self._loop.run_until_complete(self._runner.setup())
@@ -185,10 +195,13 @@ class StandInSGLang:
             return web.json_response(
                 {"object": "error", "message": "input_ids: a non-empty list is required", "type": "Bad Request",
                  "param": None, "code": 400}, status=400)  # fmt: skip
+        adapter, error = self._resolve_lora(body.get("lora_path"))
+        if error is not None:
+            return web.json_response({"error": {"message": error}}, status=400)
         await self._resume.wait()  # held while paused
         req = _Req(body.get("rid") or uuid.uuid4().hex)
         self._running[req.rid] = req
-        gen = torch.Generator().manual_seed(hash((tuple(ids), req.rid)) & 0xFFFF)
+        gen = torch.Generator().manual_seed(hash((tuple(ids), req.rid, adapter)) & 0xFFFF)
         try:
             for _ in range(int(params.get("max_new_tokens", 16))):
                 if req.aborted:
@@ -259,6 +272,7 @@ class StandInSGLang:
             {
                 "calls": self.calls, "refused": self.refused, "session": self.session, "paused": self.paused,
                 "weight_version": self.weight_version, "aborted": self.aborted, "weights": {n: digest(t) for n, t in self.weights.items()},
+                "adapters": self._loaded(), "generated_with": self.generated_with, "lora_bodies": self.lora_bodies,
             }
         )  # fmt: skip
 
@@ -374,8 +388,16 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--token-interval-s", type=float, default=0.01)
     parser.add_argument("--no-session-api", action="store_true", help="act as an SGLang without begin/end")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=16)
+    parser.add_argument("--lora-target-modules", nargs="*", default=["all"])
+    parser.add_argument("--max-loaded-loras", type=int, default=None)
     opts = parser.parse_args()
-    server = StandInSGLang(opts.vocab_size, opts.device, opts.token_interval_s, not opts.no_session_api)
+    lora = None
+    if opts.enable_lora:
+        lora = {"max_lora_rank": opts.max_lora_rank, "lora_target_modules": opts.lora_target_modules,
+                "max_loaded_loras": opts.max_loaded_loras}  # fmt: skip
+    server = StandInSGLang(opts.vocab_size, opts.device, opts.token_interval_s, not opts.no_session_api, lora)
     server.port, server.url = opts.port, f"http://127.0.0.1:{opts.port}"
     server._run()
 

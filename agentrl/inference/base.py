@@ -63,7 +63,8 @@ class GenerateResult:
     """Weight version that generated the output. The embedded server reports the version behind
     the first generated token (older if an update landed mid-request, so staleness is never
     understated); SGLang reports its version at the end; the vLLM client the version read just
-    before sending. Weight sync wraps updates in pause/continue, so normally all agree."""
+    before sending. Weight sync wraps updates in pause/continue, so normally all agree. A client
+    that names a LoRA adapter per request (`lora.py`) reports that adapter's version: exact."""
     prompt_tokens: int
     completion_tokens: int
     matched: int | str | None = None

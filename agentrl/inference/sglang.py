@@ -44,6 +44,14 @@ from agentrl.inference.base import (
     WeightUpdateClient,
     parse_weight_version,
 )
+from agentrl.inference.lora import (
+    AdapterClient,
+    AdapterError,
+    AdapterLimits,
+    generate_with_adapter,
+    newest,
+    served_from_models,
+)
 from agentrl.log import get_logger
 
 logger = get_logger(__name__)
@@ -128,15 +136,23 @@ def _raise_if_failed(url: str, finish: dict[str, Any]) -> None:
     raise BadRequestError(message, status)
 
 
-class SGLangClient(InferenceClient, WeightUpdateClient):
-    """SGLang native API: generation (`/generate` with `input_ids`) and weight-update control,
-    one HTTP API, so one class fills both interfaces."""
+class SGLangClient(InferenceClient, WeightUpdateClient, AdapterClient):
+    """SGLang native API: generation (`/generate` with `input_ids`), weight-update control and
+    LoRA adapters, one HTTP API, so one class fills the three interfaces."""
 
     def __init__(
-        self, url: str, api_key: str | None = None, timeout_s: float = 300.0, connect_timeout_s: float = 10.0
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 10.0,
+        lora: str | None = None,
     ) -> None:
         self.http = HTTPClient(url, api_key, timeout_s, connect_timeout_s)
         self.url = self.http.url
+        self.lora = lora
+        """Base name of the adapter requests name (`lora_path`: its newest served version); None: the
+        base model."""
         self.has_session: bool | None = None
         """Whether the server has `/begin_weight_update` (SGLang ≥ 0.5.2x); None until first asked."""
         self.stages_updates = False
@@ -203,9 +219,17 @@ class SGLangClient(InferenceClient, WeightUpdateClient):
         rid: str | None = None,
         session_id: str | None = None,
     ) -> GenerateResult:
+        """With `lora`, the request names the newest served version of the adapter (`lora_path`, which
+        SGLang resolves by adapter name) and the result carries that version."""
         payload = self.generate_payload(input_ids, sampling_params, rid, session_id)
-        reply = await self.http.request("POST", "/generate", payload)
-        return self.parse_generate(reply, len(input_ids))
+        if self.lora is None:
+            return self.parse_generate(await self.http.request("POST", "/generate", payload), len(input_ids))
+
+        async def send(name: str | None) -> GenerateResult:
+            body = payload if name is None else {**payload, "lora_path": name}
+            return self.parse_generate(await self.http.request("POST", "/generate", body), len(input_ids))
+
+        return await generate_with_adapter(self, self.lora, send)
 
     async def health(self) -> bool:
         try:
@@ -222,6 +246,9 @@ class SGLangClient(InferenceClient, WeightUpdateClient):
             return False
 
     async def get_weight_version(self) -> int:
+        """The server's weight version; with `lora`, the newest served adapter version (if any)."""
+        if self.lora is not None and (adapter := newest(await self.served_adapters(), self.lora)):
+            return adapter[1]
         return parse_weight_version((await self.get_model_info()).get("weight_version"))
 
     async def get_model_info(self) -> dict[str, Any]:
@@ -334,6 +361,44 @@ class SGLangClient(InferenceClient, WeightUpdateClient):
 
     async def flush_cache(self) -> None:
         await self.http.request("POST", "/flush_cache", {})
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    async def adapter_limits(self) -> AdapterLimits:
+        """From `GET /server_info` (the resolved server args): `enable_lora`, `max_lora_rank`,
+        `max_loras_per_batch`, `lora_target_modules` (`all`, or none given: any module)."""
+        info = await self.http.request("GET", "/server_info")
+        if not isinstance(info, dict) or "enable_lora" not in info:
+            raise AdapterError(f"{self.url}/server_info: no enable_lora in {str(info)[:200]}")
+        if not info["enable_lora"]:
+            raise AdapterError(f"{self.url} was started without --enable-lora: it cannot serve adapters")
+        targets = info.get("lora_target_modules") or ["all"]
+        if info.get("max_lora_rank") is None:
+            raise AdapterError(f"{self.url}/server_info: enable_lora without max_lora_rank")
+        return AdapterLimits(
+            max_rank=int(info["max_lora_rank"]),
+            max_loras=int(info.get("max_loras_per_batch") or 8),
+            target_modules=None if "all" in targets else frozenset(targets),
+        )
+
+    async def served_adapters(self) -> dict[str, str]:
+        return served_from_models(self.url, await self.http.request("GET", "/v1/models"))
+
+    async def _load(self, name: str, path: str) -> None:
+        await self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path}, name)
+
+    async def _unload(self, name: str) -> None:
+        await self._lora_call("/unload_lora_adapter", {"lora_name": name}, name)
+
+    async def _lora_call(self, route: str, body: dict[str, Any], name: str) -> None:
+        """SGLang answers `LoRAUpdateOutput` (`success`, `error_message`, `loaded_adapters`), HTTP
+        400 when `success` is false (`http_server.py` `load_lora_adapter`)."""
+        try:
+            reply = await self.http.request("POST", route, body)
+        except InferenceError as exc:
+            raise AdapterError(f"adapter {name}: {exc}") from exc
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            raise AdapterError(f"adapter {name}: {self.url}{route} answered {str(reply)[:500]}")
 
     async def close(self) -> None:
         await self.http.close()

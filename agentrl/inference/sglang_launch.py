@@ -18,7 +18,9 @@ CPU-only one). This module only builds the command line and supervises the proce
 Flags (all fields of SGLang 0.5.23's `ServerArgs`, `srt/arg_groups/fields/`): `--model-path`,
 `--host`, `--port`, `--dtype`, `--weight-version 0` (versions are integers here; SGLang
 starts at "default" otherwise), `--context-length`, `--served-model-name`, `--api-key` from
-`inference.api_key_env`. Behaviour log-probs are SGLang's only kind, the full tempered
+`inference.api_key_env`; with `inference.sglang.lora`, `--enable-lora`, `--max-lora-rank`,
+`--lora-target-modules`, `--max-loras-per-batch` and `--max-loaded-loras` (`fields/lora.py`;
+adapters are then loaded at run time: `agentrl/inference/lora.py`). Behaviour log-probs are SGLang's only kind, the full tempered
 distribution (`inference.logprobs: full`; "truncated" is refused by the config).
 """
 
@@ -66,6 +68,13 @@ def sglang_command(model_path: str, host: str, port: int, config: InferenceConfi
         cmd += ["--context-length", str(config.context_length)]
     if config.served_model_name:
         cmd += ["--served-model-name", config.served_model_name]
+    lora = config.sglang.lora
+    if lora is not None:
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora.max_rank)]
+        cmd += ["--lora-target-modules", *lora.target_modules]
+        cmd += ["--max-loras-per-batch", str(lora.max_loras_per_batch)]
+        if lora.max_loaded_loras is not None:
+            cmd += ["--max-loaded-loras", str(lora.max_loaded_loras)]
     api_key = os.environ.get(config.api_key_env)
     if api_key:
         cmd += ["--api-key", api_key]

@@ -45,7 +45,17 @@ each broadcast bucket, commit the whole set at `end_weight_update`, then
 `/update_weight_version`. The disk fallback loads through the same commit. vLLM's native
 weight-transfer engines (nccl, ipc, ...) are not used: none runs on CPU, and a failed update
 through them killed the engine. Pause / resume are `/pause?mode=abort`, `/resume`.
-See tests/unit/inference/test_vllm_client.py and tests/integration/test_vllm.py.
+LoRA adapters (`inference/lora.py`, servers started with `inference.vllm.lora`): vLLM's own
+runtime loading, `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (`lora_name`,
+`lora_path`; `vllm/entrypoints/serve/lora/api_router.py`, on with
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`), the served set read back from `GET /v1/models`
+(`OpenAIServingModels.show_available_models`: an adapter card has `parent`), the limits from
+`GET /server_info?config_format=json` (`lora_config`), and the adapter named per request as its
+`model` (`_maybe_get_adapters` in `vllm/entrypoints/serve/engine/serving.py`; an unknown name is a
+404 `ErrorResponse`). vLLM's unload only drops the name from the API server's table; the engine
+evicts the weights from its cache (`--max-cpu-loras`) when it needs the room.
+See tests/unit/inference/test_vllm_client.py, tests/integration/test_vllm.py and
+tests/integration/test_vllm_lora.py.
 """
 
 from __future__ import annotations
@@ -62,6 +72,16 @@ from agentrl.inference.base import (
     ServerUnavailableError,
     WeightUpdateClient,
     parse_weight_version,
+)
+from agentrl.inference.lora import (
+    AdapterClient,
+    AdapterError,
+    AdapterLimits,
+    AdapterSpec,
+    adapter_name,
+    generate_with_adapter,
+    newest,
+    served_from_models,
 )
 from agentrl.inference.sglang import HTTPClient
 from agentrl.log import get_logger
@@ -99,7 +119,7 @@ _NEUTRAL = {
 }
 
 
-class VLLMClient(InferenceClient, WeightUpdateClient):
+class VLLMClient(InferenceClient, WeightUpdateClient, AdapterClient):
     """vLLM's OpenAI-compatible server driven token-in / token-out."""
 
     flattened_buckets = True
@@ -115,10 +135,13 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         timeout_s: float = 300.0,
         connect_timeout_s: float = 10.0,
         group_timeout_s: float = 120.0,
+        lora: str | None = None,
     ) -> None:
         self.http = HTTPClient(url, api_key, timeout_s, connect_timeout_s)
         self.url = self.http.url
         self.model = model
+        self.lora = lora
+        """Base name of the adapter requests name (its newest served version); None: the base model."""
         self.group_timeout_s = group_timeout_s
         """Timeout of the workers' weight-group set-up and of each of their receives."""
         self._pending_version: int | None = None  # the version the staged buckets were announced with
@@ -188,16 +211,17 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
             ) from exc
 
     def generate_payload(
-        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None, model: str | None = None
     ) -> dict[str, Any]:
         """The `/inference/v1/generate` body: the same sampling as `completion_payload`, as vLLM's
-        `SamplingParams` (`GenerateRequest` in `entrypoints/scale_out/token_in_token_out/protocol.py`)."""
+        `SamplingParams` (`GenerateRequest` in `entrypoints/scale_out/token_in_token_out/protocol.py`);
+        `model` names a served adapter (else `self.model`)."""
         body = self.completion_payload(input_ids, sampling_params, None, None)
         for key in ("prompt", "model", "return_token_ids"):
             body.pop(key, None)
         payload: dict[str, Any] = {"token_ids": list(input_ids), "sampling_params": body}
-        if self.model is not None:
-            payload["model"] = self.model
+        if (model or self.model) is not None:
+            payload["model"] = model or self.model
         if rid is not None:
             payload["request_id"] = rid
         return payload
@@ -238,13 +262,28 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
     ) -> GenerateResult:
         """`/inference/v1/generate` (exact per-token versions), or, on a server started without
         `--enable-scale-out` (403) or a vLLM without it (404), `/v1/completions` with the version
-        read from `/weight_info` just before sending."""
+        read from `/weight_info` just before sending. With `lora`, the request names the newest
+        served version of the adapter as its `model`, and the result carries that version."""
+        if self.lora is None:
+            return await self._generate(input_ids, sampling_params, rid, session_id, None)
+        return await generate_with_adapter(
+            self, self.lora, lambda name: self._generate(input_ids, sampling_params, rid, session_id, name)
+        )
+
+    async def _generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rid: str | None,
+        session_id: str | None,
+        model: str | None,
+    ) -> GenerateResult:
         if self._scale_out is not False:
-            payload = self.generate_payload(input_ids, sampling_params, rid)
+            payload = self.generate_payload(input_ids, sampling_params, rid, model)
             try:
                 reply = await self.http.request("POST", GENERATE, payload)
             except BadRequestError as exc:
-                if exc.status not in (403, 404) or self._scale_out:
+                if not _no_route(exc) or self._scale_out:
                     raise
                 logger.warning(
                     "%s: no %s (HTTP %d; start vLLM with --enable-scale-out for exact weight "
@@ -257,8 +296,10 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
             else:
                 self._scale_out = True
                 return self.parse_generate(reply)
-        version = await self.get_weight_version()
+        version = await self._server_version()
         payload = self.completion_payload(input_ids, sampling_params, rid, session_id)
+        if model is not None:
+            payload["model"] = model
         reply = await self.http.request("POST", "/v1/completions", payload)
         return self.parse_completion(reply, version)
 
@@ -273,6 +314,12 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         return await self.health()  # vLLM's /health answers while paused
 
     async def get_weight_version(self) -> int:
+        """The server's weight version; with `lora`, the newest served adapter version (if any)."""
+        if self.lora is not None and (adapter := newest(await self.served_adapters(), self.lora)):
+            return adapter[1]
+        return await self._server_version()
+
+    async def _server_version(self) -> int:
         reply = await self.http.request("GET", "/weight_info")
         return parse_weight_version(reply.get("weight_version") if isinstance(reply, dict) else None)
 
@@ -384,8 +431,82 @@ class VLLMClient(InferenceClient, WeightUpdateClient):
         if weight_version is not None:
             await self.http.request("POST", "/update_weight_version", {"new_version": str(weight_version)})
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    async def adapter_limits(self) -> AdapterLimits:
+        """`lora_config` of the server's `/server_info` (dev mode): `--max-lora-rank`, `--max-loras`."""
+        reply = await self.http.request("GET", "/server_info", params={"config_format": "json"})
+        try:
+            lora = reply["vllm_config"]["lora_config"]
+        except (KeyError, TypeError) as exc:
+            raise AdapterError(f"{self.url}/server_info: no vllm_config ({str(reply)[:200]})") from exc
+        if not lora:
+            raise AdapterError(f"{self.url} was started without --enable-lora: it cannot serve adapters")
+        return AdapterLimits(max_rank=int(lora["max_lora_rank"]), max_loras=int(lora["max_loras"]))
+
+    async def served_adapters(self) -> dict[str, str]:
+        return served_from_models(self.url, await self.http.request("GET", "/v1/models"))
+
+    async def load_adapter_tensors(
+        self, base: str, tensors: dict[str, Any], config: dict[str, Any], version: int
+    ) -> str:
+        """`load_adapter` for an adapter held as tensors (PEFT's names, as in `adapter_model.safetensors`)
+        and its PEFT config: checked against the limits, sent over HTTP to the worker extension, which
+        writes it where the server can read it (`agentrl_write_adapter`), then loaded from there. For
+        servers that cannot read the learner's files; the bytes travel once per server."""
+        import base64
+
+        from safetensors.torch import save
+
+        (await self.adapter_limits()).check(AdapterSpec.from_config(config), self.url)
+        name = adapter_name(base, version)
+        data = base64.b64encode(save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
+        try:
+            written = await self.rpc(
+                "agentrl_write_adapter", name=name, config=config, safetensors=data.decode()
+            )
+        except InferenceError as exc:
+            raise AdapterError(f"adapter {name}: writing it on {self.url} failed: {exc}") from exc
+        return await self.load_adapter(base, written[0]["path"], version)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving `name`; then delete its directory if `load_adapter_tensors` wrote it."""
+        await super().unload_adapter(name)
+        try:
+            await self.rpc("agentrl_remove_adapter", name=name)
+        except InferenceError as exc:  # a vLLM without agentrl's worker extension wrote none
+            logger.warning("%s: adapter %s unloaded, its directory not removed: %s", self.url, name, exc)
+
+    async def _load(self, name: str, path: str) -> None:
+        await self._lora_call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, name)
+
+    async def _unload(self, name: str) -> None:
+        await self._lora_call("/v1/unload_lora_adapter", {"lora_name": name}, name)
+
+    async def _lora_call(self, route: str, body: dict[str, Any], name: str) -> None:
+        """vLLM answers these routes with a plain-text success or an `ErrorResponse` (4xx/5xx); the
+        routes exist only with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (`serve/lora/api_router.py`)."""
+        try:
+            await self.http.request("POST", route, body)
+        except BadRequestError as exc:
+            if _no_route(exc):
+                raise AdapterError(
+                    f"{self.url}{route}: no such route (start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; "
+                    f"agentrl serve does with inference.vllm.lora set): {exc}"
+                ) from exc
+            raise AdapterError(f"adapter {name}: {exc}") from exc
+        except InferenceError as exc:
+            raise AdapterError(f"adapter {name}: {exc}") from exc
+
     async def close(self) -> None:
         await self.http.close()
+
+
+def _no_route(exc: BadRequestError) -> bool:
+    """The server has no such route: 403 (a scale-out route without the flag) or FastAPI's bare 404,
+    not a 404 `ErrorResponse` about the request (an unknown model or adapter)."""
+    message = str(exc)
+    return exc.status == 403 or (exc.status == 404 and '"detail"' in message and "Not Found" in message)
 
 
 def engine_request_id(rid: str | None) -> str:

@@ -23,7 +23,11 @@ transformers), so it is started as `<python> -m vllm.entrypoints.openai.api_serv
 - `VLLM_SERVER_DEV_MODE=1`: exposes `/collective_rpc`, `/pause`, `/resume`;
 - `VLLM_CPU_KVCACHE_SPACE` (CPU) sized from the machine's available memory, or
   `--gpu-memory-utilization` (GPU);
-- `--enforce-eager` (default on): no compilation, ~35 s to healthy on CPU instead of ~175 s.
+- `--enforce-eager` (default on): no compilation, ~35 s to healthy on CPU instead of ~175 s;
+- with `inference.vllm.lora`: `--enable-lora --max-lora-rank R --max-loras N` and
+  `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`, which adds `/v1/load_lora_adapter` and
+  `/v1/unload_lora_adapter` (`vllm/entrypoints/serve/lora/api_router.py`): weight sync loads
+  each adapter version under its own name, requests name it (`agentrl/inference/lora.py`).
 The child's `PYTHONPATH` starts with this checkout, so vLLM's worker imports the same agentrl.
 """
 
@@ -125,7 +129,14 @@ def command(
         argv += ["--served-model-name", inference.served_model_name]
     if launch.enforce_eager:
         argv.append("--enforce-eager")
-    env = {
+    env: dict[str, str] = {}
+    if launch.lora is not None:
+        argv += ["--enable-lora", "--max-lora-rank", str(launch.lora.max_rank)]
+        argv += ["--max-loras", str(launch.lora.max_loras)]
+        if launch.lora.max_cpu_loras is not None:
+            argv += ["--max-cpu-loras", str(launch.lora.max_cpu_loras)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    env |= {
         "VLLM_SERVER_DEV_MODE": "1",
         "PYTHONPATH": os.pathsep.join(
             dict.fromkeys(p for p in (str(_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p)

@@ -27,7 +27,9 @@ keeps its own pre-packed copy of the embedding matrix (`dispatch_cpu_unquantized
 log-probs came from the new body and the old output layer. `_retie` re-points the head at
 the embedding and re-runs its quant method's `process_weights_after_loading`.
 
-The same commit path serves the disk fallback (`agentrl_load_from_disk`). Imports only torch
+The same commit path serves the disk fallback (`agentrl_load_from_disk`). LoRA adapters are
+vLLM's own (`/v1/load_lora_adapter`, by path); `agentrl_write_adapter` only writes an adapter
+sent over HTTP where the server can read it (`agentrl_remove_adapter` deletes it). Imports only torch
 and agentrl's weight-group module, so it runs in vLLM's own environment.
 """
 
@@ -139,6 +141,49 @@ class AgentRLWorkerExtension:
             tensors.update(load_file(str(file), device="cpu"))
         return self._agentrl_install(tensors)
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def agentrl_write_adapter(self, payload: str) -> dict[str, Any]:
+        """Write a PEFT adapter directory sent over HTTP (`config`, the `adapter_model.safetensors`
+        bytes in base64) where this server can read it, `<tmp>/agentrl-adapters/<name>.<digest>`,
+        and answer its path: vLLM loads adapters by path (`/v1/load_lora_adapter`), so a server on
+        another host needs no shared filesystem. Named by content, so the workers of one server
+        agree on the path and a name sent again with other weights gets a directory of its own;
+        written under a temporary name and renamed (the first worker's rename wins)."""
+        import base64
+        import hashlib
+        import os
+        import shutil
+
+        args = json.loads(payload)
+        config = json.dumps(args["config"], sort_keys=True)
+        weights = base64.b64decode(args["safetensors"])
+        digest = hashlib.sha256(config.encode() + weights).hexdigest()[:16]
+        target = _adapter_root(args["name"]) / f"{args['name']}.{digest}"
+        if target.is_dir():
+            return {"path": str(target)}
+        partial = target.with_name(f".{target.name}.{os.getpid()}.{self.rank}")
+        partial.mkdir(parents=True, exist_ok=True)
+        (partial / "adapter_config.json").write_text(config)
+        (partial / "adapter_model.safetensors").write_bytes(weights)
+        try:
+            os.rename(partial, target)
+        except OSError:  # another worker of this server renamed its copy first
+            shutil.rmtree(partial, ignore_errors=True)
+            if not target.is_dir():
+                raise
+        return {"path": str(target)}
+
+    def agentrl_remove_adapter(self, payload: str) -> dict[str, Any]:
+        """Delete the directories `agentrl_write_adapter` wrote for `name` (after vLLM stopped serving it)."""
+        import shutil
+
+        name = json.loads(payload)["name"]
+        written = list(_adapter_root(name).glob(f"{name}.*"))
+        for directory in written:
+            shutil.rmtree(directory, ignore_errors=True)
+        return {"removed": len(written)}
+
     # ------------------------------------------------------------------ internals
 
     def _agentrl_install(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -210,3 +255,12 @@ class AgentRLWorkerExtension:
                 raise FileNotFoundError(f"no *.safetensors in {directory} to check pushed weights against")
             self._agentrl_shapes = shapes
         return self._agentrl_shapes
+
+
+def _adapter_root(name: str) -> Path:
+    """Where `agentrl_write_adapter` keeps adapters on this host (after checking `name` is a plain name)."""
+    import tempfile
+
+    if not name or "/" in name or name.startswith(".") or "*" in name:
+        raise ValueError(f"adapter name {name!r}: a plain file name is required")
+    return Path(tempfile.gettempdir()) / "agentrl-adapters"

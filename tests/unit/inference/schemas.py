@@ -11,7 +11,8 @@ reading, not copied:
     `InitWeightsUpdateGroupReqInput`, `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`,
     `UpdateWeightsFromDistributedReqInput`, `UpdateWeightFromDiskReqInput`,
     `DestroyWeightsUpdateGroupReqInput`, `AbortReq`, `PauseGenerationReqInput`,
-    `ContinueGenerationReqInput`; the `*ReqOutput` structs (`success`, `message`);
+    `ContinueGenerationReqInput`, `LoadLoRAAdapterReqInput`, `UnloadLoRAAdapterReqInput`; the
+    `*ReqOutput` structs (`success`, `message`) and `LoRAUpdateOutput`;
   - `sglang/srt/sampling/sampling_params.py` — `SamplingParams` (API fields) and `verify`
     (`top_k` must be ≥ 1 or −1, `top_p` in (0, 1], ...);
   - `sglang/srt/entrypoints/http_server.py` — the routes: `POST /begin_weight_update`,
@@ -89,8 +90,9 @@ class SGLangSamplingParams(Closed):
 
 
 class SGLangGenerateReq(Closed):
-    """The API-facing part of `GenerateReqInput` (multimodal, LoRA, disaggregation and routing
-    fields omitted: our client never sends them)."""
+    """The API-facing part of `GenerateReqInput` (multimodal, disaggregation and routing fields
+    omitted: our client never sends them). `lora_path` names a loaded adapter by its name
+    (`TokenizerManager._resolve_lora_path` looks it up in the adapter registry)."""
 
     rid: str | list[str] | None = None
     session_id: str | None = None
@@ -111,6 +113,7 @@ class SGLangGenerateReq(Closed):
     extra_key: str | list[str] | None = None
     routing_key: str | None = None
     conversation_id: str | None = None
+    lora_path: str | list[str | None] | None = None
 
 
 class SGLangBaseReq(Closed):
@@ -121,6 +124,30 @@ class SGLangBaseReq(Closed):
 
 
 Selector = Literal["target", "draft", "all"]
+
+
+class SGLangLoadLoRAReq(SGLangBaseReq):
+    """`LoadLoRAAdapterReqInput` (`io_struct.py`), `POST /load_lora_adapter`."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+class SGLangUnloadLoRAReq(SGLangBaseReq):
+    """`UnloadLoRAAdapterReqInput`, `POST /unload_lora_adapter`."""
+
+    lora_name: str
+    lora_id: str | None = None
+
+
+class SGLangLoRAUpdateResp(Closed):
+    """`LoRAUpdateOutput`: both LoRA routes' reply (HTTP 400 when `success` is false)."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, Any] | None = None
 
 
 class SGLangInitGroupReq(SGLangBaseReq):

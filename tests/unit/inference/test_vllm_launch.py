@@ -44,3 +44,39 @@ def test_kv_cache_is_sized_from_the_machine() -> None:
 def test_missing_environment_says_make_vllm(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="make vllm"):
         vllm_launch.find_python(str(tmp_path / "nope/python"))
+
+
+def test_lora_flags_come_from_inference_vllm_lora() -> None:
+    """`inference.vllm.lora` starts vLLM with LoRA and its runtime load / unload routes; without it, neither."""
+    plain, env = vllm_launch.command(
+        "/m", "127.0.0.1", 1, InferenceConfig(type="vllm"), python=sys.executable
+    )
+    assert "--enable-lora" not in plain and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    lora = {"max_rank": 32, "max_loras": 3, "max_cpu_loras": 6}
+    inference = InferenceConfig(type="vllm", vllm={"lora": lora})
+    argv, env = vllm_launch.command("/m", "127.0.0.1", 1, inference, python=sys.executable)
+    assert "--enable-lora" in argv and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert (flag(argv, "--max-lora-rank"), flag(argv, "--max-loras"), flag(argv, "--max-cpu-loras")) == (
+        "32",
+        "3",
+        "6",
+    )
+    with pytest.raises(ValueError, match="max_rank"):  # vLLM 0.32 takes only its MaxLoRARanks
+        InferenceConfig(type="vllm", vllm={"lora": {"max_rank": 12}})
+
+
+def test_sglang_lora_flags() -> None:
+    from agentrl.inference.sglang_launch import sglang_command
+
+    inference = InferenceConfig(
+        type="sglang",
+        sglang={"lora": {"max_rank": 16, "target_modules": ["q_proj", "v_proj"], "max_loaded_loras": 4}},
+    )
+    cmd = sglang_command("/m", "127.0.0.1", 1, inference, sys.executable)
+    assert "--enable-lora" in cmd and flag(cmd, "--max-lora-rank") == "16"
+    targets = cmd.index("--lora-target-modules")
+    assert cmd[targets + 1 : targets + 3] == ["q_proj", "v_proj"]
+    assert (flag(cmd, "--max-loras-per-batch"), flag(cmd, "--max-loaded-loras")) == ("8", "4")
+    assert "--enable-lora" not in sglang_command(
+        "/m", "127.0.0.1", 1, InferenceConfig(type="sglang"), sys.executable
+    )

@@ -111,3 +111,45 @@ def test_a_discarded_push_changes_nothing_and_commits_nothing(worker: Worker) ->
     with pytest.raises(RuntimeError, match="nothing staged"):
         worker.agentrl_commit()
     assert same(served(worker), weights(0))
+
+
+def test_adapters_sent_over_http_are_written_by_content_and_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`agentrl_write_adapter` (what `VLLMClient.load_adapter_tensors` calls on every worker): the
+    PEFT files under `<tmp>/agentrl-adapters/<name>.<digest>`, the same path for every worker of a
+    server, another for other weights; `agentrl_remove_adapter` deletes them all."""
+    import base64
+    import tempfile
+
+    from safetensors.torch import save
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    workers = [AgentRLWorkerExtension(), AgentRLWorkerExtension()]
+    for rank, worker in enumerate(workers):
+        worker.rank = rank
+    config = {"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]}
+
+    def send(worker, seed: int) -> Path:
+        tensors = {
+            "base_model.model.q_proj.lora_A.weight": torch.randn(
+                2, 4, generator=torch.Generator().manual_seed(seed)
+            )
+        }
+        data = base64.b64encode(save(tensors)).decode()
+        payload = json.dumps({"name": "policy-v3", "config": config, "safetensors": data})
+        return Path(worker.agentrl_write_adapter(payload)["path"]), tensors
+
+    (first, tensors), (same, _) = send(workers[0], 0), send(workers[1], 0)
+    assert first == same and first.parent == tmp_path / "agentrl-adapters"
+    assert json.loads((first / "adapter_config.json").read_text()) == config
+    assert torch.equal(load_file(str(first / "adapter_model.safetensors"))["base_model.model.q_proj.lora_A.weight"],
+                       tensors["base_model.model.q_proj.lora_A.weight"])  # fmt: skip
+    other, _ = send(workers[0], 1)
+    assert other != first and sorted(p.name for p in other.parent.iterdir()) == sorted(
+        [first.name, other.name]
+    )
+    assert workers[0].agentrl_remove_adapter(json.dumps({"name": "policy-v3"})) == {"removed": 2}
+    assert list((tmp_path / "agentrl-adapters").iterdir()) == []
+    with pytest.raises(ValueError, match="plain file name"):
+        workers[0].agentrl_write_adapter(json.dumps({"name": "../x", "config": {}, "safetensors": ""}))
