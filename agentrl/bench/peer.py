@@ -196,7 +196,9 @@ def main(args: list[str]) -> int:
     metrics = {f"{row}_samples_per_s": r["samples_per_s"] for row, r in results.items()}
     metrics.update({f"{row}_final_reward": r["final_reward"] for row, r in results.items()})
     for row, r in results.items():  # the raw figures behind each rate, and the window they cover
-        metrics.update({f"{row}_window_{key}": r[key] for key in ("samples", "seconds", "from_step", "to_step")})
+        metrics.update(
+            {f"{row}_window_{key}": r[key] for key in ("samples", "seconds", "from_step", "to_step")}
+        )
     metrics["warmup_steps"] = opts.warmup_steps
     names = {"colocated": "colocated_vs_trl", "k2": "async_vs_trl", "k0": "sync_vs_trl"}
     ratios = {
