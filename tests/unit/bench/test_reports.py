@@ -121,3 +121,27 @@ def test_bench_peer_rates_come_from_each_run_over_the_same_window(
         assert ratios[name] == pytest.approx(rate / metrics["trl_samples_per_s"])
         assert ratios[f"{name}_matched"] == pytest.approx(rate / metrics["trl_matched_samples_per_s"])
     assert ratios["async_vs_trl"] == pytest.approx(12.0 / 4.5)
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_bench_learner_ratios_are_quotients_of_the_raw_figures_it_reports(on_gpu: bool) -> None:
+    from agentrl.bench.learner import summarize
+
+    # tokens/s per measured step, as bench_preset records them (wall; and per CPU-second, where a
+    # loaded machine stretches wall time more than CPU time)
+    wall = {"ours": [90.0, 100.0, 95.0], "bare": [100.0, 110.0, 105.0], "packed": [80.0, 70.0, 75.0],
+            "padded": [40.0, 50.0, 45.0], "ppo": [50.0, 45.0, 40.0], "megatron": [60.0, 65.0, 70.0]}  # fmt: skip
+    cpu = {k: [2 * v + 10 for v in values] for k, values in wall.items()}
+    out = summarize(wall, cpu, on_gpu)
+    for name, key in (("ours", "ours"), ("bare", "bare_hf"), ("packed", "packed"), ("padded", "padded"),
+                      ("ppo", "ppo"), ("megatron", "megatron")):  # fmt: skip
+        assert out[f"{key}_tok_s"] == sorted(wall[name])[1]  # the median over the same steps
+        assert out[f"{key}_tok_per_cpu_s"] == sorted(cpu[name])[1]
+    rate = "tok_s" if on_gpu else "tok_per_cpu_s"
+    for ratio, num, den in (("vs_bare_hf", "ours", "bare_hf"), ("packed_vs_padded", "packed", "padded"),
+                            ("critic_cost", "ours", "ppo"), ("megatron_vs_fsdp2", "megatron", "ours")):  # fmt: skip
+        assert out[ratio] == pytest.approx(out[f"{num}_{rate}"] / out[f"{den}_{rate}"]), ratio
+        if ratio != "megatron_vs_fsdp2":
+            assert out[f"{ratio}_wall"] == pytest.approx(out[f"{num}_tok_s"] / out[f"{den}_tok_s"]), ratio
+    # the CPU basis is not the wall one here (on a GPU, the ratio is the wall one)
+    assert (out["vs_bare_hf"] == pytest.approx(out["vs_bare_hf_wall"])) is on_gpu
