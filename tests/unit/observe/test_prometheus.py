@@ -176,3 +176,37 @@ async def test_embedded_server_answers_metrics_on_its_port(tiny_model: Path) -> 
         assert one(got, "agentrl_server_paused") == 0
     finally:
         server.stop()
+
+
+def test_agentrl_queue_serves_its_endpoint_while_it_runs(processes, tmp_path: Path) -> None:
+    """The `agentrl queue` process: its endpoint comes up with it (port 0: the port file), reports
+    the groups a producer put, and goes away when the process is stopped."""
+    import os
+    import signal
+    import time
+
+    port = find_free_port()
+    proc = processes.agentrl(
+        "queue", "--bind", f"tcp://127.0.0.1:{port}", f"--run_dir={tmp_path}", "--prometheus.queue_port=0",
+        "--queue.auth=none", "--learner.groups_per_step=3", "--max_staleness=1",
+    )  # fmt: skip
+    port_file = tmp_path / "prometheus" / "queue.port"
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "agentrl queue wrote no Prometheus port file in 60 s"
+        time.sleep(0.1)
+    metrics_port = int(port_file.read_text())
+    empty = scrape(metrics_port)
+    assert one(empty, "agentrl_queue_depth") == 0 and one(empty, "agentrl_queue_version") == 0
+    assert one(empty, "agentrl_queue_admission_limit") == (0 + 1 + 1) * 3
+    backend = create_queue(ZmqQueueConfig(address=f"tcp://127.0.0.1:{port}", auth="none"))
+    put_all(backend.producer, [make_group(seed=i) for i in range(2)])
+    got = scrape(metrics_port)
+    assert one(got, "agentrl_queue_depth") == 2 and one(got, "agentrl_queue_bytes") > 0
+    assert one(got, "agentrl_queue_events_total", event="groups_in") == 2
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert not port_file.exists()
+    with pytest.raises(urllib.error.URLError):
+        scrape(metrics_port)
