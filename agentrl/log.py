@@ -115,6 +115,13 @@ class MetricsLogger:
 
             self._mlflow = MlflowSink(Path(run_dir), name, mlflow_tracking_uri, mlflow_experiment)
 
+    @classmethod
+    def from_config(cls, run_dir: str | Path, name: str, logging: Any) -> MetricsLogger:
+        """With the sinks a `learner.logging` section (`LoggingConfig`) turns on."""
+        mlflow = logging.mlflow
+        return cls(run_dir, name, logging.tensorboard, logging.wandb_project,
+                   mlflow_tracking_uri=mlflow.tracking_uri, mlflow_experiment=mlflow.experiment)  # fmt: skip
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         values = {str(k): _plain(v) for k, v in metrics.items()}
         record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in values.items()}}

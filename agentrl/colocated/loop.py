@@ -295,7 +295,7 @@ def run(cfg: AgentRLConfig, resume: bool = False) -> int:
     if resume and loop.resume(learner, r):
         tally.saved = learner.version
         log.info("resumed at version %d (task cursors %s)", learner.version, r.cursors)
-    metrics = MetricsLogger(cfg.run_dir, "learner") if r.rank == 0 else None
+    metrics = MetricsLogger.from_config(cfg.run_dir, "learner", cfg.learner.logging) if r.rank == 0 else None
     try:
         while learner.version < cfg.learner.max_steps:
             groups, m = r.generate()

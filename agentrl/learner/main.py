@@ -191,11 +191,7 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
                      cfg.learner.model_path)  # fmt: skip
             save_resolved(cfg)
             consumer, server = open_queue(cfg, resume)
-            sinks = cfg.learner.logging
-            metrics = MetricsLogger(
-                cfg.run_dir, "learner", sinks.tensorboard, sinks.wandb_project,
-                mlflow_tracking_uri=sinks.mlflow.tracking_uri, mlflow_experiment=sinks.mlflow.experiment,
-            )  # fmt: skip
+            metrics = MetricsLogger.from_config(cfg.run_dir, "learner", cfg.learner.logging)
             exporter, endpoints = open_prometheus(cfg, server)
         version = run(
             learner,

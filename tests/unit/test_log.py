@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from agentrl.learner.config import LoggingConfig
 from agentrl.log import MetricsLogger, get_logger, read_metrics
 
 ODD = {
@@ -246,7 +247,9 @@ def test_mlflow_sink_reads_back_through_the_client(tmp_path: Path) -> None:
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_dir = tmp_path / "run"
-    logger = MetricsLogger(run_dir, "learner", mlflow_tracking_uri=uri, mlflow_experiment="agentrl-test")
+    # the sinks of a `learner.logging` section, as the learner (decoupled or colocated) builds them
+    sinks = LoggingConfig(mlflow={"tracking_uri": uri, "experiment": "agentrl-test"})
+    logger = MetricsLogger.from_config(run_dir, "learner", sinks)
     _log_steps(logger)
     logger.log({"odd[key]": 7.0}, step=6)  # a character MLflow refuses becomes "_"
     logger.close()
