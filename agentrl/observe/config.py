@@ -10,10 +10,11 @@ from agentrl.section import Section
 
 
 class PrometheusConfig(Section):
-    """Prometheus `/metrics` endpoints on 127.0.0.1 (`pip install 'agentrl[prometheus]'`). Each port:
-    unset (null) = no endpoint; 0 = a free port the system picks (logged, and written to
-    `<run_dir>/prometheus/<process>.port`); N = that port. The embedded inference server needs no
-    port: it answers `/metrics` on its own serving port, as SGLang does."""
+    """Prometheus `/metrics` endpoints on 127.0.0.1; a port unset: none, 0: a free one, N: that one.
+
+    A free port is logged and written to `<run_dir>/prometheus/<process>.port`. Needs
+    `pip install 'agentrl[prometheus]'`. The embedded inference server needs no port: it answers
+    `/metrics` on its own serving port, as SGLang does."""
 
     learner_port: int | None = Field(None, ge=0, le=65535)
     """The learner's endpoint (rank 0): steps, version, tokens/s, push seconds, staleness."""
