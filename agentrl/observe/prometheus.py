@@ -81,10 +81,7 @@ def serve(collector: Any, port: int | None, run_dir: str | Path, role: str) -> E
 
 def _histogram(name: str, doc: str, counts: Counter, total: float) -> HistogramMetricFamily:
     """A cumulative histogram over `STALENESS_BUCKETS` from counts by integer value."""
-    buckets, seen = [], 0
-    for bound in STALENESS_BUCKETS:
-        seen = sum(n for value, n in counts.items() if value <= bound)
-        buckets.append((str(float(bound)), seen))
+    buckets = [(str(float(b)), sum(n for v, n in counts.items() if v <= b)) for b in STALENESS_BUCKETS]
     buckets.append(("+Inf", sum(counts.values())))
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
 
@@ -156,7 +153,8 @@ class QueueCollector:
             if key in m:
                 yield GaugeMetricFamily(f"agentrl_queue_{_QUEUE_NAMES.get(key, key)}", doc, value=m[key])
         events = CounterMetricFamily("agentrl_queue_events", "The queue's event counters", labels=["event"])
-        for key, value in sorted(getattr(self.server, "counters", {}).items()):
+        # a copy (one C call, atomic under the GIL): the server's thread updates them meanwhile
+        for key, value in sorted(dict(getattr(self.server, "counters", {})).items()):
             events.add_metric([key], value)
         yield events
 
@@ -185,11 +183,12 @@ class RollerCollector:
             ("groups_failed", "Groups that failed", s.groups_failed),
         ):
             yield CounterMetricFamily(f"agentrl_roller_{name}", doc, value=value)
+        counts = Counter(dict(s.staleness_counts))  # a copy: the roller's loop adds to it meanwhile
         yield _histogram(
             "agentrl_roller_staleness_at_put",
             "Versions behind the learner of each group when put",
-            s.staleness_counts,
-            sum(v * n for v, n in s.staleness_counts.items()),
+            counts,
+            sum(v * n for v, n in counts.items()),
         )
 
 
