@@ -316,7 +316,7 @@ def run(
     """Train until `cfg.max_steps` versions exist or `stop` is set; returns the final version.
     `consumer` is needed on rank 0 only; `weight_sync.push` and `metrics.log` are called on every
     rank / rank 0 respectively, and so is `exporter.step` (the Prometheus endpoint's
-    `observe.prometheus.LearnerExporter`), with the step's metrics and its groups' staleness."""
+    `observe.prometheus.LearnerExporter`), with the step's logged metrics."""
     cfg = learner.cfg
     if resume_from_checkpoint:
         resume(learner, consumer)
@@ -333,7 +333,6 @@ def run(
             break
         groups, queue_stats = waited
         t_wait = time.perf_counter() - t0
-        staleness = [g.staleness(learner.version) for g in groups]
         learner.consumed_groups += len(groups)
 
         # 2. validate, skip bad groups with a counted reason, compute advantages
@@ -361,7 +360,7 @@ def run(
             notes.step(learner.version, groups, m, metrics)  # flat-reward count; transcripts when due
             _report(learner, consumer, metrics, m, pushed, tally)
             if exporter is not None:
-                exporter.step(learner.version, staleness, m)
+                exporter.step(learner.version, m)
 
         # 7. checkpoint and export every N steps
         _periodic_save(learner, consumer, applied, tally)

@@ -5,10 +5,11 @@ inference server, from what each process already computes.
 thread (port 0: a free port, written to `<run_dir>/prometheus/<role>.port`); `stop()` shuts it
 down, and each process stops its endpoint when it stops. What each process serves:
 
-- learner (`LearnerExporter`, updated once per step by the learner loop): `agentrl_learner_steps_total`,
-  `agentrl_learner_version`, `agentrl_learner_tokens_per_second` (the step's `tokens_per_s`),
-  `agentrl_learner_push_seconds` (a histogram of weight sync's `sync/push_s`),
-  `agentrl_learner_staleness` (a histogram of `version - min(versions)` of each trained group).
+- learner (`LearnerExporter`, updated once per step by the learner loop with the metrics it
+  logged): `agentrl_learner_steps_total`, `agentrl_learner_version`,
+  `agentrl_learner_tokens_per_second` (the step's `tokens_per_s`), `agentrl_learner_push_seconds`
+  (a histogram of weight sync's `sync/push_s`), `agentrl_learner_staleness` (a histogram of the
+  step's `staleness/<k>`: versions behind, `version - min(versions)`, of each trained group).
 - queue (`QueueCollector`, read from `QueueServer.metrics()` at each scrape): `agentrl_queue_depth`,
   `agentrl_queue_bytes`, `agentrl_queue_inflight`, `agentrl_queue_parked_puts`, `agentrl_queue_version`,
   `agentrl_queue_leases`, `agentrl_queue_admission_credits_held`, `agentrl_queue_admission_started`,
@@ -90,6 +91,7 @@ class LearnerExporter:
     """The learner's metrics, set by `step()` after each learner step on rank 0."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.registry = CollectorRegistry()
         r = self.registry
         self.steps = PromCounter(
@@ -112,19 +114,23 @@ class LearnerExporter:
         )
 
     def collect(self) -> Iterable[Any]:
-        return self.registry.collect()
+        with self._lock:  # a scrape sees whole steps: never one step's version with another's counts
+            return list(self.registry.collect())
 
-    def step(self, version: int, staleness: Iterable[int], metrics: dict[str, Any]) -> None:
-        """One learner step: the version after it, its groups' staleness, its logged metrics
-        (`tokens_per_s`, and `sync/push_s` when it pushed)."""
-        self.steps.inc()
-        self.version.set(version)
-        for value in staleness:
-            self.staleness.observe(value)
-        if "tokens_per_s" in metrics:
-            self.tokens_per_s.set(metrics["tokens_per_s"])
-        if "sync/push_s" in metrics:
-            self.push_s.observe(metrics["sync/push_s"])
+    def step(self, version: int, metrics: dict[str, Any]) -> None:
+        """One learner step: the version after it and the metrics it logged (`staleness/<k>`, the
+        count of its trained groups k versions behind; `tokens_per_s`; `sync/push_s` when it pushed)."""
+        with self._lock:
+            self.steps.inc()
+            self.version.set(version)
+            for key, count in metrics.items():
+                if key.startswith("staleness/"):
+                    for _ in range(int(count)):
+                        self.staleness.observe(int(key.split("/", 1)[1]))
+            if "tokens_per_s" in metrics:
+                self.tokens_per_s.set(metrics["tokens_per_s"])
+            if "sync/push_s" in metrics:
+                self.push_s.observe(metrics["sync/push_s"])
 
 
 _QUEUE_GAUGES = {
@@ -177,10 +183,12 @@ class RollerCollector:
              getattr(self.roller.producer, "held", 0)),
         ):  # fmt: skip
             yield GaugeMetricFamily(f"agentrl_roller_{name}", doc, value=value)
+        # groups before episodes: a group's episodes are counted before it is put, so read in this
+        # order episodes >= group_size x groups_put holds in every scrape
         for name, doc, value in (
-            ("episodes", "Episodes finished", s.episodes),
             ("groups_put", "Groups the queue stored", s.groups_put),
             ("groups_failed", "Groups that failed", s.groups_failed),
+            ("episodes", "Episodes finished", s.episodes),
         ):
             yield CounterMetricFamily(f"agentrl_roller_{name}", doc, value=value)
         counts = Counter(dict(s.staleness_counts))  # a copy: the roller's loop adds to it meanwhile
