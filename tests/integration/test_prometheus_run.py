@@ -87,3 +87,42 @@ def test_a_run_serves_learner_queue_and_roller_metrics_until_it_stops(
         assert not f.exists(), role
         with pytest.raises(urllib.error.URLError):
             scrape(ports[role])
+
+
+def test_a_colocated_run_serves_the_learner_metrics_until_it_stops(tiny_model: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart_colocated.yaml",
+         f"--run_dir={tmp_path}", f"--learner.model_path={tiny_model}", "--learner.warmstart.steps=0",
+         "--learner.max_steps=1000", "--learner.groups_per_step=2", "--roller.group_size=2",
+         "--roller.max_new_tokens=8", "--prometheus.learner_port=0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    port_file = tmp_path / "prometheus" / "learner.port"
+    try:
+        deadline = time.monotonic() + 300
+        while not port_file.exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the colocated run wrote no Prometheus port file in 300 s"
+            time.sleep(1)
+        port = int(port_file.read_text())
+        while (learner := scrape(port)).get(("agentrl_learner_version", ()), 0) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the learner did not reach version 2"
+            time.sleep(1)
+        records = read_metrics(tmp_path / "learner.jsonl")
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    steps = int(one(learner, "agentrl_learner_steps_total"))
+    logged = records[:steps]
+    assert len(logged) == steps and logged[-1]["step"] == one(learner, "agentrl_learner_version") >= 2
+    staleness = sum(n for r in logged for k, n in r.items() if k.startswith("staleness/"))
+    assert one(learner, "agentrl_learner_staleness_count") == staleness > 0
+    assert one(learner, "agentrl_learner_staleness_bucket", le="0.0") == staleness  # on-policy: all 0
+    assert one(learner, "agentrl_learner_push_seconds_count") == 0  # colocated pushes no weights
+    # the endpoint went with its rank; the ranks die of torchrun's SIGTERM without their cleanup,
+    # so the port file stays behind, stale (as after a kill -9 of any process)
+    with pytest.raises(urllib.error.URLError):
+        scrape(port)
