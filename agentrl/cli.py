@@ -275,6 +275,11 @@ def queue(
     except (AuthError, QueueError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(f"agentrl queue: serving on {server.endpoint} (run {server.run_id})", err=True)
+    endpoint = None
+    if cfg.prometheus.queue_port is not None:
+        from agentrl.observe.prometheus import QueueCollector, serve
+
+        endpoint = serve(QueueCollector(server), cfg.prometheus.queue_port, cfg.run_dir, "queue")
 
     def _interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -285,6 +290,8 @@ def queue(
     except KeyboardInterrupt:
         pass
     finally:
+        if endpoint is not None:
+            endpoint.stop()
         server.stop()
 
 

@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from agentrl.log import get_logger
+from agentrl.observe.config import PrometheusConfig
 from agentrl.rewards.config import RewardConfig
 from agentrl.section import Section
 
@@ -640,6 +641,7 @@ class AgentRLConfig(Section):
     """decoupled: learner, servers and rollers are separate processes; colocated: `colocated.num_processes`
     ranks each generate, reshard and train in turn (on-policy: max_staleness is not used)."""
     colocated: ColocatedConfig = ColocatedConfig()
+    prometheus: PrometheusConfig = PrometheusConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -2,9 +2,10 @@
 
 `get_logger(name)` gives a logger under the `agentrl` namespace with one consistent
 format. `MetricsLogger.log(metrics, step)` writes scalar metrics to every configured
-sink: JSONL always (one object per line, with step and wall time), TensorBoard and
-Weights & Biases when asked for and installed. `MetricsLogger.log_text(texts, step)` sends
-longer text (the learner's transcripts) to TensorBoard and W&B only; its JSONL is the caller's.
+sink: JSONL always (one object per line, with step and wall time), TensorBoard,
+Weights & Biases and MLflow (`agentrl/observe/mlflow_sink.py`) when asked for and installed.
+`MetricsLogger.log_text(texts, step)` sends longer text (the learner's transcripts) to
+TensorBoard and W&B only; its JSONL is the caller's.
 """
 
 from __future__ import annotations
@@ -67,12 +68,12 @@ def _drop_sink(name: str, close: Callable[[], Any]) -> None:
 
 
 class MetricsLogger:
-    """`log(metrics, step)` to JSONL plus optional TensorBoard / W&B sinks.
+    """`log(metrics, step)` to JSONL plus optional TensorBoard / W&B / MLflow sinks.
 
     JSONL gets every value (non-finite floats as "nan"/"inf" strings, arrays as lists, other
-    objects as their str). TensorBoard gets the numbers (NaN and inf as such); W&B gets the
-    numbers and strings. An optional sink that raises mid-run is reported once and disabled;
-    training never stops for a dashboard."""
+    objects as their str). TensorBoard and MLflow get the numbers (NaN and inf as such); W&B gets
+    the numbers and strings. MLflow is on when `mlflow_tracking_uri` is given. An optional sink
+    that raises mid-run is reported once and disabled; training never stops for a dashboard."""
 
     def __init__(
         self,
@@ -80,12 +81,15 @@ class MetricsLogger:
         name: str = "metrics",
         tensorboard: bool = False,
         wandb_project: str | None = None,
+        mlflow_tracking_uri: str | None = None,
+        mlflow_experiment: str = "agentrl",
     ) -> None:
         self.path = Path(run_dir) / f"{name}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
         self._tb = None
         self._wandb = None
+        self._mlflow = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -106,6 +110,17 @@ class MetricsLogger:
             run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
             id_file.write_text(run_id)
             self._wandb = wandb.init(project=wandb_project, dir=str(run_dir), id=run_id, resume="allow")
+        if mlflow_tracking_uri:
+            from agentrl.observe.mlflow_sink import MlflowSink
+
+            self._mlflow = MlflowSink(Path(run_dir), name, mlflow_tracking_uri, mlflow_experiment)
+
+    @classmethod
+    def from_config(cls, run_dir: str | Path, name: str, logging: Any) -> MetricsLogger:
+        """With the sinks a `learner.logging` section (`LoggingConfig`) turns on."""
+        mlflow = logging.mlflow
+        return cls(run_dir, name, logging.tensorboard, logging.wandb_project,
+                   mlflow_tracking_uri=mlflow.tracking_uri, mlflow_experiment=mlflow.experiment)  # fmt: skip
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         values = {str(k): _plain(v) for k, v in metrics.items()}
@@ -124,6 +139,11 @@ class MetricsLogger:
                 self._wandb.log({**numbers, **strings}, step=step)
             except Exception:
                 self._wandb = _drop_sink("wandb", self._wandb.finish)
+        if self._mlflow is not None:
+            try:
+                self._mlflow.log(numbers, step)
+            except Exception:
+                self._mlflow = _drop_sink("mlflow", lambda: self._mlflow.close("FAILED"))
 
     def log_text(self, texts: dict[str, str], step: int) -> None:
         """Text under each key: TensorBoard's text tab, W&B as preformatted HTML."""
@@ -153,6 +173,9 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._mlflow is not None:
+            self._mlflow.close()
+            self._mlflow = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

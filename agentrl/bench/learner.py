@@ -94,6 +94,34 @@ def _bare(model, optimizer, plan, device) -> tuple[float, float]:
     return t1 - t0, c1 - c0
 
 
+NAMES = {"bare": "bare_hf"}  # a variant's name in the JSON, where it differs
+
+
+def summarize(wall: dict[str, list[float]], cpu: dict[str, list[float]], on_gpu: bool) -> dict[str, float]:
+    """Each variant's median tokens/s (`<name>_tok_s`) and tokens per CPU-second of this process
+    (`<name>_tok_per_cpu_s`) over the measured steps, and the ratios between them.
+
+    Ratios use tokens per CPU-second on CPU: other jobs on a shared machine stretch wall time but
+    barely change the CPU work a step needs; on a GPU the step's work is the device's, not this
+    process's CPU, so there they use wall time. Wall-clock ratios (`*_wall`) are reported alongside;
+    on a dedicated machine the two agree. Both raw figures of every ratio are in the result."""
+    med_wall = {k: statistics.median(v) for k, v in wall.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    basis = med_wall if on_gpu else med_cpu
+    out = {f"{NAMES.get(k, k)}_tok_s": v for k, v in med_wall.items()}
+    out |= {f"{NAMES.get(k, k)}_tok_per_cpu_s": v for k, v in med_cpu.items()}
+    if "megatron" in basis:
+        out["megatron_vs_fsdp2"] = basis["megatron"] / basis["ours"]
+    return out | {
+        "vs_bare_hf": basis["ours"] / basis["bare"],
+        "vs_bare_hf_wall": med_wall["ours"] / med_wall["bare"],
+        "packed_vs_padded": basis["packed"] / basis["padded"],
+        "packed_vs_padded_wall": med_wall["packed"] / med_wall["padded"],
+        "critic_cost": basis["ours"] / basis["ppo"],  # PPO step time ÷ actor-only step time
+        "critic_cost_wall": med_wall["ours"] / med_wall["ppo"],
+    }
+
+
 def bench_preset(
     preset: str, steps: int, tokens: int, budget: int, workdir: Path, megatron: bool = False
 ) -> dict[str, float]:
@@ -162,33 +190,7 @@ def bench_preset(
         ):
             raise RuntimeError(f"the variants trained on different tokens: {counts}")  # not comparable
     tail_samples = step.prepare(learner, tailed[-1]).mini_batches[0]
-    # Ratios use tokens per CPU-second of this process (median over steps): other jobs on a shared
-    # machine stretch wall time but barely change the CPU work a step needs. Wall-clock rates
-    # (tokens/s, median) are reported alongside; on a dedicated machine the two agree.
-    # On a GPU the step's work is the device's, not this process's CPU: there they use wall time.
-    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    med_wall = {k: statistics.median(v) for k, v in wall.items()}
-    basis = med_wall if learner.device.type == "cuda" else med_cpu
-    extra = {}
-    if meg is not None:
-        extra = {
-            "megatron_tok_s": med_wall["megatron"],
-            "megatron_vs_fsdp2": basis["megatron"] / basis["ours"],
-        }
-    return extra | {
-        "ours_tok_s": med_wall["ours"],
-        "bare_hf_tok_s": med_wall["bare"],
-        "packed_tok_s": med_wall["packed"],
-        "padded_tok_s": med_wall["padded"],
-        "ours_tok_per_cpu_s": med_cpu["ours"],
-        "bare_hf_tok_per_cpu_s": med_cpu["bare"],
-        "vs_bare_hf": basis["ours"] / basis["bare"],
-        "vs_bare_hf_wall": med_wall["ours"] / med_wall["bare"],
-        "packed_vs_padded": basis["packed"] / basis["padded"],
-        "packed_vs_padded_wall": med_wall["packed"] / med_wall["padded"],
-        "ppo_tok_s": med_wall["ppo"],
-        "critic_cost": basis["ours"] / basis["ppo"],  # PPO step time ÷ actor-only step time
-        "critic_cost_wall": med_wall["ours"] / med_wall["ppo"],
+    return summarize(wall, cpu, learner.device.type == "cuda") | {
         "non_padding_packed": non_padding_fraction(plan_microbatches(tail_samples, budget, row_tokens=rows)),
         "non_padding_padded": non_padding_fraction(padded_plan(tail_samples, budget)),
         "tokens_per_step_uniform": counts["ours"],

@@ -12,7 +12,7 @@ completions trained on per second from the end of step `--warmup-steps` to the e
 (`common.steady_rate`, start-up and warm-up excluded for all four alike; the default warm-up, 3
 steps, is k = 2's (k+1)-step backlog of groups admitted at version 0, so the asynchronous row
 carries no work done before its window into it). The JSON carries each row's window samples and
-seconds. The final-reward window is the mean reward of the last quarter of the steps. Ratios: `colocated_vs_trl`, `async_vs_trl` (k=2), `sync_vs_trl`.
+seconds and the steps that bound it. The final-reward window is the mean reward of the last quarter of the steps. Ratios: `colocated_vs_trl`, `async_vs_trl` (k=2), `sync_vs_trl`.
 
 Threads: TRL runs twice. Row `trl` trains with `--trl-threads` intra-op threads (1 by default,
 what `agentrl run` gives each of its processes: the launcher caps them, torchrun sets
@@ -195,8 +195,10 @@ def main(args: list[str]) -> int:
     )  # fmt: skip
     metrics = {f"{row}_samples_per_s": r["samples_per_s"] for row, r in results.items()}
     metrics.update({f"{row}_final_reward": r["final_reward"] for row, r in results.items()})
-    for row, r in results.items():  # the raw figures behind each rate
-        metrics.update({f"{row}_window_{key}": r[key] for key in ("samples", "seconds")})
+    for row, r in results.items():  # the raw figures behind each rate, and the window they cover
+        metrics.update(
+            {f"{row}_window_{key}": r[key] for key in ("samples", "seconds", "from_step", "to_step")}
+        )
     metrics["warmup_steps"] = opts.warmup_steps
     names = {"colocated": "colocated_vs_trl", "k2": "async_vs_trl", "k0": "sync_vs_trl"}
     ratios = {

@@ -3,7 +3,7 @@
 Starts a real `agentrl serve` process on a free port with a freshly made local model, sends
 the same number of requests at each concurrency through the SGLang client (fixed
 `max_new_tokens`, `ignore_eos`, so every request generates the same number of tokens), and
-reports generated tokens per second. The baseline is concurrency 1 on the same server in the
+reports generated tokens per second (the JSON carries each level's tokens and seconds too). The baseline is concurrency 1 on the same server in the
 same run, so the ratios say how much continuous batching buys on this machine. With `--vllm`,
 a real vLLM server (`.venv-vllm`, `make vllm`; started by `inference/vllm_launch.py`) is
 measured afterwards on the same model and prompts at concurrency 1 and 32 (one server at a
@@ -127,6 +127,8 @@ def main(args: list[str]) -> int:
         rows,
     )
     metrics = {f"tokens_per_s_c{c}": v for c, v in tps.items()}
+    for r in results:  # the raw figures behind each rate (every level on the same server, this run)
+        metrics.update({f"{key}_c{r['concurrency']}": r[key] for key in ("tokens", "seconds", "requests")})
     metrics.update({f"vllm_tokens_per_s_c{r['concurrency']}": r["tokens"] / r["seconds"] for r in vllm})
     metrics.update(model=ns.model or ns.preset, max_new_tokens=ns.max_new_tokens, requests=ns.requests)
     emit("serve", metrics, {"c8_vs_c1": tps[8] / tps[1], "c32_vs_c1": tps[32] / tps[1]})

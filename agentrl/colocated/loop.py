@@ -295,7 +295,13 @@ def run(cfg: AgentRLConfig, resume: bool = False) -> int:
     if resume and loop.resume(learner, r):
         tally.saved = learner.version
         log.info("resumed at version %d (task cursors %s)", learner.version, r.cursors)
-    metrics = MetricsLogger(cfg.run_dir, "learner") if r.rank == 0 else None
+    metrics = MetricsLogger.from_config(cfg.run_dir, "learner", cfg.learner.logging) if r.rank == 0 else None
+    exporter = endpoint = None
+    if r.rank == 0 and cfg.prometheus.learner_port is not None:  # no weight push: push seconds stay empty
+        from agentrl.observe.prometheus import LearnerExporter, serve
+
+        exporter = LearnerExporter()
+        endpoint = serve(exporter, cfg.prometheus.learner_port, cfg.run_dir, "learner")
     try:
         while learner.version < cfg.learner.max_steps:
             groups, m = r.generate()
@@ -307,6 +313,8 @@ def run(cfg: AgentRLConfig, resume: bool = False) -> int:
                 m["memory/peak_param_bytes"] = r.hybrid.peak_param_bytes
                 m.update({f"memory/peak_rss_bytes_rank{i}": v for i, v in enumerate(peak)})
                 metrics.log(m, learner.version)
+                if exporter is not None:
+                    exporter.step(learner.version, m)
                 log.info("version %d  reward %.3f  gen %.1fs  reshard %.2fs  train %.1fs", learner.version,
                          m.get("reward/mean", math.nan), m["time/generation_s"], m["time/reshard_s"],
                          m["time/train_s"])  # fmt: skip
@@ -317,6 +325,8 @@ def run(cfg: AgentRLConfig, resume: bool = False) -> int:
         if tally.exported != learner.version:
             loop.export(learner)
     finally:
+        if endpoint is not None:
+            endpoint.stop()
         r.close()
         if metrics is not None:
             metrics.close()

@@ -186,6 +186,15 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(out[0] if single and len(out) == 1 else out)
 
 
+async def _metrics(request: web.Request) -> web.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    from agentrl.observe.prometheus import EngineCollector, render
+
+    body = render(EngineCollector(request.app[ENGINE]))
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 def make_app(
     engine: Engine,
     api_key: str | None = None,
@@ -228,6 +237,12 @@ def make_app(
         "/model_info": admin.get_model_info,
         "/flush_cache": admin.flush_cache,
     }
+    try:  # the engine's Prometheus metrics, on this port as SGLang's are (`observe/prometheus.py`)
+        import prometheus_client  # noqa: F401
+
+        get["/metrics"] = _metrics
+    except ImportError:
+        pass
     app.add_routes([web.post(p, h) for p, h in post.items()] + [web.get(p, h) for p, h in get.items()])
 
     async def _stop_engine(app: web.Application) -> None:

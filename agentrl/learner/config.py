@@ -208,6 +208,16 @@ class MegatronConfig(Section):
     """Pipeline-parallel stages (Megatron's 1F1B schedule): must divide the decoder layers."""
 
 
+class MlflowConfig(Section):
+    """The MLflow sink of the learner's metrics (`pip install 'agentrl[mlflow]'`)."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking store to log the learner's metrics to: `sqlite:///runs/mlflow.db` (a local
+    store) or a tracking server's `http://127.0.0.1:5000`; unset, no MLflow."""
+    experiment: str = "agentrl"
+    """MLflow experiment of the run (created if missing); the run is named `<run_dir name>-learner`."""
+
+
 class LoggingConfig(Section):
     """Metric sinks beyond `<run_dir>/metrics.jsonl`, transcripts, and the flat-reward warning."""
 
@@ -215,6 +225,8 @@ class LoggingConfig(Section):
     """Also write metrics to TensorBoard under `<run_dir>/tensorboard`."""
     wandb_project: str | None = None
     """Also log metrics to this Weights & Biases project."""
+    mlflow: MlflowConfig = MlflowConfig()
+    """Also log metrics to an MLflow tracking store (`mlflow.tracking_uri`)."""
     transcripts_every: int = Field(10, ge=0)
     """Decode a sample of the batch's episodes into `<run_dir>/transcripts.jsonl` (and the TensorBoard /
     W&B sinks) at the first step and every N steps (`agentrl show transcripts RUN_DIR`); 0 never."""

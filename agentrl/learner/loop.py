@@ -311,10 +311,12 @@ def run(
     metrics: MetricsLogger | None = None,
     resume_from_checkpoint: bool = False,
     stop: threading.Event | None = None,
+    exporter: Any = None,
 ) -> int:
     """Train until `cfg.max_steps` versions exist or `stop` is set; returns the final version.
     `consumer` is needed on rank 0 only; `weight_sync.push` and `metrics.log` are called on every
-    rank / rank 0 respectively."""
+    rank / rank 0 respectively, and so is `exporter.step` (the Prometheus endpoint's
+    `observe.prometheus.LearnerExporter`), with the step's logged metrics."""
     cfg = learner.cfg
     if resume_from_checkpoint:
         resume(learner, consumer)
@@ -357,6 +359,8 @@ def run(
             m.update({f"skipped/{k}": float(v) for k, v in tally.skipped.items()})
             notes.step(learner.version, groups, m, metrics)  # flat-reward count; transcripts when due
             _report(learner, consumer, metrics, m, pushed, tally)
+            if exporter is not None:
+                exporter.step(learner.version, m)
 
         # 7. checkpoint and export every N steps
         _periodic_save(learner, consumer, applied, tally)

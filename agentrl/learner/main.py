@@ -96,6 +96,21 @@ def open_queue(cfg: AgentRLConfig, resume: bool = False) -> tuple[Any, Any]:
     return consumer, server
 
 
+def open_prometheus(cfg: AgentRLConfig, server: Any) -> tuple[Any, list]:
+    """Rank 0's Prometheus endpoints (`prometheus.learner_port`, and `prometheus.queue_port` for the
+    queue it hosts): (the learner's exporter or None, the endpoints to stop at the end)."""
+    ports = cfg.prometheus
+    if ports.learner_port is None and (server is None or ports.queue_port is None):
+        return None, []
+    from agentrl.observe.prometheus import LearnerExporter, QueueCollector, serve
+
+    exporter = LearnerExporter() if ports.learner_port is not None else None
+    endpoints = [serve(exporter, ports.learner_port, cfg.run_dir, "learner")] if exporter else []
+    if server is not None and ports.queue_port is not None:
+        endpoints.append(serve(QueueCollector(server), ports.queue_port, cfg.run_dir, "queue"))
+    return exporter, endpoints
+
+
 def open_weight_sync(cfg: AgentRLConfig, rank: int) -> Any:
     """The checkpoint engine pushing to `inference.servers` (every rank joins the FSDP gathers)."""
     from agentrl.inference import server_list
@@ -165,7 +180,8 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
 
     stop, received = _stop_on_signals()
     learner = build_learner(cfg.learner, cfg.run_dir)
-    consumer = server = metrics = None
+    consumer = server = metrics = exporter = None
+    endpoints: list = []
     code, final = 0, None
     if weight_sync is None and cfg.inference.servers:
         weight_sync = open_weight_sync(cfg, learner.rank)
@@ -175,9 +191,8 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
                      cfg.learner.model_path)  # fmt: skip
             save_resolved(cfg)
             consumer, server = open_queue(cfg, resume)
-            metrics = MetricsLogger(
-                cfg.run_dir, "learner", cfg.learner.logging.tensorboard, cfg.learner.logging.wandb_project
-            )
+            metrics = MetricsLogger.from_config(cfg.run_dir, "learner", cfg.learner.logging)
+            exporter, endpoints = open_prometheus(cfg, server)
         version = run(
             learner,
             consumer,
@@ -186,6 +201,7 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
             metrics,
             resume_from_checkpoint=resume,
             stop=stop,
+            exporter=exporter,
         )
         if stop.is_set():
             log.warning("stopped at version %d by %s; resumable with --resume", version,
@@ -210,6 +226,8 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
         for closeable in (consumer, metrics, weight_sync):
             if closeable is not None:
                 _quietly(f"closing the {type(closeable).__name__}", closeable.close)
+        for endpoint in endpoints:
+            _quietly("stopping a Prometheus endpoint", endpoint.stop)
         if server is not None:
             _quietly("stopping the queue server", server.stop)
             final = server.metrics()

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 BACKENDS: Registry[type[Backend]] = Registry(
     "queue.type",
     None,  # a backend's config is a section of its own in agentrl/config.py: built-ins only
-    {"zmq": "agentrl.queue.zmq_client:ZmqBackend", "redis": "agentrl.queue.redis_backend:RedisBackend"},
+    {"zmq": "agentrl.queue.zmq_backend:ZmqBackend", "redis": "agentrl.queue.redis_backend:RedisBackend"},
 )
 
 

@@ -100,6 +100,15 @@ async def run_roller(config: AgentRLConfig) -> int:
         config.roller, make_env, tasks, client, renderer, producer, metrics, groups_file, reward_model
     )
 
+    endpoint = None
+    if config.prometheus.roller_port is not None:
+        from agentrl.observe.prometheus import RollerCollector, serve
+
+        port = (
+            config.prometheus.roller_port and config.prometheus.roller_port + index
+        )  # 0 stays 0: a free port
+        endpoint = serve(RollerCollector(roller), port, config.run_dir, name)
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, roller.stop)
@@ -119,6 +128,8 @@ async def run_roller(config: AgentRLConfig) -> int:
             await reward_model.close()
         producer.close()
         metrics.close()
+        if endpoint is not None:
+            endpoint.stop()
     logger.info(
         "roller done: %d groups put, %d dropped (uniform reward), %d failed",
         stats.groups_put,

@@ -99,6 +99,7 @@ class RollerStats:
     agent_non_extensions: int = 0
     rewards: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     staleness_at_put: deque[int] = field(default_factory=lambda: deque(maxlen=1024))
+    staleness_counts: Counter = field(default_factory=Counter)  # every put's staleness (`/metrics`)
     newest_version: int = -1
     version_regressions: int = 0
     in_flight_episodes: int = 0
@@ -306,7 +307,9 @@ class Roller:
         except (RunOver, QueueUnavailable) as exc:
             self._queue_ended(exc)
             return
-        self.stats.staleness_at_put.append(group.staleness(current))
+        staleness = group.staleness(current)
+        self.stats.staleness_at_put.append(staleness)
+        self.stats.staleness_counts[staleness] += 1
         if self.config.max_groups is not None and self.stats.groups_put >= self.config.max_groups:
             self.stop()
 

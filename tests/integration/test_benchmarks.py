@@ -64,6 +64,13 @@ def test_bench_learner_reports_vs_bare_hf_and_packed_vs_padded(processes: Proces
         assert 0 < metrics[key] <= 1, (key, metrics[key])
     assert metrics["tiny.tokens_per_step_uniform"] >= 128 and metrics["tiny.tokens_per_step_tailed"] >= 128
     assert metrics["tiny.vs_bare_hf"] == line["ratios"]["vs_bare_hf"]
+    # both raw figures of each ratio, from this run, on the basis it names
+    rate = "tok_s" if metrics["ratio_basis"] == "wall" else "tok_per_cpu_s"
+    for ratio, num, den in (("vs_bare_hf", "ours", "bare_hf"), ("packed_vs_padded", "packed", "padded"),
+                            ("critic_cost", "ours", "ppo")):  # fmt: skip
+        assert line["ratios"][ratio] == pytest.approx(
+            metrics[f"tiny.{num}_{rate}"] / metrics[f"tiny.{den}_{rate}"]
+        )
     assert (
         "learner step" in stdout and "HF tok/s" in stdout and "│ tiny" in stdout and "critic cost" in stdout
     )

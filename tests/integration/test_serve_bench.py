@@ -18,4 +18,13 @@ def test_bench_serve_reports_ratios():
     assert line["bench"] == "serve"
     assert set(line["ratios"]) == {"c8_vs_c1", "c32_vs_c1"}
     assert all(v > 0 for v in line["ratios"].values())
-    assert {"tokens_per_s_c1", "tokens_per_s_c8", "tokens_per_s_c32"} <= set(line["metrics"])
+    metrics = line["metrics"]
+    for c in (1, 8, 32):  # each rate's numerator and denominator, from this run, the same work at each level
+        assert metrics[f"requests_c{c}"] == 32 and metrics[f"tokens_c{c}"] == 32 * 4
+        assert metrics[f"tokens_per_s_c{c}"] == pytest.approx(
+            metrics[f"tokens_c{c}"] / metrics[f"seconds_c{c}"]
+        )
+    for c in (8, 32):
+        assert line["ratios"][f"c{c}_vs_c1"] == pytest.approx(
+            metrics[f"tokens_per_s_c{c}"] / metrics["tokens_per_s_c1"]
+        )

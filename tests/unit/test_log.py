@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from agentrl.learner.config import LoggingConfig
 from agentrl.log import MetricsLogger, get_logger, read_metrics
 
 ODD = {
@@ -235,3 +236,49 @@ def test_text_reaches_tensorboard_and_wandb(tmp_path: Path, monkeypatch: pytest.
         str(run_dir / "wandb" / "offline-run-*" / "files" / "media" / "html" / "transcripts" / "*")
     )
     assert "&lt;tool_call&gt; &amp; more" in Path(html).read_text()
+
+
+def test_mlflow_sink_reads_back_through_the_client(tmp_path: Path) -> None:
+    """A real local MLflow tracking store (SQLite), read back with MLflow's own client; the
+    resumed run (same run directory) continues the same MLflow run."""
+    pytest.importorskip("mlflow", reason="mlflow not installed (pip install 'agentrl[mlflow]')")
+    pytest.importorskip("sqlalchemy", reason="a SQLite MLflow store needs sqlalchemy (agentrl[mlflow])")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    # the sinks of a `learner.logging` section, as the learner (decoupled or colocated) builds them
+    sinks = LoggingConfig(mlflow={"tracking_uri": uri, "experiment": "agentrl-test"})
+    logger = MetricsLogger.from_config(run_dir, "learner", sinks)
+    _log_steps(logger)
+    logger.log({"odd[key]": 7.0}, step=6)  # a character MLflow refuses becomes "_"
+    logger.close()
+    resumed = MetricsLogger(run_dir, "learner", mlflow_tracking_uri=uri, mlflow_experiment="agentrl-test")
+    resumed.log({"loss": 0.0625}, step=7)
+    resumed.close()
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("agentrl-test")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_id == (run_dir / "learner.mlflow_id").read_text()
+    assert run.info.status == "FINISHED" and run.info.run_name == "run-learner"
+
+    def history(key: str) -> list[tuple[int, float]]:
+        return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+
+    assert history("loss") == [(1, 0.5), (2, 0.25), (5, 0.125), (7, 0.0625)]
+    assert history("reward") == [(1, 1.25)] and history("reward/mean") == [(2, 2.0)]
+    assert history("count") == [(1, 3.0)] and history("flag") == [(1, 1.0)]
+    (nan_first, nan_then) = history("nan")
+    assert math.isnan(nan_first[1]) and nan_then[0] == 5 and nan_then[1] < -1e300  # MLflow stores -inf
+    assert history("inf")[0][1] > 1e300 and history("odd_key_") == [(6, 7.0)]
+    assert set(run.data.metrics) == {
+        "loss",
+        "reward",
+        "reward/mean",
+        "count",
+        "flag",
+        "nan",
+        "inf",
+        "odd_key_",
+    }
