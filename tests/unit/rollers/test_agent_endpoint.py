@@ -4,6 +4,7 @@ the client and a real HTTP server scripting SGLang's answers (token ids known ex
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -362,3 +363,72 @@ async def test_continuing_the_final_message_only_after_what_the_model_wrote(toke
     text = tokenizer.decode(list(episode.tokens))
     assert text.endswith("<|im_start|>assistant\nHi <stop> more again <stop>")
     assert episode.metrics["continued_turns"] == 1 and episode.metrics["requests_refused"] == 3
+
+
+# An agent as a sandboxed program sees only the sandbox's /usr: the standard library's HTTP client.
+URLLIB_AGENT = r"""
+import json, os, sys, urllib.request
+task = json.loads(sys.stdin.read())
+def ask(messages):
+    request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": "policy", "messages": messages}).encode(),
+        headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())["choices"][0]["message"]["content"]
+try:  # nothing else is reachable from inside: the sandbox has no network of its own
+    urllib.request.urlopen("http://10.255.255.1:9/", timeout=2)
+    outside = "reached"
+except OSError:
+    outside = "unreachable"
+print(json.dumps({"answer": ask([{"role": "user", "content": task["question"]}]), "outside": outside,
+                  "uid": os.getuid(), "cwd": os.getcwd()}))
+"""
+
+
+def _sandboxed_result(transcript, result) -> float:
+    RESULTS["sandboxed"] = result
+    return 1.0
+
+
+async def test_a_sandboxed_command_agent_reaches_its_endpoint_and_nothing_else(
+    tokenizer, tmp_path: Path
+) -> None:
+    from agentrl.config import LocalSandboxConfig
+    from agentrl.envs.sandbox.local import available_isolation
+
+    uid = 424242 if os.geteuid() == 0 else None
+    if "bwrap" not in available_isolation(uid):
+        pytest.skip(
+            "bubblewrap is not installed or cannot create namespaces here (apt-get install -y bubblewrap)"
+        )
+    policy = Policy(tokenizer, answer="Red, I think.")
+    sandbox = LocalSandboxConfig(isolation="bwrap", disk_mb=0)
+    async with Rig(tokenizer, policy) as rig:
+        env = AgentEnv(command=["python3", "-c", URLLIB_AGENT], reward=f"{__name__}:_sandboxed_result",
+                       sandboxed=True, sandbox=sandbox)  # fmt: skip
+        config = RollerConfig(max_turns=4, max_new_tokens=64, max_total_tokens=1024)
+        (episode,) = await run_agent_episode(env, TASK, rig.client, rig.renderers, config, rig.endpoint)
+    result = RESULTS["sandboxed"]
+    assert result["answer"] == "Red, I think." and result["outside"] == "unreachable"
+    assert result["cwd"] == sandbox.workdir and (uid is None or result["uid"] != 0)  # a private uid as root
+    assert list(episode.tokens[episode.loss_mask.astype(bool)]) == policy.outputs[0]
+    # a sandboxed agent that hangs is ended at its wall-time limit, its process tree with it
+    from tests.unit.envs.sandbox.conftest import processes_with
+
+    marker = "agentrl-hanging-sandboxed-agent"
+    hanging = AgentEnv(command=["python3", "-c", f"import time; time.sleep(3600)  # {marker}"],
+                       timeout_s=1.0, sandboxed=True, sandbox=sandbox)  # fmt: skip
+    async with Rig(tokenizer, policy) as rig:
+        with pytest.raises(AgentFailed, match=r"after 1 s") as hung:
+            await run_agent_episode(hanging, TASK, rig.client, rig.renderers, config, rig.endpoint)
+    assert hung.value.reason == "timeout" and not processes_with(marker)
+
+
+def test_only_a_command_agent_in_a_local_sandbox_is_sandboxed() -> None:
+    from agentrl.config import DockerSandboxConfig, LocalSandboxConfig
+
+    with pytest.raises(ValueError, match="only a command agent"):
+        AgentEnv(agent=f"{AGENTS}:tool_agent", sandboxed=True, sandbox=LocalSandboxConfig())
+    with pytest.raises(ValueError, match=r"needs env\.sandbox\.type local"):
+        AgentEnv(command=["true"], sandboxed=True, sandbox=DockerSandboxConfig())
+    assert AgentEnv(command=["true"], sandbox=LocalSandboxConfig()).sandbox is None  # not asked for
