@@ -110,13 +110,7 @@ class AgentEnv(Env):
                 raise ValueError(f"env.kwargs.{name}: at least 1, got {value}")
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"env.kwargs.timeout_s: positive, got {timeout_s}")
-        if sandboxed and command is None:
-            raise ValueError("env.kwargs.sandboxed: only a command agent runs in a sandbox (an agent function "
-                             "runs in the roller's process)")  # fmt: skip
-        if sandboxed and getattr(sandbox, "type", None) != "local":
-            raise ValueError(f"env.kwargs.sandboxed: needs env.sandbox.type local, got "
-                             f"{getattr(sandbox, 'type', None)!r} (docker and remote are not supported for agents)")  # fmt: skip
-        self.sandbox = sandbox if sandboxed else None
+        self.sandbox = _sandbox(sandbox, command) if sandboxed else None
         self.agent = load_function(agent, "agent") if agent is not None else None
         self.command = list(command) if command is not None else None
         self.reward_fn = load_function(reward, "reward") if reward is not None else None
@@ -191,6 +185,17 @@ class AgentEnv(Env):
         if posted is not None:
             return posted, "posted"
         return 0.0, "none"
+
+
+def _sandbox(sandbox: Any, command: Sequence[str] | None) -> Any:
+    """The sandbox config a sandboxed agent runs in: a command's, in the local backend."""
+    if command is None:
+        raise ValueError("env.kwargs.sandboxed: only a command agent runs in a sandbox (an agent function "
+                         "runs in the roller's process)")  # fmt: skip
+    if getattr(sandbox, "type", None) != "local":
+        raise ValueError(f"env.kwargs.sandboxed: needs env.sandbox.type local, got {getattr(sandbox, 'type', None)!r} "
+                         "(docker and remote are not supported for agents)")  # fmt: skip
+    return sandbox
 
 
 def _env_class(name: str, field: str) -> type[Env]:
