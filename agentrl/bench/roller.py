@@ -20,12 +20,16 @@ around them, so `ratios.cpu_per_turn_bare_vs_ours` (bare CPU per turn / ours) is
 roller's CPU the episodes themselves take, and `ratios.concurrency_vs_bare` compares the peak
 episodes in flight. The JSON carries both sides' CPU seconds, turns and peaks.
 
-A second run in the same process, against the same edge, plays the same calculator task through
-the OpenAI-compatible endpoint (`env.name: agent`): `calculator_agent`, written only with the
-`openai` SDK, runs in the roller's process, so its CPU time (the SDK's request building and
-parsing, httpx) counts with the endpoint's. Episodes/s and CPU per turn of the two runs, side by
-side, are what plugging an existing agent in costs over the built-in agent loop. Without the
-`openai` package (a dev extra) that row is left out, and the table says so.
+Two more runs in the same process, against the same edge, play the same calculator task through
+the OpenAI-compatible endpoint (`env.name: agent`), with the agent in the roller's process so its
+client's CPU counts with the endpoint's: `calculator_agent_http` with a bare aiohttp client (what
+the endpoint itself costs over the built-in loop: serving the request, checking it's an
+extension, rendering the new turns, the response), and `calculator_agent`, written only with
+the `openai` SDK (what an SDK agent costs: the SDK builds each request through its typed-param
+transform and its httpx pool, and parses each answer into models, ~4 ms of CPU per turn here,
+most of the column). Episodes/s and CPU per turn of the three runs, side by side, are what
+plugging an existing agent in costs. Without the `openai` package (a dev extra) the SDK column is
+left out, and the table says so.
 """
 
 from __future__ import annotations
@@ -89,31 +93,62 @@ def _edge(model_dir: str, http_port: int, queue_address: str, delay_s: float) ->
     asyncio.run(serve())
 
 
-_sdk_client = None
+_clients: dict = {}  # one client per event loop (its connection pool belongs to that loop)
 
 
 async def calculator_agent(base_url: str, api_key: str, task: dict) -> str | None:
     """The calculator task as an `openai`-SDK agent: it runs the model's calculator calls itself."""
-    import json
-
     from openai import AsyncOpenAI
+
+    loop = asyncio.get_running_loop()
+    if (loop, "sdk") not in _clients:
+        _clients[loop, "sdk"] = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    llm = _clients[loop, "sdk"].with_options(base_url=base_url, api_key=api_key)
+
+    async def ask(messages: list[dict], tools: list[dict]) -> dict:
+        reply = await llm.chat.completions.create(model="policy", messages=messages, tools=tools)
+        return reply.choices[0].message.model_dump(exclude_none=True)
+
+    return await _calculator_turns(task, ask)
+
+
+async def calculator_agent_http(base_url: str, api_key: str, task: dict) -> str | None:
+    """The same agent with a bare HTTP client (aiohttp) instead of the SDK: what the endpoint
+    costs without the SDK's request building and response models."""
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    if (loop, "http") not in _clients:
+        _clients[loop, "http"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    http = _clients[loop, "http"]
+
+    async def ask(messages: list[dict], tools: list[dict]) -> dict:
+        body = {"model": "policy", "messages": messages, "tools": tools}
+        headers = {"Authorization": f"Bearer {api_key}"}
+        async with http.post(f"{base_url}/chat/completions", json=body, headers=headers) as response:
+            message = (await response.json())["choices"][0]["message"]
+        return {k: v for k, v in message.items() if v is not None}
+
+    return await _calculator_turns(task, ask)
+
+
+async def _calculator_turns(task: dict, ask) -> str | None:
+    import json
 
     from agentrl.envs.toy import CalculatorEnv, safe_eval
 
-    global _sdk_client
-    if _sdk_client is None:
-        _sdk_client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    llm = _sdk_client.with_options(base_url=base_url, api_key=api_key)
     env = CalculatorEnv()
     messages, tools = env.prompt(task), env.tool_schemas
     for _ in range(4):
-        reply = (await llm.chat.completions.create(model="policy", messages=messages, tools=tools)).choices[0]
-        messages.append(reply.message.model_dump(exclude_none=True))
-        if not reply.message.tool_calls:
-            return reply.message.content
-        for call in reply.message.tool_calls:
-            expression = json.loads(call.function.arguments).get("expression", "")
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(safe_eval(expression))})
+        message = await ask(messages, tools)
+        messages.append(message)
+        if not message.get("tool_calls"):
+            return message.get("content")
+        for call in message["tool_calls"]:
+            expression = json.loads(call["function"]["arguments"]).get("expression", "")
+            messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": str(safe_eval(expression))}
+            )
     return None
 
 
@@ -122,9 +157,10 @@ def calculator_reward(transcript, result) -> float:
 
 
 async def _run_roller(
-    model_dir: str, url: str, queue_address: str, concurrency: int, groups: int, agent: bool = False
+    model_dir: str, url: str, queue_address: str, concurrency: int, groups: int, agent: str = ""
 ) -> dict:
-    """One roller run; `agent`: through the endpoint with `calculator_agent`, else the built-in env."""
+    """One roller run; `agent` (`calculator_agent` or `calculator_agent_http`): through the
+    endpoint with that agent, else the built-in env."""
     from transformers import AutoTokenizer
 
     from agentrl.config import EnvConfig, RollerConfig, ZmqQueueConfig
@@ -136,7 +172,7 @@ async def _run_roller(
     from agentrl.rollers.roller import Roller
     from agentrl.rollers.tasks import task_stream
 
-    kwargs = {"agent": f"{__name__}:calculator_agent", "reward": f"{__name__}:calculator_reward"}
+    kwargs = {"agent": f"{__name__}:{agent}", "reward": f"{__name__}:calculator_reward"}
     make_env = env_factory(
         EnvConfig(name="agent", kwargs=kwargs) if agent else EnvConfig(name="toy_calculator")
     )
@@ -150,6 +186,8 @@ async def _run_roller(
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     await client.close()
     producer.close()
+    for key in [k for k in _clients if k[0] is asyncio.get_running_loop()]:
+        await _clients.pop(key).close()
     return {
         "wall_s": wall,
         "cpu_s": cpu,
@@ -249,13 +287,20 @@ def main(args: list[str]) -> int:
             url = f"http://127.0.0.1:{http_port}"
             result = asyncio.run(_run_roller(model_dir, url, queue_address, opts.concurrency, opts.groups))
             bare = asyncio.run(_run_bare(model_dir, url, opts.concurrency, opts.groups))
+            http = asyncio.run(
+                _run_roller(
+                    model_dir, url, queue_address, opts.concurrency, opts.groups, "calculator_agent_http"
+                )
+            )
             try:
                 import openai  # noqa: F401
             except ImportError:
                 agent = None
             else:
                 agent = asyncio.run(
-                    _run_roller(model_dir, url, queue_address, opts.concurrency, opts.groups, agent=True)
+                    _run_roller(
+                        model_dir, url, queue_address, opts.concurrency, opts.groups, "calculator_agent"
+                    )
                 )
         finally:
             os.killpg(edge.pid, 9)
@@ -275,27 +320,34 @@ def main(args: list[str]) -> int:
             ["groups put", result["groups_put"], "-", ""],
         ],
     )
-    agent_row = {}
+    agent_row = {
+        "builtin_episodes_per_s": result["episodes"] / result["wall_s"],
+        "endpoint_http_episodes_per_s": http["episodes"] / http["wall_s"],
+        "endpoint_http_overhead_ms_per_turn": 1000 * http["cpu_s"] / max(1, http["turns"]),
+        "endpoint_http_groups_failed": http["failed"],
+    }
+    runs = [("built-in", result), ("endpoint, HTTP agent", http)]
     if agent is None:
-        print("endpoint row left out: the openai package is not installed (pip install 'agentrl[dev]')")
+        print("SDK column left out: the openai package is not installed (pip install 'agentrl[dev]')")
     else:
-        agent_row = {
+        agent_row |= {
             "endpoint_episodes_per_s": agent["episodes"] / agent["wall_s"],
-            "builtin_episodes_per_s": result["episodes"] / result["wall_s"],
             "endpoint_overhead_ms_per_turn": 1000 * agent["cpu_s"] / max(1, agent["turns"]),
             "endpoint_reward": agent["reward"],
             "endpoint_groups_failed": agent["failed"],
         }
-        print_table(
-            "same task and server: built-in agent loop vs an openai-SDK agent through the endpoint",
-            ["measure", "built-in", "endpoint"],
-            [
-                ["episodes/s", agent_row["builtin_episodes_per_s"], agent_row["endpoint_episodes_per_s"]],
-                ["CPU per turn (ms)", overhead_ms, agent_row["endpoint_overhead_ms_per_turn"]],
-                ["episodes", result["episodes"], agent["episodes"]],
-                ["reward", result["reward"], agent["reward"]],
-            ],
-        )
+        runs.append(("endpoint, SDK agent", agent))
+    print_table(
+        "same task and server: the built-in agent loop vs an agent through the endpoint (in-process; "
+        "its client's CPU counts)",
+        ["measure", *(name for name, _ in runs)],
+        [
+            ["episodes/s", *(r["episodes"] / r["wall_s"] for _, r in runs)],
+            ["CPU per turn (ms)", *(1000 * r["cpu_s"] / max(1, r["turns"]) for _, r in runs)],
+            ["episodes", *(r["episodes"] for _, r in runs)],
+            ["groups failed", *(r.get("failed", 0) for _, r in runs)],
+        ],
+    )
     emit(
         "roller",
         {

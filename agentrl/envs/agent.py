@@ -80,6 +80,8 @@ class AgentEnv(Env):
         non_extension: Literal["segment", "drop"] = "segment",
         sampling: Literal["override", "refuse"] = "override",
         model: str = "agentrl-policy",
+        sandboxed: bool = False,
+        sandbox: Any = None,
     ) -> None:
         """`agent` / `command`: the program (exactly one). `reward` (`module:function` of
         `(transcript, result)`), `verifier` (an env name whose `reward(transcript)` scores) or a
@@ -92,7 +94,8 @@ class AgentEnv(Env):
         conversation starts — a new segment trained as its own sequence with the episode's
         reward (`segment`), or one that is not trained (`drop`). `sampling`: a request asking for
         a temperature or top_p other than the run's gets the run's values, counted (`override`),
-        or a 400 error (`refuse`). `model`: the name `GET /v1/models` lists."""
+        or a 400 error (`refuse`). `model`: the name `GET /v1/models` lists. `sandboxed`: run the
+        `command` in the local sandbox `sandbox` (the run's `env.sandbox`; `agent_sandbox.py`)."""
         super().__init__()
         if (agent is None) == (command is None):
             raise ValueError("env.kwargs: give exactly one of agent (module:function) or command ([...])")
@@ -107,6 +110,7 @@ class AgentEnv(Env):
                 raise ValueError(f"env.kwargs.{name}: at least 1, got {value}")
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"env.kwargs.timeout_s: positive, got {timeout_s}")
+        self.sandbox = _sandbox(sandbox, command) if sandboxed else None
         self.agent = load_function(agent, "agent") if agent is not None else None
         self.command = list(command) if command is not None else None
         self.reward_fn = load_function(reward, "reward") if reward is not None else None
@@ -158,6 +162,13 @@ class AgentEnv(Env):
                 raise
             except Exception as exc:
                 raise AgentFailed("agent_error", f"agent raised {type(exc).__name__}: {exc}") from exc
+        if self.sandbox is not None:
+            from agentrl.envs.agent_sandbox import run_sandboxed
+
+            code, out, err = await run_sandboxed(
+                self.sandbox, self.command or [], base_url, api_key, task, self.timeout_s or 3600
+            )
+            return _command_result(self.command or [], code, out, err)
         return await _run_command(self.command or [], base_url, api_key, task)
 
     async def score(self, transcript: Transcript, result: Any, posted: float | None) -> tuple[float, str]:
@@ -174,6 +185,17 @@ class AgentEnv(Env):
         if posted is not None:
             return posted, "posted"
         return 0.0, "none"
+
+
+def _sandbox(sandbox: Any, command: Sequence[str] | None) -> Any:
+    """The sandbox config a sandboxed agent runs in: a command's, in the local backend."""
+    if command is None:
+        raise ValueError("env.kwargs.sandboxed: only a command agent runs in a sandbox (an agent function "
+                         "runs in the roller's process)")  # fmt: skip
+    if getattr(sandbox, "type", None) != "local":
+        raise ValueError(f"env.kwargs.sandboxed: needs env.sandbox.type local, got {getattr(sandbox, 'type', None)!r} "
+                         "(docker and remote are not supported for agents)")  # fmt: skip
+    return sandbox
 
 
 def _env_class(name: str, field: str) -> type[Env]:
@@ -205,10 +227,17 @@ async def _run_command(command: list[str], base_url: str, api_key: str, task: di
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
         raise
-    if proc.returncode != 0:
-        tail = err.decode(errors="replace").strip()[-2000:]
-        raise AgentFailed("agent_error", f"agent command {command[0]!r} exited {proc.returncode}: {tail}")
-    lines = out.decode(errors="replace").strip().splitlines()
+    return _command_result(
+        command, proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+    )
+
+
+def _command_result(command: list[str], code: int, out: str, err: str) -> Any:
+    """A command agent's result: its last stdout line as JSON, else as text; `AgentFailed` if it
+    exited non-zero."""
+    if code != 0:
+        raise AgentFailed("agent_error", f"agent command {command[0]!r} exited {code}: {err.strip()[-2000:]}")
+    lines = out.strip().splitlines()
     if not lines:
         return None
     try:

@@ -102,6 +102,12 @@ class Env:
         return []
 
     @classmethod
+    def task_env(cls, kwargs: dict[str, Any]) -> type[Env] | None:
+        """The env whose tasks (generator, required fields) this env runs with these kwargs; None:
+        its own. An agent env names another (`env.kwargs.tasks_from`)."""
+        return None
+
+    @classmethod
     def generate_tasks(cls, num: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
         """Synthetic tasks for envs that can make their own (used when no task file is given)."""
         raise NotImplementedError(f"{cls.__name__} has no task generator: give the roller a task file")

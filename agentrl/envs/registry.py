@@ -92,13 +92,9 @@ def _import(module_name: str):
 
 def task_env_class(config: EnvConfig) -> type[Env]:
     """The env class whose tasks the run draws (generator, required fields): the env's own, or for
-    an agent env (`env.name: agent`) the env its `tasks_from` / `verifier` kwarg names."""
-    from agentrl.envs.agent import AgentEnv
-
+    an agent env (`env.name: agent`) the env its `tasks_from` / `verifier` kwarg names (`Env.task_env`)."""
     cls = load_env_class(config.name)
-    if issubclass(cls, AgentEnv):
-        return cls.task_env(dict(config.kwargs)) or cls
-    return cls
+    return cls.task_env(dict(config.kwargs)) or cls
 
 
 def env_factory(config: EnvConfig) -> Callable[[], Env]:

@@ -7,7 +7,7 @@
     await endpoint.stop()
 
 Each episode has its own base URL, `http://127.0.0.1:<port>/<episode id>/v1`, and its own key.
-Routes under it (shapes as the `openai` Python SDK 3.x sends and parses them):
+Routes under it (requests checked and answers shaped by `agent_protocol.py`):
 - `POST /v1/chat/completions`: `messages`, `tools`, `tool_choice`, `max_tokens` /
   `max_completion_tokens`, `stop`, `temperature`, `top_p`, `stream` (+ `stream_options.include_usage`).
   The answer is a `chat.completion` (or, streamed, `chat.completion.chunk` server-sent events
@@ -35,173 +35,15 @@ import secrets
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from agentrl.log import get_logger
-from agentrl.rollers.agent_episode import EndpointError, Turn
-
-if TYPE_CHECKING:
-    from agentrl.rollers.agent_episode import AgentSession
+from agentrl.rollers.agent_episode import AgentSession
+from agentrl.rollers.agent_protocol import EndpointError, completion_body, completion_chunks, parse_request
 
 logger = get_logger(__name__)
-
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-
-
-@dataclass
-class ChatRequest:
-    """A validated chat-completions request; `messages` in the chat template's form."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    include_usage: bool = False
-    model: str = ""
-
-
-def _text(content: Any, param: str) -> str:
-    """Message content as text: a string, None (empty) or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise EndpointError(400, "only text content parts are supported", param=f"{param}[{j}]")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise EndpointError(400, f"content must be a string or a list of text parts, got {type(content).__name__}",
-                        param=param)  # fmt: skip
-
-
-def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
-    """An assistant message's tool calls in the template's form (arguments as objects)."""
-    if calls is None:
-        return []
-    if not isinstance(calls, list):
-        raise EndpointError(400, "tool_calls must be a list", param=param)
-    out = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise EndpointError(400, "a tool call needs function.name", param=f"{param}[{j}]")
-        arguments = fn.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
-                raise EndpointError(400, "function.arguments is not JSON",
-                                    param=f"{param}[{j}].function.arguments") from None  # fmt: skip
-        out.append({"type": "function", "function": {"name": fn["name"], "arguments": arguments}})
-    return out
-
-
-def _message(m: Any, i: int) -> dict[str, Any]:
-    param = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise EndpointError(400, "each message must be an object", param=param)
-    role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
-    if role is None:
-        raise EndpointError(400, f"unknown role {m.get('role')!r}: use one of {', '.join(ROLES)}",
-                            param=f"{param}.role")  # fmt: skip
-    if role != "assistant" and m.get("content") is None:
-        raise EndpointError(400, f"a {role} message needs content", param=f"{param}.content")
-    message: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{param}.content")}
-    if role == "assistant":
-        calls = _tool_calls(m.get("tool_calls"), f"{param}.tool_calls")
-        if calls:
-            message["tool_calls"] = calls
-    return message
-
-
-def parse_request(body: Any) -> ChatRequest:
-    """A `ChatRequest`, or the `EndpointError` that says what is wrong."""
-    if not isinstance(body, dict):
-        raise EndpointError(400, "the request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise EndpointError(400, "messages must be a non-empty list", param="messages")
-    request = ChatRequest([_message(m, i) for i, m in enumerate(messages)], model=str(body.get("model", "")))
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools
-        ):  # fmt: skip
-            raise EndpointError(400, 'tools must be a list of {"type": "function", "function": {"name", ...}}',
-                                param="tools")  # fmt: skip
-        request.tools = tools or None
-    request.tool_choice = body.get("tool_choice")
-    if body.get("n", 1) not in (1, None):
-        raise EndpointError(400, "n must be 1: one completion per request", param="n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-        raise EndpointError(
-            400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens"
-        )
-    request.max_tokens = max_tokens
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-        raise EndpointError(400, "stop must be a string or a list of strings", param="stop")
-    request.stop = [s for s in stop or [] if s]
-    for name in ("temperature", "top_p"):
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise EndpointError(400, f"{name} must be a number", param=name)
-        setattr(request, name, value)
-    request.stream = bool(body.get("stream"))
-    options = body.get("stream_options")
-    request.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-    return request
-
-
-def _usage(turn: Turn) -> dict[str, int]:
-    return {"prompt_tokens": turn.prompt_tokens, "completion_tokens": turn.completion_tokens,
-            "total_tokens": turn.prompt_tokens + turn.completion_tokens}  # fmt: skip
-
-
-def completion_body(turn: Turn, model: str, cid: str, created: int) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.tool_calls:
-        message["tool_calls"] = turn.tool_calls
-    return {
-        "id": cid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": turn.finish_reason, "logprobs": None}],
-        "usage": _usage(turn),
-    }  # fmt: skip
-
-
-def completion_chunks(turn: Turn, model: str, cid: str, created: int, include_usage: bool) -> list[dict]:
-    """The streamed form of a turn: role, content, one delta per tool call, finish, usage."""
-    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
-
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-
-    chunks = [chunk({"role": "assistant", "content": ""})]
-    if turn.content:
-        chunks.append(chunk({"content": turn.content}))
-    for i, call in enumerate(turn.tool_calls):
-        chunks.append(chunk({"tool_calls": [{"index": i, **call}]}))
-    chunks.append(chunk({}, turn.finish_reason))
-    if include_usage:
-        chunks.append({**head, "choices": [], "usage": _usage(turn)})
-    return chunks
 
 
 async def _json_body(request: web.Request) -> Any:

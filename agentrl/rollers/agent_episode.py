@@ -41,45 +41,27 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentrl.config import RollerConfig
 from agentrl.envs.agent import AgentEnv, AgentFailed
 from agentrl.envs.base import Transcript, resolve
 from agentrl.inference.base import InferenceClient
 from agentrl.rollers.agent_loop import _generate_turn, _Trace, off_loop, sampling_params
+from agentrl.rollers.agent_protocol import ChatRequest, EndpointError, Turn
 from agentrl.rollers.chat import ChatRenderer
 from agentrl.types import Episode
 
 if TYPE_CHECKING:
     from agentrl.rewards.client import RewardModelClient
-    from agentrl.rollers.agent_endpoint import AgentEndpoint, ChatRequest
 
 
-class EndpointError(Exception):
-    """An OpenAI-style error answer: HTTP `status` and `{"error": {message, type, param, code}}`."""
+class SessionHost(Protocol):
+    """Where an episode's session is served (`agent_endpoint.AgentEndpoint`)."""
 
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None,
-        kind: str = "invalid_request_error",
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-@dataclass
-class Turn:
-    """What one request produced: the text, the parsed calls, and how the turn ended."""
-
-    text: str
-    content: str | None
-    tool_calls: list[dict[str, Any]]
-    finish_reason: str  # stop | length | tool_calls
-    prompt_tokens: int
-    completion_tokens: int
+    def register(self, session: AgentSession) -> None: ...
+    def unregister(self, session: AgentSession) -> None: ...
+    def url(self, session: AgentSession) -> str: ...
 
 
 @dataclass
@@ -91,6 +73,8 @@ class _Segment:
     trace: _Trace = field(default_factory=_Trace)
     held: list[str] = field(default_factory=list)  # canonical JSON of each message held
     last_output: list[int] = field(default_factory=list)
+    last_text: str = ""  # the last assistant message's text as the sequence holds it (stop included)
+    open_text: str = ""  # a continued assistant message's text so far: the next turn goes on from it
 
 
 class AgentSession:
@@ -167,6 +151,8 @@ class AgentSession:
         tools_key = json.dumps(request.tools, sort_keys=True) if request.tools else ""
         held = [json.dumps(m, sort_keys=True) for m in request.messages]
         current = self.segments[-1] if self.segments else None
+        if request.continue_final:
+            return await self._continue(current, tools_key, held, request.messages[-1])
         if current is not None and _extends(current, tools_key, held, request.messages):
             new = request.messages[len(current.held) :]
             renderer = current.renderer
@@ -174,11 +160,12 @@ class AgentSession:
             ids = renderer.close_turn_ids(current.last_output)
             ids += await off_loop(size, renderer.observation_ids, new)
             current.trace.add_context(ids)
-            current.held = held
+            current.held, current.open_text = held, ""
             return current
         if request.messages[-1]["role"] == "assistant":
-            raise EndpointError(400, "the last message is an assistant message: continuing a given assistant "
-                                "turn is not supported (end with a user or tool message)", param="messages")  # fmt: skip
+            raise EndpointError(400, "the last message is an assistant message: end with a user or tool "
+                                "message, or continue the episode's last turn (continue_final_message)",
+                                param="messages")  # fmt: skip
         if current is not None:
             self.counts["non_extensions"] += 1
         renderer = await self.renderers.get(request.tools)
@@ -186,6 +173,27 @@ class AgentSession:
         segment.trace.add_context(await off_loop(len(held[-1]), renderer.prompt_ids, request.messages))
         self.segments.append(segment)
         return segment
+
+    async def _continue(
+        self, current: _Segment | None, tools_key: str, held: list[str], final: dict[str, Any]
+    ) -> _Segment:
+        """The segment whose last turn `final` continues: the text the agent wrote after the model's
+        (the model's text, the stop sequence that ended it included, must come first) is appended
+        verbatim as context (mask 0), and the model goes on in the same turn, as an env's
+        observation text does in the agent loop."""
+        if final["role"] != "assistant" or final.get("tool_calls"):
+            raise EndpointError(400, "continue_final_message needs a last assistant message without tool calls",
+                                param="messages")  # fmt: skip
+        if current is None or not _continues(current, tools_key, held, final["content"]):
+            raise EndpointError(400, "continue_final_message continues only the episode's last turn: the same "
+                                "messages before it, and its text starting with what the model wrote, the "
+                                "stop sequence that ended it included (a turn the model ended with its "
+                                "end-of-turn token cannot be continued)", param="messages")  # fmt: skip
+        added = final["content"][len(current.last_text) :]
+        current.trace.add_context(await off_loop(len(added), current.renderer.encode, added))
+        current.held, current.open_text = held, final["content"]
+        self.counts["continued_turns"] += 1
+        return current
 
     async def _generate(self, segment: _Segment, request: ChatRequest) -> Turn:
         trace, config = segment.trace, self.config
@@ -213,20 +221,22 @@ class AgentSession:
         self.generated += n
         segment.last_output = result.output_ids
         text = await off_loop(n, segment.renderer.decode, result.output_ids)
+        segment.last_text = segment.open_text + text
         for stop in request.stop:  # as OpenAI: the stop sequence is not part of the content
             if stop and text.endswith(stop):
                 text = text[: -len(stop)]
                 break
         turn = self._turn(text, request, result.finish_reason, prompt_tokens, n)
-        message: dict[str, Any] = {"role": "assistant", "content": turn.content or ""}
+        message: dict[str, Any] = {"role": "assistant", "content": segment.open_text + (turn.content or "")}
         if turn.tool_calls:
             message["tool_calls"] = [
                 {"type": "function", "function": {"name": c["function"]["name"],
                                                   "arguments": json.loads(c["function"]["arguments"])}}
                 for c in turn.tool_calls
             ]  # fmt: skip
-        segment.held.append(json.dumps(message, sort_keys=True))
-        self.last_messages = [*request.messages, message]
+        previous = request.messages[:-1] if request.continue_final else request.messages
+        segment.held[len(previous) :] = [json.dumps(message, sort_keys=True)]
+        self.last_messages = [*previous, message]
         self.final_text = text
         return turn
 
@@ -255,6 +265,17 @@ def _extends(segment: _Segment, tools_key: str, held: list[str], messages: list[
     if tools_key != segment.tools_key or len(held) <= n or held[:n] != segment.held:
         return False
     return bool(segment.held) and all(m["role"] != "assistant" for m in messages[n:])
+
+
+def _continues(segment: _Segment, tools_key: str, held: list[str], text: str) -> bool:
+    """True if `held` is the segment's conversation with its last (assistant) message extended to
+    `text`, and the model's turn there was cut by a stop sequence or the length, not ended."""
+    n = len(segment.held)
+    ended = bool(segment.last_output) and segment.last_output[-1] in segment.renderer.eos_ids
+    return (
+        tools_key == segment.tools_key and len(held) == n and held[:-1] == segment.held[:-1]
+        and bool(segment.last_output) and not ended and text.startswith(segment.last_text)
+    )  # fmt: skip
 
 
 class RendererCache:
@@ -287,7 +308,7 @@ async def run_agent_episode(
     client: InferenceClient,
     renderers: RendererCache,
     config: RollerConfig,
-    endpoint: AgentEndpoint,
+    endpoint: SessionHost,
     reward_model: RewardModelClient | None = None,
     greedy: bool = False,
 ) -> list[Episode]:

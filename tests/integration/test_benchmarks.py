@@ -178,10 +178,12 @@ def test_bench_roller_reports_concurrency_and_overhead(processes: Processes) -> 
         "bare loop",
     ):
         assert row in stdout, row
-    # the same task through the OpenAI-compatible endpoint, by an openai-SDK agent, in the same run
-    _positive(metrics, "endpoint_episodes_per_s", "builtin_episodes_per_s", "endpoint_overhead_ms_per_turn")
-    assert metrics["endpoint_groups_failed"] == 0
-    assert "episodes/s" in stdout  # the side-by-side table's first row
+    # the same task through the OpenAI-compatible endpoint, by a bare HTTP agent and by an openai-SDK
+    # agent, in the same run
+    _positive(metrics, "endpoint_episodes_per_s", "builtin_episodes_per_s", "endpoint_overhead_ms_per_turn",
+              "endpoint_http_episodes_per_s", "endpoint_http_overhead_ms_per_turn")  # fmt: skip
+    assert metrics["endpoint_groups_failed"] == 0 and metrics["endpoint_http_groups_failed"] == 0
+    assert "endpoint, HTTP agent" in stdout and "endpoint, SDK agent" in stdout
 
 
 def test_bench_queue_reports_ratios_rates_and_cpu(processes: Processes) -> None:

@@ -161,6 +161,34 @@ async def looping_agent(base_url: str, api_key: str, task: dict[str, Any]) -> No
                 )
 
 
+async def continuing_agent(base_url: str, api_key: str, task: dict[str, Any]) -> dict[str, Any]:
+    """Has the model go on writing its own turn after text the agent added (`continue_final_message`),
+    first in three ways the endpoint refuses."""
+    seen: dict[str, Any] = {}
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    async with client:
+        user = {"role": "user", "content": "hi"}
+        first = await client.chat.completions.create(model="policy", messages=[user], stop=["<stop>"])
+        text = first.choices[0].message.content or ""
+        for name, content, extra in (
+            ("without_stop", text + " more", go_on),  # the stop sequence the model wrote is left out
+            ("edited", "Ho <stop> more", go_on),
+            ("with_generation_prompt", text + "<stop> more", {**go_on, "add_generation_prompt": True}),
+            ("continued", text + "<stop> more", go_on),
+        ):
+            try:
+                response = await client.chat.completions.create(
+                    model="policy", messages=[user, {"role": "assistant", "content": content}],
+                    stop=["<stop>"], extra_body=extra,
+                )  # fmt: skip
+                seen[name] = response.choices[0].finish_reason
+            except BadRequestError as exc:
+                seen[name] = (exc.status_code, exc.body)
+    RESULTS[task["id"]] = seen
+    return seen
+
+
 def reward(transcript: Any, result: Any) -> float:
     """1 if the agent's answer names the colour of the task's animal."""
     answer = (result or {}).get("answer") or ""

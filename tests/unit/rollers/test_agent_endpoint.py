@@ -4,6 +4,7 @@ the client and a real HTTP server scripting SGLang's answers (token ids known ex
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -150,12 +151,13 @@ async def test_hanging_crashing_and_looping_agents_end_with_a_reason(tokenizer) 
             await rig.run(agent=f"{AGENTS}:hanging_agent", timeout_s=0.5)
         with pytest.raises(AgentFailed, match="the agent's own bug") as crashed:
             await rig.run(agent=f"{AGENTS}:crashing_agent")
+        before = len(rig.server.requests)  # the hung agent's request may not have been answered yet
         with pytest.raises(AgentFailed, match="more than 3 requests") as looped:
             await rig.run(agent=f"{AGENTS}:looping_agent", max_requests=3)
         assert not rig.endpoint.sessions  # every session's key was withdrawn
     assert (hung.value.reason, crashed.value.reason, looped.value.reason) == ("timeout", "agent_error",
                                                                                 "max_requests")  # fmt: skip
-    assert len(rig.server.requests) == 1 + 3
+    assert len(rig.server.requests) - before == 3
 
 
 async def test_a_subprocess_agent_gets_the_endpoint_in_its_environment(tokenizer) -> None:
@@ -303,3 +305,130 @@ async def test_sampling_the_run_fixes_and_a_full_context(tokenizer, policy: str)
     else:
         assert "temperature" not in seen and status == 400 and body["param"] == "temperature"
         assert episode.num_generated == 0
+
+
+class Lookups(Policy):
+    """Scripted lookup model: `<lookup> animal </lookup>` first, then the answer read off the result
+    (the stop sequence's tokens included, as a server that stopped on it returns them)."""
+
+    def __call__(self, ids: list[int], params: dict) -> Reply:
+        text = self.tok.decode(ids)
+        if "<result>" in text:
+            out = f" <answer> {text.rsplit('<result>', 1)[1].split()[0]} </answer>"
+        else:
+            out = f"<lookup> {text.rsplit('the ', 1)[1].split()[0]} </lookup>"
+        out_ids = self.tok.encode(out, add_special_tokens=False)
+        self.outputs.append(out_ids)
+        return Reply(out_ids, logprobs=[-0.5] * len(out_ids))
+
+
+async def test_the_lookup_agent_records_the_built_in_envs_episode_token_for_token(tokenizer) -> None:
+    from agentrl.envs.toy import LookupEnv
+    from agentrl.rollers.agent_loop import run_episode
+    from agentrl.rollers.chat import render_conversation
+    from examples.lookup_agent import LookupAgent
+
+    task = LookupEnv.generate_tasks(1, seed=5)[0]
+    config = RollerConfig(max_turns=3, max_new_tokens=24, max_total_tokens=256)
+    async with Rig(tokenizer, Lookups(tokenizer)) as rig:
+        builtin = await run_episode(LookupEnv(), task, rig.client, ChatRenderer(tokenizer), config)
+        (agent,) = await run_agent_episode(
+            LookupAgent(), task, rig.client, rig.renderers, config, rig.endpoint
+        )
+    assert builtin.reward == agent.reward == 1.0 and agent.num_turns == 2
+    assert list(agent.tokens) == list(builtin.tokens)
+    assert list(agent.loss_mask) == list(builtin.loss_mask)
+    assert agent.metrics["continued_turns"] == 1 and agent.metrics["non_extensions"] == 0
+    # the warm start's demonstrations are laid out as these episodes are
+    demo = LookupAgent(teacher_error_rate=0.0).demonstrate(task)
+    assert render_conversation(ChatRenderer(tokenizer), demo) == (list(agent.tokens), list(agent.loss_mask))
+
+
+class Stopping(Policy):
+    """Turns a stop sequence cut: "Hi <stop>" first, then " again <stop>" (no end-of-turn token)."""
+
+    def __call__(self, ids: list[int], params: dict) -> Reply:
+        out_ids = self.tok.encode(" again <stop>" if self.outputs else "Hi <stop>", add_special_tokens=False)
+        self.outputs.append(out_ids)
+        return Reply(out_ids, logprobs=[-0.5] * len(out_ids))
+
+
+async def test_continuing_the_final_message_only_after_what_the_model_wrote(tokenizer) -> None:
+    async with Rig(tokenizer, Stopping(tokenizer)) as rig:
+        (episode,) = await rig.run({**TASK, "id": "continue"}, agent=f"{AGENTS}:continuing_agent")
+    seen = RESULTS["continue"]
+    assert seen["continued"] == "stop" and episode.num_turns == 2  # "Hi <stop>" + " more" continued
+    for name in ("without_stop", "edited", "with_generation_prompt"):
+        assert seen[name][0] == 400 and seen[name][1]["param"] in ("messages", "add_generation_prompt"), name
+    text = tokenizer.decode(list(episode.tokens))
+    assert text.endswith("<|im_start|>assistant\nHi <stop> more again <stop>")
+    assert episode.metrics["continued_turns"] == 1 and episode.metrics["requests_refused"] == 3
+
+
+# An agent as a sandboxed program sees only the sandbox's /usr: the standard library's HTTP client.
+URLLIB_AGENT = r"""
+import json, os, sys, urllib.request
+task = json.loads(sys.stdin.read())
+def ask(messages):
+    request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": "policy", "messages": messages}).encode(),
+        headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())["choices"][0]["message"]["content"]
+try:  # nothing else is reachable from inside: the sandbox has no network of its own
+    urllib.request.urlopen("http://10.255.255.1:9/", timeout=2)
+    outside = "reached"
+except OSError:
+    outside = "unreachable"
+print(json.dumps({"answer": ask([{"role": "user", "content": task["question"]}]), "outside": outside,
+                  "uid": os.getuid(), "cwd": os.getcwd()}))
+"""
+
+
+def _sandboxed_result(transcript, result) -> float:
+    RESULTS["sandboxed"] = result
+    return 1.0
+
+
+async def test_a_sandboxed_command_agent_reaches_its_endpoint_and_nothing_else(
+    tokenizer, tmp_path: Path
+) -> None:
+    from agentrl.config import LocalSandboxConfig
+    from agentrl.envs.sandbox.local import available_isolation
+
+    uid = 424242 if os.geteuid() == 0 else None
+    if "bwrap" not in available_isolation(uid):
+        pytest.skip(
+            "bubblewrap is not installed or cannot create namespaces here (apt-get install -y bubblewrap)"
+        )
+    policy = Policy(tokenizer, answer="Red, I think.")
+    sandbox = LocalSandboxConfig(isolation="bwrap", disk_mb=0)
+    async with Rig(tokenizer, policy) as rig:
+        env = AgentEnv(command=["python3", "-c", URLLIB_AGENT], reward=f"{__name__}:_sandboxed_result",
+                       sandboxed=True, sandbox=sandbox)  # fmt: skip
+        config = RollerConfig(max_turns=4, max_new_tokens=64, max_total_tokens=1024)
+        (episode,) = await run_agent_episode(env, TASK, rig.client, rig.renderers, config, rig.endpoint)
+    result = RESULTS["sandboxed"]
+    assert result["answer"] == "Red, I think." and result["outside"] == "unreachable"
+    assert result["cwd"] == sandbox.workdir and (uid is None or result["uid"] != 0)  # a private uid as root
+    assert list(episode.tokens[episode.loss_mask.astype(bool)]) == policy.outputs[0]
+    # a sandboxed agent that hangs is ended at its wall-time limit, its process tree with it
+    from tests.unit.envs.sandbox.conftest import processes_with
+
+    marker = "agentrl-hanging-sandboxed-agent"
+    hanging = AgentEnv(command=["python3", "-c", f"import time; time.sleep(3600)  # {marker}"],
+                       timeout_s=1.0, sandboxed=True, sandbox=sandbox)  # fmt: skip
+    async with Rig(tokenizer, policy) as rig:
+        with pytest.raises(AgentFailed, match=r"after 1 s") as hung:
+            await run_agent_episode(hanging, TASK, rig.client, rig.renderers, config, rig.endpoint)
+    assert hung.value.reason == "timeout" and not processes_with(marker)
+
+
+def test_only_a_command_agent_in_a_local_sandbox_is_sandboxed() -> None:
+    from agentrl.config import DockerSandboxConfig, LocalSandboxConfig
+
+    with pytest.raises(ValueError, match="only a command agent"):
+        AgentEnv(agent=f"{AGENTS}:tool_agent", sandboxed=True, sandbox=LocalSandboxConfig())
+    with pytest.raises(ValueError, match=r"needs env\.sandbox\.type local"):
+        AgentEnv(command=["true"], sandboxed=True, sandbox=DockerSandboxConfig())
+    assert AgentEnv(command=["true"], sandbox=LocalSandboxConfig()).sandbox is None  # not asked for
