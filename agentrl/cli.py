@@ -572,7 +572,7 @@ def _sandbox_config(backend: str, **fields: object):  # -> LocalSandboxConfig | 
     """A validated sandbox config from command-line options (None values keep the defaults)."""
     from pydantic import ValidationError
 
-    from agentrl.config import DockerSandboxConfig, LocalSandboxConfig
+    from agentrl.envs.sandbox.config import DockerSandboxConfig, LocalSandboxConfig
 
     kinds = {"local": LocalSandboxConfig, "docker": DockerSandboxConfig}
     if backend not in kinds:

@@ -118,8 +118,8 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
         return
 
     async def run() -> None:
-        from agentrl.config import ZmqQueueConfig
         from agentrl.queue import create
+        from agentrl.queue.config import ZmqQueueConfig
 
         config = ZmqQueueConfig(address=address, nixl=kind == "nixl", auth=_auth())
         producer = create(config).producer()
@@ -244,8 +244,8 @@ def _drain(consumer: Any, count: int, batch: int, proc: subprocess.Popen, size: 
 
 def bench_ours(size: int, count: int, nixl: bool = False) -> Run:
     """Our queue (array payloads over NIXL with `nixl`), hosted in this process like the learner's."""
-    from agentrl.config import ZmqQueueConfig
     from agentrl.queue import create
+    from agentrl.queue.config import ZmqQueueConfig
 
     config = ZmqQueueConfig(address="tcp://127.0.0.1:*", capacity_groups=8192, auth=_auth(), nixl=nixl)
     backend = create(config)

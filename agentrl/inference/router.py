@@ -59,7 +59,7 @@ from agentrl.inference.base import (
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
-    from agentrl.config import InferenceConfig
+    from agentrl.inference.config import InferenceConfig
 
 logger = get_logger(__name__)
 

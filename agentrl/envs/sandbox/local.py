@@ -54,7 +54,7 @@ from agentrl.envs.sandbox.limits import Cgroup, Limits, kill_uid, launcher, pids
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
-    from agentrl.config import LocalSandboxConfig
+    from agentrl.envs.sandbox.config import LocalSandboxConfig
 
 logger = get_logger("envs.sandbox")
 
