@@ -446,8 +446,8 @@ def eval_(
         raise _fail(
             f"env.name: agentrl eval reports exact match for the Search-R1 envs, not {cfg.env.name!r}"
         )
-    from agentrl.envs.search.evaluate import evaluate_config, format_report
     from agentrl.launch.local import serve_for
+    from agentrl.rollers.evaluate import evaluate_config, format_report
 
     with serve_for(cfg, model) as served:
         report = asyncio.run(evaluate_config(served, tasks, limit))
