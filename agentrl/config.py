@@ -129,21 +129,8 @@ class AgentRLConfig(Section):
                 f"learner.temperature: must equal roller.temperature ({self.roller.temperature}); the learner "
                 "recomputes log-probs of the distribution the rollers sampled from"
             )
-        truncating = self.roller.top_p < 1 or self.roller.top_k > 0
-        if concerns("inference", "roller") and self.inference.type == "vllm" and truncating:
-            raise ValueError(
-                f"roller.top_p={self.roller.top_p} / roller.top_k={self.roller.top_k} with inference.type: vllm: "
-                "vLLM 0.32 reports log-probs after top-k/top-p (processed_logprobs) or before temperature "
-                "(raw_logprobs), never the tempered full distribution the learner recomputes; set "
-                "roller.top_p: 1 and roller.top_k: -1, or use inference.type: embedded or sglang"
-            )
-        if concerns("inference", "roller") and self.inference.logprobs == "truncated" and truncating:
-            raise ValueError(
-                f"inference.logprobs: 'truncated' with roller.top_p={self.roller.top_p} / roller.top_k="
-                f"{self.roller.top_k}: the learner recomputes log_softmax(logits / temperature) over the full "
-                "vocabulary and cannot reproduce truncated log-probs; set inference.logprobs: full, or "
-                "roller.top_p: 1 and roller.top_k: -1"
-            )
+        if concerns("inference", "roller"):
+            self._check_sampled_logprobs()
         if (
             concerns("inference")
             and self.inference.logprobs == "truncated"
@@ -168,6 +155,26 @@ class AgentRLConfig(Section):
                 "greedy episode whose reward is each group's baseline)"
             )
         return self
+
+    def _check_sampled_logprobs(self) -> None:
+        """Top-k / top-p sampling only where the servers report the full tempered log-probs the
+        learner recomputes."""
+        if not (self.roller.top_p < 1 or self.roller.top_k > 0):
+            return
+        if self.inference.type == "vllm":
+            raise ValueError(
+                f"roller.top_p={self.roller.top_p} / roller.top_k={self.roller.top_k} with inference.type: vllm: "
+                "vLLM 0.32 reports log-probs after top-k/top-p (processed_logprobs) or before temperature "
+                "(raw_logprobs), never the tempered full distribution the learner recomputes; set "
+                "roller.top_p: 1 and roller.top_k: -1, or use inference.type: embedded or sglang"
+            )
+        if self.inference.logprobs == "truncated":
+            raise ValueError(
+                f"inference.logprobs: 'truncated' with roller.top_p={self.roller.top_p} / roller.top_k="
+                f"{self.roller.top_k}: the learner recomputes log_softmax(logits / temperature) over the full "
+                "vocabulary and cannot reproduce truncated log-probs; set inference.logprobs: full, or "
+                "roller.top_p: 1 and roller.top_k: -1"
+            )
 
 
 SECTIONS = ("learner", "roller", "queue", "inference", "weight_sync", "env", "reward")
