@@ -152,28 +152,10 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
         os.environ[secret_env] = secrets.token_hex(32)
     try:
         if config.learner.warmstart.steps > 0:
-            warm = warm_model(run_dir) if resume else None
-            if warm is None:
-                child = supervisor.start(
-                    "warmstart", agentrl_command("warmstart", "--config", str(config_path)), threads=None
-                )
-                if child.proc.wait() != 0:
-                    raise RuntimeError(
-                        f"warmstart exited with code {child.proc.returncode}:\n{supervisor.tail(child)}"
-                    )
-            model = str(run_dir / "warmstart")
-
+            model = _warm_start(supervisor, run_dir, config_path, resume)
         service_overrides = [f"--env.kwargs.{k}={v}" for k, v in start_services(config, supervisor).items()]
         specs = plan_children(config, config_path, model, service_overrides, resume)
-        servers = [supervisor.run(s) for s in specs if s.health_url]
-        try:
-            timeout_s = inference_backend(config.inference.type).startup_timeout_s(config.inference)
-            wait_healthy(
-                [s.health_url for s in specs if s.health_url], [c.proc for c in servers], timeout_s=timeout_s
-            )
-        except RuntimeError:
-            failed = supervisor.failed()
-            raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None
+        servers = _start_servers(config, supervisor, specs)
         live = None
         if servers:  # the learner reads it and the queue carries it on to the rollers, whichever backend
             path = server_list.path_in(run_dir)
@@ -197,6 +179,35 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
     finally:
         supervisor.stop_all()
         mark_ended(run_dir, {c.name: exit_state(c.proc.returncode) for c in supervisor.children})
+
+
+def _warm_start(supervisor: Supervisor, run_dir: Path, config_path: Path, resume: bool) -> str:
+    """The warm-started model the run starts from: `agentrl warmstart` run to its end, or (with
+    `resume`) the one a previous life of the run finished."""
+    if (warm_model(run_dir) if resume else None) is None:
+        child = supervisor.start(
+            "warmstart", agentrl_command("warmstart", "--config", str(config_path)), threads=None
+        )
+        if child.proc.wait() != 0:
+            raise RuntimeError(
+                f"warmstart exited with code {child.proc.returncode}:\n{supervisor.tail(child)}"
+            )
+    return str(run_dir / "warmstart")
+
+
+def _start_servers(config: AgentRLConfig, supervisor: Supervisor, specs: list[ChildSpec]) -> list[Child]:
+    """The children with a health URL (the inference servers), once every one answers it within
+    the backend's start-up timeout; a server that exits first fails the run with its log's tail."""
+    servers = [supervisor.run(s) for s in specs if s.health_url]
+    try:
+        timeout_s = inference_backend(config.inference.type).startup_timeout_s(config.inference)
+        wait_healthy(
+            [s.health_url for s in specs if s.health_url], [c.proc for c in servers], timeout_s=timeout_s
+        )
+    except RuntimeError:
+        failed = supervisor.failed()
+        raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None
+    return servers
 
 
 def supervise(supervisor: Supervisor, learner: Child, max_restarts: int, backoff_s: float) -> str | None:
