@@ -555,11 +555,10 @@ def _wait_healthy(urls: list[str], path: str, timeout_s: float = 300) -> None:
 
 
 def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
-    """Run the job on the Ray cluster at `launcher.address`; like `launcher.launch`."""
+    """Run the job on the Ray cluster at `launcher.address`; like `launch.local.launch`."""
     import ray
 
-    from agentrl.launch.procs import warm_model
-    from agentrl.launch.progress import watch
+    from agentrl.launch.progress import exit_code
 
     run_dir = Path(config.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -568,33 +567,36 @@ def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -
              logging_level="WARNING", configure_logging=True)  # fmt: skip
     job = RayRun(config, config_path, resume)
     try:
-        model = (
-            str(Path(config.learner.model_path).resolve())
-            if Path(config.learner.model_path).exists()
-            else config.learner.model_path
-        )
-        if config.learner.warmstart.steps > 0:
-            if (warm_model(run_dir) if resume else None) is None:
-                job.run_warmstart()
-            model = str((run_dir / "warmstart").resolve())
-        job.start_plan(model, job.start_services())
-        return watch(
-            config,
-            "ray",
-            lambda: job.tick() or job.supervise(),
-            job.scale,
-            job.processes,
-            lambda: sum(m.restarts for m in job.members),
-            namespace=ray_namespace(run_dir),
-        )
-    except KeyboardInterrupt:
-        logger.warning("interrupted: stopping every process")
-        return 130
-    except (RuntimeError, TimeoutError) as exc:
-        logger.error("%s", exc)
-        return 1
+        return exit_code(lambda: _run(job, resume))
     finally:
         write_state(run_dir, "ray", job.processes(), namespace=ray_namespace(run_dir))
         job.stop_all()
         mark_ended(run_dir, {})  # what was still running was stopped by stop_all
         ray.shutdown()
+
+
+def _run(job: RayRun, resume: bool) -> int:
+    """Warm start, env services, servers (healthy), the learner's ranks and rollers, then the main loop."""
+    from agentrl.launch.procs import warm_model
+    from agentrl.launch.progress import watch
+
+    config, run_dir = job.config, Path(job.config.run_dir)
+    model = (
+        str(Path(config.learner.model_path).resolve())
+        if Path(config.learner.model_path).exists()
+        else config.learner.model_path
+    )
+    if config.learner.warmstart.steps > 0:
+        if (warm_model(run_dir) if resume else None) is None:
+            job.run_warmstart()
+        model = str((run_dir / "warmstart").resolve())
+    job.start_plan(model, job.start_services())
+    return watch(
+        config,
+        "ray",
+        lambda: job.tick() or job.supervise(),
+        job.scale,
+        job.processes,
+        lambda: sum(m.restarts for m in job.members),
+        namespace=ray_namespace(run_dir),
+    )
