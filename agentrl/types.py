@@ -15,7 +15,9 @@ hostile: it checks the header schema, frame count, dtypes, lengths and value ran
 and raises `WireError` naming what is wrong. Wire version 2 added the per-turn rewards;
 version 1 messages (no `turns` in the header, no turn frames) still decode, with none.
 
-This module imports nothing else from agentrl.
+This module imports nothing else from agentrl. It runs past 500 lines on purpose: the types
+and the decoder that checks them field by field change together (a new field is a new check,
+and `_parse`'s fast path is tied to `ARRAY_FIELDS` by an assertion), so they stay in one file.
 """
 
 from __future__ import annotations
