@@ -53,7 +53,7 @@ from typing import Any
 
 from agentrl.config import AgentRLConfig
 from agentrl.inference import server_list
-from agentrl.launch.control import mark_ended, write_state
+from agentrl.launch.control import mark_ended, roller_slots, write_state
 from agentrl.launch.devices import DEVICE_ENV, check_gpu_index, ray_device
 from agentrl.launch.plan import (
     Addresses,
@@ -447,13 +447,11 @@ class RayRun:
     def scale(self, request: dict) -> str:
         done = []
         if "rollers" in request:
-            rollers = sorted(
-                (m for m in self.members if m.role.kind == "roller"), key=lambda m: int(m.name[6:])
-            )
-            for m in rollers[request["rollers"] :][::-1]:
-                self._stop(m)
-            nxt = int(rollers[-1].name[6:]) + 1 if rollers else 0
-            for i in range(nxt, nxt + request["rollers"] - len(rollers)):
+            rollers = {int(m.name[6:]): m for m in self.members if m.role.kind == "roller"}
+            stop, start = roller_slots(sorted(rollers), request["rollers"])
+            for i in stop:
+                self._stop(rollers[i])
+            for i in start:
                 self.add_roller(roller_role(self.config, self.common, i))
             done.append(f"rollers {sum(m.role.kind == 'roller' for m in self.members)}")
         if "servers" in request:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agentrl.launch.control import exit_state
+from agentrl.launch.control import exit_state, roller_slots
 from agentrl.launch.plan import server_url
 from agentrl.launch.procs import Child, ChildSpec, Supervisor
 from agentrl.log import get_logger
@@ -129,11 +129,11 @@ class LocalScaler:
     def apply(self, request: dict) -> str:
         done = []
         if "rollers" in request:
-            rollers = self._of("roller")
-            for child in rollers[request["rollers"] :][::-1]:
-                self._remove(child)
-            next_index = int(rollers[-1].name[6:]) + 1 if rollers else 0
-            for i in range(next_index, next_index + request["rollers"] - len(rollers)):
+            rollers = {int(c.name[6:]): c for c in self._of("roller")}
+            stop, start = roller_slots(list(rollers), request["rollers"])
+            for i in stop:
+                self._remove(rollers[i])
+            for i in start:
                 spec = ChildSpec(f"roller{i}", self.roller_args, {"AGENTRL_ROLLER_INDEX": str(i)}, True)
                 self.supervisor.run(spec)
             done.append(f"rollers {len(self._of('roller'))}")
