@@ -8,21 +8,22 @@
 Every command that takes `--config` also takes dotted overrides of any field
 (`--section.key VALUE` or `--section.key=VALUE`); the config is validated before
 anything starts. `agentrl --help` must stay fast: import torch, transformers, zmq
-and friends only inside the command that needs them.
+and friends only inside the command that needs them. The commands around environments
+(`env check`, `sandbox`, `sandbox-server`, `retriever`) are in `cli_env.py`; what all command
+modules share (config loading, `USES`, one-line errors) in `cli_common.py`.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
+from agentrl import cli_common, cli_env
+from agentrl.cli_common import CONFIG_HELP, OVERRIDES, ConfigOpt, fail, load, user_error
 from agentrl.tiny_model import PRESETS as MODEL_PRESETS  # plain data: no heavy import
-
-if TYPE_CHECKING:
-    from agentrl.config import AgentRLConfig
 
 app = typer.Typer(
     name="agentrl",
@@ -31,37 +32,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
-CONFIG_HELP = (
-    "Config sections: learner, roller, queue, inference, weight_sync, env (with env.sandbox), reward, plus "
-    "run_dir, seed, max_staleness. Override any field with --section.field VALUE (or "
-    "--section.field=VALUE). Every field with its doc and default: agentrl config show [--config C] [SECTION]."
-)
-# what each command reads of the run config: cross-section checks run only over these
-USES = {
-    "learner": ("learner", "queue", "weight_sync", "inference"),
-    "roller": ("roller", "env", "inference", "queue", "reward"),
-    "serve-reward": ("reward",),
-    "serve": ("inference", "learner"),
-    "queue": ("queue", "learner"),
-    "warmstart": ("learner", "roller", "env"),
-    # every section, and the launcher: it starts the servers, so none need be given
-    "run": (
-        "learner",
-        "roller",
-        "queue",
-        "inference",
-        "weight_sync",
-        "env",
-        "reward",
-        "launcher",
-        "colocated",
-    ),
-}
-ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help="YAML/TOML preset (see recipes/).", show_default=False)
-]
 
 # name -> (what it measures, issue that builds it)
 BENCHMARKS = {
@@ -79,41 +49,13 @@ BENCHMARKS = {
 }
 
 
-DEBUG = False
-"""`agentrl --debug ...`: errors in the user's env or config come with their traceback."""
-
-
 @app.callback()
 def _options(
     debug: Annotated[
         bool, typer.Option("--debug", help="Show the traceback behind an error message.")
     ] = False,
 ) -> None:
-    global DEBUG
-    DEBUG = debug
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"agentrl: {message}", err=True)
-    return typer.Exit(code)
-
-
-def _user_error(exc: Exception, code: int = 2) -> typer.Exit:
-    """A clean one-line error for a mistake in the user's env or config (raised as is with --debug)."""
-    if DEBUG:
-        raise exc
-    return _fail(str(exc), code)
-
-
-def load(config: Path | None, ctx: typer.Context) -> AgentRLConfig:
-    """Load and validate the run config for this command (the sections it uses), or exit with a
-    message naming the bad field."""
-    from agentrl.config import ConfigError, load_config
-
-    try:
-        return load_config(config, list(ctx.args), uses=USES.get(ctx.info_name or ""))
-    except ConfigError as exc:
-        raise _fail(str(exc)) from None
+    cli_common.DEBUG = debug
 
 
 def check_model_path(field: str, value: str, preset: str | None = None) -> None:
@@ -131,7 +73,7 @@ def check_model_path(field: str, value: str, preset: str | None = None) -> None:
         return  # a hub id: transformers fetches it where a hub is reachable
     preset = preset or (path.name if path.name in MODEL_PRESETS else "tiny")
     where = "" if path.is_absolute() else f" (relative to the current directory {os.getcwd()})"
-    raise _fail(
+    raise fail(
         f"{field}: {value} is not a checkpoint directory{where}; make one: agentrl init-model {preset} {value}"
     )
 
@@ -182,7 +124,7 @@ def roller(
     try:
         raise typer.Exit(asyncio.run(run_roller(cfg)))
     except ValueError as exc:  # bad env / task / budget / inference settings found while wiring
-        raise _user_error(exc) from None
+        raise user_error(exc) from None
 
 
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
@@ -207,16 +149,16 @@ def serve(
     try:
         kind = inference_backend(backend)
     except ValueError as exc:  # not registered: the message lists those that are
-        raise _fail(f"--backend: {str(exc).removeprefix('inference.type: ')}") from None
+        raise fail(f"--backend: {str(exc).removeprefix('inference.type: ')}") from None
     model_path = model or cfg.inference.model_path or cfg.learner.model_path
     if not Path(model_path).is_dir():
-        raise _fail(
+        raise fail(
             f"--model: {model_path} is not a checkpoint directory (make one: agentrl init-model tiny DIR)"
         )
     try:
         code = kind.serve(model_path, host, port, cfg.inference)
     except RuntimeError as exc:  # the backend is not installed here, or it exited while starting
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     raise typer.Exit(code or 0)
 
 
@@ -235,7 +177,7 @@ def serve_reward(
     cfg = load(config, ctx)
     model_path = model or cfg.reward.model
     if not model_path:
-        raise _fail("--model: give the reward model's checkpoint (or set reward.model)")
+        raise fail("--model: give the reward model's checkpoint (or set reward.model)")
     check_model_path("--model", model_path, preset="tiny-rm" if cfg.reward.kind == "classifier" else "tiny")
     from agentrl.rewards.scorer import WrongModelType, load_scorer
     from agentrl.rewards.server import run_server
@@ -243,7 +185,7 @@ def serve_reward(
     try:
         scorer = load_scorer(model_path, cfg.reward, device)
     except WrongModelType as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     run_server(scorer, host, port)
 
 
@@ -256,7 +198,7 @@ def queue(
     """Run the TransferQueue server on its own (by default the learner hosts it)."""
     cfg = load(config, ctx)
     if cfg.queue.type != "zmq":
-        raise _fail(f"queue.type={cfg.queue.type!r} needs no agentrl server (Redis is the server)")
+        raise fail(f"queue.type={cfg.queue.type!r} needs no agentrl server (Redis is the server)")
     import signal
 
     from agentrl.queue import QueueError, create
@@ -274,7 +216,7 @@ def queue(
         )
         server.start()
     except (AuthError, QueueError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     typer.echo(f"agentrl queue: serving on {server.endpoint} (run {server.run_id})", err=True)
     endpoint = None
     if cfg.prometheus.queue_port is not None:
@@ -313,7 +255,7 @@ def run(
     learner's death ends the run. `agentrl scale` and `agentrl status` reach it by its run_dir."""
     if launcher is not None:
         if launcher not in ("local", "ray"):
-            raise _fail(f"--launcher: choose local or ray, not {launcher!r}")
+            raise fail(f"--launcher: choose local or ray, not {launcher!r}")
         ctx.args.append(f"--launcher.type={launcher}")
     cfg = load(config, ctx)
     check_model_path("learner.model_path", cfg.learner.model_path)
@@ -323,7 +265,7 @@ def run(
     try:  # the env loads and its prompts fit the roller's budget (`agentrl env check`, cheap part)
         check_run_budget(cfg, tokenizer_path(cfg))
     except ValueError as exc:
-        raise _user_error(exc) from None
+        raise user_error(exc) from None
     from agentrl.launch.local import run as launch
 
     raise typer.Exit(launch(cfg, resume=resume))
@@ -348,7 +290,7 @@ def scale(
     try:
         request = request_scale(run_dir, rollers, servers)
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         state = read_state(run_dir)
@@ -356,7 +298,7 @@ def scale(
             typer.echo(f"agentrl scale: {state.get('scale')}")
             return
         time.sleep(0.5)
-    raise _fail(f"the launcher of {run_dir} did not apply the request in 60 s (see its output)", code=1)
+    raise fail(f"the launcher of {run_dir} did not apply the request in 60 s (see its output)", code=1)
 
 
 @app.command()
@@ -370,7 +312,7 @@ def status(run_dir: RunDirOpt) -> None:
     try:
         Console().print(status_table(run_dir))
     except FileNotFoundError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
 
 
 show_app = typer.Typer(help="Read what a run wrote.", no_args_is_help=True)
@@ -394,15 +336,15 @@ def show_transcripts(
     from agentrl.learner.transcripts import read_transcripts, render, select
 
     if worst and best:
-        raise _fail("--worst and --best exclude each other")
+        raise fail("--worst and --best exclude each other")
     try:
         records = read_transcripts(run_dir)
     except FileNotFoundError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     chosen = select(records, step, "worst" if worst else "best" if best else None, limit)
     if not chosen:
         steps = sorted({r["step"] for r in records})
-        raise _fail(f"no transcripts for step {step} in {run_dir}; steps written: {steps}")
+        raise fail(f"no transcripts for step {step} in {run_dir}; steps written: {steps}")
     render(chosen, Console())
 
 
@@ -411,18 +353,16 @@ def warmstart(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Supervised warm start on the env's demonstrations; writes <run_dir>/warmstart."""
     cfg = load(config, ctx)
     if cfg.learner.warmstart.steps == 0:
-        raise _fail(
-            "learner.warmstart.steps is 0: nothing to do (set it, e.g. --learner.warmstart.steps 200)"
-        )
+        raise fail("learner.warmstart.steps is 0: nothing to do (set it, e.g. --learner.warmstart.steps 200)")
     check_model_path("learner.model_path", cfg.learner.model_path)
     from agentrl.learner.warmstart import warmstart as train
 
     try:
         train(cfg)
     except NotImplementedError as exc:
-        raise _fail(f"env.name: {exc}") from None
+        raise fail(f"env.name: {exc}") from None
     except ValueError as exc:  # an env that does not load
-        raise _user_error(exc) from None
+        raise user_error(exc) from None
 
 
 @app.command("eval", context_settings=OVERRIDES, epilog=CONFIG_HELP)
@@ -444,18 +384,16 @@ def eval_(
     import asyncio
 
     if recipe and config:
-        raise _fail("give either --recipe or --config, not both")
+        raise fail("give either --recipe or --config, not both")
     if recipe:
         config = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml"
         if not config.exists():
-            raise _fail(f"--recipe: no recipe {recipe!r} in recipes/")
+            raise fail(f"--recipe: no recipe {recipe!r} in recipes/")
     cfg = load(config, ctx)
     if not cfg.env.name.startswith("search_r1"):
-        raise _fail(
-            f"env.name: agentrl eval reports exact match for the Search-R1 envs, not {cfg.env.name!r}"
-        )
-    from agentrl.envs.search.evaluate import evaluate_config, format_report
+        raise fail(f"env.name: agentrl eval reports exact match for the Search-R1 envs, not {cfg.env.name!r}")
     from agentrl.launch.local import serve_for
+    from agentrl.rollers.evaluate import evaluate_config, format_report
 
     with serve_for(cfg, model) as served:
         report = asyncio.run(evaluate_config(served, tasks, limit))
@@ -477,7 +415,7 @@ def init_model(
 ) -> None:
     """Write a random-weight Qwen2-style HF checkpoint with a Qwen2.5-format tokenizer (offline)."""
     if preset not in MODEL_PRESETS:
-        raise _fail(f"unknown model preset {preset!r}; choose one of: {', '.join(MODEL_PRESETS)}")
+        raise fail(f"unknown model preset {preset!r}; choose one of: {', '.join(MODEL_PRESETS)}")
     from agentrl.tiny_model import init_model as build
 
     out = build(preset, out_dir, seed=seed)
@@ -496,7 +434,7 @@ def bench(
     import importlib
 
     if name not in BENCHMARKS:
-        raise _fail(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
+        raise fail(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
     what = BENCHMARKS[name]
     module_name = f"agentrl.bench.{name}_" if name == "async" else f"agentrl.bench.{name}"  # a keyword
     try:
@@ -504,7 +442,7 @@ def bench(
     except ModuleNotFoundError as exc:
         if exc.name != module_name:
             raise
-        raise _fail(
+        raise fail(
             f"`agentrl bench {name}` ({what}) is not built in this checkout (no module {module_name})", code=3
         ) from None
     raise typer.Exit(module.main(list(ctx.args)))
@@ -529,34 +467,6 @@ def doctor(ctx: typer.Context, config: ConfigOpt = None) -> None:
     raise typer.Exit(run_doctor(cfg))
 
 
-env_app = typer.Typer(help="Check an environment before training on it.", no_args_is_help=True)
-app.add_typer(env_app, name="env")
-
-
-@env_app.command("check", context_settings=OVERRIDES, epilog=CONFIG_HELP)
-def env_check(
-    ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="The env: a built-in name or module:Class.")],
-    config: ConfigOpt = None,
-) -> None:
-    """Check an env like a first episode would: its prompt's tokens against the roller's budget,
-    its tool schemas, `demonstrate()` through the parser, the tools and `reward`, malformed calls.
-    Exits 1 on a problem. The tokenizer: roller.tokenizer_path, else inference.model_path, else
-    learner.model_path; give --env.kwargs for an env other than the config's own."""
-    import asyncio
-
-    from rich.console import Console
-
-    ctx.args = [f"--env.name={name}", *ctx.args]
-    cfg = load(config, ctx)
-    from agentrl.envs.check import check_env, render_report
-    from agentrl.rollers.main import tokenizer_path
-
-    report = asyncio.run(check_env(cfg, tokenizer_path(cfg)))
-    Console().print(render_report(report, cfg.env.name))
-    raise typer.Exit(1 if report.failed else 0)
-
-
 config_app = typer.Typer(help="Inspect the run configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
@@ -576,202 +486,13 @@ def config_show(
         cfg = load_config(config, list(ctx.args), uses=()) if config or ctx.args else None
         typer.echo(describe(cfg, section), nl=False)
     except ConfigError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
 
 
-sandbox_app = typer.Typer(
-    help="Run commands in a fresh sandbox (debugging, scripted checks).", no_args_is_help=True
-)
-app.add_typer(sandbox_app, name="sandbox")
-BackendOpt = Annotated[str, typer.Option(help="Sandbox backend: local or docker.")]
-
-
-def _sandbox_config(backend: str, **fields: object):  # -> LocalSandboxConfig | DockerSandboxConfig
-    """A validated sandbox config from command-line options (None values keep the defaults)."""
-    from pydantic import ValidationError
-
-    from agentrl.config import DockerSandboxConfig, LocalSandboxConfig
-
-    kinds = {"local": LocalSandboxConfig, "docker": DockerSandboxConfig}
-    if backend not in kinds:
-        raise _fail(f"--backend: unknown sandbox backend {backend!r}; choose local or docker")
-    given = {k: v for k, v in fields.items() if v is not None}
-    for key in given.keys() - kinds[backend].model_fields.keys():
-        raise _fail(f"--{key.replace('_', '-')} does not apply to the {backend} backend")
-    try:
-        return kinds[backend](**given)
-    except ValidationError as exc:
-        raise _fail(
-            f"invalid sandbox option: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}"
-        ) from None
-
-
-@sandbox_app.command("exec")
-def sandbox_exec(
-    cmd: Annotated[
-        list[str],
-        typer.Argument(help="The command and its arguments after --; one argument runs via /bin/sh -c."),
-    ],
-    backend: BackendOpt = "local",
-    timeout: Annotated[float | None, typer.Option(help="Wall-clock limit in seconds.")] = None,
-    memory_mb: Annotated[int | None, typer.Option(help="Memory limit in MiB.")] = None,
-    image: Annotated[str | None, typer.Option(help="Docker image, or a directory copied in (local).")] = None,
-    isolation: Annotated[str | None, typer.Option(help="Local: auto, bwrap, namespaces, rlimits.")] = None,
-    min_isolation: Annotated[str | None, typer.Option(help="Local: weakest isolation accepted.")] = None,
-    python_packages: Annotated[
-        str | None, typer.Option(help="Local: comma-separated pure-Python packages to make importable.")
-    ] = None,
-) -> None:
-    """Run one command in a fresh sandbox; print {"exit_code", "stdout", "stderr", "timed_out", "isolation"}."""
-    import asyncio
-    import json
-
-    from agentrl.envs.sandbox import SandboxError, create
-
-    cfg = _sandbox_config(
-        backend,
-        timeout_s=timeout,
-        memory_mb=memory_mb,
-        isolation=isolation,
-        min_isolation=min_isolation,
-        python_packages=python_packages.split(",") if python_packages else None,
-    )
-
-    async def run_one() -> dict:
-        box = create(cfg)
-        try:
-            await box.start(image)
-            result = await box.exec(cmd if len(cmd) > 1 else cmd[0], timeout=timeout)
-            return {**result.to_dict(), "isolation": box.isolation}
-        finally:
-            await box.close()
-
-    try:
-        typer.echo(json.dumps(asyncio.run(run_one())))
-    except SandboxError as exc:
-        hint = ""
-        if "min_isolation" in str(exc) and min_isolation is None:
-            hint = (". To run trusted code anyway: --min-isolation namespaces (gives up bubblewrap's seccomp "
-                    "filter: the code may make namespaces and mounts) or --min-isolation rlimits (gives up all "
-                    "isolation: host filesystem, network and processes, resource limits only).")  # fmt: skip
-        raise _fail(str(exc) + hint, code=3) from None
-
-
-@sandbox_app.command("info")
-def sandbox_info() -> None:
-    """Print, as one JSON line, the isolation this machine offers local sandboxes and whether a
-    Docker engine answers (DOCKER_HOST or the local socket)."""
-    import json
-    import os
-
-    from agentrl.envs.sandbox.limits import Cgroup, Limits
-    from agentrl.envs.sandbox.local import available_isolation
-
-    root = os.geteuid() == 0
-    cgroup = Cgroup.create(Limits(64, 8, 1, 1))
-    if cgroup is not None:
-        cgroup.remove()
-    info: dict = {
-        "local": {
-            "available": available_isolation(424242 if root else None),
-            "private_uid": root,
-            "cgroup": f"v{cgroup.version}" if cgroup else None,
-        }
-    }
-    try:
-        import docker
-
-        client = docker.from_env()
-        info["docker"] = {"reachable": bool(client.ping()), "version": client.version().get("Version")}
-        client.close()
-    except Exception as exc:  # no SDK, no engine, no permission: all mean "not usable here"
-        info["docker"] = {"reachable": False, "why": f"{type(exc).__name__}: {exc}"[:200]}
-    typer.echo(json.dumps(info))
-
-
-@app.command("sandbox-server")
-def sandbox_server(
-    port: Annotated[int, typer.Option(help="Port to bind.")] = 8765,
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    backend: BackendOpt = "local",
-    api_key_env: Annotated[str, typer.Option(help="Environment variable holding the API key.")] = (
-        "AGENTRL_SANDBOX_KEY"
-    ),
-    timeout: Annotated[float | None, typer.Option(help="Cap on one exec's wall-clock time (s).")] = None,
-    memory_mb: Annotated[int | None, typer.Option(help="Memory limit of each sandbox in MiB.")] = None,
-    max_processes: Annotated[int | None, typer.Option(help="Process limit of each sandbox.")] = None,
-    min_isolation: Annotated[str | None, typer.Option(help="Local: weakest isolation accepted.")] = None,
-    python_packages: Annotated[
-        str | None, typer.Option(help="Local: comma-separated pure-Python packages to make importable.")
-    ] = None,
-    max_sandboxes: Annotated[int, typer.Option(help="Live sandboxes at most (429 beyond).")] = 64,
-    idle_timeout: Annotated[float, typer.Option(help="Close sandboxes idle this long (s).")] = 1800.0,
-) -> None:
-    """Serve sandboxes over HTTP with an API key, for rollers without Docker or bubblewrap."""
-    import os
-
-    key = os.environ.get(api_key_env, "")
-    if not key:
-        raise _fail(f"--api-key-env: set {api_key_env} to the API key clients will send")
-    cfg = _sandbox_config(
-        backend,
-        timeout_s=timeout,
-        memory_mb=memory_mb,
-        max_processes=max_processes,
-        min_isolation=min_isolation,
-        python_packages=python_packages.split(",") if python_packages else None,
-    )
-    from agentrl.envs.sandbox.server import serve
-
-    serve(cfg, key, host, port, max_sandboxes=max_sandboxes, idle_timeout_s=idle_timeout)
-
-
-@app.command()
-def retriever(
-    corpus: Annotated[
-        Path | None, typer.Option(help="JSONL corpus: one {id, contents} per line (Search-R1 layout).")
-    ] = None,
-    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    topk: Annotated[int, typer.Option(help="Documents per query when a request gives no topk.")] = 3,
-    index_dir: Annotated[
-        Path | None, typer.Option(help="Where the index is cached (default: beside the corpus).")
-    ] = None,
-    method: Annotated[
-        str, typer.Option(help="bm25 (default) or dense (needs faiss + sentence-transformers).")
-    ] = ("bm25"),
-    dense_model: Annotated[str, typer.Option(help="sentence-transformers model of --method dense.")] = (
-        "intfloat/e5-base-v2"
-    ),
-    make_synthetic: Annotated[
-        Path | None,
-        typer.Option(help="Write the offline synthetic corpus and QA splits to this folder (then serve it)."),
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the synthetic world.")] = 0,
-    num_people: Annotated[int, typer.Option(help="People (and organisations) in the synthetic world.")] = 200,
-) -> None:
-    """Serve Search-R1's `POST /retrieve` over a corpus (BM25 by default, index cached on disk).
-
-    `--make-synthetic DIR` writes DIR/corpus.jsonl, train.jsonl and test.jsonl and exits,
-    unless --corpus is also given (then it serves --corpus)."""
-    if make_synthetic is not None:
-        from agentrl.envs.search.synthetic import make_synthetic as make
-
-        paths = make(make_synthetic, seed=seed, num_people=num_people)
-        typer.echo("wrote " + ", ".join(str(p) for p in paths.values()), err=True)
-        if corpus is None:
-            return
-    if corpus is None:
-        raise _fail("--corpus: give the JSONL corpus to serve (or --make-synthetic DIR to write one)")
-    from agentrl.envs.search.retriever import create_retriever
-    from agentrl.envs.search.server import serve as serve_retriever
-
-    try:
-        kwargs = {"model_name": dense_model} if method == "dense" else {}
-        index = create_retriever(corpus, method, index_dir, **kwargs)
-    except ValueError as exc:
-        raise _fail(str(exc)) from None
-    serve_retriever(index, host, port, topk=topk)
+app.add_typer(cli_env.env_app, name="env")
+app.add_typer(cli_env.sandbox_app, name="sandbox")
+app.command("sandbox-server")(cli_env.sandbox_server)
+app.command()(cli_env.retriever)
 
 
 def main() -> None:

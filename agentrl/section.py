@@ -1,6 +1,6 @@
-"""`Section`, the base of every config model (agentrl/config.py and the sections that live beside
-their package: agentrl/learner/config.py, agentrl/rewards/config.py). Its own module so those
-can import it without importing agentrl.config, which imports them."""
+"""`Section`, the base of every config model: each package's section (`agentrl/<package>/config.py`)
+and the root model in agentrl/config.py. Its own module so the sections can import it without
+importing agentrl.config, which imports them."""
 
 from __future__ import annotations
 

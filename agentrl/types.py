@@ -15,7 +15,9 @@ hostile: it checks the header schema, frame count, dtypes, lengths and value ran
 and raises `WireError` naming what is wrong. Wire version 2 added the per-turn rewards;
 version 1 messages (no `turns` in the header, no turn frames) still decode, with none.
 
-This module imports nothing else from agentrl.
+This module imports nothing else from agentrl. It runs past 500 lines on purpose: the types
+and the decoder that checks them field by field change together (a new field is a new check,
+and `_parse`'s fast path is tied to `ARRAY_FIELDS` by an assertion), so they stay in one file.
 """
 
 from __future__ import annotations
@@ -390,29 +392,9 @@ def _parse(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[list[np.nd
     arrays' values (`_check_values`)."""
     if not frames:
         raise WireError("empty message: no header frame")
-    header_buf = byte_view(frames[0])
-    if len(header_buf) > MAX_HEADER_BYTES:
-        raise WireError(f"header of {len(header_buf)} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        header = msgpack.unpackb(header_buf, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises several unrelated exception types
-        raise WireError(f"header is not valid msgpack: {exc}") from None
-    wire = header.get("wire") if type(header) is dict else None
-    keys, exact = _HEADER_SCHEMA.get(wire, _HEADER_SCHEMA[WIRE_VERSION])  # type: ignore[arg-type]
-    if not _schema_ok(header, exact):
-        _check_keys(header, keys, "header")
-    wire = header["wire"]
-    if wire not in WIRE_VERSIONS:
-        raise WireError(f"header.wire: unsupported wire version {wire} (this build speaks {WIRE_VERSIONS})")
-    _check_plain_metrics(header["metrics"], "header.metrics")
+    header = _parse_header(frames[0])
     meta = header["episodes"]
-    if len(meta) > MAX_EPISODES_PER_GROUP:
-        raise WireError(f"header.episodes: {len(meta)} episodes exceed {MAX_EPISODES_PER_GROUP}")
     turns = header.get("turns") or ()
-    if turns and (len(turns) != len(meta) or any(type(k) is not int or k < 0 for k in turns)):
-        raise WireError(
-            f"header.turns: expected {len(meta)} counts of rewarded turns (ints >= 0), got {turns!r:.80}"
-        )
     expected_frames = 1 + _N_FIELDS * len(meta) + (2 * (len(turns) - turns.count(0)) if turns else 0)
     if len(frames) != expected_frames:
         raise WireError(f"expected {expected_frames} frames for {len(meta)} episodes, got {len(frames)}")
@@ -444,6 +426,35 @@ def _parse(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[list[np.nd
             turn_frame += 2
         episodes.append(arrays)
     return header, episodes
+
+
+def _parse_header(frame: Any) -> dict:
+    """The msgpack header of a message, checked: its schema for its wire version, its metrics,
+    the episode count and the per-episode counts of rewarded turns."""
+    header_buf = byte_view(frame)
+    if len(header_buf) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(header_buf)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(header_buf, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise WireError(f"header is not valid msgpack: {exc}") from None
+    wire = header.get("wire") if type(header) is dict else None
+    keys, exact = _HEADER_SCHEMA.get(wire, _HEADER_SCHEMA[WIRE_VERSION])  # type: ignore[arg-type]
+    if not _schema_ok(header, exact):
+        _check_keys(header, keys, "header")
+    wire = header["wire"]
+    if wire not in WIRE_VERSIONS:
+        raise WireError(f"header.wire: unsupported wire version {wire} (this build speaks {WIRE_VERSIONS})")
+    _check_plain_metrics(header["metrics"], "header.metrics")
+    meta = header["episodes"]
+    if len(meta) > MAX_EPISODES_PER_GROUP:
+        raise WireError(f"header.episodes: {len(meta)} episodes exceed {MAX_EPISODES_PER_GROUP}")
+    turns = header.get("turns") or ()
+    if turns and (len(turns) != len(meta) or any(type(k) is not int or k < 0 for k in turns)):
+        raise WireError(
+            f"header.turns: expected {len(meta)} counts of rewarded turns (ints >= 0), got {turns!r:.80}"
+        )
+    return header
 
 
 def _turn_arrays(i: int, n: int, k: int, pos_buf: memoryview, reward_buf: memoryview) -> tuple:

@@ -128,8 +128,8 @@ def bench_preset(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agentrl.config import LearnerConfig
     from agentrl.learner import step
+    from agentrl.learner.config import LearnerConfig
     from agentrl.learner.loop import build_learner
     from agentrl.learner.packing import non_padding_fraction, padded_plan, plan_microbatches
     from agentrl.tiny_model import PRESETS, init_model

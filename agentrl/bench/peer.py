@@ -143,7 +143,37 @@ def _agentrl(model_dir: str, run_dir: Path, opts: argparse.Namespace, colocated:
     return {**window, "final_reward": _window([r.get("reward/mean", 0.0) for r in records])}
 
 
+ROWS = ("trl", "trl_matched", "k0", "k2", "colocated")
+
+
 def main(args: list[str]) -> int:
+    opts = _options(args)
+    from agentrl.tiny_model import init_model
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="agentrl-bench-peer-") as tmp:
+        model_dir = str(init_model("tiny", Path(tmp) / "tiny"))
+        for row in opts.rows.split(","):
+            if row in ("trl", "trl_matched"):
+                threads = opts.trl_threads if row == "trl" else opts.trl_matched_threads
+                results[row] = _trl(model_dir, Path(tmp) / row, opts, threads)
+            elif row == "colocated":
+                results[row] = _agentrl(model_dir, Path(tmp) / row, opts, colocated=True, k=0)
+            else:
+                results[row] = _agentrl(model_dir, Path(tmp) / row, opts, colocated=False, k=int(row[1:]))
+    base = results["trl"]["samples_per_s"]
+    print_table(
+        f"{opts.steps} timed steps (after {opts.warmup_steps} warm-up) × {opts.prompts_per_step} prompts × {opts.completions} completions of ≤{opts.length} tokens",
+        ["trainer", "samples/s", "vs TRL", "final reward (last 25%)"],
+        [[row, r["samples_per_s"], r["samples_per_s"] / base if base else 0.0, r["final_reward"]]
+         for row, r in results.items()],
+    )  # fmt: skip
+    emit("peer", *_report(opts, results))
+    return 0
+
+
+def _options(args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="agentrl bench peer")
     parser.add_argument("--steps", type=int, default=8, help="timed steps, after the warm-up")
     parser.add_argument("--warmup-steps", type=int, default=3,
@@ -169,30 +199,15 @@ def main(args: list[str]) -> int:
     rows = opts.rows.split(",")
     if "trl" not in rows:
         parser.error("--rows must include trl (the ratios are over it)")
+    if unknown := [row for row in rows if row not in ROWS]:
+        parser.error(f"--rows: unknown row {unknown[0]!r} ({', '.join(ROWS)})")
+    return opts
 
-    from agentrl.tiny_model import init_model
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="agentrl-bench-peer-") as tmp:
-        model_dir = str(init_model("tiny", Path(tmp) / "tiny"))
-        for row in rows:
-            if row in ("trl", "trl_matched"):
-                threads = opts.trl_threads if row == "trl" else opts.trl_matched_threads
-                results[row] = _trl(model_dir, Path(tmp) / row, opts, threads)
-            elif row == "colocated":
-                results[row] = _agentrl(model_dir, Path(tmp) / row, opts, colocated=True, k=0)
-            elif row in ("k0", "k2"):
-                results[row] = _agentrl(model_dir, Path(tmp) / row, opts, colocated=False, k=int(row[1:]))
-            else:
-                parser.error(f"--rows: unknown row {row!r} (trl, trl_matched, k0, k2, colocated)")
+def _report(opts: argparse.Namespace, results: dict[str, dict]) -> tuple[dict, dict]:
+    """Metrics (each row's rate, reward and the raw figures behind the rate) and ratios (each
+    agentrl row over TRL, and over TRL on matched threads when that row ran)."""
     base = results["trl"]["samples_per_s"]
-    print_table(
-        f"{opts.steps} timed steps (after {opts.warmup_steps} warm-up) × {opts.prompts_per_step} prompts × {opts.completions} completions of ≤{opts.length} tokens",
-        ["trainer", "samples/s", "vs TRL", "final reward (last 25%)"],
-        [[row, r["samples_per_s"], r["samples_per_s"] / base if base else 0.0, r["final_reward"]]
-         for row, r in results.items()],
-    )  # fmt: skip
     metrics = {f"{row}_samples_per_s": r["samples_per_s"] for row, r in results.items()}
     metrics.update({f"{row}_final_reward": r["final_reward"] for row, r in results.items()})
     for row, r in results.items():  # the raw figures behind each rate, and the window they cover
@@ -209,5 +224,4 @@ def main(args: list[str]) -> int:
                        for row, r in results.items() if row in names})  # fmt: skip
         metrics["trl_matched_threads"] = opts.trl_matched_threads
     metrics["trl_threads"] = opts.trl_threads
-    emit("peer", metrics, ratios)
-    return 0
+    return metrics, ratios

@@ -27,6 +27,9 @@ Each raw and ours run also records the CPU both processes spent per MiB (the rec
 the producer's start to the last group, the producer over its sends, imports not counted):
 `metrics.cpu_bound_vs_raw_zmq` = raw's CPU / ours (lowest over >= 1 MiB) is the ratio a
 host whose cores are all busy allows, which is what a 2-core machine running both ends is.
+
+One module past 500 lines on purpose: every contender's sender, receiver and timing sit side by
+side, so a reader can check that the comparison is like for like.
 """
 
 from __future__ import annotations
@@ -118,8 +121,8 @@ def _worker(kind: str, address: str, size: int, count: int) -> None:
         return
 
     async def run() -> None:
-        from agentrl.config import ZmqQueueConfig
         from agentrl.queue import create
+        from agentrl.queue.config import ZmqQueueConfig
 
         config = ZmqQueueConfig(address=address, nixl=kind == "nixl", auth=_auth())
         producer = create(config).producer()
@@ -244,8 +247,8 @@ def _drain(consumer: Any, count: int, batch: int, proc: subprocess.Popen, size: 
 
 def bench_ours(size: int, count: int, nixl: bool = False) -> Run:
     """Our queue (array payloads over NIXL with `nixl`), hosted in this process like the learner's."""
-    from agentrl.config import ZmqQueueConfig
     from agentrl.queue import create
+    from agentrl.queue.config import ZmqQueueConfig
 
     config = ZmqQueueConfig(address="tcp://127.0.0.1:*", capacity_groups=8192, auth=_auth(), nixl=nixl)
     backend = create(config)
@@ -375,6 +378,22 @@ def main(args: list[str]) -> int:
     if args[:1] == ["--worker"]:
         _worker(args[1], args[2], int(args[3]), int(args[4]))
         return 0
+    opts = _parser().parse_args(args)
+    os.environ.setdefault("AGENTRL_QUEUE_SECRET", os.urandom(16).hex())  # MAC on, as in production
+    os.environ["AGENTRL_BENCH_QUEUE_AUTH"] = opts.auth
+    sizes = [int(s) for s in opts.sizes.split(",")]
+    results: dict[str, dict[int, Run]] = {"raw": {}, "ours": {}}
+    skipped: dict[str, str] = {}
+    _race(opts, sizes, results, skipped)
+    baselines = (["redis"] if "redis" in results else []) + _run_baselines(opts, sizes, results, skipped)
+    _print_tables(opts, sizes, results, baselines)
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason}")
+    emit("queue", *_metrics(opts, sizes, results, skipped))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrl bench queue", description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=256, help="Bytes sent per payload size (MiB).")
     parser.add_argument("--small-groups", type=int, default=20000, help="Groups sent at 4 KiB.")
@@ -391,12 +410,12 @@ def main(args: list[str]) -> int:
     parser.add_argument("--no-redis", action="store_true")
     parser.add_argument("--no-ray", action="store_true")
     parser.add_argument("--no-nixl", action="store_true")
-    opts = parser.parse_args(args)
-    os.environ.setdefault("AGENTRL_QUEUE_SECRET", os.urandom(16).hex())  # MAC on, as in production
-    os.environ["AGENTRL_BENCH_QUEUE_AUTH"] = opts.auth
-    sizes = [int(s) for s in opts.sizes.split(",")]
-    results: dict[str, dict[int, Run]] = {"raw": {}, "ours": {}}
-    skipped: dict[str, str] = {}
+    return parser
+
+
+def _race(opts: Any, sizes: list[int], results: dict[str, dict[int, Run]], skipped: dict[str, str]) -> None:
+    """Raw, ours and (with a redis-server here) Redis, alternated `--repeat` times per size, each
+    keeping its best into `results`: the machine is shared and noisy."""
     redis_proc, redis_url = (None, "--no-redis") if opts.no_redis else _start_redis()
     contenders: list[tuple[str, Any]] = [("raw", bench_raw), ("ours", bench_ours)]
     if redis_proc is None:
@@ -405,7 +424,7 @@ def main(args: list[str]) -> int:
         results["redis"] = {}
         contenders.append(("redis", lambda size, count: bench_redis(size, count, redis_url)))
     try:
-        for size in sizes:  # alternate the contenders, keep each one's best: the machine is shared and noisy
+        for size in sizes:
             count = _count(size, opts.total_mib, opts.small_groups)
             for _ in range(opts.repeat):
                 for name, fn in contenders:
@@ -417,7 +436,10 @@ def main(args: list[str]) -> int:
             redis_proc.terminate()
             redis_proc.wait()
 
-    baselines = (["redis"] if "redis" in results else []) + _run_baselines(opts, sizes, results, skipped)
+
+def _print_tables(
+    opts: Any, sizes: list[int], results: dict[str, dict[int, Run]], baselines: list[str]
+) -> None:
     rows = []
     for size in sizes:
         row = [_label(size), _count(size, opts.total_mib, opts.small_groups)]
@@ -436,9 +458,13 @@ def main(args: list[str]) -> int:
         ["payload", "raw zmq", "ours", "raw/ours"],
         [[_label(size), *_cpu_row(results["raw"][size], results["ours"][size])] for size in sizes],
     )
-    for name, reason in skipped.items():
-        print(f"skipped {name}: {reason}")
 
+
+def _metrics(
+    opts: Any, sizes: list[int], results: dict[str, dict[int, Run]], skipped: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The JSON's raw figures of every contender, and the ratios (ours / baseline, lowest over
+    payloads >= 1 MiB)."""
     mbps = {name: {s: v.mbps for s, v in per.items()} for name, per in results.items()}
     cpu = {name: {s: results[name][s].cpu_us_per_mib for s in sizes} for name in ("raw", "ours")}
     small = min(sizes)
@@ -464,8 +490,7 @@ def main(args: list[str]) -> int:
             ratios[key] = _min_ratio(mbps["ours"], mbps[name])
     if "nixl" in mbps:
         ratios["nixl_vs_zmq"] = _min_ratio(mbps["nixl"], mbps["ours"])
-    emit("queue", metrics, {k: v for k, v in ratios.items() if v is not None})
-    return 0
+    return metrics, {k: v for k, v in ratios.items() if v is not None}
 
 
 def _run_baselines(opts: Any, sizes: list[int], results: dict, skipped: dict[str, str]) -> list[str]:

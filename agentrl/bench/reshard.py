@@ -219,6 +219,14 @@ def main(args: list[str]) -> int:
         for world in worlds:
             for row in _spawn(preset, world, ns.repeats, bucket_bytes, ns.timeout_s):
                 rows.append({"preset": preset, "world": world, **row})
+    _print_rows(rows)
+    emit("reshard", *_summary(rows, bucket_bytes))
+    return 0
+
+
+def _print_rows(rows: list[dict]) -> None:
+    """The table of every measured layout; adds each row's ratios (reshard against the raw
+    all-gather and the naive gather) to it."""
     table = []
     for r in rows:
         if "skipped" in r:
@@ -237,6 +245,11 @@ def main(args: list[str]) -> int:
          "collectives", "peak MiB/rank", "bound MiB", "staging MiB"],
         table,
     )  # fmt: skip
+
+
+def _summary(rows: list[dict], bucket_bytes: int) -> tuple[dict, dict]:
+    """Metrics (the peaks per rank against their bound, every row) and ratios (the lowest over the
+    layouts with both tg and dg above 1)."""
     head = [r for r in rows if "skipped" not in r and r["tg"] > 1 and r["dg"] > 1]
     ratios = {}
     if head:
@@ -254,5 +267,4 @@ def main(args: list[str]) -> int:
         "within_bound": all(r["peak_param_bytes"] <= r["bound_bytes"] + r["staging_bytes"] for r in measured),
         "rows": rows,
     }
-    emit("reshard", metrics, ratios)
-    return 0
+    return metrics, ratios

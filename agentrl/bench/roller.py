@@ -54,8 +54,8 @@ def _edge(model_dir: str, http_port: int, queue_address: str, delay_s: float) ->
     from transformers import AutoTokenizer
 
     from agentrl.bench.scripted_server import Reply, ScriptedServer
-    from agentrl.config import ZmqQueueConfig
     from agentrl.queue import create
+    from agentrl.queue.config import ZmqQueueConfig
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     response_tag = tok.convert_tokens_to_ids("<tool_response>")
@@ -163,12 +163,14 @@ async def _run_roller(
     endpoint with that agent, else the built-in env."""
     from transformers import AutoTokenizer
 
-    from agentrl.config import EnvConfig, RollerConfig, ZmqQueueConfig
+    from agentrl.envs.config import EnvConfig
     from agentrl.envs.registry import env_factory
     from agentrl.envs.toy import CalculatorEnv
     from agentrl.inference.sglang import SGLangClient
     from agentrl.queue import create
+    from agentrl.queue.config import ZmqQueueConfig
     from agentrl.rollers.chat import ChatRenderer
+    from agentrl.rollers.config import RollerConfig
     from agentrl.rollers.roller import Roller
     from agentrl.rollers.tasks import task_stream
 
@@ -207,12 +209,13 @@ async def _run_bare(model_dir: str, url: str, concurrency: int, groups: int) -> 
 
     from transformers import AutoTokenizer
 
-    from agentrl.config import EnvConfig, RollerConfig
+    from agentrl.envs.config import EnvConfig
     from agentrl.envs.registry import env_factory
     from agentrl.envs.toy import CalculatorEnv
     from agentrl.inference.sglang import SGLangClient
     from agentrl.rollers.agent_loop import run_episode
     from agentrl.rollers.chat import ChatRenderer
+    from agentrl.rollers.config import RollerConfig
     from agentrl.rollers.tasks import task_stream
 
     make_env = env_factory(EnvConfig(name="toy_calculator"))

@@ -74,7 +74,7 @@ async def _levels(client, args: argparse.Namespace, levels: tuple[int, ...]) -> 
 
 def _bench_vllm(model: str, args: argparse.Namespace) -> list[dict]:
     """The same levels 1 and 32 against a real vLLM server on `model`, started and stopped here."""
-    from agentrl.config import InferenceConfig
+    from agentrl.inference.config import InferenceConfig
     from agentrl.inference.vllm import VLLMClient
     from agentrl.inference.vllm_launch import VLLMServer
 

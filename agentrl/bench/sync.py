@@ -127,9 +127,10 @@ class RawBroadcast:
 
 def _vllm_pushes(model: torch.nn.Module, model_dir: str, opts: argparse.Namespace) -> list[float]:
     """Seconds of each broadcast push into a real vLLM server (the first, warm-up, not counted)."""
-    from agentrl.config import BroadcastSyncConfig, InferenceConfig
+    from agentrl.inference.config import InferenceConfig
     from agentrl.inference.vllm_launch import VLLMServer
     from agentrl.net import free_port
+    from agentrl.weight_sync.config import BroadcastSyncConfig
     from agentrl.weight_sync.registry import create
 
     inference = InferenceConfig(type="vllm")
@@ -160,9 +161,10 @@ def main(args: list[str]) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
+    from agentrl.inference.config import InferenceConfig
     from agentrl.net import free_port, wait_healthy
     from agentrl.tiny_model import init_model
+    from agentrl.weight_sync.config import BroadcastSyncConfig, DiskSyncConfig
     from agentrl.weight_sync.registry import create
 
     signal.signal(

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import RollerConfig
 from agentrl.envs.base import Env, Transcript, as_step_result, resolve
 from agentrl.envs.tool_env import ToolEnv
 from agentrl.log import get_logger
+from agentrl.rollers.config import RollerConfig
 
 logger = get_logger(__name__)
 

@@ -47,19 +47,9 @@ def type_schema(annotation: Any) -> dict[str, Any]:
         return {}
     origin, args = get_origin(annotation), get_args(annotation)
     if origin is Literal:
-        kinds = {_PRIMITIVES.get(type(a)) for a in args}
-        schema: dict[str, Any] = {"enum": list(args)}
-        if len(kinds) == 1 and None not in kinds:
-            schema["type"] = kinds.pop()
-        return schema
+        return _enum_schema(args)
     if origin in (typing.Union, types.UnionType):
-        non_null = [a for a in args if a is not type(None)]
-        inner = (
-            type_schema(non_null[0]) if len(non_null) == 1 else {"anyOf": [type_schema(a) for a in non_null]}
-        )
-        if len(non_null) < len(args) and "type" in inner and isinstance(inner["type"], str):
-            return {**inner, "type": [inner["type"], "null"]}
-        return inner
+        return _union_schema(args)
     if origin in (list, tuple, set, frozenset) or annotation in (list, tuple, set):
         return {"type": "array", **({"items": type_schema(args[0])} if args else {})}
     if origin is dict or annotation is dict:
@@ -68,10 +58,28 @@ def type_schema(annotation: Any) -> dict[str, Any]:
             **({"additionalProperties": type_schema(args[1])} if len(args) == 2 else {}),
         }
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return type_schema(Literal[tuple(m.value for m in annotation)])  # type: ignore[misc]
+        return _enum_schema(tuple(m.value for m in annotation))
     if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
         return annotation.model_json_schema()
     raise TypeError(f"cannot describe type {annotation!r} in a tool schema")
+
+
+def _enum_schema(values: tuple[Any, ...]) -> dict[str, Any]:
+    """A `Literal[...]` or an Enum's values; typed when they share one primitive type."""
+    kinds = {_PRIMITIVES.get(type(v)) for v in values}
+    schema: dict[str, Any] = {"enum": list(values)}
+    if len(kinds) == 1 and None not in kinds:
+        schema["type"] = kinds.pop()
+    return schema
+
+
+def _union_schema(args: tuple[Any, ...]) -> dict[str, Any]:
+    """`X | None` is X's schema with a nullable type; a wider union is `anyOf` its members."""
+    non_null = [a for a in args if a is not type(None)]
+    inner = type_schema(non_null[0]) if len(non_null) == 1 else {"anyOf": [type_schema(a) for a in non_null]}
+    if len(non_null) < len(args) and "type" in inner and isinstance(inner["type"], str):
+        return {**inner, "type": [inner["type"], "null"]}
+    return inner
 
 
 def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from agentrl.inference.registry import InferenceBackend
 
 if TYPE_CHECKING:
-    from agentrl.config import InferenceConfig
+    from agentrl.inference.config import InferenceConfig
 
 
 def _sglang_client(url: str, config: InferenceConfig, **kwargs: Any):

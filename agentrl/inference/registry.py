@@ -15,15 +15,28 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentrl.plugins import Registry
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from agentrl.config import InferenceConfig
     from agentrl.inference.base import InferenceClient, WeightUpdateClient
+
+InferenceSection = Any
+"""The run's `inference:` section (`agentrl/inference/config.py`), which checks its `type` and
+`options` against this registry; named here by this alias rather than imported, so the section
+and the registry do not import each other."""
+
+
+class ClientSettings(Protocol):
+    """What the client helpers below read of the `inference:` section."""
+
+    type: str
+    api_key_env: str
+    request_timeout_s: float
+    connect_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -35,12 +48,12 @@ class InferenceBackend:
     client: Callable[..., Any]
     """`client(url, config, **kwargs)`: the `InferenceClient` (and `WeightUpdateClient`) of one
     server; `kwargs` are the api key and timeouts every client takes (`client_kwargs`)."""
-    serve: Callable[[str, str, int, InferenceConfig], int | None]
+    serve: Callable[[str, str, int, InferenceSection], int | None]
     """`serve(model_path, host, port, config)`: run the server in this process until it stops
     (`agentrl serve --backend NAME`, which `agentrl run` starts per server); its exit code."""
-    startup_timeout_s: Callable[[InferenceConfig], float] = lambda config: 300.0
+    startup_timeout_s: Callable[[InferenceSection], float] = lambda config: 300.0
     """How long `agentrl run` waits for a started server to answer its health check."""
-    doctor: Callable[[InferenceConfig], str] | None = None
+    doctor: Callable[[InferenceSection], str] | None = None
     """What `agentrl doctor` prints on this backend's row (e.g. where it is installed); None: no row."""
     config_field: str | None = None
     """The `inference:` field holding a built-in backend's own settings (`vllm` for vLLM), if any."""
@@ -70,7 +83,7 @@ def backend(name: str) -> InferenceBackend:
     return found
 
 
-def client_kwargs(config: InferenceConfig) -> dict[str, Any]:
+def client_kwargs(config: ClientSettings) -> dict[str, Any]:
     """The api key and timeouts every client takes."""
     return dict(
         api_key=os.environ.get(config.api_key_env) or None,
@@ -79,12 +92,12 @@ def client_kwargs(config: InferenceConfig) -> dict[str, Any]:
     )
 
 
-def client(config: InferenceConfig, url: str) -> InferenceClient:
+def client(config: ClientSettings, url: str) -> InferenceClient:
     """The client of the server at `url`, for `config.type` (`router.create` puts several behind a
     `Router`)."""
     return backend(config.type).client(url, config, **client_kwargs(config))
 
 
-def create_weight_updater(config: InferenceConfig, url: str) -> WeightUpdateClient:
+def create_weight_updater(config: ClientSettings, url: str) -> WeightUpdateClient:
     """The weight-update control client of the server at `url`, for `config.type`."""
     return backend(config.type).client(url, config, **client_kwargs(config))

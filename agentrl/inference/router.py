@@ -34,6 +34,10 @@ launcher's live list, which the queue carries to the rollers (`inference.server_
 Start-up: `Router(clients)` or `from_config(inference, max_staleness)` (a router even over
 one server, so a roller waits out a restart); the health loop starts on first use (or
 `await start()`). Shutdown: `await close()` cancels the loop and closes every client.
+
+The module runs past 500 lines because it is one class whose parts (routing, failover and holds,
+the live list, the health loop) all read and write the same per-server state, kept aligned by
+index; a split would pass that state between modules.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from agentrl.inference.base import (
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
-    from agentrl.config import InferenceConfig
+    from agentrl.inference.config import InferenceConfig
 
 logger = get_logger(__name__)
 
@@ -318,32 +322,11 @@ class Router(InferenceClient):
         new = [u for u in urls if u not in by_url]
         if new and self.client_factory is None:
             raise ValueError("Router.set_servers: new URLs need a client_factory")
-        old_clients, old_state = self.clients, (self.outstanding, self.healthy, self.versions)
+        old_clients, old_outstanding = self.clients, self.outstanding
         keep = [by_url.get(u) for u in urls]
-        self.clients = [
-            old_clients[i] if i is not None else self.client_factory(u)
-            for u, i in zip(urls, keep, strict=True)
-        ]
-        self.outstanding = [old_state[0][i] if i is not None else 0 for i in keep]
-        # a new server is not used before a probe read its version: it may still be at the one it
-        # started with, until the learner's catch-up push (then the window admits it)
-        self.healthy = [old_state[1][i] if i is not None else False for i in keep]
-        self.versions = [old_state[2][i] if i is not None else None for i in keep]
-        moved = {old: new_i for new_i, old in enumerate(keep) if old is not None}
-        for sid, old in list(self._sessions.items()):
-            if old in moved:
-                self._sessions[sid] = moved[old]
-            else:
-                del self._sessions[sid]
-        gone = [i for i in range(len(old_clients)) if i not in moved]
-        for i in gone:
-            client = old_clients[i]
-            self._failing.pop(id(client), None)
-            if old_state[0][i] > 0:
-                self._retired[id(client)] = (client, old_state[0][i])
-            else:
-                with contextlib.suppress(RuntimeError):  # no running loop: nothing to close on
-                    asyncio.get_running_loop().create_task(client.close())
+        self._realign(urls, keep)
+        gone = [i for i in range(len(old_clients)) if i not in keep]
+        self._retire([(old_clients[i], old_outstanding[i]) for i in gone])
         self.servers_epoch = epoch
         self.url = ",".join(c.url for c in self.clients)
         if new:
@@ -354,6 +337,42 @@ class Router(InferenceClient):
                    "server list epoch %d: routing to %s (added %s, removed %s)", epoch, self.url, new,
                    removed)  # fmt: skip
         return True
+
+    def _realign(self, urls: list[str], keep: list[int | None]) -> None:
+        """Per-server state in the order of `urls`: a kept server's (`keep[j]`: its old index) moves
+        with it, sessions follow their server or are dropped with it; a new server gets a client and
+        is not used before a probe read its version: it may still be at the one it started with,
+        until the learner's catch-up push (then the window admits it)."""
+        old_clients, outstanding, healthy, versions = (
+            self.clients,
+            self.outstanding,
+            self.healthy,
+            self.versions,
+        )
+        self.clients = [
+            old_clients[i] if i is not None else self.client_factory(u)
+            for u, i in zip(urls, keep, strict=True)
+        ]
+        self.outstanding = [outstanding[i] if i is not None else 0 for i in keep]
+        self.healthy = [healthy[i] if i is not None else False for i in keep]
+        self.versions = [versions[i] if i is not None else None for i in keep]
+        moved = {old: new_i for new_i, old in enumerate(keep) if old is not None}
+        for sid, old in list(self._sessions.items()):
+            if old in moved:
+                self._sessions[sid] = moved[old]
+            else:
+                del self._sessions[sid]
+
+    def _retire(self, gone: list[tuple[InferenceClient, int]]) -> None:
+        """Removed servers (client, requests in flight): closed now when idle, else when their last
+        request is done (`_finished`)."""
+        for client, in_flight in gone:
+            self._failing.pop(id(client), None)
+            if in_flight > 0:
+                self._retired[id(client)] = (client, in_flight)
+            else:
+                with contextlib.suppress(RuntimeError):  # no running loop: nothing to close on
+                    asyncio.get_running_loop().create_task(client.close())
 
     async def _wait_usable(self, deadline: float) -> bool:
         """Probe until a server is usable or `deadline` passes; True when one is. The wait between

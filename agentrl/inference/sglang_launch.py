@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
-    from agentrl.config import InferenceConfig
+    from agentrl.inference.config import InferenceConfig
 
 logger = get_logger(__name__)
 

@@ -45,7 +45,7 @@ from agentrl.log import get_logger
 from agentrl.net import answers
 
 if TYPE_CHECKING:
-    from agentrl.config import InferenceConfig
+    from agentrl.inference.config import InferenceConfig
 
 logger = get_logger(__name__)
 

@@ -118,6 +118,14 @@ class ScaleWatch:
         return request
 
 
+def roller_slots(running: list[int], want: int) -> tuple[list[int], list[int]]:
+    """`agentrl scale --rollers want` over the rollers running with indices `running` (ascending):
+    the indices to stop (the highest first) and the new ones to start (after the highest)."""
+    stop = running[want:][::-1]
+    after = running[-1] + 1 if running else 0
+    return stop, list(range(after, after + want - len(running)))
+
+
 def status_table(run_dir: Path):
     """Each process (role, node, PID, state, restarts), the learner's version, the queue's counts."""
     from rich.table import Table

@@ -50,7 +50,7 @@ from agentrl.inference.registry import backend as inference_backend
 from agentrl.launch.control import exit_state, mark_ended
 from agentrl.launch.plan import Addresses, Role, plan, render, server_url, service_roles
 from agentrl.launch.procs import Child, ChildSpec, Supervisor, agentrl_command, warm_model
-from agentrl.launch.progress import watch
+from agentrl.launch.progress import exit_code, watch
 from agentrl.launch.servers import LiveServers, LocalScaler
 from agentrl.log import get_logger
 from agentrl.net import free_port, wait_healthy
@@ -145,58 +145,69 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
         return launch_ray(config, config_path, resume)
     run_dir = Path(config.run_dir)
     supervisor = Supervisor(run_dir)
-    model = config.learner.model_path
     secret_env = getattr(config.queue, "secret_env", None)
     if secret_env and not os.environ.get(secret_env):
         # one machine, one job: a fresh shared secret authenticates the queue's messages
         os.environ[secret_env] = secrets.token_hex(32)
     try:
-        if config.learner.warmstart.steps > 0:
-            warm = warm_model(run_dir) if resume else None
-            if warm is None:
-                child = supervisor.start(
-                    "warmstart", agentrl_command("warmstart", "--config", str(config_path)), threads=None
-                )
-                if child.proc.wait() != 0:
-                    raise RuntimeError(
-                        f"warmstart exited with code {child.proc.returncode}:\n{supervisor.tail(child)}"
-                    )
-            model = str(run_dir / "warmstart")
-
-        service_overrides = [f"--env.kwargs.{k}={v}" for k, v in start_services(config, supervisor).items()]
-        specs = plan_children(config, config_path, model, service_overrides, resume)
-        servers = [supervisor.run(s) for s in specs if s.health_url]
-        try:
-            timeout_s = inference_backend(config.inference.type).startup_timeout_s(config.inference)
-            wait_healthy(
-                [s.health_url for s in specs if s.health_url], [c.proc for c in servers], timeout_s=timeout_s
-            )
-        except RuntimeError:
-            failed = supervisor.failed()
-            raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None
-        live = None
-        if servers:  # the learner reads it and the queue carries it on to the rollers, whichever backend
-            path = server_list.path_in(run_dir)
-            live = LiveServers(
-                functools.partial(server_list.write, path), {c.name: c.spec.health_url for c in servers}
-            )
-            specs = [
-                replace(s, env={**s.env, server_list.ENV: str(path.resolve())}) if s.name == "learner" else s
-                for s in specs
-            ]
-        children = [supervisor.run(s) for s in specs if not s.health_url]
-        learner = next(c for c in children if c.name == "learner")
-        roller_args = next(s.args for s in specs if s.name.startswith("roller"))
-        return _watch(config, supervisor, learner, LocalScaler(supervisor, roller_args, live))
-    except KeyboardInterrupt:
-        logger.warning("interrupted: stopping every process")
-        return 130
-    except (RuntimeError, TimeoutError) as exc:
-        logger.error("%s", exc)
-        return 1
+        return exit_code(lambda: _run(config, config_path, supervisor, resume))
     finally:
         supervisor.stop_all()
         mark_ended(run_dir, {c.name: exit_state(c.proc.returncode) for c in supervisor.children})
+
+
+def _run(config: AgentRLConfig, config_path: Path, supervisor: Supervisor, resume: bool) -> int:
+    """Warm start, env services, servers (healthy), the learner and rollers, then the main loop."""
+    run_dir = Path(config.run_dir)
+    model = config.learner.model_path
+    if config.learner.warmstart.steps > 0:
+        model = _warm_start(supervisor, run_dir, config_path, resume)
+    service_overrides = [f"--env.kwargs.{k}={v}" for k, v in start_services(config, supervisor).items()]
+    specs = plan_children(config, config_path, model, service_overrides, resume)
+    servers = _start_servers(config, supervisor, specs)
+    live = None
+    if servers:  # the learner reads it and the queue carries it on to the rollers, whichever backend
+        path = server_list.path_in(run_dir)
+        live = LiveServers(
+            functools.partial(server_list.write, path), {c.name: c.spec.health_url for c in servers}
+        )
+        specs = [
+            replace(s, env={**s.env, server_list.ENV: str(path.resolve())}) if s.name == "learner" else s
+            for s in specs
+        ]
+    children = [supervisor.run(s) for s in specs if not s.health_url]
+    learner = next(c for c in children if c.name == "learner")
+    roller_args = next(s.args for s in specs if s.name.startswith("roller"))
+    return _watch(config, supervisor, learner, LocalScaler(supervisor, roller_args, live))
+
+
+def _warm_start(supervisor: Supervisor, run_dir: Path, config_path: Path, resume: bool) -> str:
+    """The warm-started model the run starts from: `agentrl warmstart` run to its end, or (with
+    `resume`) the one a previous life of the run finished."""
+    if (warm_model(run_dir) if resume else None) is None:
+        child = supervisor.start(
+            "warmstart", agentrl_command("warmstart", "--config", str(config_path)), threads=None
+        )
+        if child.proc.wait() != 0:
+            raise RuntimeError(
+                f"warmstart exited with code {child.proc.returncode}:\n{supervisor.tail(child)}"
+            )
+    return str(run_dir / "warmstart")
+
+
+def _start_servers(config: AgentRLConfig, supervisor: Supervisor, specs: list[ChildSpec]) -> list[Child]:
+    """The children with a health URL (the inference servers), once every one answers it within
+    the backend's start-up timeout; a server that exits first fails the run with its log's tail."""
+    servers = [supervisor.run(s) for s in specs if s.health_url]
+    try:
+        timeout_s = inference_backend(config.inference.type).startup_timeout_s(config.inference)
+        wait_healthy(
+            [s.health_url for s in specs if s.health_url], [c.proc for c in servers], timeout_s=timeout_s
+        )
+    except RuntimeError:
+        failed = supervisor.failed()
+        raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None
+    return servers
 
 
 def supervise(supervisor: Supervisor, learner: Child, max_restarts: int, backoff_s: float) -> str | None:

@@ -53,6 +53,20 @@ def watch(
     return 0
 
 
+def exit_code(body: Callable[[], int]) -> int:
+    """Run a launcher's start-up and main loop: its own exit code, 130 on Ctrl-C / SIGTERM, 1 (the
+    error logged) when a process failed to start or the supervision gave up. The caller stops
+    what was started, whichever way `body` ended."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        logger.warning("interrupted: stopping every process")
+        return 130
+    except (RuntimeError, TimeoutError) as exc:
+        logger.error("%s", exc)
+        return 1
+
+
 def progress_table(run_dir: Path, config: AgentRLConfig, restarts: int = 0):
     """One table from the learner's and rollers' metrics records."""
     from rich.table import Table

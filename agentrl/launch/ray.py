@@ -34,6 +34,10 @@ restarted: its loss ends the run with its last checkpoint; `agentrl run --launch
 --resume` continues it. `agentrl scale` / `agentrl status` work as for the local launcher
 (`launch/control.py`). Shutdown stops every child by PID (SIGTERM, then SIGKILL; the rollers
 together, then the others together), then kills the actors and removes the placement group.
+
+The module is one class, `RayRun`, the driver, and runs past 500 lines: starting, supervising,
+scaling and stopping all read and change the same members, addresses and live list, so they stay
+one object, in sections by phase, each step its own method.
 """
 
 from __future__ import annotations
@@ -43,13 +47,13 @@ import json
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from agentrl.config import AgentRLConfig
 from agentrl.inference import server_list
-from agentrl.launch.control import mark_ended, write_state
+from agentrl.launch.control import mark_ended, roller_slots, write_state
 from agentrl.launch.devices import DEVICE_ENV, check_gpu_index, ray_device
 from agentrl.launch.plan import (
     Addresses,
@@ -62,7 +66,7 @@ from agentrl.launch.plan import (
     service_roles,
 )
 from agentrl.launch.ray_actor import ProcessActor, actor_options, child_threads
-from agentrl.launch.servers import LiveServers, PendingServers, scale_ray_servers
+from agentrl.launch.servers import LiveServers, PendingServers
 from agentrl.log import get_logger
 from agentrl.net import answers
 
@@ -219,9 +223,7 @@ class RayRun:
         return overrides
 
     def start_plan(self, model: str, overrides: list[str]) -> None:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+        """The servers (until each answers /health), the learner's ranks, then the rollers."""
         roles = plan(self.config, self.config_path, model, overrides, self.resume)
         self.common = roles[-1].args[1:] if roles[-1].kind == "roller" else []
         servers = [
@@ -234,6 +236,22 @@ class RayRun:
         _wait_healthy(self.addrs.servers, "/health", self._startup_timeout())
 
         learner = next(r for r in roles if r.kind == "learner")
+        ranks = self._place_learner(learner)
+        self._keep_server_list(servers, ranks[0])
+        for m in ranks:
+            self._start(m, render(learner, self.addrs), {**m.env, **m.env_extra})
+        self.members += ranks
+        for r in roles:
+            if r.kind == "roller":
+                self.add_roller(r)
+
+    def _place_learner(self, learner: Role) -> list[Member]:
+        """The learner's ranks on actors of one placement group (PACK); rank 0's node is the
+        queue's (hosted) and the weight-sync master's address and the rendezvous. Each rank's
+        `env`: its torch.distributed variables and its device."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         bundle = dict(learner.resources) or {"CPU": 1}
         self.pg = placement_group(
             [bundle] * learner.ranks, strategy="PACK", name=f"{ray_namespace(self.run_dir)}-learner"
@@ -256,29 +274,30 @@ class RayRun:
             port = self._get(ranks[0].actor.bind_port.remote(), "learner rank 0")
             nodes = [self._get(m.actor.where.remote(), m.name)["node_id"] for m in ranks]
             dist_env = {"MASTER_ADDR": head["ip"], "MASTER_PORT": str(port), "WORLD_SIZE": str(learner.ranks)}
-        services = {
-            m.role.kwarg: m.role.url(m.node, m.port) for m in self.members if m.role.kind == "service"
-        }
-        if servers or services:  # the learner reads it, its queue (any backend) carries it on
-            path = str(self.run_dir / server_list.FILE)  # on the learner's node, written by its actor
-            self.live = LiveServers(
-                lambda epoch, urls, services: self._get(
-                    ranks[0].actor.write_servers.remote(path, epoch, urls, services), "learner"
-                ),
-                {m.name: url for m, url in zip(servers, self.addrs.servers, strict=True)},
-                services,
-            )
-            self.pending = PendingServers(self.live)
-            ranks[0].env_extra = {server_list.ENV: path}
         for m in ranks:
             m.env = dist_env and {**dist_env, "RANK": str(m.rank), "LOCAL_RANK": str(nodes[: m.rank].count(nodes[m.rank])),
                                   "LOCAL_WORLD_SIZE": str(nodes.count(nodes[m.rank]))}  # fmt: skip
             m.env = {**m.env, DEVICE_ENV: self._device(m, f"learner rank {m.rank}")}
-            self._start(m, render(learner, self.addrs), {**m.env, **m.env_extra})
-        self.members += ranks
-        for r in roles:
-            if r.kind == "roller":
-                self.add_roller(r)
+        return ranks
+
+    def _keep_server_list(self, servers: list[Member], learner: Member) -> None:
+        """With servers or env services to follow: the live list, written by the learner's actor on
+        its node (the learner reads it, its queue of any backend carries it on to the rollers)."""
+        services = {
+            m.role.kwarg: m.role.url(m.node, m.port) for m in self.members if m.role.kind == "service"
+        }
+        if not (servers or services):
+            return
+        path = str(self.run_dir / server_list.FILE)
+        self.live = LiveServers(
+            lambda epoch, urls, services: self._get(
+                learner.actor.write_servers.remote(path, epoch, urls, services), "learner"
+            ),
+            {m.name: url for m, url in zip(servers, self.addrs.servers, strict=True)},
+            services,
+        )
+        self.pending = PendingServers(self.live)
+        learner.env_extra = {server_list.ENV: path}
 
     def add_roller(self, role: Role) -> None:
         m = Member(role, role.name, self._actor(role, role.name, self.lc.max_restarts), {})
@@ -293,7 +312,6 @@ class RayRun:
     # -------------------------------------------------------------- supervision
     def supervise(self) -> str | None:
         """One round: poll every actor; restart what died. "done" / "failed" / None as local's."""
-        exc = self.ray.exceptions
         now = time.monotonic()
         for m in list(self.members):
             if m.pending is None:
@@ -304,54 +322,60 @@ class RayRun:
                     m.state = "unreachable (restarting?)"
                 continue
             ref, m.pending = m.pending, None
-            try:
-                answer = self.ray.get(ref)
-            except exc.ActorDiedError:
-                # a call in flight when the actor died fails so even if Ray restarts it; calls to an
-                # actor that is dead for good keep failing so: give Ray `DEAD_AFTER_S` to restart it
-                m.died_since = m.died_since or now
-                m.state = (
-                    "dead" if m.role.kind == "learner" or now - m.died_since > DEAD_AFTER_S else "restarting"
-                )
-                if m.state != "dead":
-                    continue
-                if m.role.kind == "learner":
-                    self._learner_lost(m, "its Ray actor died: killed, or its node lost")
-                    return "failed"
-                logger.error(
-                    "%s died and Ray used up its %d restarts (launcher.max_restarts)",
-                    m.name,
-                    self.lc.max_restarts,
-                )
-                return "failed"
-            except (exc.ActorUnavailableError, exc.RayActorError):
+            if (outcome := self._answered(m, ref, now)) is not None:
+                return outcome
+        return None
+
+    def _answered(self, m: Member, ref: Any, now: float) -> str | None:
+        """What `m`'s poll `ref` says: its state updated, a restart due or done, or the run's end."""
+        exc = self.ray.exceptions
+        try:
+            answer = self.ray.get(ref)
+        except exc.ActorDiedError:
+            return self._actor_died(m, now)
+        except (exc.ActorUnavailableError, exc.RayActorError):
+            m.state = "restarting"
+            return None
+        m.died_since = None
+        if not answer["started"]:  # a fresh actor: Ray restarted it after it or its node died
+            if m.restart_at is None:  # its process starts after the backoff, as a child's restart
                 m.state = "restarting"
-                continue
-            m.died_since = None
-            if not answer["started"]:  # a fresh actor: Ray restarted it after it or its node died
-                if m.restart_at is None:  # its process starts after the backoff, as a child's restart
-                    m.state = "restarting"
-                    m.restart_at = now + self.lc.restart_backoff_s * 2**m.restarts
-                elif now >= m.restart_at:
-                    self._rejoin(m, "actor restarted by Ray")
-            elif answer["code"] is None:
-                m.state, m.pid = "running", answer["pid"]
-            elif m.role.kind == "learner":
-                if answer["code"] == 0 and m.rank == 0:
-                    return "done"
-                if answer["code"] != 0:
-                    self._learner_lost(m, f"exited with code {answer['code']}; see {self.run_dir / 'logs'}")
-                    return "failed"
-            elif m.restarts >= self.lc.max_restarts:
-                logger.error("%s exited with code %d after %d restart(s) (launcher.max_restarts)", m.name,
-                             answer["code"], m.restarts)  # fmt: skip
-                return "failed"
-            elif m.restart_at is None:
-                m.state = f"exited {answer['code']}"
                 m.restart_at = now + self.lc.restart_backoff_s * 2**m.restarts
             elif now >= m.restart_at:
-                self._rejoin(m, f"exit code {answer['code']}")
+                self._rejoin(m, "actor restarted by Ray")
+        elif answer["code"] is None:
+            m.state, m.pid = "running", answer["pid"]
+        elif m.role.kind == "learner":
+            if answer["code"] == 0 and m.rank == 0:
+                return "done"
+            if answer["code"] != 0:
+                self._learner_lost(m, f"exited with code {answer['code']}; see {self.run_dir / 'logs'}")
+                return "failed"
+        elif m.restarts >= self.lc.max_restarts:
+            logger.error("%s exited with code %d after %d restart(s) (launcher.max_restarts)", m.name,
+                         answer["code"], m.restarts)  # fmt: skip
+            return "failed"
+        elif m.restart_at is None:
+            m.state = f"exited {answer['code']}"
+            m.restart_at = now + self.lc.restart_backoff_s * 2**m.restarts
+        elif now >= m.restart_at:
+            self._rejoin(m, f"exit code {answer['code']}")
         return None
+
+    def _actor_died(self, m: Member, now: float) -> str | None:
+        """A call in flight when the actor died fails so even if Ray restarts it; calls to an actor
+        that is dead for good keep failing so: Ray gets `DEAD_AFTER_S` to restart it. A learner's
+        actor is never restarted: its death ends the run."""
+        m.died_since = m.died_since or now
+        m.state = "dead" if m.role.kind == "learner" or now - m.died_since > DEAD_AFTER_S else "restarting"
+        if m.state != "dead":
+            return None
+        if m.role.kind == "learner":
+            self._learner_lost(m, "its Ray actor died: killed, or its node lost")
+        else:
+            logger.error("%s died and Ray used up its %d restarts (launcher.max_restarts)", m.name,
+                         self.lc.max_restarts)  # fmt: skip
+        return "failed"
 
     def _learner_lost(self, m: Member, why: str) -> None:
         self.learner_lost = True
@@ -423,13 +447,11 @@ class RayRun:
     def scale(self, request: dict) -> str:
         done = []
         if "rollers" in request:
-            rollers = sorted(
-                (m for m in self.members if m.role.kind == "roller"), key=lambda m: int(m.name[6:])
-            )
-            for m in rollers[request["rollers"] :][::-1]:
-                self._stop(m)
-            nxt = int(rollers[-1].name[6:]) + 1 if rollers else 0
-            for i in range(nxt, nxt + request["rollers"] - len(rollers)):
+            rollers = {int(m.name[6:]): m for m in self.members if m.role.kind == "roller"}
+            stop, start = roller_slots(sorted(rollers), request["rollers"])
+            for i in stop:
+                self._stop(rollers[i])
+            for i in start:
                 self.add_roller(roller_role(self.config, self.common, i))
             done.append(f"rollers {sum(m.role.kind == 'roller' for m in self.members)}")
         if "servers" in request:
@@ -438,7 +460,39 @@ class RayRun:
         return ", ".join(done)
 
     def _scale_servers(self, want: int) -> str:
-        return scale_ray_servers(self, want)
+        """`agentrl scale --servers`. Down: the highest slots leave the
+        list, then stop. Up: stopped slots start again, then new slots on actors with
+        `inference.resources`; each joins the list once it answers /health. Without a list only the
+        planned slots."""
+        servers = sorted((m for m in self.members if m.role.kind == "server"), key=lambda m: int(m.name[6:]))
+        if want < 1:
+            return f"servers {len(servers)} (a run keeps at least one server)"
+        for m in servers[want:][::-1]:
+            if self.live is not None:
+                self.live.remove(m.name)
+                self.pending.forget(m.name)
+            self._stop(m)
+            self.parked[m.name] = m
+            self._set_addr(m.name, None)
+        names = sorted(self.parked, key=lambda n: int(n[6:]))[: max(0, want - len(servers))]
+        if self.live is not None:
+            taken = [int(m.name[6:]) for m in servers] + [int(n[6:]) for n in self.parked]
+            top = max(taken) + 1
+            names += [f"server{i}" for i in range(top, top + want - len(servers) - len(names))]
+        template = servers[0].role
+        for name in names:
+            old = self.parked.pop(name, None)
+            role = old.role if old is not None else replace(template, name=name)
+            m = self.new_member(role, name, port=old.port if old is not None else 0)
+            url = self._start_server(m)
+            self.members.append(m)
+            if self.pending is not None:
+                self.pending.add(name, url)
+            self._set_addr(name, url)
+        n = sum(m.role.kind == "server" for m in self.members)
+        if n < want:
+            return f"servers {n} (all {n} planned slots: this run has no live server list)"
+        return f"servers {n}"
 
     def processes(self) -> list[dict[str, Any]]:
         rows = [{"name": m.name, "kind": m.role.kind, "node": f"{m.node} ({m.node_id[:8]})", "node_id": m.node_id,
@@ -499,11 +553,10 @@ def _wait_healthy(urls: list[str], path: str, timeout_s: float = 300) -> None:
 
 
 def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
-    """Run the job on the Ray cluster at `launcher.address`; like `launcher.launch`."""
+    """Run the job on the Ray cluster at `launcher.address`; like `launch.local.launch`."""
     import ray
 
-    from agentrl.launch.procs import warm_model
-    from agentrl.launch.progress import watch
+    from agentrl.launch.progress import exit_code
 
     run_dir = Path(config.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -512,33 +565,36 @@ def launch_ray(config: AgentRLConfig, config_path: Path, resume: bool = False) -
              logging_level="WARNING", configure_logging=True)  # fmt: skip
     job = RayRun(config, config_path, resume)
     try:
-        model = (
-            str(Path(config.learner.model_path).resolve())
-            if Path(config.learner.model_path).exists()
-            else config.learner.model_path
-        )
-        if config.learner.warmstart.steps > 0:
-            if (warm_model(run_dir) if resume else None) is None:
-                job.run_warmstart()
-            model = str((run_dir / "warmstart").resolve())
-        job.start_plan(model, job.start_services())
-        return watch(
-            config,
-            "ray",
-            lambda: job.tick() or job.supervise(),
-            job.scale,
-            job.processes,
-            lambda: sum(m.restarts for m in job.members),
-            namespace=ray_namespace(run_dir),
-        )
-    except KeyboardInterrupt:
-        logger.warning("interrupted: stopping every process")
-        return 130
-    except (RuntimeError, TimeoutError) as exc:
-        logger.error("%s", exc)
-        return 1
+        return exit_code(lambda: _run(job, resume))
     finally:
         write_state(run_dir, "ray", job.processes(), namespace=ray_namespace(run_dir))
         job.stop_all()
         mark_ended(run_dir, {})  # what was still running was stopped by stop_all
         ray.shutdown()
+
+
+def _run(job: RayRun, resume: bool) -> int:
+    """Warm start, env services, servers (healthy), the learner's ranks and rollers, then the main loop."""
+    from agentrl.launch.procs import warm_model
+    from agentrl.launch.progress import watch
+
+    config, run_dir = job.config, Path(job.config.run_dir)
+    model = (
+        str(Path(config.learner.model_path).resolve())
+        if Path(config.learner.model_path).exists()
+        else config.learner.model_path
+    )
+    if config.learner.warmstart.steps > 0:
+        if (warm_model(run_dir) if resume else None) is None:
+            job.run_warmstart()
+        model = str((run_dir / "warmstart").resolve())
+    job.start_plan(model, job.start_services())
+    return watch(
+        config,
+        "ray",
+        lambda: job.tick() or job.supervise(),
+        job.scale,
+        job.processes,
+        lambda: sum(m.restarts for m in job.members),
+        namespace=ray_namespace(run_dir),
+    )

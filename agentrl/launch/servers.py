@@ -1,7 +1,7 @@
 """The launcher's side of the live server list (`inference.server_list`): which server slot is at
 which URL, where each env service is (by the env kwarg that points at it), and the epoch that
-moves on every change; and `agentrl scale`'s server slots, which change it (`LocalScaler` on
-this machine, `scale_ray_servers` under Ray).
+moves on every change; and `agentrl scale`'s server slots on this machine (`LocalScaler`), which
+change it (under Ray, `RayRun._scale_servers` in `ray.py` does, on the driver's own actors).
 
 Both launchers keep one `LiveServers`: the local launcher writes the list to `<run_dir>/
 servers.json` itself; the Ray driver hands it to the learner's actor, which writes it on the
@@ -12,17 +12,12 @@ the queue carries the list on to the rollers, wherever they run, whichever the q
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING
 
-from agentrl.launch.control import exit_state
+from agentrl.launch.control import exit_state, roller_slots
 from agentrl.launch.plan import server_url
 from agentrl.launch.procs import Child, ChildSpec, Supervisor
 from agentrl.log import get_logger
 from agentrl.net import answers, free_port
-
-if TYPE_CHECKING:
-    from agentrl.launch.ray import RayRun
 
 logger = get_logger(__name__)
 
@@ -134,11 +129,11 @@ class LocalScaler:
     def apply(self, request: dict) -> str:
         done = []
         if "rollers" in request:
-            rollers = self._of("roller")
-            for child in rollers[request["rollers"] :][::-1]:
-                self._remove(child)
-            next_index = int(rollers[-1].name[6:]) + 1 if rollers else 0
-            for i in range(next_index, next_index + request["rollers"] - len(rollers)):
+            rollers = {int(c.name[6:]): c for c in self._of("roller")}
+            stop, start = roller_slots(list(rollers), request["rollers"])
+            for i in stop:
+                self._remove(rollers[i])
+            for i in start:
                 spec = ChildSpec(f"roller{i}", self.roller_args, {"AGENTRL_ROLLER_INDEX": str(i)}, True)
                 self.supervisor.run(spec)
             done.append(f"rollers {len(self._of('roller'))}")
@@ -198,39 +193,3 @@ def new_server_spec(template: ChildSpec, name: str, port: int) -> ChildSpec:
     host = args[args.index("--host") + 1]
     args[at] = str(port)
     return ChildSpec(name, args, dict(template.env), True, server_url(host, port))
-
-
-def scale_ray_servers(run: RayRun, want: int) -> str:
-    """`agentrl scale --servers` under Ray (`RayRun.scale`). Down: the highest slots leave the
-    list, then stop. Up: stopped slots start again, then new slots on actors with
-    `inference.resources`; each joins the list once it answers /health. Without a list only the
-    planned slots."""
-    servers = sorted((m for m in run.members if m.role.kind == "server"), key=lambda m: int(m.name[6:]))
-    if want < 1:
-        return f"servers {len(servers)} (a run keeps at least one server)"
-    for m in servers[want:][::-1]:
-        if run.live is not None:
-            run.live.remove(m.name)
-            run.pending.forget(m.name)
-        run._stop(m)
-        run.parked[m.name] = m
-        run._set_addr(m.name, None)
-    names = sorted(run.parked, key=lambda n: int(n[6:]))[: max(0, want - len(servers))]
-    if run.live is not None:
-        taken = [int(m.name[6:]) for m in servers] + [int(n[6:]) for n in run.parked]
-        top = max(taken) + 1
-        names += [f"server{i}" for i in range(top, top + want - len(servers) - len(names))]
-    template = servers[0].role
-    for name in names:
-        old = run.parked.pop(name, None)
-        role = old.role if old is not None else replace(template, name=name)
-        m = run.new_member(role, name, port=old.port if old is not None else 0)
-        url = run._start_server(m)
-        run.members.append(m)
-        if run.pending is not None:
-            run.pending.add(name, url)
-        run._set_addr(name, url)
-    n = sum(m.role.kind == "server" for m in run.members)
-    if n < want:
-        return f"servers {n} (all {n} planned slots: this run has no live server list)"
-    return f"servers {n}"

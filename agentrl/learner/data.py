@@ -105,6 +105,29 @@ def prepare_batch(
     `advantage="gae"` leaves the advantages to the critic (`critic.gae_advantages`, after the
     packing): each sample carries its token rewards (`Episode.token_rewards()`, with the
     overlong penalty on its last generated token) and advantage 0 until then."""
+    good, skipped = _valid_groups(groups, advantage, vocab_size, max_seq_tokens)
+    rewards = [g.rewards for g in good]
+    penalty = None
+    if overlong is not None:
+        penalty = [dapo_overlong_penalty([ep.num_generated for ep in g.episodes], *overlong) for g in good]
+        rewards = [r + p for r, p in zip(rewards, penalty, strict=True)]
+    if advantage == "gae":
+        advs = [np.zeros(len(r)) for r in rewards]
+    elif advantage == "remax":
+        advs = remax(rewards, [float(g.metrics["greedy_reward"]) for g in good])
+    else:
+        advs = compute_advantages(advantage, rewards)
+    minis = _mini_batches(good, advs, penalty, advantage == "gae", mini_batches, loss_agg)
+    metrics = _batch_metrics(good, advs, learner_version)
+    if penalty:
+        metrics["reward/overlong_penalty_mean"] = float(np.concatenate(penalty).mean())
+    return PreparedBatch(minis, skipped, metrics)
+
+
+def _valid_groups(
+    groups: list[Group], advantage: str, vocab_size: int, max_seq_tokens: int | None
+) -> tuple[list[Group], Counter]:
+    """The groups fit to train on, and a count of the others by reason (each logged)."""
     skipped: Counter = Counter()
     good: list[Group] = []
     for g in groups:
@@ -117,18 +140,19 @@ def prepare_batch(
             skipped[reason] += 1
             detail = f" ({no_generation_why(g)})" if reason == "no_generated_tokens" else ""
             log.warning("skipping group %s: %s%s", g.group_id, reason, detail)
-    rewards = [g.rewards for g in good]
-    penalty = None
-    if overlong is not None:
-        penalty = [dapo_overlong_penalty([ep.num_generated for ep in g.episodes], *overlong) for g in good]
-        rewards = [r + p for r, p in zip(rewards, penalty, strict=True)]
-    gae = advantage == "gae"
-    if gae:
-        advs = [np.zeros(len(r)) for r in rewards]
-    elif advantage == "remax":
-        advs = remax(rewards, [float(g.metrics["greedy_reward"]) for g in good])
-    else:
-        advs = compute_advantages(advantage, rewards)
+    return good, skipped
+
+
+def _mini_batches(
+    good: list[Group],
+    advs: list[np.ndarray],
+    penalty: list[np.ndarray] | None,
+    gae: bool,
+    mini_batches: int,
+    loss_agg: str,
+) -> list[list[Sample]]:
+    """Every `mini_batches`-th group in each slice, one weighted `Sample` per episode; with `gae`
+    each carries its token rewards (the overlong `penalty` on its last generated token)."""
     slices = [good[i::mini_batches] for i in range(mini_batches)] if good else []
     adv_of = {id(g): a for g, a in zip(good, advs, strict=True)}
     penalty_of = {id(g): dict(enumerate(p)) for g, p in zip(good, penalty or [], strict=False)}
@@ -143,10 +167,7 @@ def prepare_batch(
         if samples:
             _weights(samples, loss_agg)
             minis.append(samples)
-    metrics = _batch_metrics(good, advs, learner_version)
-    if penalty:
-        metrics["reward/overlong_penalty_mean"] = float(np.concatenate(penalty).mean())
-    return PreparedBatch(minis, skipped, metrics)
+    return minis
 
 
 def _has_greedy_reward(group: Group) -> bool:

@@ -10,11 +10,11 @@ from agentrl.plugins import Registry, UnknownName
 from agentrl.queue.base import Backend, QueueError
 
 if TYPE_CHECKING:
-    from agentrl.config import RedisQueueConfig, ZmqQueueConfig
+    from agentrl.queue.config import RedisQueueConfig, ZmqQueueConfig
 
 BACKENDS: Registry[type[Backend]] = Registry(
     "queue.type",
-    None,  # a backend's config is a section of its own in agentrl/config.py: built-ins only
+    None,  # a backend's config is a section of its own in agentrl/queue/config.py: built-ins only
     {"zmq": "agentrl.queue.zmq_backend:ZmqBackend", "redis": "agentrl.queue.redis_backend:RedisBackend"},
 )
 

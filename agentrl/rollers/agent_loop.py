@@ -40,10 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from agentrl.config import RollerConfig
 from agentrl.envs.base import Env, Transcript, as_step_result, resolve
 from agentrl.inference.base import GenerateResult, InferenceClient
 from agentrl.rollers.chat import ChatRenderer
+from agentrl.rollers.config import RollerConfig
 from agentrl.types import Episode
 
 if TYPE_CHECKING:

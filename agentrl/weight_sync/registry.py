@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 ENGINES: Registry[type[WeightSyncEngine]] = Registry(
     "weight_sync.type",
-    None,  # an engine's config is a section of its own in agentrl/config.py: built-ins only
+    None,  # an engine's config is a section of its own in agentrl/weight_sync/config.py: built-ins only
     {
         "broadcast": "agentrl.weight_sync.broadcast:BroadcastEngine",
         "disk": "agentrl.weight_sync.disk:DiskEngine",

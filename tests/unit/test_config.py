@@ -212,7 +212,7 @@ def test_each_command_validates_only_the_sections_it_uses() -> None:
         load_config(None, overrides, uses=("roller", "env", "inference", "queue"))
     with pytest.raises(ConfigError, match=r"inference\.servers"):
         load_config(None, overrides)  # no command named: every check
-    from agentrl.cli import USES
+    from agentrl.cli_common import USES
 
     for command in (
         "run",

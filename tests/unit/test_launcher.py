@@ -51,7 +51,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path: Path
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
 def test_the_plan_starts_real_engines_behind_agentrl_serve(tmp_path: Path, kind: str) -> None:
-    from agentrl.cli import USES
+    from agentrl.cli_common import USES
     from agentrl.config import AgentRLConfig
     from agentrl.launch.local import plan_children
 

@@ -1,6 +1,6 @@
 """Sandboxes for code an agent writes: one interface (`Sandbox`), three backends.
 
-`create(config)` picks the backend `config.type` names in `SANDBOXES`: `local` (bubblewrap /
+`create(config)` picks the backend `config.type` names in `SANDBOXES` (`registry.py`): `local` (bubblewrap /
 namespaces / rlimits on this machine), `docker` (one container per sandbox), `remote` (a sandbox
 hosted by `agentrl sandbox-server`), or one another package registers (entry-point group
 `agentrl.sandboxes`). Backends are imported lazily so the docker SDK and aiohttp are only
@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from agentrl.envs.sandbox.base import ISOLATION_ORDER, ExecResult, Sandbox, SandboxError
-from agentrl.plugins import Registry, UnknownName
+from agentrl.envs.sandbox.registry import SANDBOXES
+from agentrl.plugins import UnknownName
 
 if TYPE_CHECKING:
-    from agentrl.config import (
+    from agentrl.envs.sandbox.config import (
         DockerSandboxConfig,
         LocalSandboxConfig,
         PluginSandboxConfig,
@@ -25,19 +26,6 @@ if TYPE_CHECKING:
     AnySandboxConfig = LocalSandboxConfig | DockerSandboxConfig | RemoteSandboxConfig | PluginSandboxConfig
 
 __all__ = ["ISOLATION_ORDER", "SANDBOXES", "ExecResult", "Sandbox", "SandboxError", "create"]
-
-
-SANDBOXES: Registry[type[Sandbox]] = Registry(
-    "env.sandbox.type",
-    "agentrl.sandboxes",
-    {
-        "local": "agentrl.envs.sandbox.local:LocalSandbox",
-        "docker": "agentrl.envs.sandbox.docker:DockerSandbox",
-        "remote": "agentrl.envs.sandbox.remote:RemoteSandbox",
-    },
-)
-"""Sandbox classes by `type`; another package adds one through the entry-point group
-`agentrl.sandboxes` (a `Sandbox` subclass taking its `PluginSandboxConfig`)."""
 
 
 def create(config: AnySandboxConfig) -> Sandbox:

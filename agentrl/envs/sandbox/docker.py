@@ -44,7 +44,7 @@ from agentrl.envs.sandbox.base import (
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
-    from agentrl.config import DockerSandboxConfig
+    from agentrl.envs.sandbox.config import DockerSandboxConfig
 
 logger = get_logger("envs.sandbox")
 

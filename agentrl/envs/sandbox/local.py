@@ -54,7 +54,7 @@ from agentrl.envs.sandbox.limits import Cgroup, Limits, kill_uid, launcher, pids
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
-    from agentrl.config import LocalSandboxConfig
+    from agentrl.envs.sandbox.config import LocalSandboxConfig
 
 logger = get_logger("envs.sandbox")
 
@@ -135,6 +135,39 @@ class LocalSandbox(Sandbox):
             raise
 
     async def _start(self, image_or_spec: str | None) -> None:
+        """Isolation level, host directories (with the disk quota), cgroup: in that order, so a
+        sandbox that cannot be isolated as asked creates nothing."""
+        cfg = self.config
+        level = self.isolation = await self._choose_isolation()
+        if cfg.python_packages:
+            from agentrl.envs.sandbox.pypkgs import site_dir
+
+            try:
+                self.site = await asyncio.to_thread(site_dir, cfg.python_packages)
+            except ValueError as exc:
+                raise SandboxError(str(exc)) from None
+        why_no_quota = await self._lay_out(image_or_spec)
+        inside = level in ("bwrap", "namespaces")
+        self.workdir = cfg.workdir if inside else str(self.root / "work")
+        self.tmpdir = "/tmp" if inside else str(self.root / "tmp")
+        if level != "none":
+            self.cgroup = Cgroup.create(self.limits)
+        self.details = {
+            "isolation": level,
+            "uid": self.uid if self.uid is not None else os.getuid(),
+            "cgroup": f"v{self.cgroup.version}" if self.cgroup else None,
+            "network": level == "rlimits" or level == "none",
+            "memory_limit": "cgroup" if self.cgroup else ("rlimit_as" if level != "none" else None),
+            "disk_quota": self.quota.describe() if self.quota else None,
+            "seccomp": level == "bwrap" and self._seccomp is not None,
+        }
+        if self.quota is None:
+            self.details["no_disk_quota"] = why_no_quota
+        logger.info("local sandbox %s: %s", self.root.name, self.details)
+
+    async def _choose_isolation(self) -> str:
+        """`sandbox.isolation` (`auto`: the strongest available), refused when unavailable here or
+        below `sandbox.min_isolation`."""
         cfg = self.config
         available = await asyncio.to_thread(available_isolation, self.uid)
         level = available[0] if cfg.isolation == "auto" else cfg.isolation
@@ -148,14 +181,13 @@ class LocalSandbox(Sandbox):
                 f"sandbox isolation {level!r} is below sandbox.min_isolation={cfg.min_isolation!r}: refusing "
                 f"to run untrusted code (available here: {', '.join(available)})"
             )
-        self.isolation = level
-        if cfg.python_packages:
-            from agentrl.envs.sandbox.pypkgs import site_dir
+        return level
 
-            try:
-                self.site = await asyncio.to_thread(site_dir, cfg.python_packages)
-            except ValueError as exc:
-                raise SandboxError(str(exc)) from None
+    async def _lay_out(self, image_or_spec: str | None) -> str:
+        """The sandbox's host directory (on its quota filesystem when `disk_mb`) with `work/` (a copy
+        of `image_or_spec`, a directory, if given) and `tmp/` owned by the sandbox uid, and
+        descriptors held on both; why there is no disk quota, if there is none."""
+        cfg = self.config
         if cfg.root_dir:
             Path(cfg.root_dir).mkdir(parents=True, exist_ok=True)
             if self.uid is not None:
@@ -186,23 +218,7 @@ class LocalSandbox(Sandbox):
             await asyncio.to_thread(self._chown_tree, tmp)
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         self._dir_fds = {"work": os.open(work, flags), "tmp": os.open(tmp, flags)}
-        inside = level in ("bwrap", "namespaces")
-        self.workdir = cfg.workdir if inside else str(work)
-        self.tmpdir = "/tmp" if inside else str(tmp)
-        if level != "none":
-            self.cgroup = Cgroup.create(self.limits)
-        self.details = {
-            "isolation": level,
-            "uid": self.uid if self.uid is not None else os.getuid(),
-            "cgroup": f"v{self.cgroup.version}" if self.cgroup else None,
-            "network": level == "rlimits" or level == "none",
-            "memory_limit": "cgroup" if self.cgroup else ("rlimit_as" if level != "none" else None),
-            "disk_quota": self.quota.describe() if self.quota else None,
-            "seccomp": level == "bwrap" and self._seccomp is not None,
-        }
-        if self.quota is None:
-            self.details["no_disk_quota"] = why_no_quota
-        logger.info("local sandbox %s: %s", self.root.name, self.details)
+        return why_no_quota
 
     async def close(self) -> None:
         await asyncio.to_thread(self._kill_all)

@@ -18,7 +18,7 @@ import aiohttp
 from agentrl.envs.sandbox.base import ExecResult, Sandbox, SandboxError, local_directory, tar_directory
 
 if TYPE_CHECKING:
-    from agentrl.config import RemoteSandboxConfig
+    from agentrl.envs.sandbox.config import RemoteSandboxConfig
 
 
 class RemoteSandbox(Sandbox):

@@ -33,7 +33,7 @@ from agentrl.envs.sandbox import Sandbox, SandboxError, create
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
-    from agentrl.config import DockerSandboxConfig, LocalSandboxConfig
+    from agentrl.envs.sandbox.config import DockerSandboxConfig, LocalSandboxConfig
 
 logger = get_logger("envs.sandbox.server")
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import pydantic
 
-from agentrl.config import LocalSandboxConfig, SandboxConfig
 from agentrl.envs.base import Messages, StepResult, Transcript
 from agentrl.envs.sandbox import Sandbox, create
+from agentrl.envs.sandbox.config import LocalSandboxConfig, SandboxConfig
 from agentrl.envs.swe.editor import SweTools, numbered
 from agentrl.envs.swe.grading import extract_patch, grade_patch, prepare_repo
 from agentrl.envs.swe.synthetic import generate

@@ -11,12 +11,12 @@ from transformers import AutoTokenizer
 from agentrl.bench.scripted_server import Reply, ScriptedServer
 from agentrl.config import EnvConfig, RollerConfig
 from agentrl.envs.registry import env_factory
-from agentrl.envs.search.evaluate import evaluate, format_report, summarize
 from agentrl.envs.search.retriever import BM25Retriever
 from agentrl.envs.search.server import RetrieverServer
 from agentrl.envs.search.synthetic import build_world, make_synthetic
 from agentrl.inference.sglang import SGLangClient
 from agentrl.rollers.chat import ChatRenderer
+from agentrl.rollers.evaluate import evaluate, format_report, summarize
 
 
 class ReaderPolicy:
@@ -83,7 +83,7 @@ def test_summarize() -> None:
 
 async def test_evaluate_config_uses_the_run_config(tmp_path: Path, tiny_model: Path) -> None:
     from agentrl.config import AgentRLConfig
-    from agentrl.envs.search.evaluate import evaluate_config
+    from agentrl.rollers.evaluate import evaluate_config
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     paths = make_synthetic(tmp_path, seed=2, num_people=30)

@@ -6,8 +6,9 @@
 Each task is one greedy episode (top-k 1) of the configured env against the configured
 inference servers; the report gives, per `data_source` and overall, the number of
 questions, EM, substring EM, the share answered and the mean number of searches. Without a
-task file the held-out split of the synthetic world is used. This is the engine behind an
-`agentrl eval` command; it needs the inference servers and the retriever to be running.
+task file the held-out split of the synthetic world is used. This is the engine behind
+`agentrl eval`; it needs the inference servers and the retriever to be running. It lives with the
+rollers because it drives their agent loop (the env package stays below the rollers).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from agentrl.config import AgentRLConfig, RollerConfig
+from agentrl.config import AgentRLConfig
 from agentrl.envs.base import Env
 from agentrl.inference.base import InferenceClient
 from agentrl.rollers.agent_loop import run_episode
 from agentrl.rollers.chat import ChatRenderer
+from agentrl.rollers.config import RollerConfig
 
 FIELDS = ("em", "subem", "answered", "search_calls")
 

@@ -1,0 +1,49 @@
+"""The colocated mode's config section (`colocated:`): ranks and the training and generation layouts.
+
+Kept beside the colocated code; `agentrl.config` assembles it into the run's `AgentRLConfig` and
+re-exports it.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from agentrl.section import Section
+
+
+class ColocatedConfig(Section):
+    """`mode: colocated`: generation and training alternate on the same ranks (agentrl/colocated)."""
+
+    num_processes: int = Field(2, ge=1)
+    """Ranks (torchrun processes on this machine): `t`-way tensor parallel times `num_processes/t`-way
+    FSDP2 for training."""
+    t: int = Field(1, ge=1)
+    """Tensor-parallel degree of training (FSDP2 + TP on a (dp, tp) mesh when > 1); the ranks of one
+    TP group train on the same micro-batches, the batch is split over the num_processes/t dp ranks."""
+    tg: int = Field(1, ge=1)
+    """Tensor-parallel degree of one generation engine replica; there are num_processes/tg replicas."""
+    max_batch_size: int = Field(64, ge=1)
+    """Sequences one replica decodes together."""
+
+    @model_validator(mode="after")
+    def _layouts(self) -> ColocatedConfig:
+        """The layouts the HybridEngine reshards between (agentrl/hybrid/reshard.py)."""
+        n = self.num_processes
+        if n % self.t:
+            raise ValueError(f"colocated.t={self.t} must divide colocated.num_processes={n} (t-way TP × dp)")
+        if n % self.tg:
+            raise ValueError(
+                f"colocated.tg={self.tg} must divide colocated.num_processes={n} (replicas of tg ranks)"
+            )
+        if self.t > 1 and self.tg > self.t:
+            raise ValueError(
+                f"colocated.tg={self.tg} above colocated.t={self.t}: the generation TP groups would stride across "
+                "the (dp, tp) training mesh out of rank order (the lm_head's logits would gather permuted); use "
+                "tg <= t, or t: 1"
+            )
+        if self.t > 1 and self.t % self.tg:
+            raise ValueError(
+                f"colocated.tg={self.tg} must divide colocated.t={self.t}: otherwise a generation TP group holds its "
+                "shards out of rank order, as with tg > t"
+            )
+        return self
