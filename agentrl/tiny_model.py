@@ -1,7 +1,7 @@
 """Create small, real Hugging Face checkpoints locally, with no hub access.
 
 Tests, benchmarks and the quickstart cannot download a model, so `agentrl init-model`
-writes one: a Qwen2-architecture causal LM with random weights and a byte-level BPE
+writes one: a Qwen2-architecture causal LM (or, for `tiny-moe`, a Qwen2-MoE one) with random weights and a byte-level BPE
 tokenizer whose special tokens and chat template follow the Qwen2.5 layout (system
 turn with `<tools>`, `<tool_call>` blocks, tool results merged into a user turn as
 `<tool_response>` blocks). The result loads with the ordinary
@@ -103,6 +103,8 @@ class ModelPreset:
     intermediate_size: int
     vocab_size: int  # total, including merges and added tokens (rounded up)
     classifier: bool = False  # a sequence classifier with a scalar head (a reward model)
+    experts: int = 0  # > 0: a Qwen2-MoE model, every MLP a sparse block of this many experts
+    experts_per_token: int = 2  # the router's top-k (MoE only)
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -116,6 +118,9 @@ PRESETS: dict[str, ModelPreset] = {
     "base100m": ModelPreset(768, 12, 12, 4, 2048, 32768),
     # the tiny shape as a reward model (scalar head): `agentrl serve-reward` serves it in tests.
     "tiny-rm": ModelPreset(64, 2, 4, 2, 192, 1024, classifier=True),
+    # the tiny shape as a Qwen2-MoE model: 4 experts of width 96 per layer, top-2 routing, one
+    # shared expert; what the router-replay tests and the MoE quickstart use.
+    "tiny-moe": ModelPreset(64, 2, 4, 2, 96, 1024, experts=4),
 }
 
 
@@ -133,6 +138,31 @@ def qwen2_config(shape: ModelPreset, **fields):
         tie_word_embeddings=True,
     )
     return Qwen2Config(**{**dims, **fields})
+
+
+def qwen2_moe_config(shape: ModelPreset, **fields):
+    """The `Qwen2MoeConfig` of an MoE preset: every layer sparse (`shape.experts` experts of width
+    `intermediate_size`, top-`experts_per_token`, probabilities renormalised over the chosen experts),
+    plus a shared expert of the same width; tied embeddings."""
+    from transformers import Qwen2MoeConfig
+
+    dims = dict(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        moe_intermediate_size=shape.intermediate_size,
+        shared_expert_intermediate_size=shape.intermediate_size,
+        num_experts=shape.experts,
+        num_experts_per_tok=shape.experts_per_token,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        tie_word_embeddings=True,
+    )
+    return Qwen2MoeConfig(**{**dims, **fields})
 
 
 def _training_corpus() -> list[str]:
@@ -216,12 +246,13 @@ def _make_tokenizer_portable(out: Path) -> None:
 
 
 def init_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a random-weight Qwen2 checkpoint and its tokenizer to `out_dir`."""
+    """Write a random-weight Qwen2 (or Qwen2-MoE) checkpoint and its tokenizer to `out_dir`."""
     import torch
     from transformers import (
         PreTrainedTokenizerFast,
         Qwen2ForCausalLM,
         Qwen2ForSequenceClassification,
+        Qwen2MoeForCausalLM,
     )
     from transformers.utils import logging as hf_logging
 
@@ -246,7 +277,7 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     tokenizer.chat_template = CHAT_TEMPLATE
     assert len(tokenizer) <= shape.vocab_size, (len(tokenizer), shape.vocab_size)
 
-    config = qwen2_config(
+    config = (qwen2_moe_config if shape.experts else qwen2_config)(
         shape,
         max_position_embeddings=4096,
         rope_theta=10000.0,
@@ -261,7 +292,11 @@ def init_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
         with torch.no_grad():  # a random head at the init scale gives scores ~1e-2 apart; spread them
             model.score.weight.normal_(0.0, 1.0)
     else:
-        model = Qwen2ForCausalLM(config)
+        model = (Qwen2MoeForCausalLM if shape.experts else Qwen2ForCausalLM)(config)
+        if shape.experts:  # transformers zero-initialises the router: give it the init scale
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.mlp.gate.weight.normal_(0.0, config.initializer_range)
         model.generation_config.eos_token_id = [config.eos_token_id, config.bos_token_id]
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -37,6 +37,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real HF Qwen2-MoE checkpoint written by `agentrl init-model tiny-moe` code."""
+    from agentrl.tiny_model import init_model
+
+    return init_model("tiny-moe", tmp_path_factory.mktemp("models") / "tiny-moe")
+
+
 class Processes:
     """Starts subprocesses in their own process group and stops exactly those at teardown."""
 

@@ -51,6 +51,7 @@ from agentrl.inference.decode import lean_decoder
 from agentrl.inference.replica import ReplicaFollowing
 from agentrl.inference.sampling import SamplingParams, sample
 from agentrl.log import get_logger
+from agentrl.moe import RoutingRecorder, routing_shape
 
 logger = get_logger(__name__)
 
@@ -72,6 +73,10 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
     abort_message: str | None = None
+    return_routed_experts: bool = False
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
+    """MoE models, when asked: the experts of each token fed to the model ([n, layers, top_k] int32
+    chunks, prompt first; agentrl/moe.py)."""
 
 
 def engine_error(message: str) -> dict[str, Any]:
@@ -184,6 +189,8 @@ class Engine(BufferPhases, ReplicaFollowing):
         self.max_batch_size = max_batch_size
         self.weight_version = "0"
         self._lean = lean_decoder(self.model) if lean_decode else None
+        self.routing_shape = routing_shape(self.model)  # (MoE layers, top-k); None for a dense model
+        self._routing = RoutingRecorder(self.model) if self.routing_shape else None
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._waiting: queue.Queue[Request] = queue.Queue()
@@ -416,6 +423,7 @@ class Engine(BufferPhases, ReplicaFollowing):
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         logits, keys, values = self._forward(ids, mask, positions)
+        self._record_routing(reqs, ids.shape[1])
         pad = (mask == 0)[:, None, :, None]
         keys = [k.masked_fill(pad, 0) for k in keys]
         values = [v.masked_fill(pad, 0) for v in values]
@@ -440,8 +448,25 @@ class Engine(BufferPhases, ReplicaFollowing):
             logits, keys, values = self._forward(
                 b.last[:, None], mask, b.positions[:, None], b.keys, b.values
             )
+        self._record_routing(b.reqs, 1)
         b.keys, b.values, b.mask, b.positions = keys, values, mask, b.positions + 1
         return logits
+
+    def _record_routing(self, reqs: list[Request], length: int) -> None:
+        """(MoE) Append the experts the last forward chose for each of `reqs`' real tokens (rows of
+        `length` left-padded positions) to the requests that asked for them."""
+        if self._routing is None:
+            return
+        chosen = self._routing.take()
+        if chosen is None or not any(r.return_routed_experts for r in reqs):
+            return
+        chosen = chosen.view(chosen.shape[0], len(reqs), length, -1).permute(1, 2, 0, 3).cpu()
+        for row, req in zip(chosen, reqs, strict=True):
+            if req.return_routed_experts:
+                fed = (
+                    1 if req.output_ids else len(req.input_ids)
+                )  # decode: the last token; prefill: the prompt
+                req.routed_experts.append(row[length - fed :])
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only rows `keep` of the running batch (on every rank of a replica)."""

@@ -90,6 +90,7 @@ class GenerateIn(Strict):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False  # MoE: meta_info["routed_experts"], as SGLang (agentrl/moe.py)
     stream: bool = False
     rid: str | list[str] | None = None
     session_id: str | None = None

@@ -133,7 +133,20 @@ def _response(req: Request, sp: P.SamplingParamsIn, want_logprob: bool, with_tex
         meta["output_token_logprobs"] = [
             [lp, t, s] for lp, t, s in zip(req.logprobs, req.output_ids, texts, strict=True)
         ]
+    if req.return_routed_experts:
+        meta["routed_experts"] = _routed_experts(req, engine)
     return {"text": text, "output_ids": req.output_ids, "meta_info": meta}
+
+
+def _routed_experts(req: Request, engine: Engine) -> str:
+    """SGLang 0.5.23's `meta_info["routed_experts"]`: base64 int32 [prompt + output - 1, layers, top_k]."""
+    import numpy as np
+
+    from agentrl.moe import encode_routed_experts
+
+    layers, top_k = engine.routing_shape or (0, 0)
+    chunks = [c.numpy() for c in req.routed_experts]
+    return encode_routed_experts(np.concatenate(chunks) if chunks else np.zeros((0, layers, top_k), np.int32))
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -162,7 +175,10 @@ async def generate(request: web.Request) -> web.Response:
                 def done(req: Request, fut: asyncio.Future = future) -> None:
                     loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
 
-                items.append((Request(item_rid, ids, params, done), sp, want_lp, future))
+                req = Request(item_rid, ids, params, done, return_routed_experts=body.return_routed_experts)
+                items.append((req, sp, want_lp, future))
+        if body.return_routed_experts and engine.routing_shape is None:
+            raise BadInput("return_routed_experts: this model has no mixture-of-experts router")
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     for req, *_ in items:
