@@ -8,12 +8,15 @@ within it) and is the unit that travels from rollers to the learner.
 On the wire a group is a list of frames: one msgpack header, then the four arrays of
 each episode as raw frames (`tokens`, `loss_mask`, `logprobs`, `versions`), then, for
 each episode that has per-turn rewards, its two turn arrays (`reward_pos`,
-`turn_rewards`), so a sender can hand numpy buffers to ZeroMQ with `copy=False` and a
+`turn_rewards`), then, for each episode that carries routed experts (mixture-of-experts models),
+its `routed_experts` frame, so a sender can hand numpy buffers to ZeroMQ with `copy=False` and a
 receiver can view them with `np.frombuffer` without a copy. An episode without per-turn
 rewards adds no frame. There is no pickle anywhere. `decode_group` treats its input as
 hostile: it checks the header schema, frame count, dtypes, lengths and value ranges,
 and raises `WireError` naming what is wrong. Wire version 2 added the per-turn rewards;
-version 1 messages (no `turns` in the header, no turn frames) still decode, with none.
+version 1 messages (no `turns` in the header, no turn frames) still decode, with none. Version 3
+adds the routed experts (`experts` in the header: [layers, top_k] per episode, [] for none); a group
+without any is still written as version 2, and versions 1 and 2 decode with none.
 
 This module imports nothing else from agentrl. It runs past 500 lines on purpose: the types
 and the decoder that checks them field by field change together (a new field is a new check,
@@ -32,8 +35,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 2
-WIRE_VERSIONS = (1, 2)  # decoded; 1 is 2 without per-turn rewards
+WIRE_VERSION = 3
+WIRE_VERSIONS = (1, 2, 3)  # decoded; 1 is 2 without per-turn rewards, 2 is 3 without routed experts
 
 # name -> dtype of each per-token array, in frame order
 ARRAY_FIELDS: tuple[tuple[str, np.dtype], ...] = (
@@ -87,6 +90,12 @@ class Episode:
     turn_rewards  float32[K] the env's step reward of that turn (the last also holds the
                              final `Env.reward`); `reward` stays the episode's total, which
                              outcome-only estimators use
+
+    Routed experts (optional; mixture-of-experts models served with `return_routed_experts`):
+
+    routed_experts  int32[T, layers, top_k]  the experts each MoE layer routed token t to when t
+                             was fed to the inference engine, -1 on tokens it has no record of
+                             (the last token of a turn is sampled, never fed); None: no record
     """
 
     tokens: np.ndarray
@@ -99,6 +108,7 @@ class Episode:
     metrics: dict[str, Any] = field(default_factory=dict)
     reward_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     turn_rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name, _ in ARRAY_FIELDS + TURN_FIELDS:
@@ -114,6 +124,15 @@ class Episode:
         problem = _turn_problem(self.reward_pos, n)
         if problem:
             raise ValueError(f"Episode.reward_pos: {problem}")
+        if self.routed_experts is not None:
+            experts = np.ascontiguousarray(self.routed_experts, dtype=np.int32)
+            if experts.ndim != 3 or len(experts) != n:
+                raise ValueError(
+                    f"Episode.routed_experts must be [{n} tokens, layers, top_k], got shape {experts.shape}"
+                )
+            if experts.size and experts.min() < -1:
+                raise ValueError("Episode.routed_experts: values must be >= -1 (-1: no record)")
+            self.routed_experts = experts
         self.reward = float(self.reward)
         self.num_turns = int(self.num_turns)
 
@@ -163,7 +182,8 @@ class Episode:
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, name).nbytes for name, _ in ARRAY_FIELDS + TURN_FIELDS)
+        routed = self.routed_experts.nbytes if self.routed_experts is not None else 0
+        return routed + sum(getattr(self, name).nbytes for name, _ in ARRAY_FIELDS + TURN_FIELDS)
 
 
 def _turn_problem(pos: np.ndarray, n: int) -> str | None:
@@ -255,13 +275,14 @@ def _check_metrics(value: Any, where: str, depth: int = 0) -> None:
 
 def encode_group(group: Group) -> list[bytes | memoryview]:
     """Frames for one group: a msgpack header, 4 raw array frames per episode, then 2 per
-    episode that has per-turn rewards.
+    episode that has per-turn rewards, then 1 per episode that has routed experts.
 
     The array frames are memoryviews of the episodes' own buffers (no copy)."""
     _check_metrics(group.metrics, "group.metrics")
     episodes = []
     frames: list[bytes | memoryview] = []
     turn_frames: list[bytes | memoryview] = []
+    expert_frames: list[bytes | memoryview] = []
     for i, ep in enumerate(group.episodes):
         _check_metrics(ep.metrics, f"episodes[{i}].metrics")
         episodes.append(
@@ -277,22 +298,30 @@ def encode_group(group: Group) -> list[bytes | memoryview]:
             frames.append(memoryview(getattr(ep, name)).cast("B"))
         if len(ep.reward_pos):
             turn_frames += [memoryview(ep.reward_pos).cast("B"), memoryview(ep.turn_rewards).cast("B")]
-    frames += turn_frames
+        if ep.routed_experts is not None:
+            expert_frames.append(memoryview(ep.routed_experts.reshape(-1)).cast("B"))
+    frames += turn_frames + expert_frames
     # rewarded turns per episode, or [] when no episode has any (the common case costs nothing more)
     turns = [len(ep.reward_pos) for ep in group.episodes] if turn_frames else []
     header = {
-        "wire": WIRE_VERSION,
+        "wire": WIRE_VERSION if expert_frames else 2,  # no routed experts: the version 2 message
         "group_id": group.group_id,
         "prompt_id": group.prompt_id,
         "metrics": group.metrics,
         "episodes": episodes,
         "turns": turns,
     }
+    if expert_frames:
+        header["experts"] = [
+            list(ep.routed_experts.shape[1:]) if ep.routed_experts is not None else []
+            for ep in group.episodes
+        ]
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
 
 _HEADER_KEYS_V1 = {"wire": int, "group_id": str, "prompt_id": str, "metrics": dict, "episodes": list}
-_HEADER_KEYS = {**_HEADER_KEYS_V1, "turns": list}
+_HEADER_KEYS_V2 = {**_HEADER_KEYS_V1, "turns": list}
+_HEADER_KEYS = {**_HEADER_KEYS_V2, "experts": list}
 _EPISODE_KEYS = {"num_tokens": int, "reward": float, "num_turns": int, "finish_reason": str, "metrics": dict}
 
 
@@ -336,7 +365,11 @@ def _exact_types(schema: dict[str, type]) -> tuple[tuple[str, tuple[type, ...]],
 
 
 _HEADER_EXACT = _exact_types(_HEADER_KEYS)
-_HEADER_SCHEMA = {1: (_HEADER_KEYS_V1, _exact_types(_HEADER_KEYS_V1)), 2: (_HEADER_KEYS, _HEADER_EXACT)}
+_HEADER_SCHEMA = {
+    1: (_HEADER_KEYS_V1, _exact_types(_HEADER_KEYS_V1)),
+    2: (_HEADER_KEYS_V2, _exact_types(_HEADER_KEYS_V2)),
+    3: (_HEADER_KEYS, _HEADER_EXACT),
+}
 _EPISODE_EXACT = _exact_types(_EPISODE_KEYS)
 _NO_POS = np.zeros(0, _ARRAY_DTYPES["reward_pos"])
 _NO_REWARDS = np.zeros(0, _ARRAY_DTYPES["turn_rewards"])
@@ -359,7 +392,7 @@ def _check_plain_metrics(value: Any, where: str) -> None:
         _check_metrics(value, where)
 
 
-def _episode(arrays: list[np.ndarray], em: dict) -> Episode:
+def _episode(arrays: list[np.ndarray], em: dict, routed: np.ndarray | None = None) -> Episode:
     """An `Episode` of already validated arrays and header fields (skips the coercions of
     `Episode.__post_init__`, which would find nothing to do: `decode_group` checked it all)."""
     ep = Episode.__new__(Episode)
@@ -374,6 +407,7 @@ def _episode(arrays: list[np.ndarray], em: dict) -> Episode:
         metrics=em["metrics"],
         reward_pos=arrays[4] if len(arrays) > _N_FIELDS else _NO_POS,
         turn_rewards=arrays[5] if len(arrays) > _N_FIELDS else _NO_REWARDS,
+        routed_experts=routed,
     )
     return ep
 
@@ -387,15 +421,23 @@ assert _DTYPES == (_I4, _U1, _F4, _I4), "ARRAY_FIELDS changed: update _parse and
 _frombuffer = np.frombuffer
 
 
-def _parse(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[list[np.ndarray]]]:
-    """The header and each episode's arrays (zero-copy views), with every check except the
-    arrays' values (`_check_values`)."""
+def _parse(
+    frames: Sequence[Any], max_bytes: int
+) -> tuple[dict, list[list[np.ndarray]], list[np.ndarray | None]]:
+    """The header, each episode's arrays (zero-copy views) and routed experts (None: none), with
+    every check except the arrays' values (`_check_values`, `_check_experts`)."""
     if not frames:
         raise WireError("empty message: no header frame")
     header = _parse_header(frames[0])
     meta = header["episodes"]
     turns = header.get("turns") or ()
-    expected_frames = 1 + _N_FIELDS * len(meta) + (2 * (len(turns) - turns.count(0)) if turns else 0)
+    experts = header.get("experts") or ()
+    expected_frames = (
+        1
+        + _N_FIELDS * len(meta)
+        + (2 * (len(turns) - turns.count(0)) if turns else 0)
+        + (len(experts) - experts.count([]) if experts else 0)
+    )
     if len(frames) != expected_frames:
         raise WireError(f"expected {expected_frames} frames for {len(meta)} episodes, got {len(frames)}")
     bufs = [byte_view(f) for f in frames[1:]]
@@ -425,7 +467,27 @@ def _parse(frames: Sequence[Any], max_bytes: int) -> tuple[dict, list[list[np.nd
             arrays += _turn_arrays(i, n, turns[i], bufs[turn_frame], bufs[turn_frame + 1])
             turn_frame += 2
         episodes.append(arrays)
-    return header, episodes
+    routed: list[np.ndarray | None] = [None] * len(meta)
+    expert_frame = turn_frame
+    for i, shape in enumerate(experts):
+        if shape:
+            routed[i] = _expert_array(i, meta[i]["num_tokens"], shape, bufs[expert_frame])
+            expert_frame += 1
+    return header, episodes, routed
+
+
+def _expert_array(i: int, n: int, shape: list[int], buf: memoryview) -> np.ndarray:
+    """Episode i's routed experts ([n, layers, top_k] int32), its length and values checked."""
+    layers, top_k = shape
+    if len(buf) != 4 * n * layers * top_k:
+        raise WireError(
+            f"episodes[{i}].routed_experts: {len(buf)} bytes, expected {n} × {layers} × {top_k} × 4 "
+            f"for {n} tokens of {layers} layers × top-{top_k} int32"
+        )
+    experts = _frombuffer(buf, _I4).reshape(n, layers, top_k)
+    if experts.size and int(experts.min()) < -1:
+        raise WireError(f"episodes[{i}].routed_experts: values must be >= -1")
+    return experts
 
 
 def _parse_header(frame: Any) -> dict:
@@ -439,7 +501,8 @@ def _parse_header(frame: Any) -> dict:
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise WireError(f"header is not valid msgpack: {exc}") from None
     wire = header.get("wire") if type(header) is dict else None
-    keys, exact = _HEADER_SCHEMA.get(wire, _HEADER_SCHEMA[WIRE_VERSION])  # type: ignore[arg-type]
+    newest = WIRE_VERSION if type(header) is dict and "experts" in header else 2  # for an unknown version
+    keys, exact = _HEADER_SCHEMA.get(wire, _HEADER_SCHEMA[newest])  # type: ignore[arg-type]
     if not _schema_ok(header, exact):
         _check_keys(header, keys, "header")
     wire = header["wire"]
@@ -454,7 +517,18 @@ def _parse_header(frame: Any) -> dict:
         raise WireError(
             f"header.turns: expected {len(meta)} counts of rewarded turns (ints >= 0), got {turns!r:.80}"
         )
+    experts = header.get("experts") or ()
+    if experts and (len(experts) != len(meta) or not all(_expert_shape_ok(s) for s in experts)):
+        raise WireError(
+            f"header.experts: expected {len(meta)} entries of [layers, top_k] (ints >= 1) or [], got {experts!r:.80}"
+        )
     return header
+
+
+def _expert_shape_ok(shape: Any) -> bool:
+    return type(shape) is list and (
+        not shape or (len(shape) == 2 and all(type(k) is int and k >= 1 for k in shape))
+    )
 
 
 def _turn_arrays(i: int, n: int, k: int, pos_buf: memoryview, reward_buf: memoryview) -> tuple:
@@ -489,9 +563,12 @@ def _check_values(i: int, arrays: list[np.ndarray]) -> None:
         raise WireError(f"episodes[{i}].versions: values must be >= -1")
 
 
-def _build(header: dict, episodes: list[list[np.ndarray]]) -> Group:
+def _build(header: dict, episodes: list[list[np.ndarray]], routed: list[np.ndarray | None]) -> Group:
     return Group(
-        [_episode(arrays, em) for arrays, em in zip(episodes, header["episodes"], strict=True)],
+        [
+            _episode(arrays, em, experts)
+            for arrays, em, experts in zip(episodes, header["episodes"], routed, strict=True)
+        ],
         group_id=header["group_id"],
         prompt_id=header["prompt_id"],
         metrics=header["metrics"],
@@ -504,10 +581,10 @@ def decode_group(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> G
 
     This runs once per group on the queue server, so the common case is kept cheap (exact-type
     schema checks, no re-coercion of arrays); every check of the slow path still applies."""
-    header, episodes = _parse(frames, max_bytes)
+    header, episodes, routed = _parse(frames, max_bytes)
     for i, arrays in enumerate(episodes):
         _check_values(i, arrays)
-    return _build(header, episodes)
+    return _build(header, episodes, routed)
 
 
 _U32_MAX = np.uint32(0xFFFFFFFF)
@@ -556,11 +633,11 @@ def decode_groups(
     short_tokens = 0
     for g, frames in enumerate(messages):
         try:
-            header, episodes = _parse(frames, max_bytes)
+            header, episodes, routed = _parse(frames, max_bytes)
         except WireError as exc:
             results.append(exc)
             continue
-        results.append((header, episodes))
+        results.append((header, episodes, routed))
         for i, arrays in enumerate(episodes):
             n = len(arrays[0])
             if n > SHORT_EPISODE:
