@@ -142,6 +142,8 @@ class AgentRLConfig(Section):
                 "inference.logprobs: SGLang 0.5.23 returns only full-distribution log-probs "
                 "(srt/layers/sampler.py); use inference.logprobs: full with inference.type: sglang"
             )
+        if concerns("learner", "inference") and self.learner.moe.router_replay:
+            self._check_router_replay()
         if self.mode == "colocated" and self.launcher.type == "ray":
             raise ValueError(
                 "launcher.type: 'ray' does not start mode: colocated yet (its ranks run on one machine "
@@ -157,6 +159,29 @@ class AgentRLConfig(Section):
                 "greedy episode whose reward is each group's baseline)"
             )
         return self
+
+    def _check_router_replay(self) -> None:
+        """Router replay needs the servers' routed experts in the episodes, and a learner that replays."""
+        if self.inference.type == "vllm":
+            raise ValueError(
+                "learner.moe.router_replay with inference.type: vllm: vLLM 0.32 can return routed experts "
+                "(`--enable-return-routed-experts`, `routed_experts` in its responses) but agentrl's vLLM client "
+                "does not read them yet, so there is nothing to replay; use inference.type: embedded or sglang"
+            )
+        if not self.inference.routed_experts:
+            raise ValueError(
+                "learner.moe.router_replay: needs inference.routed_experts: true (the rollers then ask the "
+                "servers for each token's routed experts and keep them in the episodes)"
+            )
+        if self.learner.backend != "fsdp2":
+            raise ValueError(
+                f"learner.moe.router_replay: the {self.learner.backend} backend does not replay routing; use "
+                "learner.backend: fsdp2"
+            )
+        if self.mode == "colocated":
+            raise ValueError(
+                "learner.moe.router_replay: mode: colocated does not carry routed experts; use mode: decoupled"
+            )
 
     def _check_sampled_logprobs(self) -> None:
         """Top-k / top-p sampling only where the servers report the full tempered log-probs the

@@ -15,7 +15,7 @@ rewards adds no frame. There is no pickle anywhere. `decode_group` treats its in
 hostile: it checks the header schema, frame count, dtypes, lengths and value ranges,
 and raises `WireError` naming what is wrong. Wire version 2 added the per-turn rewards;
 version 1 messages (no `turns` in the header, no turn frames) still decode, with none. Version 3
-adds the routed experts (`experts` in the header: [layers, top_k] per episode, [] for none); a group
+adds the routed experts (`experts` in the header: the layers × top_k width per episode, 0 for none); a group
 without any is still written as version 2, and versions 1 and 2 decode with none.
 
 This module imports nothing else from agentrl. It runs past 500 lines on purpose: the types
@@ -93,9 +93,10 @@ class Episode:
 
     Routed experts (optional; mixture-of-experts models served with `return_routed_experts`):
 
-    routed_experts  int32[T, layers, top_k]  the experts each MoE layer routed token t to when t
-                             was fed to the inference engine, -1 on tokens it has no record of
-                             (the last token of a turn is sampled, never fed); None: no record
+    routed_experts  int32[T, layers·top_k]  the experts each MoE layer routed token t to when t
+                             was fed to the inference engine (layer-major, as SGLang returns
+                             them), -1 on tokens it has no record of (the last token of a turn is
+                             sampled, never fed); None: no record
     """
 
     tokens: np.ndarray
@@ -126,9 +127,9 @@ class Episode:
             raise ValueError(f"Episode.reward_pos: {problem}")
         if self.routed_experts is not None:
             experts = np.ascontiguousarray(self.routed_experts, dtype=np.int32)
-            if experts.ndim != 3 or len(experts) != n:
+            if experts.ndim != 2 or len(experts) != n or not experts.shape[1]:
                 raise ValueError(
-                    f"Episode.routed_experts must be [{n} tokens, layers, top_k], got shape {experts.shape}"
+                    f"Episode.routed_experts must be [{n} tokens, layers·top_k], got shape {experts.shape}"
                 )
             if experts.size and experts.min() < -1:
                 raise ValueError("Episode.routed_experts: values must be >= -1 (-1: no record)")
@@ -313,8 +314,7 @@ def encode_group(group: Group) -> list[bytes | memoryview]:
     }
     if expert_frames:
         header["experts"] = [
-            list(ep.routed_experts.shape[1:]) if ep.routed_experts is not None else []
-            for ep in group.episodes
+            ep.routed_experts.shape[1] if ep.routed_experts is not None else 0 for ep in group.episodes
         ]
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
@@ -436,7 +436,7 @@ def _parse(
         1
         + _N_FIELDS * len(meta)
         + (2 * (len(turns) - turns.count(0)) if turns else 0)
-        + (len(experts) - experts.count([]) if experts else 0)
+        + (len(experts) - experts.count(0) if experts else 0)
     )
     if len(frames) != expected_frames:
         raise WireError(f"expected {expected_frames} frames for {len(meta)} episodes, got {len(frames)}")
@@ -469,22 +469,21 @@ def _parse(
         episodes.append(arrays)
     routed: list[np.ndarray | None] = [None] * len(meta)
     expert_frame = turn_frame
-    for i, shape in enumerate(experts):
-        if shape:
-            routed[i] = _expert_array(i, meta[i]["num_tokens"], shape, bufs[expert_frame])
+    for i, width in enumerate(experts):
+        if width:
+            routed[i] = _expert_array(i, meta[i]["num_tokens"], width, bufs[expert_frame])
             expert_frame += 1
     return header, episodes, routed
 
 
-def _expert_array(i: int, n: int, shape: list[int], buf: memoryview) -> np.ndarray:
-    """Episode i's routed experts ([n, layers, top_k] int32), its length and values checked."""
-    layers, top_k = shape
-    if len(buf) != 4 * n * layers * top_k:
+def _expert_array(i: int, n: int, width: int, buf: memoryview) -> np.ndarray:
+    """Episode i's routed experts ([n, width] int32), its length and values checked."""
+    if len(buf) != 4 * n * width:
         raise WireError(
-            f"episodes[{i}].routed_experts: {len(buf)} bytes, expected {n} × {layers} × {top_k} × 4 "
-            f"for {n} tokens of {layers} layers × top-{top_k} int32"
+            f"episodes[{i}].routed_experts: {len(buf)} bytes, expected {n} × {width} × 4 "
+            f"for {n} tokens of {width} int32 experts"
         )
-    experts = _frombuffer(buf, _I4).reshape(n, layers, top_k)
+    experts = _frombuffer(buf, _I4).reshape(n, width)
     if experts.size and int(experts.min()) < -1:
         raise WireError(f"episodes[{i}].routed_experts: values must be >= -1")
     return experts
@@ -518,17 +517,11 @@ def _parse_header(frame: Any) -> dict:
             f"header.turns: expected {len(meta)} counts of rewarded turns (ints >= 0), got {turns!r:.80}"
         )
     experts = header.get("experts") or ()
-    if experts and (len(experts) != len(meta) or not all(_expert_shape_ok(s) for s in experts)):
+    if experts and (len(experts) != len(meta) or any(type(k) is not int or k < 0 for k in experts)):
         raise WireError(
-            f"header.experts: expected {len(meta)} entries of [layers, top_k] (ints >= 1) or [], got {experts!r:.80}"
+            f"header.experts: expected {len(meta)} widths of routed experts (ints >= 0), got {experts!r:.80}"
         )
     return header
-
-
-def _expert_shape_ok(shape: Any) -> bool:
-    return type(shape) is list and (
-        not shape or (len(shape) == 2 and all(type(k) is int and k >= 1 for k in shape))
-    )
 
 
 def _turn_arrays(i: int, n: int, k: int, pos_buf: memoryview, reward_buf: memoryview) -> tuple:

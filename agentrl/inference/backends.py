@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def _sglang_client(url: str, config: InferenceConfig, **kwargs: Any):
     from agentrl.inference.sglang import SGLangClient
 
-    return SGLangClient(url, **kwargs)
+    return SGLangClient(url, routed_experts=config.routed_experts, **kwargs)
 
 
 def _vllm_client(url: str, config: InferenceConfig, **kwargs: Any):

@@ -73,6 +73,9 @@ class GenerateResult:
     """Detokenized output where the server returns it (informational only)."""
     server: str | None = None
     """URL of the server that produced it (set by clients; the router reports it)."""
+    routed_experts: Any = None
+    """MoE models, when the client asked (`inference.routed_experts`): int32 [prompt + output − 1,
+    layers·top_k], the experts of each token fed to the model (SGLang's `return_routed_experts`)."""
 
 
 def parse_weight_version(value: Any) -> int:

@@ -129,6 +129,11 @@ class InferenceConfig(Section):
     cpu_threads: int | None = Field(1, ge=1)
     """torch threads of an embedded server on CPU (process-wide). 1 suits the small models served on
     CPU next to other processes (more threads thrash on a busy machine); null keeps torch's default."""
+    routed_experts: bool = False
+    """Mixture-of-experts models: the rollers ask for the experts each token was routed to (SGLang's
+    `return_routed_experts`; the embedded server returns them, SGLang when started with
+    `--enable-return-routed-experts`) and keep them in the episodes, which `learner.moe.router_replay`
+    replays. vLLM: not wired (refused)."""
     vllm: VLLMLaunchConfig = VLLMLaunchConfig()
     """How vLLM servers are started when agentrl starts them (`inference.type: vllm` without `servers`)."""
     sglang: SGLangLaunchConfig = SGLangLaunchConfig()

@@ -136,6 +136,28 @@ def _raise_if_failed(url: str, finish: dict[str, Any]) -> None:
     raise BadRequestError(message, status)
 
 
+def _routed_experts(meta: dict[str, Any], prompt_tokens: int, output_tokens: int) -> Any:
+    """SGLang 0.5.23's `meta_info["routed_experts"]` (base64 int32, one row per fed token: prompt +
+    output − 1 rows) as an int32 [rows, layers·top_k] array."""
+    import base64
+
+    import numpy as np
+
+    text = meta.get("routed_experts")
+    if text is None:
+        raise InferenceError(
+            "/generate: asked for routed experts and got none: is the model a mixture of experts, and "
+            "was SGLang started with --enable-return-routed-experts?"
+        )
+    flat = np.frombuffer(base64.b64decode(text), dtype=np.int32)
+    rows = prompt_tokens + output_tokens - 1
+    if rows <= 0 or flat.size % rows:
+        raise InferenceError(
+            f"/generate: {flat.size} routed experts are not {rows} rows of prompt + output − 1"
+        )
+    return flat.reshape(rows, -1)
+
+
 class SGLangClient(InferenceClient, WeightUpdateClient, AdapterClient):
     """SGLang native API: generation (`/generate` with `input_ids`), weight-update control and
     LoRA adapters, one HTTP API, so one class fills the three interfaces."""
@@ -147,8 +169,11 @@ class SGLangClient(InferenceClient, WeightUpdateClient, AdapterClient):
         timeout_s: float = 300.0,
         connect_timeout_s: float = 10.0,
         lora: str | None = None,
+        routed_experts: bool = False,
     ) -> None:
         self.http = HTTPClient(url, api_key, timeout_s, connect_timeout_s)
+        self.routed_experts = routed_experts
+        """Ask for each token's routed experts (`return_routed_experts`, MoE models)."""
         self.url = self.http.url
         self.lora = lora
         """Base name of the adapter requests name (`lora_path`: its newest served version); None: the
@@ -175,6 +200,8 @@ class SGLangClient(InferenceClient, WeightUpdateClient, AdapterClient):
             "return_logprob": True,
             "logprob_start_len": -1,
         }
+        if self.routed_experts:
+            payload["return_routed_experts"] = True
         if rid is not None:
             payload["rid"] = rid
         if session_id is not None:
@@ -208,6 +235,11 @@ class SGLangClient(InferenceClient, WeightUpdateClient, AdapterClient):
                 completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
                 text=reply.get("text"),
                 server=self.url,
+                routed_experts=_routed_experts(
+                    meta, int(meta.get("prompt_tokens", prompt_tokens)), len(output_ids)
+                )
+                if self.routed_experts
+                else None,
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise InferenceError(f"/generate: malformed response ({exc!r}): {str(reply)[:500]}") from exc

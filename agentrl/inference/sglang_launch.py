@@ -75,6 +75,8 @@ def sglang_command(model_path: str, host: str, port: int, config: InferenceConfi
         cmd += ["--max-loras-per-batch", str(lora.max_loras_per_batch)]
         if lora.max_loaded_loras is not None:
             cmd += ["--max-loaded-loras", str(lora.max_loaded_loras)]
+    if config.routed_experts:
+        cmd += ["--enable-return-routed-experts"]
     api_key = os.environ.get(config.api_key_env)
     if api_key:
         cmd += ["--api-key", api_key]

@@ -264,6 +264,19 @@ MOVED = {
 """Old flat `learner.<key>` → its place now (under `learner.`)."""
 
 
+class MoeConfig(Section):
+    """Mixture-of-experts models (agentrl/moe.py)."""
+
+    router_replay: bool = False
+    """Router replay (R3): the learner's forward routes each token to the experts the inference
+    server routed it to (recorded per token in the episodes; needs `inference.routed_experts: true`),
+    the gate weights recomputed from the learner's router for those experts so the router still
+    trains. Without it a MoE model's top-k can flip between inference and training, and the
+    log-probs disagree by far more than rounding. With it, `moe/mismatch_kl_no_replay` logs what
+    the mismatch KL would have been without replay (one more forward per micro-batch, no gradient).
+    FSDP2 only."""
+
+
 class LearnerConfig(Section):
     """The learner: model and backend, batch and packing, and its sub-sections."""
 
@@ -334,6 +347,8 @@ class LearnerConfig(Section):
     """TensorBoard and W&B sinks, transcripts, the flat-reward warning."""
     warmstart: WarmstartConfig = WarmstartConfig()
     """The supervised warm start before RL."""
+    moe: MoeConfig = MoeConfig()
+    """Mixture-of-experts settings: router replay."""
 
     @model_validator(mode="before")
     @classmethod

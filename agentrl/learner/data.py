@@ -97,6 +97,7 @@ def prepare_batch(
     mini_batches: int = 1,
     max_seq_tokens: int | None = None,
     overlong: tuple[int, int, float] | None = None,
+    router_replay: bool = False,
 ) -> PreparedBatch:
     """Validate, compute advantages per group, and split groups into `mini_batches` slices.
 
@@ -104,7 +105,8 @@ def prepare_batch(
     (by its generated tokens) before the estimator; `reward/*` metrics stay the env's rewards.
     `advantage="gae"` leaves the advantages to the critic (`critic.gae_advantages`, after the
     packing): each sample carries its token rewards (`Episode.token_rewards()`, with the
-    overlong penalty on its last generated token) and advantage 0 until then."""
+    overlong penalty on its last generated token) and advantage 0 until then. `router_replay`: each
+    sample carries its episode's routed experts (`learner.moe.router_replay`)."""
     good, skipped = _valid_groups(groups, advantage, vocab_size, max_seq_tokens)
     rewards = [g.rewards for g in good]
     penalty = None
@@ -117,7 +119,7 @@ def prepare_batch(
         advs = remax(rewards, [float(g.metrics["greedy_reward"]) for g in good])
     else:
         advs = compute_advantages(advantage, rewards)
-    minis = _mini_batches(good, advs, penalty, advantage == "gae", mini_batches, loss_agg)
+    minis = _mini_batches(good, advs, penalty, advantage == "gae", mini_batches, loss_agg, router_replay)
     metrics = _batch_metrics(good, advs, learner_version)
     if penalty:
         metrics["reward/overlong_penalty_mean"] = float(np.concatenate(penalty).mean())
@@ -150,6 +152,7 @@ def _mini_batches(
     gae: bool,
     mini_batches: int,
     loss_agg: str,
+    router_replay: bool = False,
 ) -> list[list[Sample]]:
     """Every `mini_batches`-th group in each slice, one weighted `Sample` per episode; with `gae`
     each carries its token rewards (the overlong `penalty` on its last generated token)."""
@@ -160,7 +163,8 @@ def _mini_batches(
     for part in slices:
         samples = [
             Sample(ep.tokens, ep.loss_mask, ep.logprobs, ep.versions, float(a), 0.0,
-                   _token_rewards(ep, penalty_of.get(id(g), {}).get(i)) if gae else None)
+                   _token_rewards(ep, penalty_of.get(id(g), {}).get(i)) if gae else None,
+                   ep.routed_experts if router_replay else None)
             for g in part
             for i, (ep, a) in enumerate(zip(g.episodes, adv_of[id(g)], strict=True))
         ]  # fmt: skip

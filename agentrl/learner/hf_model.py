@@ -8,6 +8,7 @@ and nothing here imports the algorithm.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentrl.learner.packing import MicroBatch
+from agentrl.moe import replay_routing, routing_shape
 
 ENTROPY_METRIC_STRIDE = 8
 
@@ -27,13 +29,23 @@ def forward_logprobs(
     Only positions that predict a loss token go through the vocabulary softmax (prompt and tool
     output positions are skipped). `entropy`: "grad" computes it on every loss token as part of
     the loss; "metric" estimates its mean from every ENTROPY_METRIC_STRIDE-th loss token, without
-    gradient (unsampled positions hold NaN); "none" skips it."""
-    out = model(
-        input_ids=mb.input_ids,
-        position_ids=mb.position_ids,
-        attention_mask=mb.attention_mask,
-        use_cache=False,
-    )
+    gradient (unsampled positions hold NaN); "none" skips it.
+
+    A micro-batch with `routed_experts` (MoE router replay) routes each token to its recorded experts
+    (agentrl/moe.py `replay_routing`; tokens without a record keep the model's own routing)."""
+    replay = contextlib.nullcontext()
+    if mb.routed_experts is not None:
+        shape = routing_shape(model)
+        if shape is None:
+            raise ValueError(f"router replay: {type(model).__name__} is not a mixture-of-experts model")
+        replay = replay_routing(model, mb.routed_experts.view(mb.routed_experts.shape[0], *shape))
+    with replay:
+        out = model(
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            attention_mask=mb.attention_mask,
+            use_cache=False,
+        )
     return logprobs_from_logits(out.logits, mb, temperature, entropy)
 
 

@@ -15,6 +15,8 @@ decreasing, padded to the widest row); `learner.pack_row_tokens` chooses (learne
 Per-position tensors are aligned to the *predicting* position: position p of a sequence
 carries the target token p+1 with its loss mask, behaviour log-prob, version, advantage,
 aggregation weight and token reward. The last position of each sequence predicts nothing (mask 0).
+Routed experts (MoE router replay) are the exception: they belong to the *input* token, so position
+p carries token p's experts, [rows·T, layers·top_k], -1 where there is no record (and on padding).
 
 Across data-parallel ranks, sequences are balanced by token count (longest first, to the
 least-loaded rank) and every rank runs the same number of micro-batches (empty ones are
@@ -40,6 +42,7 @@ class Sample:
     advantage: float
     weight: float  # per-token aggregation weight (see losses.token_weights)
     token_rewards: np.ndarray | None = None  # float[T], each turn's reward on its last generated token
+    routed_experts: np.ndarray | None = None  # int32[T, layers·top_k] (`Episode.routed_experts`), to replay
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -62,6 +65,7 @@ class MicroBatch:
     num_seqs: int
     real_tokens: int
     rewards: torch.Tensor | None = None  # token rewards at the predicting position (GAE's r_t)
+    routed_experts: torch.Tensor | None = None  # [rows·T, layers·top_k] of the input token, -1: none
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logp, ref_logp, old_values, returns
 
     @property
@@ -143,7 +147,9 @@ def packed_microbatch(
             parts.append(_padding(pad, pad_id))
             seq_idx.append(np.full(pad, len(samples), dtype=np.int64))
     cat = {k: torch.from_numpy(np.concatenate([p[k] for p in parts])) for k in parts[0]}
+    order = [samples[i] for row in rows for i in row]
     return MicroBatch(
+        routed_experts=_routing(order, [width - used for used in filled], [len(row) for row in rows]),
         input_ids=cat.pop("input_ids").view(len(rows), width),
         position_ids=cat.pop("position_ids").view(len(rows), width),
         attention_mask=None,
@@ -166,6 +172,7 @@ def padded_microbatch(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
             np.concatenate([np.ones(len(s), dtype=np.int64), np.zeros(width - len(s), dtype=np.int64)])
         )
     stacked = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
+    stacked["routed_experts"] = _routing(samples, [width - len(s) for s in samples], [1] * len(samples))
     for k in stacked:
         if k not in ("input_ids", "position_ids"):
             stacked[k] = stacked[k].reshape(-1)
@@ -176,6 +183,26 @@ def padded_microbatch(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
         real_tokens=sum(len(s) for s in samples),
         **stacked,
     )
+
+
+def _routing(samples: list[Sample], pads: list[int], per_row: list[int]) -> torch.Tensor | None:
+    """The micro-batch's routed experts in row order: `samples` in layout order, each row of
+    `per_row[r]` samples followed by `pads[r]` padding positions (-1); None when no sample has any."""
+    widths = {s.routed_experts.shape[1] for s in samples if s.routed_experts is not None}
+    if not widths:
+        return None
+    if len(widths) > 1:
+        raise ValueError(f"routed experts of different widths in one batch: {sorted(widths)} (one model?)")
+    (width,) = widths
+    parts, taken = [], 0
+    for pad, count in zip(pads, per_row, strict=True):
+        for s in samples[taken : taken + count]:
+            parts.append(
+                s.routed_experts if s.routed_experts is not None else np.full((len(s), width), -1, np.int32)
+            )
+        taken += count
+        parts.append(np.full((pad, width), -1, np.int32))
+    return torch.from_numpy(np.concatenate(parts).astype(np.int32, copy=False))
 
 
 def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:

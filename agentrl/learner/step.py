@@ -44,7 +44,7 @@ def prepare(learner: Learner, groups: list[Group]) -> PreparedBatch:
     batch = prepare_batch(groups, advantage=cfg.loss.advantage, loss_agg=cfg.loss.loss_agg,
                           vocab_size=learner.vocab_size, learner_version=learner.version,
                           mini_batches=cfg.mini_batches, max_seq_tokens=cfg.max_seq_tokens,
-                          overlong=cfg.loss.overlong)  # fmt: skip
+                          overlong=cfg.loss.overlong, router_replay=cfg.moe.router_replay)  # fmt: skip
     if batch.trainable_tokens == 0:
         batch.skipped["no_trainable_tokens"] += 1
     return batch

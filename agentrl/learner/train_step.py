@@ -13,6 +13,7 @@ not advanced) and is reported in the metrics, so a NaN never reaches the weights
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 
@@ -125,6 +126,18 @@ def microbatch_loss(
     return loss, sums, maxes
 
 
+def mismatch_without_replay(
+    backend: LearnerBackend, part: ModelPart, mb: MicroBatch, temperature: float
+) -> float:
+    """Σ over the loss tokens of the k3 mismatch KL between the behaviour log-probs and the learner's
+    log-probs with the model's own routing (no replay), without gradient: the metric router replay
+    is judged by."""
+    with torch.no_grad():
+        own = backend.logprobs(part, dataclasses.replace(mb, routed_experts=None), temperature)[0]
+        diff = (mb.behav_logp - own)[mb.mask.bool()]
+        return float((torch.exp(-diff) + diff - 1).sum())
+
+
 def _masked_seqs(kept: torch.Tensor | None, mb: MicroBatch, seq_has_loss: torch.Tensor) -> int:
     """Sequences with loss tokens that the sequence mask dropped."""
     if kept is None:
@@ -140,8 +153,12 @@ def optimizer_step(
     sums: dict[str, float] = defaultdict(float)
     maxes: dict[str, float] = defaultdict(lambda: -math.inf)
     entropy = "grad" if cfg.loss.entropy_coef > 0 else "metric"
+    if cfg.moe.router_replay:
+        sums["mismatch_kl_k3_no_replay"] = 0.0  # every rank reduces the same keys
 
     def loss_fn(mb: MicroBatch) -> torch.Tensor:
+        if mb.routed_experts is not None:  # what the mismatch would be without router replay
+            sums["mismatch_kl_k3_no_replay"] += mismatch_without_replay(backend, part, mb, cfg.temperature)
         logp, ent = backend.logprobs(part, mb, cfg.temperature, entropy)
         loss, s, mx = microbatch_loss(logp, ent, mb, cfg.loss, version)
         for k, v in s.items():
@@ -159,7 +176,14 @@ def optimizer_step(
     )
     n = max(sums["tokens"], 1.0)
     n_on = max(sums["on_policy_tokens"], 1.0)
+    replay = {}
+    if cfg.moe.router_replay:  # the mismatch with the routing replayed, and what it would be without
+        replay = {
+            "moe/mismatch_kl_k3_replay": sums["mismatch_kl_k3"] / n,
+            "moe/mismatch_kl_k3_no_replay": sums["mismatch_kl_k3_no_replay"] / n,
+        }
     return {
+        **replay,
         "loss": sums["loss"],
         "pg_loss": sums["pg_loss"],
         "grad_norm": grad_norm,

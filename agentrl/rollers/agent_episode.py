@@ -382,6 +382,6 @@ async def _episode(
         lambda: Episode(
             trace.tokens, trace.mask, trace.logprobs, trace.versions, reward=reward, num_turns=trace.turns,
             finish_reason=session.finish_reason, metrics=seg_metrics, reward_pos=trace.reward_pos,
-            turn_rewards=trace.turn_rewards,
+            turn_rewards=trace.turn_rewards, routed_experts=trace.routed_experts(),
         ),
     )  # fmt: skip

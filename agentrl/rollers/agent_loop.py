@@ -70,6 +70,9 @@ class _Trace:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routed: list[Any] = field(default_factory=list)
+    """Per token, the experts it was routed to when fed to the server (int32 [layers·top_k]; MoE
+    servers asked for them), None where no reply covered it yet."""
     messages: list[dict] = field(default_factory=list)
     final_text: str = ""
     turns: int = 0
@@ -86,6 +89,7 @@ class _Trace:
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
+        self.routed += [None] * len(ids)
 
     def add_generated(self, result: GenerateResult) -> None:
         n = len(result.output_ids)
@@ -95,6 +99,25 @@ class _Trace:
         self.mask += [1] * n
         self.logprobs += result.logprobs
         self.versions += [result.weight_version] * n
+        self.routed += [None] * n
+        if result.routed_experts is not None:  # rows of prompt + output − 1 tokens
+            for pos, row in enumerate(result.routed_experts[: len(self.routed)]):
+                if self.routed[pos] is None:  # a token keeps the routing of the turn that first fed it
+                    self.routed[pos] = row
+
+    def routed_experts(self) -> Any:
+        """`Episode.routed_experts`: int32 [T, layers·top_k], -1 on tokens no reply covered; None
+        without any record."""
+        width = next((len(row) for row in self.routed if row is not None), 0)
+        if not width:
+            return None
+        import numpy as np
+
+        out = np.full((len(self.routed), width), -1, np.int32)
+        for pos, row in enumerate(self.routed):
+            if row is not None:
+                out[pos] = row
+        return out
 
     def add_turn_reward(self, pos: int, reward: float) -> None:
         """Put `reward` on token `pos`; a position at or before the last one adds to it (a turn
@@ -268,5 +291,6 @@ async def run_episode(
             metrics=metrics,
             reward_pos=trace.reward_pos,
             turn_rewards=trace.turn_rewards,
+            routed_experts=trace.routed_experts(),
         ),
     )
