@@ -172,10 +172,10 @@ def padded_microbatch(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
             np.concatenate([np.ones(len(s), dtype=np.int64), np.zeros(width - len(s), dtype=np.int64)])
         )
     stacked = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
-    stacked["routed_experts"] = _routing(samples, [width - len(s) for s in samples], [1] * len(samples))
     for k in stacked:
         if k not in ("input_ids", "position_ids"):
             stacked[k] = stacked[k].reshape(-1)
+    stacked["routed_experts"] = _routing(samples, [width - len(s) for s in samples], [1] * len(samples))
     return MicroBatch(
         attention_mask=torch.from_numpy(np.stack(attn)),
         seq_idx=torch.arange(len(samples)).repeat_interleave(width),

@@ -1,0 +1,139 @@
+"""Router replay (R3) on the `tiny-moe` model, end to end through real components: the embedded
+engine generates and records each token's routed experts; the FSDP2 backend (world size 1, gloo)
+computes log-probs of the same tokens on weights a tiny perturbation away, perturbed so that one
+token's top-2 selection flips. With the recorded routing replayed the learner's log-probs equal
+the engine's; with the model's own routing they do not; the step's metrics log the mismatch KL
+both ways, and the router still gets its gradient."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agentrl.config import LearnerConfig, OptimConfig
+from agentrl.inference.engine import Engine, Request
+from agentrl.inference.sampling import SamplingParams
+from agentrl.learner.backend import create
+from agentrl.learner.config import MoeConfig
+from agentrl.learner.packing import Sample, packed_microbatch, padded_microbatch
+from agentrl.learner.train_step import optimizer_step
+from agentrl.moe import RoutingRecorder, routers
+
+PROMPT = [17, 402, 33, 918, 5, 260, 71, 640, 88, 12]
+GAP = 1e-5  # router-logit margin of the constructed near tie (fp32 noise is ~1e-7)
+EXPERT_SCALE = 30.0  # random init makes every expert's output ~0: scale them so routing matters
+
+
+def _router_input(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """The layer-0 router's input hidden states [T, H] on `ids`."""
+    seen = {}
+    handle = routers(model)[0].register_forward_pre_hook(lambda _m, args: seen.setdefault("h", args[0]))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+    finally:
+        handle.remove()
+    return seen["h"].reshape(len(ids), -1)
+
+
+@pytest.fixture(scope="module")
+def case(tiny_moe_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """(server checkpoint, learner checkpoint, the finished request, flipped (position, a, b)).
+
+    The server's weights: the tiny-moe model with its experts scaled, and its layer-0 router edited
+    so that at the last prompt token expert `b` (the (k+1)-th) sits GAP below expert `a` (the k-th).
+    The learner's: the same plus 2·GAP for `b` along that token's hidden state, a perturbation of
+    ~1e-5 in norm that makes `b` win: the argmax routing of that token flips."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("replay")
+    server_dir, learner_dir = root / "server", root / "learner"
+    shutil.copytree(tiny_moe_model, server_dir)
+    shutil.copytree(tiny_moe_model, learner_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_moe_model), dtype=torch.float32)
+    router = routers(model)[0]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.down_proj.mul_(EXPERT_SCALE)
+        t = len(PROMPT) - 1
+        x = _router_input(model, PROMPT)[t]
+        logits = router.weight @ x
+        order = logits.argsort(descending=True).tolist()
+        a, b = order[router.top_k - 1], order[router.top_k]
+        direction = x / x.dot(x)
+        router.weight[b] += (logits[a] - logits[b] - GAP) * direction
+        model.save_pretrained(server_dir)
+        router.weight[b] += 2 * GAP * direction
+        model.save_pretrained(learner_dir)
+
+    engine = Engine(str(server_dir))
+    engine.start()
+    try:
+        done = threading.Event()
+        req = Request("r", PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True, sampling_seed=3),
+                      lambda _r: done.set(), return_routed_experts=True)  # fmt: skip
+        engine.submit(req)
+        assert done.wait(120)
+    finally:
+        engine.stop()
+    return server_dir, learner_dir, req, (t, a, b)
+
+
+def _sample(req: Request, replay: bool) -> Sample:
+    n, p = len(req.output_ids), len(req.input_ids)
+    routed = torch.cat(req.routed_experts).reshape(p + n - 1, -1).numpy()
+    routed = np.concatenate([routed, np.full((1, routed.shape[1]), -1, np.int32)])
+    return Sample(
+        np.array(req.input_ids + req.output_ids),
+        np.array([0] * p + [1] * n),
+        np.array([0.0] * p + req.logprobs, np.float32),
+        np.array([-1] * p + [0] * n),
+        advantage=1.0,
+        weight=1.0 / n,
+        routed_experts=routed if replay else None,
+    )
+
+
+def test_replayed_routing_gives_the_servers_logprobs_where_the_argmax_flips(case):
+    server_dir, learner_dir, req, (t, a, b) = case
+    assert req.finish_reason["type"] == "length"
+    recorded = torch.cat(req.routed_experts)  # [prompt + output − 1, layers, top_k]
+    assert a in recorded[t, 0].tolist() and b not in recorded[t, 0].tolist()
+
+    backend = create("fsdp2")
+    actor = backend.build("policy", learner_dir, optim=OptimConfig(lr=1e-2))
+    recorder = RoutingRecorder(actor.module)
+    try:
+        own = {}
+        for replay in (True, False):
+            for pack in (packed_microbatch, padded_microbatch):
+                mb = pack([_sample(req, replay)])
+                with torch.no_grad():
+                    logp = backend.logprobs(actor, mb)[0]
+                chosen = recorder.take()  # [layers, tokens, top_k]
+                m = mb.mask.bool()
+                own[replay, pack] = (logp[m] - mb.behav_logp[m]).abs().max().item(), chosen[0, t].tolist()
+    finally:
+        recorder.close()
+    for pack in (packed_microbatch, padded_microbatch):
+        err_replay, routed_replay = own[True, pack]
+        err_own, routed_own = own[False, pack]
+        assert sorted(routed_replay) == sorted(recorded[t, 0].tolist())  # replayed: the server's experts
+        assert b in routed_own and a not in routed_own  # the learner's own top-k flipped
+        assert err_replay < 1e-5, err_replay
+        assert err_own > 1e-3, err_own
+
+    # one training step with replay: the metrics log the mismatch both ways; the router trains
+    cfg = LearnerConfig(moe=MoeConfig(router_replay=True))
+    gate = "model.layers.0.mlp.gate.weight"
+    before = dict(backend.full_tensors(actor))[gate].clone()
+    metrics = optimizer_step(backend, actor, [packed_microbatch([_sample(req, True)])], cfg, version=0)
+    assert metrics["moe/mismatch_kl_k3_replay"] < 1e-9
+    assert metrics["moe/mismatch_kl_k3_no_replay"] > 1e-7
+    assert metrics["step_skipped"] == 0.0
+    assert not torch.equal(dict(backend.full_tensors(actor))[gate], before)
