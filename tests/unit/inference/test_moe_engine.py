@@ -80,3 +80,43 @@ def test_routed_experts_wire_form_round_trips():
     assert np.array_equal(decode_routed_experts(encode_routed_experts(experts), 2, 4), experts)
     with pytest.raises(ValueError, match="whole rows"):
         decode_routed_experts(encode_routed_experts(experts), 5, 4)
+
+
+async def test_routed_experts_reach_the_episode_over_http(tiny_moe_model: Path, tiny_model: Path):
+    """Two turns through the real HTTP server, SGLang client and the rollers' trace: the episode's
+    routed experts are the server's rows for every fed token (a token keeps the routing of the
+    turn that first fed it), -1 on the last token, and survive the queue's wire format; a dense
+    model's server refuses the request."""
+    from agentrl.inference.base import BadRequestError
+    from agentrl.inference.sglang import SGLangClient
+    from agentrl.rollers.agent_loop import _generate_turn, _Trace
+    from agentrl.types import Episode, Group, decode_group, encode_group
+    from tests.unit.inference.conftest import ServerThread
+
+    params = {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True}
+    srv = ServerThread(tiny_moe_model).start()
+    try:
+        async with SGLangClient(srv.url, routed_experts=True) as client:
+            trace = _Trace()
+            trace.add_context([5, 17, 42, 99, 3])
+            first = await _generate_turn(client, trace, params, "s")
+            assert first.routed_experts.shape == (5 + 5 - 1, 4)
+            trace.add_context([7, 8, 9])
+            second = await _generate_turn(client, trace, params, "s")
+            assert second.routed_experts.shape == (5 + 5 + 3 + 5 - 1, 4)
+            episode = trace.routed_experts()
+    finally:
+        srv.stop()
+    assert episode.shape == (18, 4) and (episode[-1] == -1).all() and (episode[:-1] >= 0).all()
+    assert np.array_equal(episode[:9], first.routed_experts)  # the first turn's routing of its tokens
+    assert np.array_equal(episode[9:17], second.routed_experts[9:])
+    ep = Episode(trace.tokens, trace.mask, trace.logprobs, trace.versions, routed_experts=episode)
+    assert np.array_equal(decode_group(encode_group(Group([ep]))).episodes[0].routed_experts, episode)
+
+    dense = ServerThread(tiny_model).start()
+    try:
+        async with SGLangClient(dense.url, routed_experts=True) as client:
+            with pytest.raises(BadRequestError, match="no mixture-of-experts router"):
+                await client.generate([5, 17], params)
+    finally:
+        dense.stop()

@@ -100,7 +100,7 @@ def _sample(req: Request, replay: bool) -> Sample:
 
 
 def test_replayed_routing_gives_the_servers_logprobs_where_the_argmax_flips(case):
-    server_dir, learner_dir, req, (t, a, b) = case
+    _server_dir, learner_dir, req, (t, a, b) = case
     assert req.finish_reason["type"] == "length"
     recorded = torch.cat(req.routed_experts)  # [prompt + output − 1, layers, top_k]
     assert a in recorded[t, 0].tolist() and b not in recorded[t, 0].tolist()
