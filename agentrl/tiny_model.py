@@ -121,6 +121,8 @@ PRESETS: dict[str, ModelPreset] = {
     # the tiny shape as a Qwen2-MoE model: 4 experts of width 96 per layer, top-2 routing, one
     # shared expert; what the router-replay tests and the MoE quickstart use.
     "tiny-moe": ModelPreset(64, 2, 4, 2, 96, 1024, experts=4),
+    # the mini shape as a Qwen2-MoE model (4 experts of width 192, top-2): the MoE quickstart's model.
+    "mini-moe": ModelPreset(128, 4, 4, 2, 192, 1024, experts=4),
 }
 
 

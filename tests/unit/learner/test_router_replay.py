@@ -137,3 +137,18 @@ def test_replayed_routing_gives_the_servers_logprobs_where_the_argmax_flips(case
     assert metrics["moe/mismatch_kl_k3_no_replay"] > 1e-7
     assert metrics["step_skipped"] == 0.0
     assert not torch.equal(dict(backend.full_tensors(actor))[gate], before)
+
+
+def test_the_config_refuses_replay_it_cannot_do() -> None:
+    from agentrl.config import ConfigError, load_config
+
+    on = ["--learner.moe.router_replay", "true", "--inference.routed_experts", "true"]
+    assert load_config(None, on).learner.moe.router_replay
+    for extra, message in [
+        (["--inference.routed_experts", "false"], r"needs inference\.routed_experts: true"),
+        (["--inference.type", "vllm"], r"vLLM 0\.32 can return routed experts .* does not read them"),
+        (["--learner.backend", "megatron"], "megatron backend does not replay routing"),
+        (["--mode", "colocated"], "colocated does not carry routed experts"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, on + extra)
