@@ -9,9 +9,12 @@ weights are still recomputed from the learner's own router logits for the replay
 softmax over all experts, gathered at the replayed ones, renormalised as the model does), so the
 router keeps receiving gradients.
 
-Both sides work on transformers' top-k routers (`Qwen2MoeTopKRouter`, `Qwen3MoeTopKRouter`: a
-module whose forward maps hidden states [N, H] to `(router_logits, top_k_weights, top_k_index)`),
-one per MoE layer in layer order.
+Both sides work on transformers' top-k routers whose forward is softmax over all experts, top-k,
+then (with `norm_topk_prob`) renormalisation, returning `(router_logits, top_k_weights,
+top_k_index)` for hidden states [N, H]: `Qwen2MoeTopKRouter` and `Qwen3MoeTopKRouter`
+(`REPLAYABLE`), one per MoE layer in layer order. Routers of other MoE architectures compute their
+weights differently (softmax after top-k, grouped or biased selection) and are not recognised: such
+a model counts as having no router here, and the server refuses `return_routed_experts` for it.
 
 The layout of recorded routing follows SGLang 0.5.23's `return_routed_experts`: one row per token
 fed to the model, `[tokens, layers, top_k]` int32; a request's rows cover its prompt and output
@@ -30,10 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+REPLAYABLE = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
+"""Router classes (transformers 5) whose selection and weights `replay_routing` reproduces."""
+
 
 def routers(model: nn.Module) -> list[nn.Module]:
-    """The model's top-k routers in layer order (empty for a dense model)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+    """The model's replayable top-k routers in layer order (empty for a dense model or another MoE)."""
+    return [m for m in model.modules() if type(m).__name__ in REPLAYABLE]
 
 
 def routing_shape(model: nn.Module) -> tuple[int, int] | None:

@@ -178,7 +178,10 @@ async def generate(request: web.Request) -> web.Response:
                 req = Request(item_rid, ids, params, done, return_routed_experts=body.return_routed_experts)
                 items.append((req, sp, want_lp, future))
         if body.return_routed_experts and engine.routing_shape is None:
-            raise BadInput("return_routed_experts: this model has no mixture-of-experts router")
+            raise BadInput(
+                "return_routed_experts: this model has no mixture-of-experts router agentrl records "
+                "(Qwen2-MoE, Qwen3-MoE)"
+            )
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     for req, *_ in items:

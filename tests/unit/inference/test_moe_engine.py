@@ -116,7 +116,7 @@ async def test_routed_experts_reach_the_episode_over_http(tiny_moe_model: Path, 
     dense = ServerThread(tiny_model).start()
     try:
         async with SGLangClient(dense.url, routed_experts=True) as client:
-            with pytest.raises(BadRequestError, match="no mixture-of-experts router"):
+            with pytest.raises(BadRequestError, match="no mixture-of-experts router agentrl records"):
                 await client.generate([5, 17], params)
     finally:
         dense.stop()
