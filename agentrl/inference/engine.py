@@ -458,11 +458,12 @@ class Engine(BufferPhases, ReplicaFollowing):
         if self._routing is None:
             return
         chosen = self._routing.take()
-        if chosen is None or not any(r.return_routed_experts for r in reqs):
+        asked = [r is not None and r.return_routed_experts for r in reqs]  # None: a replica follower's row
+        if chosen is None or not any(asked):
             return
         chosen = chosen.view(chosen.shape[0], len(reqs), length, -1).permute(1, 2, 0, 3).cpu()
-        for row, req in zip(chosen, reqs, strict=True):
-            if req.return_routed_experts:
+        for row, req, wants in zip(chosen, reqs, asked, strict=True):
+            if wants:
                 fed = (
                     1 if req.output_ids else len(req.input_ids)
                 )  # decode: the last token; prefill: the prompt
