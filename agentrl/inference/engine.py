@@ -463,10 +463,8 @@ class Engine(BufferPhases, ReplicaFollowing):
             return
         chosen = chosen.view(chosen.shape[0], len(reqs), length, -1).permute(1, 2, 0, 3).cpu()
         for row, req, wants in zip(chosen, reqs, asked, strict=True):
-            if wants:
-                fed = (
-                    1 if req.output_ids else len(req.input_ids)
-                )  # decode: the last token; prefill: the prompt
+            if wants:  # decode feeds the last token; prefill, the prompt
+                fed = 1 if req.output_ids else len(req.input_ids)
                 req.routed_experts.append(row[length - fed :])
 
     def _keep(self, keep: list[int]) -> None:
