@@ -196,6 +196,18 @@ class PauseIn(Admin):
 
 class BeginUpdateIn(Admin):
     selector: Literal["target", "draft", "all"] = "all"
+    lora: dict[str, Any] | None = None
+    """agentrl extra: the session's buckets form this LoRA adapter (PEFT's `r`, `lora_alpha`,
+    `target_modules`, and the `name` it is served under), applied on the base at the commit."""
+
+
+class LoadLoraIn(Admin):
+    """SGLang 0.5.23's `/load_lora_adapter` body (`LoadLoRAAdapterReqInput`), plus the version."""
+
+    lora_name: str
+    lora_path: str
+    weight_version: str | int | None = None
+    """agentrl extra: the weight version the server reports once the adapter is served."""
 
 
 class EndUpdateIn(Admin):

@@ -204,6 +204,7 @@ def make_app(
         "sessions": 0,
         "staged": None,
         "staged_version": None,
+        "staged_adapter": None,  # the LoRA config of an adapter session (its buckets form the adapter)
     }
     post = {
         "/generate": generate,
@@ -212,6 +213,7 @@ def make_app(
         "/end_weight_update": admin.end_weight_update,
         "/update_weights_from_distributed": admin.update_weights_from_distributed,
         "/update_weights_from_disk": admin.update_weights_from_disk,
+        "/load_lora_adapter": admin.load_lora_adapter,
         "/destroy_weights_update_group": admin.destroy_weights_update_group,
         "/pause_generation": admin.pause_generation,
         "/continue_generation": admin.continue_generation,

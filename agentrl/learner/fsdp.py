@@ -262,13 +262,19 @@ class FSDP2Backend:
         activation_checkpointing: bool = False,
         bf16: bool = False,
         shard: Callable[[nn.Module], nn.Module] | None = None,
+        lora: Any = None,
     ) -> ModelPart:
         # `shard` replaces the default FSDP2 wrapping (the colocated HybridEngine shards each
-        # parameter on its TP dim so that training shards lie inside generation shards)
+        # parameter on its TP dim so that training shards lie inside generation shards); `lora`
+        # (a `learner.lora.LoraConfig`) wraps the policy with PEFT before it is sharded
         if kind == "policy":
             module = load_model(path, self.device)
         else:
             module = hf_model.load_value_model(path, self.device)
+        if lora is not None:
+            from agentrl.learner import lora as adapters
+
+            module = adapters.apply(module, lora)
         if shard is not None:
             module = shard(module)
         else:
@@ -277,7 +283,8 @@ class FSDP2Backend:
             module.eval().requires_grad_(False)
             return ModelPart(name, kind, module)
         module.train()
-        optimizer = torch.optim.AdamW(module.parameters(), lr=optim.lr, betas=optim.adam_betas,
+        trained = [p for p in module.parameters() if p.requires_grad]  # a LoRA policy: the adapter's
+        optimizer = torch.optim.AdamW(trained, lr=optim.lr, betas=optim.adam_betas,
                                       weight_decay=optim.weight_decay, fused=True)  # fmt: skip
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda or (lambda step: 1.0))
         return ModelPart(name, kind, module, optimizer, scheduler)
@@ -351,6 +358,8 @@ class FSDP2Backend:
     def first_nonfinite(self, part: ModelPart, params: bool = True, state: bool = True) -> str | None:
         named: list[tuple[str, torch.Tensor]] = []
         for name, param in part.module.named_parameters():
+            if part.trainable and not param.requires_grad:
+                continue  # frozen (a LoRA policy's base): no step changes it
             if params:
                 named.append((name, _local(param.detach())))
             if state and part.optimizer is not None:

@@ -58,7 +58,15 @@ import torch.distributed as dist
 from agentrl.inference.weight_group import WeightGroup, dtype_name, join_group
 from agentrl.log import get_logger
 from agentrl.net import free_port
-from agentrl.weight_sync.base import Outcome, PushStats, WeightSource, WeightSyncEngine
+from agentrl.weight_sync.base import (
+    NO_ADAPTERS,
+    Outcome,
+    PushStats,
+    WeightSource,
+    WeightSyncEngine,
+    loads_adapters,
+    resolve,
+)
 from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
@@ -184,6 +192,7 @@ class BroadcastEngine(WeightSyncEngine):
         self._dead: set[str] = set()
         self._touched: set[str] = set()
         self._gave_up = ""
+        self._adapter: dict | None = None  # an adapter push's config (its sessions open with it)
         self._given_up = 0  # pushes given up in a row (`transactional: all`), for the catch-up backoff
         self._given_up_until = 0.0
 
@@ -397,14 +406,22 @@ class BroadcastEngine(WeightSyncEngine):
     # ------------------------------------------------------------------ push
 
     def _begin(self, urls: list[str]) -> dict[str, str]:
-        """Open a weight-update session on `urls`; returns {url: why} for those that refused. One
-        still holding a session from an earlier, interrupted push has it aborted and opened again."""
-        errors = self._all("begin_weight_update", urls, timeout_s=self.config.timeout_s)
+        """Open a weight-update session on `urls` (an adapter session for an adapter push); returns
+        {url: why} for those that refused. One still holding a session from an earlier, interrupted
+        push has it aborted and opened again."""
+        if self._adapter is not None:
+            unable = {u: NO_ADAPTERS for u in urls if not loads_adapters(self.clients[u])}
+            urls = [u for u in urls if u not in unable]
+            method, args = "begin_adapter_update", (self._adapter,)
+        else:
+            unable, method, args = {}, "begin_weight_update", ()
+        errors = self._all(method, urls, *args, timeout_s=self.config.timeout_s)
         stale = [u for u, exc in errors.items() if exc is not None and "already open" in str(exc)]
         if stale:
             self._abort(stale)
-            errors.update(self._all("begin_weight_update", stale, timeout_s=self.config.timeout_s))
-        return {u: f"/begin_weight_update refused: {exc}" for u, exc in errors.items() if exc is not None}
+            errors.update(self._all(method, stale, *args, timeout_s=self.config.timeout_s))
+        refused = {u: f"/begin_weight_update refused: {exc}" for u, exc in errors.items() if exc is not None}
+        return {**unable, **refused}
 
     def _abort(self, urls: list[str]) -> None:
         """Close the session on `urls` without committing (a staging server keeps its weights and
@@ -437,9 +454,12 @@ class BroadcastEngine(WeightSyncEngine):
         is dropped, one that fails twice is dropped (`transactional: any`) or ends the push for
         all (`all`). Every server of the live list ends committed or dropped with its reason
         (`PushStats.outcomes`); only servers with whole weights are resumed. Server failures never
-        raise here."""
+        raise here. An adapter push (`AdapterWeights`, `lora_mode: adapter`) opens adapter sessions
+        and sends only the adapter's tensors (`PushStats.bytes` counts them)."""
         stats = PushStats(version) if self.rank == 0 else None
         start = time.perf_counter()
+        weights, adapter = resolve(weights, self.config.lora_mode)
+        self._adapter = adapter.config(version) if adapter is not None else None
         if self.rank == 0:
             self._start_push(stats)
         attempt = 0
