@@ -184,6 +184,7 @@ class Engine(BufferPhases, ReplicaFollowing):
         self.max_batch_size = max_batch_size
         self.weight_version = "0"
         self._adapter = None  # peft_adapter.ServedAdapter, from the first adapter loaded
+        self._base_replaced: str | None = None  # the version of the last full-weight load
         self._lean = lean_decoder(self.model) if lean_decode else None
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -303,13 +304,15 @@ class Engine(BufferPhases, ReplicaFollowing):
     def load_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
         """Copy `tensors` into the model in place (checked first, so a bad update changes nothing).
         A DTensor parameter given its full tensor keeps its own slice (no communication). On a
-        model that served a LoRA adapter, full weights replace the base and the adapter is cleared."""
+        model that served a LoRA adapter, full weights replace the base and the adapter is cleared;
+        adapters are refused from then on (they were trained on the original base)."""
         if self._offloaded is not None:
             raise RuntimeError("load_weights on released buffers: call rebuild() first")
         self.check_weights(tensors)
         if self._adapter is not None:  # full weights (merged, or a full model) replace the adapter
             tensors = self._adapter.base_names(tensors)
             self._adapter.clear()
+        self._base_replaced = str(weight_version)
         state = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in tensors.items():
@@ -335,6 +338,11 @@ class Engine(BufferPhases, ReplicaFollowing):
         describes on this model (`peft_adapter.ServedAdapter.check`)."""
         from agentrl.inference.peft_adapter import ServedAdapter
 
+        if self._base_replaced is not None:
+            raise ValueError(
+                f"this server's base weights were replaced by a full-weight push (version {self._base_replaced}): "
+                "an adapter trained on the original base would not apply; restart the server from the base model"
+            )
         (self._adapter or ServedAdapter(self.model)).check(tensors, config)
 
     def load_adapter(
@@ -348,6 +356,7 @@ class Engine(BufferPhases, ReplicaFollowing):
             raise RuntimeError("load_adapter on released buffers: call rebuild() first")
         if self.replica is not None:
             raise ValueError("LoRA adapters on a tensor-parallel replica are not supported")
+        self.check_adapter(tensors, config)
         adapter = self._adapter or ServedAdapter(self.model)
         adapter.load(tensors, config)
         self._adapter = adapter
