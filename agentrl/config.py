@@ -667,6 +667,17 @@ class AgentRLConfig(Section):
                 "inference.logprobs: SGLang 0.5.23 returns only full-distribution log-probs "
                 "(srt/layers/sampler.py); use inference.logprobs: full with inference.type: sglang"
             )
+        lora = self.learner.lora
+        if lora is not None and concerns("learner", "weight_sync"):
+            if lora.modules_to_save and self.weight_sync.lora_mode == "adapter":
+                raise ValueError(
+                    f"weight_sync.lora_mode: 'adapter' pushes LoRA tensors only, and learner.lora.modules_to_save "
+                    f"{lora.modules_to_save} trains whole modules; set weight_sync.lora_mode: merged"
+                )
+            if self.mode == "colocated":
+                raise ValueError(
+                    "learner.lora: mode colocated does not train adapters yet; use mode: decoupled"
+                )
         if self.mode == "colocated" and self.launcher.type == "ray":
             raise ValueError(
                 "launcher.type: 'ray' does not start mode: colocated yet (its ranks run on one machine "
