@@ -132,3 +132,14 @@ def test_resume_gives_the_same_adapter_as_a_straight_run(tiny_model, tmp_path):
             a, b = state[field], resumed_opt[key][field]
             a, b = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (a, b))
             assert torch.equal(a, b), (key, field)
+
+
+def test_lora_settings_the_run_cannot_honour_are_refused_up_front():
+    from agentrl.config import AgentRLConfig
+
+    lora = {**LORA, "modules_to_save": ["lm_head"]}
+    with pytest.raises(ValueError, match="lora_mode: merged"):
+        AgentRLConfig(learner={"lora": lora})
+    AgentRLConfig(learner={"lora": lora}, weight_sync={"lora_mode": "merged"})
+    with pytest.raises(ValueError, match="mode colocated does not train adapters"):
+        AgentRLConfig(learner={"lora": LORA}, mode="colocated")
