@@ -93,6 +93,10 @@ class GenerateIn(Strict):
     stream: bool = False
     rid: str | list[str] | None = None
     session_id: str | None = None
+    lora_path: str | list[str | None] | None = None
+    """The adapter a request names (SGLang's field). The embedded server serves one adapter, the
+    newest pushed: it takes any agentrl adapter name (`agentrl-lora-v<v>`; the reply's
+    `weight_version` says which version answered, as for full weights) and refuses other names."""
 
     @field_validator("stream")
     @classmethod

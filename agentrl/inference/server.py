@@ -189,9 +189,21 @@ async def _run(items: list[Item], engine: Engine, in_flight: set[str]) -> None:
             in_flight.discard(req.rid)
 
 
+def _check_adapter(names: str | list[str | None] | None, engine: Engine) -> None:
+    """BadInput unless every adapter named is one of agentrl's (served as the newest version)."""
+    for name in names if isinstance(names, list) else [names]:
+        if name is not None and not name.startswith("agentrl-lora-v"):
+            raise BadInput(
+                f"lora_path {name!r}: this server serves agentrl's adapter ({engine.adapter_name})"
+            )
+        if name is not None and engine.adapter_name is None:
+            raise BadInput(f"lora_path {name!r}: no adapter has been pushed to this server yet")
+
+
 async def generate(request: web.Request) -> web.Response:
     engine, state = request.app[ENGINE], request.app[STATE]
     body: P.GenerateIn = await parse(request, P.GenerateIn)
+    _check_adapter(body.lora_path, engine)
     items = _requests(body, engine, state["rids"])
     await _run(items, engine, state["rids"])
     failed = next((r for r, *_ in items if error_status(r.finish_reason) is not None), None)

@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("peft")
 
 from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
+from agentrl.inference.base import BadRequestError
 from agentrl.inference.sglang import SGLangClient
 from agentrl.learner.loop import build_learner
 from agentrl.weight_sync.registry import create
@@ -58,6 +59,20 @@ def probe(url: str) -> tuple[int, list[int], list[float], dict]:
                 PROBE, {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
             )
             return result.weight_version, result.output_ids, result.logprobs, await client.get_model_info()
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def generate_naming(url: str, adapter: str) -> dict:
+    """A raw `/generate` that names the adapter (SGLang's `lora_path`)."""
+
+    async def go():
+        client = SGLangClient(url)
+        try:
+            body = {"input_ids": PROBE, "sampling_params": {"max_new_tokens": 2}, "lora_path": adapter}
+            return await client.http.request("POST", "/generate", body)
         finally:
             await client.close()
 
@@ -118,6 +133,11 @@ def test_adapter_broadcast_serves_the_learners_peft_forward(rig) -> None:
             assert stats.tensors == 2 * len(LORA["target_modules"]) * learner.model.config.num_hidden_layers
             output_ids = assert_serves_learner(url, learner, version)
             assert probe(url)[3]["lora_adapter"] == f"agentrl-lora-v{version}"
+            assert generate_naming(url, f"agentrl-lora-v{version}")["meta_info"]["weight_version"] == str(
+                version
+            )
+            with pytest.raises(BadRequestError, match="serves agentrl's adapter"):
+                generate_naming(url, "someone-elses-adapter")
             # the served policy is not the base's, nor the previous adapter's
             served = probe(url)[2]
             assert gap(served, learner_logprobs(learner.model, output_ids, adapter=False)) > 1e-3
