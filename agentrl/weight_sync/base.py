@@ -58,16 +58,28 @@ class AdapterSpec:
         """The name a server serves version `version` of this adapter under."""
         return f"agentrl-lora-v{version}"
 
-    def config(self, version: int) -> dict[str, Any]:
-        """The adapter's config as it travels to a server: PEFT's field names plus its served name."""
+    def peft_config(self) -> dict[str, Any]:
+        """`adapter_config.json` of this adapter, with the fields PEFT 0.21's `LoraConfig` writes
+        that a loader reads (`PeftModel.from_pretrained`, vLLM's and SGLang's LoRA loaders)."""
         return {
-            "name": self.name(version),
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
             "r": self.r,
             "lora_alpha": self.alpha,
-            "target_modules": list(self.target_modules),
-            "peft_type": "LORA",
+            "lora_dropout": 0.0,
+            "target_modules": sorted(self.target_modules),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+            "use_rslora": False,
+            "use_dora": False,
+            "inference_mode": True,
             "base_model_name_or_path": self.base_model,
         }
+
+    def config(self, version: int) -> dict[str, Any]:
+        """The adapter's config as it travels to a server: `peft_config` plus its served name."""
+        return {**self.peft_config(), "name": self.name(version)}
 
 
 @dataclass

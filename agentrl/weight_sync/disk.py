@@ -186,7 +186,7 @@ class DiskEngine(WeightSyncEngine):
             return None
         out.mkdir(parents=True, exist_ok=True)
         if adapter is not None:
-            (out / "adapter_config.json.tmp").write_text(json.dumps(adapter.config(version), indent=2))
+            (out / "adapter_config.json.tmp").write_text(json.dumps(adapter.peft_config(), indent=2))
             (out / "adapter_config.json.tmp").rename(out / "adapter_config.json")
             name = "adapter_model.safetensors"
         else:

@@ -185,6 +185,16 @@ def test_adapter_from_disk_is_a_peft_directory_the_server_loads(rig, tmp_path: P
             "adapter_model.safetensors",
         ]
         assert json.loads((written / "adapter_config.json").read_text())["r"] == LORA["rank"]
+        # the directory is PEFT's format: PEFT itself loads it and computes the learner's forward
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(learner.cfg.model_path, dtype=torch.float32)
+        loaded = PeftModel.from_pretrained(base, written).eval()
+        ids = torch.tensor([PROBE])
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, learner.model(input_ids=ids).logits,
+                                       rtol=0, atol=1e-5)  # fmt: skip
     finally:
         engine.close()
 
