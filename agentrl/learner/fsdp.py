@@ -388,12 +388,25 @@ class FSDP2Backend:
     def local_shards(self, part: ModelPart) -> Iterator[LocalShard]:
         return local_shards(part.module)
 
+    @staticmethod
+    def _options(part: ModelPart) -> Any:
+        """A part with frozen parameters (a LoRA policy's base) saves and loads only its trained
+        ones: the frozen ones come from `learner.model_path` at every start."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen = any(not p.requires_grad for p in part.module.parameters())
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
+
     def _state(self, parts: list[ModelPart]) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         state = {}
         for part in parts:
-            model_sd, optim_sd = get_state_dict(part.module, part.optimizer)
+            options = self._options(part)
+            model_sd, optim_sd = get_state_dict(part.module, part.optimizer, options=options)
+            if options is not None:  # a frozen weight tied to another (lm_head) is still listed: drop it
+                trained = {n for n, p in part.module.named_parameters() if p.requires_grad}
+                model_sd = {k: v for k, v in model_sd.items() if k in trained}
             prefix = "" if part.name == "actor" else f"{part.name}."
             state[f"{prefix}model"], state[f"{prefix}optim"] = model_sd, optim_sd
         return state
@@ -402,6 +415,13 @@ class FSDP2Backend:
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self._state(parts), checkpoint_id=str(path))
+        for part in parts:  # a LoRA policy's checkpoint also holds its adapter in PEFT's format
+            if hasattr(part.module, "peft_config"):
+                from agentrl.learner import lora
+
+                tensors = dict(lora.adapter_tensors(part.module))  # a collective
+                if self.rank == 0:
+                    lora.write_peft_dir(path / f"{part.name}_adapter", tensors, part.module)
 
     def load(self, parts: list[ModelPart], path: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -412,7 +432,7 @@ class FSDP2Backend:
         for part in parts:
             prefix = "" if part.name == "actor" else f"{part.name}."
             set_state_dict(part.module, part.optimizer, model_state_dict=state[f"{prefix}model"],
-                           optim_state_dict=state[f"{prefix}optim"])  # fmt: skip
+                           optim_state_dict=state[f"{prefix}optim"], options=self._options(part))  # fmt: skip
 
     def export(self, part: ModelPart, out_dir: Path, tokenizer_path: str | Path | None) -> Path:
         return export_hf(part.module, out_dir, tokenizer_path, self.rank, part.kind)

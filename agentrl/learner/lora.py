@@ -237,6 +237,17 @@ def write_adapter(out: Path, tensors: dict[str, torch.Tensor], cfg: LoraConfig, 
     return out
 
 
+def write_peft_dir(out: Path, tensors: dict[str, torch.Tensor], peft_model: nn.Module) -> Path:
+    """`write_adapter` from the PEFT model's own config (what a checkpoint holds)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    peft_model.peft_config[ADAPTER].save_pretrained(str(out))
+    contiguous = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    save_file(contiguous, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def write_merged(out: Path, state: dict[str, torch.Tensor], model: nn.Module) -> Path:
     """A plain HF checkpoint of base + adapter merged (`merged_tensors`), as `export_hf` writes one."""
     import torch

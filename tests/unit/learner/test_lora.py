@@ -115,6 +115,20 @@ def test_resume_gives_the_same_adapter_as_a_straight_run(tiny_model, tmp_path):
 
     first = build_learner(_cfg(tiny_model, max_steps=2), tmp_path / "resumed")
     run(first, ListSource(groups), max_staleness=1)
+    # the checkpoint holds the adapter only (the base comes from model_path), and in PEFT's format too
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    saved = tmp_path / "resumed" / "checkpoints" / "step_00000002"
+    keys = dcp.FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith("model.")]
+    assert weights and all(".lora_" in k for k in weights), [k for k in weights if ".lora_" not in k]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, saved / "actor_adapter").eval()
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7]])
+    first.model.eval()
+    torch.testing.assert_close(_logits(loaded, ids), _logits(first.model, ids), rtol=0, atol=1e-5)
     second = build_learner(_cfg(tiny_model, max_steps=4), tmp_path / "resumed")
     source = ListSource(groups)
     assert run(second, source, max_staleness=1, resume_from_checkpoint=True) == 4
