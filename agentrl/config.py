@@ -142,11 +142,7 @@ class AgentRLConfig(Section):
                 "inference.logprobs: SGLang 0.5.23 returns only full-distribution log-probs "
                 "(srt/layers/sampler.py); use inference.logprobs: full with inference.type: sglang"
             )
-        if self.mode == "colocated" and self.launcher.type == "ray":
-            raise ValueError(
-                "launcher.type: 'ray' does not start mode: colocated yet (its ranks run on one machine "
-                "under torchrun); use launcher.type: local"
-            )
+        self._check_deployment(concerns)
         if (
             concerns("learner", "roller")
             and self.learner.loss.advantage == "remax"
@@ -157,6 +153,24 @@ class AgentRLConfig(Section):
                 "greedy episode whose reward is each group's baseline)"
             )
         return self
+
+    def _check_deployment(self, concerns: Any) -> None:
+        """What the chosen mode, launcher and adapters can do together."""
+        if self.mode == "colocated" and self.launcher.type == "ray":
+            raise ValueError(
+                "launcher.type: 'ray' does not start mode: colocated yet (its ranks run on one machine "
+                "under torchrun); use launcher.type: local"
+            )
+        lora = self.learner.lora
+        if lora is None or not concerns("learner", "weight_sync"):
+            return
+        if lora.modules_to_save and self.weight_sync.lora_mode == "adapter":
+            raise ValueError(
+                f"weight_sync.lora_mode: 'adapter' pushes LoRA tensors only, and learner.lora.modules_to_save "
+                f"{lora.modules_to_save} trains whole modules; set weight_sync.lora_mode: merged"
+            )
+        if self.mode == "colocated":
+            raise ValueError("learner.lora: mode colocated does not train adapters yet; use mode: decoupled")
 
     def _check_sampled_logprobs(self) -> None:
         """Top-k / top-p sampling only where the servers report the full tempered log-probs the

@@ -102,12 +102,14 @@ class LearnerBackend(Protocol):
         activation_checkpointing: bool = False,
         bf16: bool = False,
         shard: Callable[[nn.Module], nn.Module] | None = None,
+        lora: Any = None,
     ) -> ModelPart:
         """Load a model of `kind` from the HF checkpoint at `path` and distribute it. With
         `optim` (an `OptimConfig`: lr, betas, weight decay) it is trained by AdamW under the LR
         schedule `lr_lambda`; without, it is frozen (eval mode, no gradients). `shard`, when given,
         distributes the loaded module instead of the backend's default layout (the colocated
-        HybridEngine's placement)."""
+        HybridEngine's placement). `lora` (a `learner.lora.LoraConfig`, policies only) wraps it with
+        LoRA adapters first: only their parameters train (a backend without LoRA refuses it)."""
         ...
 
     def logprobs(

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from agentrl.learner.lora import LoraConfig
 from agentrl.section import Section
 
 
@@ -334,6 +335,8 @@ class LearnerConfig(Section):
     """TensorBoard and W&B sinks, transcripts, the flat-reward warning."""
     warmstart: WarmstartConfig = WarmstartConfig()
     """The supervised warm start before RL."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters on the frozen policy instead of all its weights (`learner/lora.py`)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -110,8 +110,22 @@ class Learner:
         return self.backend.device
 
     def weights(self) -> Callable[[], Iterable[tuple[str, torch.Tensor]]]:
-        """What weight sync pushes: the actor's full tensors under HF names (a collective)."""
-        return functools.partial(self.backend.full_tensors, self.actor)
+        """What weight sync pushes: the actor's full tensors under HF names (a collective); for a
+        LoRA actor, its adapter (`AdapterWeights`: the engine's `lora_mode` picks the adapter's
+        tensors or base + adapter merged)."""
+        if self.cfg.lora is None:
+            return functools.partial(self.backend.full_tensors, self.actor)
+        from agentrl.learner import lora
+        from agentrl.weight_sync.base import AdapterSpec, AdapterWeights
+
+        spec = AdapterSpec(self.cfg.lora.rank, self.cfg.lora.alpha, tuple(self.cfg.lora.target_modules),
+                           self.cfg.model_path, bool(self.cfg.lora.modules_to_save))  # fmt: skip
+        module = self.actor.module
+        return AdapterWeights(
+            adapter=lambda: lora.lora_only(lora.adapter_tensors(module)),
+            merged=functools.partial(lora.merged_tensors, module),
+            spec=spec,
+        )
 
 
 def lr_lambda(schedule: ScheduleConfig, total_steps: int):
@@ -138,16 +152,29 @@ def build_learner(
     shard: Callable[[nn.Module], nn.Module] | None = None,
 ) -> Learner:
     """The backend (process group; `learner.backend` unless one is given), the actor with AdamW
-    and its LR schedule (distributed by `shard` when given: the colocated HybridEngine's layout),
-    the frozen reference when kl_coef > 0, and the critic with its own AdamW when
+    and its LR schedule (distributed by `shard` when given: the colocated HybridEngine's layout;
+    with `learner.lora`, PEFT adapters on the frozen policy, only they in AdamW), the frozen
+    reference when kl_coef > 0 (a LoRA actor's: itself with the adapter disabled), and the critic with its own AdamW when
     `loss.advantage: gae` (both in the backend's own layout)."""
+    if cfg.lora is not None and (cfg.backend != "fsdp2" or shard is not None):
+        where = "colocated mode" if shard is not None else f"learner.backend {cfg.backend}"
+        raise ValueError(
+            f"learner.lora: {where} does not train adapters yet; use learner.backend: fsdp2, decoupled"
+        )
     backend = backend if backend is not None else backends.create(cfg.backend, cfg.megatron, cfg.seed)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
     schedule = lr_lambda(cfg.schedule, cfg.max_steps * cfg.mini_batches)
+    lora = {"lora": cfg.lora} if cfg.lora is not None else {}
     actor = backend.build("policy", cfg.model_path, name="actor", optim=cfg.optim, lr_lambda=schedule,
-                          activation_checkpointing=cfg.activation_checkpointing, bf16=bf16, shard=shard)  # fmt: skip
-    ref = backend.build("policy", cfg.model_path, name="ref", bf16=bf16) if cfg.loss.kl_coef > 0 else None
+                          activation_checkpointing=cfg.activation_checkpointing, bf16=bf16, shard=shard, **lora)  # fmt: skip
+    ref = None
+    if cfg.loss.kl_coef > 0 and cfg.lora is not None:  # the base: the actor with its adapter disabled
+        from agentrl.learner.lora import AdapterDisabled
+
+        ref = ModelPart("ref", "policy", AdapterDisabled(actor.module))
+    elif cfg.loss.kl_coef > 0:
+        ref = backend.build("policy", cfg.model_path, name="ref", bf16=bf16)
     critic = build_critic(backend, cfg) if cfg.loss.advantage == "gae" else None
     config = actor.module.config
     pad = config.pad_token_id if config.pad_token_id is not None else 0
@@ -259,19 +286,47 @@ def _save(learner: Learner, consumer: Consumer | None) -> None:
 
 def export(learner: Learner) -> Path:
     """The actor as an HF checkpoint under `<run_dir>/hf/` (and, with `critic.export`, the critic
-    under `<run_dir>/hf_critic/`), each with a `latest` link."""
-    parts = [(learner.actor, "hf")]
+    under `<run_dir>/hf_critic/`), each with a `latest` link. A LoRA actor is exported as a PEFT
+    adapter under `<run_dir>/adapter/` (and, with `lora.export_merged`, merged under `hf/`)."""
+    parts = [] if learner.cfg.lora is not None else [(learner.actor, "hf")]
     if learner.critic is not None and learner.cfg.critic.export:
         parts.append((learner.critic, "hf_critic"))
+    written = []
     for part, folder in parts:
         out = learner.run_dir / folder / f"step_{learner.version:08d}"
         learner.backend.export(part, out, learner.cfg.model_path)
-        if learner.rank == 0:
-            latest = learner.run_dir / folder / "latest"
+        written.append(out)
+    if learner.cfg.lora is not None:
+        written += _export_lora(learner)
+    if learner.rank == 0:
+        for out in written:
+            latest = out.parent / "latest"
             latest.unlink(missing_ok=True)
             latest.symlink_to(out.name)
-            log.info("exported HF checkpoint %s", out)
-    return learner.run_dir / "hf" / f"step_{learner.version:08d}"
+            log.info("exported %s", out)
+    return written[0]
+
+
+def _export_lora(learner: Learner) -> list[Path]:
+    """The LoRA actor's PEFT adapter directory (and the merged HF checkpoint), rank 0 writing."""
+    from agentrl.learner import lora
+    from agentrl.learner.fsdp import copy_tokenizer
+
+    cfg, step_dir = learner.cfg, f"step_{learner.version:08d}"
+    tensors = dict(lora.adapter_tensors(learner.model))  # a collective: every rank gathers
+    out = [learner.run_dir / "adapter" / step_dir]
+    if learner.rank == 0:
+        lora.write_adapter(out[0], tensors, cfg.lora, cfg.model_path)
+    if cfg.lora.export_merged:
+        merged = learner.run_dir / "hf" / step_dir
+        state = dict(lora.merged_tensors(learner.model))
+        if learner.rank == 0:
+            lora.write_merged(merged, state, learner.model)
+            copy_tokenizer(Path(cfg.model_path), merged)
+        out.append(merged)
+    if learner.world_size > 1:
+        torch.distributed.barrier()
+    return out
 
 
 def resume(learner: Learner, consumer: Consumer | None) -> bool:

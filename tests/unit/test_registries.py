@@ -60,4 +60,7 @@ def test_the_inference_descriptors_answer_for_their_backends() -> None:
     )
     assert backend("vllm").config_field == "vllm" and backend("embedded").doctor is None
     assert type(create_weight_updater(vllm, "http://127.0.0.1:1")) is VLLMClient
-    assert type(create_weight_updater(InferenceConfig(), "http://127.0.0.1:1")) is SGLangClient
+    from agentrl.inference.embedded_client import EmbeddedClient
+
+    assert type(create_weight_updater(InferenceConfig(), "http://127.0.0.1:1")) is EmbeddedClient
+    assert type(create_weight_updater(InferenceConfig(type="sglang"), "http://127.0.0.1:1")) is SGLangClient
