@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agentrl.hybrid.gather import (
+    GenSlot,
     Group,
     all_gather_coalesced,
     all_gather_single,
@@ -75,19 +76,6 @@ class HybridMeshes:
     gen: DeviceMesh
     tp: DeviceMesh
     train_tp: DeviceMesh | None = None
-
-
-@dataclass
-class GenSlot:
-    """One parameter's generation buffer and where it comes from."""
-
-    name: str
-    kind: str  # "col" (Shard(0)), "row" (Shard(1), stored transposed unless a view) or "rep"
-    buffer: torch.Tensor  # owns the storage (for "row" the module weight's transpose), or a view
-    nbytes: int  # bytes of the generation shard
-    box: tuple[tuple[int, int], ...]  # the slice of the full parameter it holds (layout.gen_box)
-    view: bool = False  # the training shard itself (a gather over one rank): nothing to fill or free
-    group: str = "micro"  # gathered over the micro-DP group, or "fsdp" (the norms)
 
 
 @dataclass
@@ -175,15 +163,14 @@ class HybridEngine:
         self.added_bytes = sum(s.nbytes for s in self.slots if not s.view)
         sizes = {name: group.size for name, group in self.groups.items()}
         self.in_place, self.buckets = plan_buckets([s for s in self.slots if not s.view], sizes, bucket_bytes)
-        if transport == "auto":
-            gloo = all(dist.get_backend(g.pg) == "gloo" for g in self.groups.values())
-            transport = "coalesced" if gloo else "staging"
-        if transport not in ("coalesced", "staging"):
-            raise ValueError(f"transport={transport!r}: 'auto', 'coalesced' (gloo) or 'staging'")
-        self.transport = transport
+        self.transport = _transport(transport, self.groups)
         self.peak_param_bytes = self.training_bytes  # of this engine's own accounting
         self._allocated = False
-        if transport == "coalesced":
+        self._plan_staging()
+
+    def _plan_staging(self) -> None:
+        """The transport's units and the staging memory it holds at most (`staging_bytes`)."""
+        if self.transport == "coalesced":
             # one allgather_coalesced per bucket and per large parameter; gloo's flat input and
             # output of at most MAX_STAGING calls are alive at once (inside gloo)
             self.allocate()
@@ -355,6 +342,18 @@ class HybridEngine:
         if not view:
             buffer.untyped_storage().resize_(0)
         return GenSlot(name, kind, buffer, nbytes, box, view, group)
+
+
+def _transport(transport: str, groups: dict[str, Group]) -> str:
+    """`auto`: gloo's coalesced all-gather when every gather group is gloo, else staging."""
+    import torch.distributed as dist
+
+    if transport == "auto":
+        gloo = all(dist.get_backend(g.pg) == "gloo" for g in groups.values())
+        transport = "coalesced" if gloo else "staging"
+    if transport not in ("coalesced", "staging"):
+        raise ValueError(f"transport={transport!r}: 'auto', 'coalesced' (gloo) or 'staging'")
+    return transport
 
 
 def _alloc(slot: GenSlot) -> None:

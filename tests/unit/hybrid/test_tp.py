@@ -92,8 +92,7 @@ def test_reorder_puts_blocks_in_layout_order():
 def test_buckets_keep_large_parameters_in_place_and_cap_each_bucket():
     import torch
 
-    from agentrl.hybrid.gather import plan_buckets
-    from agentrl.hybrid.reshard import GenSlot
+    from agentrl.hybrid.gather import GenSlot, plan_buckets
 
     def slot(name: str, numel: int, group: str = "micro") -> GenSlot:
         return GenSlot(name, "col", torch.empty(numel), 4 * numel, ((0, numel),), False, group)
