@@ -203,6 +203,7 @@ class HybridEngine:
         self._read_shards()
         start = time.perf_counter()
         with torch.no_grad():
+            self._refresh_views()
             self.allocate()
             if self.transport == "coalesced":
                 collectives = self._gather_coalesced(probe)
@@ -273,6 +274,15 @@ class HybridEngine:
                     probe()
         return collectives
 
+    def _refresh_views(self) -> None:
+        """A gather over one rank binds the training block itself; where the backend's block is a
+        re-arranged copy (Megatron's q/k/v with several key/value groups per TP rank) rather than
+        the parameter in place, the bound copy is refreshed from the current one."""
+        for slot in self.slots:
+            local = self._train[slot.name].local
+            if slot.view and local.data_ptr() != slot.buffer.data_ptr():
+                slot.buffer.copy_(local)
+
     def allocate(self) -> None:
         """Give every generation buffer its storage again (contents undefined until filled)."""
         for slot in self.slots:
@@ -313,11 +323,12 @@ class HybridEngine:
         dim = tp_dim(name)
         local = shard.local
         want = tuple(b - a for a, b in self.layout.train_box(self.rank, spec))
-        fsdp_dim = getattr(shard.placements[0], "dim", None)
-        if fsdp_dim != (dim or 0) or tuple(local.shape) != want:
+        # FSDP shards every parameter on its TP dim (a norm on dim 0); Megatron's TP only the TP ones
+        want_dim = (dim or 0) if self.layout.train.fsdp else dim
+        if getattr(shard.placements[0], "dim", None) != want_dim or tuple(local.shape) != want:
             raise ValueError(
-                f"{name}: training placement {shard.placements}, local shape {tuple(local.shape)}; "
-                f"the layout wants FSDP on dim {dim or 0} and a local block of {want} (shard_training_model)"
+                f"{name}: training placement {shard.placements}, local shape {tuple(local.shape)}; the "
+                f"layout wants it sharded on dim {want_dim} and a local block of {want} (shard_training_model)"
             )
         box = self.layout.gen_box(self.rank, spec)
         shape = tuple(b - a for a, b in box)
@@ -369,11 +380,12 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def _check_supported(layout: HybridLayout) -> None:
     tr, ge = layout.train, layout.gen
-    if not tr.fsdp or tr.p != 1 or ge.pg != 1:
+    megatron_tp = not tr.fsdp and tr.d == 1  # Megatron TP over every rank, one replica
+    if tr.p != 1 or ge.pg != 1 or not (tr.fsdp or megatron_tp):
         raise NotImplementedError(
-            f"the reshard runs FSDP2 (+ TP) training layouts (p = 1, fsdp) to pg = 1 generation layouts; "
-            f"got {tr} -> {ge} (the rank maps in layout.py cover the others; pipeline stages are for a "
-            "later Megatron backend)"
+            f"the reshard runs FSDP2 (+ TP) training layouts and Megatron TP over every rank (d = 1), "
+            f"p = 1, to pg = 1 generation layouts; got {tr} -> {ge} (the rank maps in layout.py cover "
+            "the others: pipeline stages and replicated data parallel are not resharded here)"
         )
     if tr.t > 1 and ge.tg > tr.t:
         raise NotImplementedError(

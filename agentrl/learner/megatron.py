@@ -170,6 +170,7 @@ class MegatronBackend:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self._output: torch.Tensor | None = None  # the last stage's output inside the schedule
+        self._tp_mesh: Any = None  # the TP group as a DeviceMesh (local_shards' placements)
         log.info("megatron: rank %d is tp %d/%d, pp %d/%d, dp %d/%d", self.rank, self.tp_rank, tp,
                  self.pp_rank, pp, self.dp_rank, self.dp_size)  # fmt: skip
 
@@ -460,9 +461,34 @@ class MegatronBackend:
                     yield hf_name, tensor
 
     def local_shards(self, part: ModelPart) -> Iterator[LocalShard]:
-        raise ValueError(
-            "learner.backend megatron: colocated mode (the HybridEngine) needs learner.backend fsdp2"
-        )
+        """This rank's TP shard of every parameter under its HF name and in HF layout, placed
+        `Shard(dim)` (or `Replicate()`) over the TP group: what the colocated HybridEngine
+        reshards from. Views of the parameters, except q/k/v when this rank holds more than one
+        key/value group of the grouped `linear_qkv` (then a re-arranged copy of its own shard;
+        the engine copies it into its generation buffer). One pipeline stage only."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate, Shard
+
+        if self.pp > 1:
+            raise NotImplementedError(
+                "learner.backend megatron: the colocated HybridEngine reshards one pipeline stage (pp 1)"
+            )
+        if self._tp_mesh is None:
+            self._tp_mesh = DeviceMesh.from_group(self.ps.get_tensor_model_parallel_group(), self.device.type)
+        module = part.module
+        local_shape = convert.tp_local(module.shape, self.tp)
+        for name, param in module.gpt.named_parameters():
+            dim = module.partition_dim(name)
+            placement = (Shard(dim),) if dim is not None else (Replicate(),)
+            if name.endswith("linear_fc1.weight"):  # this rank's [gate_r; up_r]: two views
+                pieces = tuple(param.detach().chunk(2))
+            else:
+                pieces = convert.to_hf(name, param.detach(), local_shape, 1)
+            for hf_name, local in zip(module.hf_names(name), pieces, strict=True):
+                full = list(local.shape)
+                if dim is not None:
+                    full[dim] *= self.tp
+                yield LocalShard(hf_name, local, placement, self._tp_mesh, torch.Size(full))
 
     def _shard_file(self, path: Path) -> Path:
         return path / f"megatron_tp{self.tp_rank}_pp{self.pp_rank}.pt"

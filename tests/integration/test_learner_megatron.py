@@ -179,16 +179,17 @@ def _critic_and_reference(out_dir: str, model_path: str, mb, hf_logp) -> dict:
     return results
 
 
-def _save_family(family: str, path: Path) -> None:
+def _save_family(family: str, path: Path, **overrides) -> None:
     """A small random model of `family` (untied embeddings; Qwen3 with q/k norms, Llama without
     biases), every weight perturbed so that a misplaced tensor shows."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    kind = LlamaConfig if family == "llama" else Qwen3Config
-    config = kind(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                  max_position_embeddings=512, pad_token_id=0)  # fmt: skip
+    kind = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config}[family]
+    shape = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                 max_position_embeddings=512, pad_token_id=0)  # fmt: skip
+    config = kind(**(shape | overrides))
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -259,6 +260,68 @@ def push_worker(out_dir: str, model_path: str, url: str, version: str) -> None:
         (Path(out_dir) / "push.json").write_text(json.dumps({
             "version": learner.version, "servers_updated": stats.servers_updated,
             "servers_dropped": len(stats.servers_dropped)}))  # fmt: skip
+    end_rank()
+
+
+def reshard_worker(out_dir: str, model_path: str) -> None:
+    """Colocated with Megatron: the actor trains at TP 2 (`MegatronBackend`), and the HybridEngine
+    reshards its `local_shards` into a generation model at tg 2 (every parameter bound in place, a
+    model with 4 key/value heads so that q/k/v are re-arranged copies of each rank's shard) and at
+    tg 1, dg 2 (an all-gather over the TP pair): the generation logits against the training
+    model's full forward (the TP-gathered logits), after loading and after an AdamW step."""
+    import functools
+
+    import torch
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from agentrl.config import OptimConfig
+    from agentrl.hybrid.layout import GenLayout, HybridLayout, TrainLayout
+    from agentrl.hybrid.reshard import HybridEngine, build_meshes
+    from agentrl.hybrid.tp import parallelize_generation_model
+    from agentrl.learner.data import prepare_batch
+    from agentrl.learner.megatron import MegatronBackend, causal_mask
+    from agentrl.learner.packing import plan_microbatches
+    from tests.unit.learner.source import make_groups
+
+    backend = MegatronBackend(tp=2)  # initialises the process group
+    path = Path(out_dir) / "kv4"
+    if backend.rank == 0:
+        _save_family("qwen2", path, num_key_value_heads=4)
+    torch.distributed.barrier()
+    actor = backend.build("policy", path, optim=OptimConfig(lr=1e-2))
+    ids = torch.tensor([[3, 17, 101, 7, 512, 64, 9, 250, 33, 1000, 2, 88]])
+    pos = torch.arange(ids.shape[1])[None]
+
+    def training_logits() -> torch.Tensor:
+        with torch.no_grad():
+            return gather_from_tensor_model_parallel_region(actor.module.gpt(ids, pos, causal_mask(pos)))
+
+    engines = {}
+    for tg in (2, 1):
+        layout = HybridLayout(TrainLayout(t=2, d=1, fsdp=False), GenLayout(tg=tg, dg=2 // tg))
+        meshes = build_meshes(layout)
+        gen = parallelize_generation_model(actor.module.config, meshes.tp)
+        engines[tg] = HybridEngine(functools.partial(backend.local_shards, actor), gen, layout, meshes)
+    samples = prepare_batch(make_groups(2, seed=3, max_len=30), advantage="rloo", loss_agg="token_mean",
+                            vocab_size=1024, learner_version=0).mini_batches[0]  # fmt: skip
+    mb = plan_microbatches(samples, 4096, pad_id=0)[0]
+    results = {}
+    for phase in ("loaded", "stepped"):
+        ref = training_logits()
+        for tg, engine in engines.items():
+            engine.to_generation()
+            with torch.no_grad():
+                logits = engine.gen_model(ids).logits
+            engine.release()
+            results[f"{phase}_tg{tg}"] = {"diff": float((logits - ref).abs().max()),
+                                          "views": sum(s.view for s in engine.slots), "params": len(engine.slots),
+                                          "added_bytes": engine.added_bytes}  # fmt: skip
+        if phase == "loaded":
+            backend.forward_backward(actor, [mb], lambda mb: -backend.logprobs(actor, mb)[0].sum())
+            backend.optimizer_step(actor, 1.0)
+            results["step_moved_logits"] = float((training_logits() - ref).abs().max())
+    if torch.distributed.get_rank() == 0:
+        (Path(out_dir) / "reshard.json").write_text(json.dumps(results))
     end_rank()
 
 
@@ -349,6 +412,18 @@ def test_critic_and_reference_match_fsdp2(four_ranks):
 
 
 @pytest.mark.integration
+def test_colocated_reshard_from_megatron_tp_matches_the_training_forward(tiny_model, tmp_path):
+    run_torchrun(__file__, 2, str(tmp_path), str(tiny_model), "reshard")
+    got = json.loads((tmp_path / "reshard.json").read_text())
+    assert got["step_moved_logits"] > 1e-3  # the AdamW step changed the model
+    for phase in ("loaded", "stepped"):
+        assert got[f"{phase}_tg2"]["diff"] < 1e-5 and got[f"{phase}_tg1"]["diff"] < 1e-5, got
+    # tg = t: every generation parameter is bound to the training shard, no buffer added
+    assert got["loaded_tg2"]["views"] == got["loaded_tg2"]["params"] and got["loaded_tg2"]["added_bytes"] == 0
+    assert got["loaded_tg1"]["added_bytes"] > 0  # tg 1: gathered into generation buffers
+
+
+@pytest.mark.integration
 def test_megatron_export_is_the_trained_weights(four_ranks):
     _, results = four_ranks
     assert results["tp2pp2"]["export_equal"]
@@ -357,6 +432,8 @@ def test_megatron_export_is_the_trained_weights(four_ranks):
 if __name__ == "__main__":
     if len(sys.argv) == 3:
         worker(sys.argv[1], sys.argv[2])
+    elif sys.argv[3] == "reshard":
+        reshard_worker(sys.argv[1], sys.argv[2])
     elif sys.argv[3] == "push":
         push_worker(sys.argv[1], sys.argv[2], *sys.argv[4:6])
     else:
