@@ -5,9 +5,11 @@ generation buffers are released again before training.
 Layouts and rank maps are in layout.py, the TP plan in tp.py. The training layouts supported
 here are FSDP2 over `d` ranks, optionally tensor parallel over `t` (`p = 1`; a (dp, tp)
 DeviceMesh, `rank = d_idx·t + t_idx`, torch-native `parallelize_module` with tp.py's plan, then
-`fully_shard` over dp); the generation layout is `tg`-way TP with `dg = t·d/tg` micro-DP replicas,
-on a DeviceMesh ("dg", "tg") built from `layout.gen_mesh()`. Pipeline stages (`p > 1`) exist in
-the rank maps only.
+`fully_shard` over dp), and Megatron's tensor parallel over every rank (`fsdp=False`, `d = 1`:
+the Megatron backend's `local_shards` gives its TP shards in HF layout, norms whole); the
+generation layout is `tg`-way TP with `dg = t·d/tg` micro-DP replicas,
+on a DeviceMesh ("dg", "tg") built from `layout.gen_mesh()`. Pipeline stages (`p > 1`) and
+replicated data parallel exist in the rank maps only.
 
 FSDP shards each parameter on its TP dim (tp.fsdp_shard_placement), and on top of TP it shards
 the TP-local tensor (`_StridedShard`): rank `r` holds block `s = t_idx·d + d_idx` of the `t·d`
@@ -22,7 +24,9 @@ grouping `s = g·dg + j`). So per parameter:
 - replicated (RMSNorms; FSDP shards them over the `d` ranks of the rank's TP index): gathered
   over that FSDP group (a few KB).
 - a gather over one rank (`dg = 1`, or a norm at `d = 1`): the generation parameter is a view of
-  the training shard itself; nothing is copied and no memory is added.
+  the training shard itself; nothing is copied and no memory is added. (Where the backend's block
+  is a re-arranged copy of its shard, Megatron's q/k/v with several KV groups per rank, the bound
+  copy is refreshed from the current one at each `to_generation()`.)
 
 Parameters whose generation shard is at most `bucket_bytes` are gathered in buckets (one
 all-gather per bucket and group: on gloo each collective costs a fixed latency that dominates

@@ -27,7 +27,8 @@ resuming needs the same tp and pp (any data-parallel size).
 The critic (`kind="value"`) is the same GPTModel whose last stage ends in a `ValueHead` (HF's
 `score`, hidden -> 1, zero-initialised) instead of the vocabulary; it loads from, and exports to,
 the HF token-classification names (`model.*`, `score.*`) the FSDP2 critic uses. A frozen
-reference is a policy built without an optimizer.
+reference is a policy built without an optimizer. `local_shards` gives the colocated HybridEngine
+each rank's TP shard in HF layout (one pipeline stage).
 """
 
 from __future__ import annotations
