@@ -9,7 +9,8 @@ hybrid layout (training: `colocated.t`-way tensor parallel times FSDP2 over the 
 S/tg of them), the meshes, the learner (`learner.loop.build_learner`: the actor sharded by the
 HybridEngine's training layout, AdamW, LR schedule, data parallel over the dp mesh:
 hybrid/backend.py; the frozen reference with `loss.kl_coef > 0`, the critic with its own AdamW
-with `loss.advantage: gae`, both FSDP2 over all ranks, never resharded), the TP generation model
+with `loss.advantage: gae`, both FSDP2 over all ranks, never resharded; with `learner.backend:
+megatron` all three are the Megatron backend's, TP over every rank: `megatron_layout`), the TP generation model
 whose parameters the HybridEngine binds to its buffers, the replica's lock-step channel, and the
 engine on that module (no second copy of the weights is ever loaded). Each replica's leader
 starts the engine thread.
