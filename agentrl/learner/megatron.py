@@ -195,7 +195,8 @@ class MegatronBackend:
 
         if shard is not None:
             raise ValueError(
-                "learner.backend megatron: colocated mode (the HybridEngine) needs learner.backend fsdp2"
+                "learner.backend megatron: `shard` is an FSDP2 layout; the Megatron backend keeps its own TP "
+                "layout (colocated mode reads it through local_shards)"
             )
         if bf16:
             raise ValueError(
