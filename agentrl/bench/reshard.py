@@ -238,6 +238,23 @@ def _spawn(
         return json.loads(Path(out).read_text())
 
 
+def _table(rows: list[dict]) -> list[list]:
+    """The printed rows (and each measured row's two ratios, added to it)."""
+    table = []
+    for r in rows:
+        if "skipped" in r:
+            table.append([r["backend"], r["preset"], r["world"], r["tg"], r["dg"], "skipped"] + [""] * 8)
+            continue
+        r["vs_raw_allgather"] = r["raw_allgather_s"] / r["reshard_s"]
+        r["vs_naive"] = r["naive_s"] / r["reshard_s"]
+        table.append(
+            [r["backend"], r["preset"], r["world"], r["tg"], r["dg"], 1e3 * r["reshard_s"], 1e3 * r["raw_allgather_s"],
+             1e3 * r["naive_s"], r["vs_raw_allgather"], r["vs_naive"], r["collectives"],
+             r["peak_param_bytes"] / 2**20, r["bound_bytes"] / 2**20, r["staging_bytes"] / 2**20]
+        )  # fmt: skip
+    return table
+
+
 def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agentrl bench reshard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", default="small,base100m", help="model presets (agentrl/tiny_model.py)")
@@ -262,18 +279,7 @@ def main(args: list[str]) -> int:
             for world in worlds:
                 for row in _spawn(preset, world, ns.repeats, bucket_bytes, ns.timeout_s, backend):
                     rows.append({"backend": backend, "preset": preset, "world": world, **row})
-    table = []
-    for r in rows:
-        if "skipped" in r:
-            table.append([r["backend"], r["preset"], r["world"], r["tg"], r["dg"], "skipped"] + [""] * 8)
-            continue
-        r["vs_raw_allgather"] = r["raw_allgather_s"] / r["reshard_s"]
-        r["vs_naive"] = r["naive_s"] / r["reshard_s"]
-        table.append(
-            [r["backend"], r["preset"], r["world"], r["tg"], r["dg"], 1e3 * r["reshard_s"], 1e3 * r["raw_allgather_s"],
-             1e3 * r["naive_s"], r["vs_raw_allgather"], r["vs_naive"], r["collectives"],
-             r["peak_param_bytes"] / 2**20, r["bound_bytes"] / 2**20, r["staging_bytes"] / 2**20]
-        )  # fmt: skip
+    table = _table(rows)
     print_table(
         "HybridEngine reshard (gloo, CPU)",
         ["backend", "preset", "ranks", "tg", "dg", "reshard ms", "raw AG ms", "naive ms", "vs raw", "vs naive",
