@@ -9,7 +9,8 @@ hybrid layout (training: `colocated.t`-way tensor parallel times FSDP2 over the 
 S/tg of them), the meshes, the learner (`learner.loop.build_learner`: the actor sharded by the
 HybridEngine's training layout, AdamW, LR schedule, data parallel over the dp mesh:
 hybrid/backend.py; the frozen reference with `loss.kl_coef > 0`, the critic with its own AdamW
-with `loss.advantage: gae`, both FSDP2 over all ranks, never resharded), the TP generation model
+with `loss.advantage: gae`, both FSDP2 over all ranks, never resharded; with `learner.backend:
+megatron` all three are the Megatron backend's, TP over every rank: `megatron_layout`), the TP generation model
 whose parameters the HybridEngine binds to its buffers, the replica's lock-step channel, and the
 engine on that module (no second copy of the weights is ever loaded). Each replica's leader
 starts the engine thread.
@@ -57,16 +58,29 @@ def build_learner(cfg: AgentRLConfig, meshes: Any) -> Any:
     """The learner's `Learner` through its backend seam, the actor sharded with the HybridEngine's
     training layout (tensor parallel over `meshes.train_tp` when `colocated.t > 1`, then FSDP2 over
     `meshes.train`, each parameter on its TP dim, so every training shard lies inside a generation
-    shard); the backend's data parallel is the dp mesh (hybrid/backend.py)."""
+    shard); the backend's data parallel is the dp mesh (hybrid/backend.py). With `learner.backend:
+    megatron` the Megatron backend itself, TP over every rank (`megatron_layout` checks it)."""
     from agentrl.hybrid.backend import HybridFSDP2Backend
     from agentrl.hybrid.reshard import shard_training_model
     from agentrl.learner.loop import build_learner as build
 
     lc = cfg.learner
-    if lc.backend != "fsdp2":
-        raise ValueError(f"learner.backend: {lc.backend!r}; mode: colocated trains with fsdp2")
+    if lc.backend == "megatron":  # Megatron's own TP layout; local_shards gives it to the engine
+        return build(lc, cfg.run_dir)
     shard = functools.partial(shard_training_model, mesh=meshes.train, tp_mesh=meshes.train_tp)
     return build(lc, cfg.run_dir, HybridFSDP2Backend(meshes.train), shard)
+
+
+def megatron_layout(cfg: AgentRLConfig, world: int) -> None:
+    """Colocated with `learner.backend: megatron`: the HybridEngine reshards Megatron's tensor
+    parallel over every rank (one replica, one pipeline stage); refuses other layouts naming the
+    field to change."""
+    m, cc = cfg.learner.megatron, cfg.colocated
+    if m.pp != 1:
+        raise ValueError(f"learner.megatron.pp={m.pp}: colocated mode reshards one pipeline stage; use pp 1")
+    if m.tp != cc.t or m.tp != world:
+        raise ValueError(f"learner.megatron.tp={m.tp}: colocated with megatron trains TP over every rank; set "
+                         f"colocated.t and learner.megatron.tp to colocated.num_processes ({world})")  # fmt: skip
 
 
 def _lockstep(meshes: Any) -> Any:
@@ -146,8 +160,12 @@ class ColocatedRank:
         cc, lc = cfg.colocated, cfg.learner
         if self.world != cc.num_processes:
             raise ValueError(f"colocated.num_processes={cc.num_processes}, but {self.world} ranks started")
+        megatron = lc.backend == "megatron"
+        if megatron:
+            megatron_layout(cfg, self.world)
         layout = HybridLayout(
-            TrainLayout(t=cc.t, d=self.world // cc.t), GenLayout(tg=cc.tg, dg=self.world // cc.tg)
+            TrainLayout(t=cc.t, d=self.world // cc.t, fsdp=not megatron),
+            GenLayout(tg=cc.tg, dg=self.world // cc.tg),
         )
         self.meshes = build_meshes(layout, self.device.type)
         self.learner = build_learner(cfg, self.meshes)

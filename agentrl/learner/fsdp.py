@@ -29,6 +29,7 @@ from torch import nn
 from agentrl.learner import hf_model
 from agentrl.learner.backend import LocalShard, ModelPart, NonFiniteError, PartKind
 from agentrl.learner.packing import MicroBatch
+from agentrl.learner.sharded import full, reshard_units
 from agentrl.log import get_logger
 
 log = get_logger("learner.fsdp")
@@ -116,31 +117,20 @@ def shard_model(
     return model
 
 
-def _reshard(model: nn.Module) -> None:
-    """Units kept gathered after a forward (`reshard_after_forward=False`) expose their compute
-    copies (bf16 under mixed precision) as parameters until resharded: go back to the fp32 shards."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():  # each unit reshards only its own parameters
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
 def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every parameter, gathered one at a time (`DTensor.full_tensor()`).
 
     A collective: every rank must iterate to the end in the same order; typically only rank 0
     uses the tensors (weight sync broadcasts them to inference servers). Tied weights appear once."""
-    _reshard(model)
+    reshard_units(model)
     for name, param in model.named_parameters():
-        data = param.detach()
-        yield name, data.full_tensor() if hasattr(data, "full_tensor") else data
+        yield name, full(param)
 
 
 def local_shards(model: nn.Module) -> Iterator[LocalShard]:
     """This rank's piece of every parameter of an FSDP2 (or FSDP2 + TP) model, in place, with its
     DTensor placement; the model is put back in its sharded state first."""
-    _reshard(model)
+    reshard_units(model)
     for name, param in model.named_parameters():
         data = param.detach()
         if hasattr(data, "to_local"):
@@ -153,7 +143,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded model state on CPU (a collective; the dict is complete on rank 0 only)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    _reshard(model)
+    reshard_units(model)
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 

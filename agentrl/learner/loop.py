@@ -43,8 +43,7 @@ import torch
 from torch import nn
 
 from agentrl.config import LearnerConfig, ScheduleConfig
-from agentrl.learner import backend as backends
-from agentrl.learner import checkpoint, step
+from agentrl.learner import checkpoint, registry, step
 from agentrl.learner.backend import LearnerBackend, ModelPart
 from agentrl.learner.critic import build_critic
 from agentrl.learner.data import no_generation_why
@@ -161,7 +160,7 @@ def build_learner(
         raise ValueError(
             f"learner.lora: {where} does not train adapters yet; use learner.backend: fsdp2, decoupled"
         )
-    backend = backend if backend is not None else backends.create(cfg.backend, cfg.megatron, cfg.seed)
+    backend = backend if backend is not None else registry.create(cfg.backend, cfg.megatron, cfg.seed)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
     schedule = lr_lambda(cfg.schedule, cfg.max_steps * cfg.mini_batches)

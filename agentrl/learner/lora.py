@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from agentrl.learner.sharded import full, reshard_units
 from agentrl.section import Section
 
 if TYPE_CHECKING:
@@ -142,11 +143,6 @@ def is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
-def _full(param: torch.Tensor) -> torch.Tensor:
-    data = param.detach()
-    return data.full_tensor() if hasattr(data, "full_tensor") else data
-
-
 def saved_name(param_name: str) -> str | None:
     """The name PEFT saves a trained parameter under (`get_peft_model_state_dict`: the adapter name
     dropped), or None for a parameter of the base model."""
@@ -161,13 +157,11 @@ def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(PEFT saved name, full tensor) of every adapter parameter (lora_A / lora_B; with
     `modules_to_save`, those modules' parameters too), gathered one at a time: a collective, every
     rank iterates to the end. The base weights are not gathered."""
-    from agentrl.learner.fsdp import _reshard
-
-    _reshard(model)
+    reshard_units(model)
     for name, param in model.named_parameters():
         saved = saved_name(name)
         if saved is not None:
-            yield saved, _full(param)
+            yield saved, full(param)
 
 
 def lora_only(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -181,9 +175,7 @@ def merged_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of base + adapter merged, as the plain model's `named_parameters`
     would give them (W + scaling · B @ A for each adapted Linear; `modules_to_save` modules' trained
     copies in place of the originals): what a server without LoRA support loads. A collective."""
-    from agentrl.learner.fsdp import _reshard
-
-    _reshard(model)
+    reshard_units(model)
     lora_modules = {
         name: module
         for name, module in model.named_modules()
@@ -192,14 +184,14 @@ def merged_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, param in model.named_parameters():
         if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:
             continue  # the same on every rank: the gathers stay in step
-        tensor = _full(param)
+        tensor = full(param)
         owner, _, leaf = name.rpartition(".")
         module = (
             lora_modules.get(owner.removesuffix(".base_layer")) if owner.endswith(".base_layer") else None
         )
         if module is not None and leaf == "weight":
-            a = _full(module.lora_A[ADAPTER].weight)
-            b = _full(module.lora_B[ADAPTER].weight)
+            a = full(module.lora_A[ADAPTER].weight)
+            b = full(module.lora_B[ADAPTER].weight)
             tensor = tensor + (b @ a) * module.scaling[ADAPTER]
         yield hf_name(name), tensor
 

@@ -119,7 +119,8 @@ class StepResult:
         m["packing/non_padding_frac"] = non_padding_fraction(mbs) if mbs else 0.0
         m["packing/micro_batches"] = float(len(mbs))
         m["time/train_s"] = self.t_train
-        m["tokens_per_s"] = self.tokens * learner.world_size / max(self.t_train, 1e-9)
+        # this rank's tokens times the data-parallel ranks (a TP group's ranks train the same ones)
+        m["tokens_per_s"] = self.tokens * learner.backend.dp_size / max(self.t_train, 1e-9)
         m.update(self.adv_stats)
         if self.critic_steps:
             m.update(
