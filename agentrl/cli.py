@@ -46,6 +46,7 @@ USES = {
     "serve": ("inference", "learner"),
     "queue": ("queue", "learner"),
     "warmstart": ("learner", "roller", "env"),
+    "colocated": ("learner", "roller", "env", "reward", "colocated"),
     # every section, and the launcher: it starts the servers, so none need be given
     "run": (
         "learner",
@@ -133,6 +134,22 @@ def check_model_path(field: str, value: str, preset: str | None = None) -> None:
     raise _fail(
         f"{field}: {value} is not a checkpoint directory{where}; make one: agentrl init-model {preset} {value}"
     )
+
+
+@app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
+def colocated(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the latest checkpoint.")] = False,
+) -> None:
+    """One rank of a `mode: colocated` run: generate, reshard and train in turn (torchrun or Ray start
+    `colocated.num_processes` of them; `agentrl run` does)."""
+    cfg = load(config, ctx)
+    check_model_path("learner.model_path", cfg.learner.model_path)
+    from agentrl.colocated.loop import run_rank
+    from agentrl.learner.main import exit_process
+
+    exit_process(run_rank(cfg, resume))
 
 
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
