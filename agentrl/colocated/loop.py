@@ -19,8 +19,11 @@ One step, a short script (`ColocatedRank.generate`, then `.train`):
 
     1. reshard: training shards -> generation buffers (all-gather inside each micro-DP group)
     2. generate: each replica's leader runs its share of the step's groups with the roller's own
-       group code (`Roller` against an in-process `StepProducer`: the same envs, tools, rewards,
-       reward model, ReMax greedy episode, dynamic sampling) on its engine; followers replay
+       group code (one `Roller` for the run against an in-process `StepProducer`: the same envs,
+       tools, rewards, reward model, ReMax greedy episode, dynamic sampling) on its engine;
+       followers replay. With `colocated.partial_rollout` more groups run than the step takes,
+       and the step is cut once it has its groups: the unfinished episodes keep their tokens
+       (and versions) and go on in the next step, after its reshard
     3. release: KV cache and generation buffers go (the training shards stay)
     4. share: every rank gets every group (all_gather_object); the tokens carry version v
     5. train: the learner's step (`learner.step`: advantages, packing over the S/t dp ranks, the t
@@ -31,7 +34,9 @@ One step, a short script (`ColocatedRank.generate`, then `.train`):
     7. checkpoint and export every N versions (`run`, with the decoupled learner's functions)
 
 Generation runs on the weights of version v and training consumes them at version v: the loop is
-on-policy, every group has staleness 0, and TIS / decoupled PPO see ratios of ~1.
+on-policy, every group has staleness 0, and TIS / decoupled PPO see ratios of ~1 (with partial
+rollouts, the tokens of a cut episode generated before the cut are a step or more stale, which
+their per-token versions show and the off-policy correction weights).
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def test_ray_launcher_runs_a_colocated_run_that_ends_with_its_checkpoint_and_res
     run_dir = tmp_path / "run"
     out, driver = run_scenario("ray_colocated_scenario.py", tiny_model, run_dir, 660)
     # both ranks (rank 0 `learner`, rank 1 `learner-rank1`) on the learner node, nothing else started
-    assert out["placement"] == [("learner", "learner"), ("learner-rank1", "learner")], out["placement"]
+    assert out["placement"] == [["learner", "learner"], ["learner-rank1", "learner"]], out["placement"]
     assert out["first_life_rc"] == 1 and out["ckpt_at_kill"] >= 2, out
     assert out["ckpt_dir"] in out["lost_message"] and "--resume" in out["lost_message"], out["lost_message"]
     assert out["returncode"] == 0 and out["resumed"], driver
