@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
-from ray_scenario import _checkpoint, _state, _steps, _stop_the_rest, _wait  # this script's folder
+from ray_scenario import _checkpoint, _state, _steps, _stop_the_rest, _wait, shut_down  # this script's folder
 
 from agentrl.launch.ray import ray_namespace
 from agentrl.log import read_metrics
@@ -76,14 +74,7 @@ def main(model: str, run_dir: Path) -> dict:
         out["resumed"] = any("resumed at version" in p.read_text(errors="replace") for p in ranks)
         out["steps"] = [r["step"] for r in read_metrics(run_dir / "learner.jsonl")]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
-        log.close()
-        ray.shutdown()
-        stopper = threading.Thread(target=cluster.shutdown, daemon=True)
-        stopper.start()
-        stopper.join(timeout=90)
+        out["cluster_shutdown_hung"] = shut_down(proc, log, cluster)
     out["left_after_shutdown"], out["left_after_kill"] = _stop_the_rest()
     return out
 
