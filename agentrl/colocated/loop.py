@@ -247,7 +247,7 @@ class ColocatedRank:
         aborts the running ones (their tokens so far come back, as after a weight push, and the
         agent loop resubmits them, held until the next step resumes the client). The step's
         groups in task order, so that it does not depend on which episode finished first."""
-        from agentrl.rollers.roller import Roller
+        from agentrl.rollers.roller import Roller, RollerStats
 
         producer, client = self.producer, self.client
         if self.roller_task is None:
@@ -257,6 +257,11 @@ class ColocatedRank:
             self.roller = Roller(config, self.make_env, self.tasks, client, self.renderer, producer,
                                  groups_file=groups_file, reward_model=self.reward_model)  # fmt: skip
             self.roller_task = asyncio.ensure_future(self.roller.run())
+        else:  # the step's own counts, as from a roller of its own; the episodes in flight go on
+            old = self.roller.stats
+            self.roller.stats = RollerStats(
+                in_flight_episodes=old.in_flight_episodes, newest_version=old.newest_version
+            )
         client.resume(hash_seed(self.cfg.learner.seed, self.learner.version, self.replica_index))
         await producer.begin(self.learner.version)
         full = asyncio.ensure_future(producer.full())
