@@ -268,7 +268,8 @@ class ColocatedRank:
         await asyncio.wait({full, self.roller_task}, return_when=asyncio.FIRST_COMPLETED)
         if not full.done():
             full.cancel()
-            why = self.roller.fatal or self.roller.finished or "it stopped"
+            error = None if self.roller_task.cancelled() else self.roller_task.exception()
+            why = self.roller.fatal or self.roller.finished or (repr(error) if error else "it stopped")
             raise RuntimeError(f"colocated replica {self.replica_index}: the roller ended: {why}")
         client.hold()
         if producer.running:  # partial rollouts: the unfinished episodes wait for the next step
