@@ -32,7 +32,7 @@ log = get_logger("learner")
 
 @dataclass
 class RunTally:
-    """What `run` carries from step to step: skips, and the versions step 7 wrote."""
+    """What a driver carries from step to step: skips, and the versions `periodic_save` wrote."""
 
     progress: ConsoleProgress
     skipped: dict[str, int] = field(default_factory=dict)
@@ -46,7 +46,7 @@ class RunTally:
 
 
 def prepare(learner: Learner, groups: list[Group], tally: RunTally) -> PreparedBatch:
-    """Step 2: validated samples with advantages, split into mini-batches; skips counted."""
+    """`step.prepare` (the loop's step 2): validated samples with advantages, split into mini-batches; skips counted."""
     batch = step.prepare(learner, groups)
     empty = [g for g in groups if g.episodes and not any(ep.loss_mask[1:].any() for ep in g.episodes)]
     if empty:
@@ -64,7 +64,7 @@ def publish(
     tally: RunTally,
     counts_as_skip: bool = True,
 ) -> Any:
-    """Step 5: a new version after an applied step (published, pushed to the servers); a skipped
+    """The loop's step 5: a new version after an applied step (published, pushed to the servers); a skipped
     step counts towards `max_consecutive_skips` (a critic warm-up step does not). Returns weight
     sync's push report, if any."""
     if not applied:
@@ -86,7 +86,7 @@ def publish(
 
 
 def periodic_save(learner: Learner, consumer: Consumer | None, applied: bool, tally: RunTally) -> None:
-    """Step 7: a checkpoint every `checkpoint.every` versions, an HF export every `export_every`."""
+    """The loop's step 7: a checkpoint every `checkpoint.every` versions, an HF export every `export_every`."""
     every, export_every = learner.cfg.checkpoint.every, learner.cfg.checkpoint.export_every
     if applied and every and learner.version % every == 0:
         save(learner, consumer)
