@@ -80,6 +80,22 @@ def check_model_path(field: str, value: str, preset: str | None = None) -> None:
 
 
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
+def colocated(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the latest checkpoint.")] = False,
+) -> None:
+    """One rank of a `mode: colocated` run: generate, reshard and train in turn (torchrun or Ray start
+    `colocated.num_processes` of them; `agentrl run` does)."""
+    cfg = load(config, ctx)
+    check_model_path("learner.model_path", cfg.learner.model_path)
+    from agentrl.colocated.loop import run_rank
+    from agentrl.learner.main import exit_process
+
+    exit_process(run_rank(cfg, resume))
+
+
+@app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
 def learner(
     ctx: typer.Context,
     config: ConfigOpt = None,

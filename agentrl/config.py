@@ -155,12 +155,7 @@ class AgentRLConfig(Section):
         return self
 
     def _check_deployment(self, concerns: Any) -> None:
-        """What the chosen mode, launcher and adapters can do together."""
-        if self.mode == "colocated" and self.launcher.type == "ray":
-            raise ValueError(
-                "launcher.type: 'ray' does not start mode: colocated yet (its ranks run on one machine "
-                "under torchrun); use launcher.type: local"
-            )
+        """What the chosen mode and adapters can do together."""
         lora = self.learner.lora
         if lora is None or not concerns("learner", "weight_sync"):
             return

@@ -134,15 +134,16 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
     """Run the job described by `config` (already validated, saved at `config_path`); with
     `resume` the learner continues from its latest checkpoint and a finished warm start is kept.
     `launcher.type: ray` hands the same plan to the Ray launcher (`launch/ray.py`); `mode: colocated`
-    starts ranks that generate and train in turn instead (`colocated/launch.py`)."""
-    if config.mode == "colocated":  # no servers, rollers or queue: ranks that generate and train
-        from agentrl.colocated.launch import launch as launch_colocated
-
-        return launch_colocated(config, config_path, resume)
+    starts ranks that generate and train in turn instead (`launch/colocated.py`; with Ray, the
+    plan's one role)."""
     if config.launcher.type == "ray":
         from agentrl.launch.ray import launch_ray
 
         return launch_ray(config, config_path, resume)
+    if config.mode == "colocated":  # no servers, rollers or queue: ranks that generate and train
+        from agentrl.launch.colocated import launch as launch_colocated
+
+        return launch_colocated(config, config_path, resume)
     run_dir = Path(config.run_dir)
     supervisor = Supervisor(run_dir)
     secret_env = getattr(config.queue, "secret_env", None)

@@ -60,6 +60,17 @@ def plan(
         f"--inference.model_path={model}",
     ]
     common += overrides
+    if config.mode == "colocated":  # one role: the ranks that generate and train in turn
+        args = ["colocated", *common, *(["--resume"] if resume else [])]
+        return [
+            Role(
+                "learner",
+                "learner",
+                args,
+                dict(config.learner.resources),
+                ranks=config.colocated.num_processes,
+            )
+        ]
     # the backend's own launcher (inference/registry.py) behind `agentrl serve`; embedded is its default
     backend = ["--backend", config.inference.type] if config.inference.type != "embedded" else []
     servers = [

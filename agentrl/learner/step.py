@@ -34,7 +34,7 @@ from agentrl.learner.train_step import optimizer_step, recompute_logprobs
 from agentrl.types import Group
 
 if TYPE_CHECKING:
-    from agentrl.learner.loop import Learner
+    from agentrl.learner.state import Learner
 
 
 def prepare(learner: Learner, groups: list[Group]) -> PreparedBatch:
