@@ -33,7 +33,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from agentrl.types import byte_view
+from agentrl.wire import byte_view
 
 try:
     from cryptography.hazmat.primitives.poly1305 import Poly1305

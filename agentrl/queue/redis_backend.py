@@ -71,7 +71,8 @@ from agentrl.queue.redis_scripts import (
     RELEASE,
     TAKE,
 )
-from agentrl.types import Group, decode_group, encode_group
+from agentrl.types import Group
+from agentrl.wire import decode_group, encode_group
 
 log = get_logger("queue.redis")
 

@@ -52,7 +52,8 @@ from agentrl.queue.base import (
     mask_stale,
 )
 from agentrl.queue.frames import pack, unpack
-from agentrl.types import Group, decode_group, encode_group
+from agentrl.types import Group
+from agentrl.wire import decode_group, encode_group
 
 log = get_logger("queue.client")
 

@@ -6,7 +6,7 @@ address (every message MAC-checked, see `auth.py`) and a second ROUTER on `inpro
 for a consumer in the same process (no network, no MAC, zero-copy).
 
 Messages are `[mac, control, *payload]`; `control` is a small msgpack map with a kind
-`k`, and a put's payload is the group frames of `agentrl.types.encode_group` (several
+`k`, and a put's payload is the group frames of `agentrl.wire.encode_group` (several
 groups may share one message). Payload frames are received with `copy=False`, kept as
 they arrived and forwarded to the consumer as the same buffers.
 
@@ -63,7 +63,8 @@ from agentrl.queue.ledger import Ledger
 from agentrl.queue.wal import MAX_REMEMBERED_ACKS, WriteAheadLog
 from agentrl.queue.zmq_admission import Admission, PeerRefused
 from agentrl.queue.zmq_delivery import _NO_VERSION, Delivery, _Entry, _Get
-from agentrl.types import Group, WireError, decode_groups
+from agentrl.types import Group
+from agentrl.wire import WireError, decode_groups
 
 log = get_logger("queue.server")
 
