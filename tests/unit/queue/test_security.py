@@ -76,7 +76,7 @@ def _raw_dealer(address: str) -> tuple[zmq.Context, zmq.Socket]:
 
 
 def _put(auth: Authenticator, rid: int, gid: str, frames: list[bytes], tamper: bool = False) -> list[bytes]:
-    """A put message as a producer builds it (see zmq_client / frames.pack)."""
+    """A put message as a producer builds it (see zmq_producer / frames.pack)."""
     return _put_many(auth, [(rid, gid, frames)], tamper)
 
 
