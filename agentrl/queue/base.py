@@ -155,6 +155,23 @@ class Consumer(abc.ABC):
 
     per_token_staleness: bool = False
 
+    def _hand_out(
+        self, groups: list[Group], ages_s: list[float], learner_version: int, max_staleness: int, dropped: int
+    ) -> Batch:
+        """The `Batch` of the groups `get_batch` took: with per-token staleness, their tokens older
+        than the bound leave the loss mask first (`mask_stale`)."""
+        masked = 0.0
+        if self.per_token_staleness:
+            groups, masked = mask_stale(groups, learner_version, max_staleness)
+        return Batch(
+            groups=groups,
+            learner_version=learner_version,
+            dropped_stale=dropped,
+            ages_s=ages_s,
+            staleness=[g.staleness(learner_version) for g in groups],
+            stale_tokens_masked=masked,
+        )
+
     @abc.abstractmethod
     def get_batch(
         self, num_groups: int, learner_version: int, max_staleness: int, timeout_s: float | None = None

@@ -20,14 +20,13 @@ import zmq
 import zmq.asyncio
 
 from agentrl.log import get_logger
-from agentrl.queue.auth import Authenticator, AuthError
+from agentrl.queue.auth import Authenticator
 from agentrl.queue.base import (
     Batch,
     Consumer,
     QueueError,
     QueueUnavailable,
     check_drop_reason,
-    mask_stale,
 )
 from agentrl.queue.frames import unpack
 from agentrl.types import Group
@@ -108,11 +107,7 @@ class ZmqConsumer(Consumer):
                     )
                 continue
             msg = self._sock.recv_multipart(copy=False)
-            try:
-                self.auth.verify(msg[0], msg[1], msg[2:])
-                reply = msgpack.unpackb(msg[1].buffer, raw=False)
-            except (AuthError, ValueError, IndexError) as exc:
-                log.warning("consumer ignored a reply that failed its check: %s", exc)
+            if (reply := self.auth.read_reply(msg, "consumer")) is None:
                 continue
             last_heard = time.monotonic()
             if self._epoch is not None and reply.get("e") != self._epoch:
@@ -163,17 +158,8 @@ class ZmqConsumer(Consumer):
                 )
             self._take(reply, frames)
         taken, self._buffer = self._buffer[:num_groups], self._buffer[num_groups:]
-        groups = [g for g, _, _ in taken]
-        masked = 0.0
-        if self.per_token_staleness:
-            groups, masked = mask_stale(groups, learner_version, max_staleness)
-        return Batch(
-            groups=groups,
-            learner_version=learner_version,
-            dropped_stale=dropped,
-            ages_s=[a for _, a, _ in taken],
-            staleness=[g.staleness(learner_version) for g in groups],
-            stale_tokens_masked=masked,
+        return self._hand_out(
+            [g for g, _, _ in taken], [a for _, a, _ in taken], learner_version, max_staleness, dropped
         )
 
     def _drop_stale_buffered(self, version: int, max_staleness: int) -> int:

@@ -38,7 +38,7 @@ import zmq.asyncio
 
 from agentrl.inference.server_list import Follower
 from agentrl.log import get_logger
-from agentrl.queue.auth import Authenticator, AuthError
+from agentrl.queue.auth import Authenticator
 from agentrl.queue.base import (
     Admission,
     LeaseLapsed,
@@ -237,11 +237,7 @@ class ZmqProducer(Follower, Producer):
     async def _recv_loop(self) -> None:
         while True:
             msg = await self._sock.recv_multipart(copy=False)
-            try:
-                self.auth.verify(msg[0], msg[1], msg[2:])
-                ctl = msgpack.unpackb(msg[1].buffer, raw=False)
-            except (AuthError, ValueError, IndexError) as exc:
-                log.warning("producer ignored a reply that failed its check: %s", exc)
+            if (ctl := self.auth.read_reply(msg, "producer")) is None:
                 continue
             self._heard, self._last_heard = True, time.monotonic()
             if ctl.get("fin") and ctl.get("k") == "ok" and ctl.get("r") == self.run_id:
