@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from agentrl.learner.distill import check as check_distill
 from agentrl.log import get_logger
 from agentrl.rewards.config import RewardConfig
 from agentrl.section import Section
@@ -675,6 +676,8 @@ class AgentRLConfig(Section):
                 "learner.loss.advantage: 'remax' needs roller.greedy_baseline: true (the rollers run the "
                 "greedy episode whose reward is each group's baseline)"
             )
+        if concerns("learner"):
+            check_distill(self)  # learner.distill's refusals across sections (learner/distill.py)
         return self
 
 
