@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from agentrl.config import AgentRLConfig, LossConfig
+from agentrl.config import AgentRLConfig, LossConfig, save_resolved
 from agentrl.learner import distill
 from agentrl.learner.distill import DistillConfig
 from agentrl.learner.packing import Sample, plan_microbatches
@@ -166,3 +166,46 @@ def test_distill_config_refusals():
                                       "roller": {"temperature": 0.7}})  # fmt: skip
     with pytest.raises(ValueError, match="ray"):
         AgentRLConfig.model_validate({**on, "launcher": {"type": "ray"}})
+
+
+@pytest.mark.timeout(180)
+def test_agentrl_run_starts_the_teacher_servers_and_points_the_learner_at_them(tiny_model, tmp_path):
+    """The plan's teacher roles (`agentrl serve` of the teacher), started by the local launcher before
+    the rollout servers; their URLs reach the learner as `learner.distill.servers` and answer
+    prompt log-probs. They are never among the rollout servers the learner pushes weights to."""
+    from agentrl.inference import prompt_logprobs
+    from agentrl.launch.local import plan_children, start_teachers
+    from agentrl.launch.plan import teacher_roles
+    from agentrl.launch.procs import Supervisor
+    from tests.conftest import pid_alive
+
+    data = {
+        "run_dir": str(tmp_path),
+        "learner": {"distill": {"teacher_model": str(tiny_model), "num_servers": 2}},
+    }
+    config = AgentRLConfig.model_validate(data)
+    roles = teacher_roles(config, tmp_path / "c.yaml")
+    assert [r.name for r in roles] == ["teacher0", "teacher1"] and all(r.restart for r in roles)
+    given = AgentRLConfig.model_validate(
+        {"learner": {"distill": {"teacher_model": "t", "servers": ["http://x"]}}}
+    )
+    assert teacher_roles(given, tmp_path / "c.yaml") == []  # servers given by hand: none started
+
+    config = AgentRLConfig.model_validate(
+        {**data, "learner": {"distill": {"teacher_model": str(tiny_model)}}}
+    )
+    path = save_resolved(config)  # as `agentrl run` does before it starts anything
+    supervisor = Supervisor(tmp_path)
+    try:
+        flags = start_teachers(config, path, supervisor)
+        assert len(flags) == 1 and flags[0].startswith("--learner.distill.servers=[http://127.0.0.1:")
+        url = flags[0].split("[", 1)[1].rstrip("]")
+        assert len(prompt_logprobs.fetch("embedded", url, [[1, 2, 3]])[0]) == 3
+        specs = {s.name: s for s in plan_children(config, path, "m", flags)}
+        learner = specs["learner"].args
+        assert flags[0] in learner
+        assert url not in learner[learner.index("--inference.servers") + 1]
+    finally:
+        pids = [c.proc.pid for c in supervisor.children]
+        supervisor.stop_all()
+    assert pids and not any(pid_alive(pid) for pid in pids)
