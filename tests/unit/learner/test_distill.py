@@ -120,7 +120,7 @@ def test_distill_loss_and_gradient_match_the_oracle(teacher, loss_kw, coef, task
     want = _oracle(episodes, teacher.engine.model, theta_o, cfg, coef, task_weight)
     (g_want,) = torch.autograd.grad(want, theta_o)
     # the teacher's log-probs travel as float32 from a batched forward: agreement to float32 precision
-    assert abs(float(got) - float(want)) <= 1e-6 * max(1.0, abs(float(want)))
+    assert abs(got.item() - want.item()) <= 1e-6 * max(1.0, abs(want.item()))
     assert torch.allclose(g_got, g_want, rtol=1e-5, atol=1e-8)
     # the reported reverse KL is the mean over generated tokens of log π_behav − log π_teacher
     kl = [float(e.behav_logp[t]) - float(torch.log_softmax(teacher.engine.model(
