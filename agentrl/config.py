@@ -46,6 +46,7 @@ from agentrl.learner.config import (
     ScheduleConfig,
     WarmstartConfig,
 )
+from agentrl.learner.distill import check as check_distill
 from agentrl.log import get_logger
 from agentrl.observe.config import PrometheusConfig
 from agentrl.queue.config import QueueConfig, RedisQueueConfig, ZmqQueueConfig
@@ -143,6 +144,8 @@ class AgentRLConfig(Section):
                 "(srt/layers/sampler.py); use inference.logprobs: full with inference.type: sglang"
             )
         self._check_deployment(concerns)
+        if concerns("learner"):
+            check_distill(self)  # learner.distill's refusals across sections (learner/distill.py)
         if (
             concerns("learner", "roller")
             and self.learner.loss.advantage == "remax"

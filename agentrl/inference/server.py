@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from agentrl.inference import admin
+from agentrl.inference import admin, prompt_logprobs
 from agentrl.inference import protocol as P
 from agentrl.inference.engine import Engine, Request, error_status
 from agentrl.inference.protocol import ENGINE, STATE, BadInput, parse
@@ -259,6 +259,7 @@ def make_app(
         "/abort_request": admin.abort_request,
         "/update_weight_version": admin.update_weight_version,
         "/flush_cache": admin.flush_cache,
+        "/prompt_logprobs": prompt_logprobs.handle,  # teacher log-probs for on-policy distillation
     }
     get = {
         "/health": admin.health,

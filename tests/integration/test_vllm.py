@@ -156,6 +156,20 @@ def test_completion_contract(served: Served, learner) -> None:
     assert stop.matched == result.output_ids[0]
 
 
+def test_prompt_logprobs_for_distillation_equal_the_forward(served: Served, learner) -> None:
+    """A vLLM teacher of on-policy distillation: `/v1/completions` with `prompt_logprobs: 0` gives
+    each prompt token's log-prob (`inference/prompt_logprobs.py`), equal to the HF forward's."""
+    from agentrl.inference.prompt_logprobs import fetch
+
+    seqs = [PROMPT, PROMPT[:5]]
+    got = fetch("vllm", served.url, seqs)
+    for seq, row in zip(seqs, got, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(learner(torch.tensor([seq])).logits[0].float(), dim=-1)
+        want = [0.0, *(float(logp[i - 1, seq[i]]) for i in range(1, len(seq)))]
+        assert row[0] == 0.0 and max(abs(a - b) for a, b in zip(row, want, strict=True)) < 1e-4
+
+
 def vllm_truncated_logprobs(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 ) -> torch.Tensor:
