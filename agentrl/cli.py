@@ -45,6 +45,7 @@ BENCHMARKS = {
     "launch": "the Ray launcher vs the local one: seconds to the first step, episodes/s",
     "peer": "TRL GRPOTrainer vs agentrl colocated and decoupled (k=0, k=2) samples/s",
     "reshard": "HybridEngine reshard vs one raw all-gather and vs gather-then-slice",
+    "plan": "the planner's predicted samples/s vs measured runs (k = 0, 1, 2; two rollers)",
     "fanin": "one queue and router under hundreds to thousands of rollers: admissions, list updates, CPU",
 }
 
@@ -76,6 +77,22 @@ def check_model_path(field: str, value: str, preset: str | None = None) -> None:
     raise fail(
         f"{field}: {value} is not a checkpoint directory{where}; make one: agentrl init-model {preset} {value}"
     )
+
+
+@app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
+def colocated(
+    ctx: typer.Context,
+    config: ConfigOpt = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the latest checkpoint.")] = False,
+) -> None:
+    """One rank of a `mode: colocated` run: generate, reshard and train in turn (torchrun or Ray start
+    `colocated.num_processes` of them; `agentrl run` does)."""
+    cfg = load(config, ctx)
+    check_model_path("learner.model_path", cfg.learner.model_path)
+    from agentrl.colocated.loop import run_rank
+    from agentrl.learner.main import exit_process
+
+    exit_process(run_rank(cfg, resume))
 
 
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)

@@ -27,6 +27,7 @@ USES = {
     "serve": ("inference", "learner"),
     "queue": ("queue", "learner"),
     "warmstart": ("learner", "roller", "env"),
+    "colocated": ("learner", "roller", "env", "reward", "colocated"),
     # every section, and the launcher: it starts the servers, so none need be given
     "run": (
         "learner",

@@ -46,6 +46,7 @@ from agentrl.learner.config import (
     ScheduleConfig,
     WarmstartConfig,
 )
+from agentrl.learner.distill import check as check_distill
 from agentrl.log import get_logger
 from agentrl.observe.config import PrometheusConfig
 from agentrl.queue.config import QueueConfig, RedisQueueConfig, ZmqQueueConfig
@@ -144,11 +145,9 @@ class AgentRLConfig(Section):
             )
         if concerns("learner", "inference") and self.learner.moe.router_replay:
             self._check_router_replay()
-        if self.mode == "colocated" and self.launcher.type == "ray":
-            raise ValueError(
-                "launcher.type: 'ray' does not start mode: colocated yet (its ranks run on one machine "
-                "under torchrun); use launcher.type: local"
-            )
+        self._check_deployment(concerns)
+        if concerns("learner"):
+            check_distill(self)  # learner.distill's refusals across sections (learner/distill.py)
         if (
             concerns("learner", "roller")
             and self.learner.loss.advantage == "remax"
@@ -182,6 +181,19 @@ class AgentRLConfig(Section):
             raise ValueError(
                 "learner.moe.router_replay: mode: colocated does not carry routed experts; use mode: decoupled"
             )
+
+    def _check_deployment(self, concerns: Any) -> None:
+        """What the chosen mode and adapters can do together."""
+        lora = self.learner.lora
+        if lora is None or not concerns("learner", "weight_sync"):
+            return
+        if lora.modules_to_save and self.weight_sync.lora_mode == "adapter":
+            raise ValueError(
+                f"weight_sync.lora_mode: 'adapter' pushes LoRA tensors only, and learner.lora.modules_to_save "
+                f"{lora.modules_to_save} trains whole modules; set weight_sync.lora_mode: merged"
+            )
+        if self.mode == "colocated":
+            raise ValueError("learner.lora: mode colocated does not train adapters yet; use mode: decoupled")
 
     def _check_sampled_logprobs(self) -> None:
         """Top-k / top-p sampling only where the servers report the full tempered log-probs the

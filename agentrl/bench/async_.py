@@ -2,6 +2,7 @@
 
     agentrl bench async [--steps 8] [--warmup-steps K+1] [--latency-s 0.3] [--model-dir DIR]
     agentrl bench async --steps 2 --warmup-steps 1 --groups-per-step 1 --concurrency 4 --latency-s 0.01 --warmstart-steps 1
+    agentrl bench async --ks 0 --colocated-share 0.5     # + colocated without / with partial rollouts
 
 Runs `agentrl run` four times on the same machine, one after the other, identical but for
 `max_staleness`, on the quickstart's lookup task whose lookups take a long-tailed time (Pareto,
@@ -19,6 +20,12 @@ rate's numerator and denominator) and the warm-up used. With k = 0 the
 rollers wait for every weight push and the slowest tool call of each batch stalls the
 learner; with k ≥ 1 generation overlaps training. Ratios `k{1,2,4}_vs_sync` are samples/s
 at k over k = 0; the final mean reward at each k is in `metrics` (the price of staleness).
+
+With `--colocated-share S`, two `mode: colocated` runs join them on the same env, model and
+window (`common.steady_rate`, the same warm-up): every step waiting for all its groups, and
+partial rollouts (`colocated.partial_rollout: S`: a step stops once S of its groups are done, the
+rest go on after the next reshard); their samples/s and final rewards side by side, and the
+ratio `colocated_partial_vs_colocated`.
 """
 
 from __future__ import annotations
@@ -54,20 +61,27 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
-def _one_run(k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace) -> dict:
+def _one_run(
+    k: int, run_dir: Path, model_dir: str, opts: argparse.Namespace, share: float | None = None
+) -> dict:
+    """One `agentrl run` on the long-tail env: decoupled at max_staleness `k`, or with `share`
+    colocated (0: every step waits for all its groups; else `colocated.partial_rollout: share`)."""
+    config = "recipes/quickstart.yaml" if share is None else "recipes/quickstart_colocated.yaml"
     args = [
-        sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml",
+        sys.executable, "-m", "agentrl", "run", "--config", config,
         f"--run_dir={run_dir}", f"--max_staleness={k}", f"--learner.model_path={model_dir}",
         f"--learner.max_steps={opts.warmup_steps + opts.steps}", f"--learner.groups_per_step={opts.groups_per_step}",
         "--learner.warmstart.steps=0", f"--roller.group_size={GROUP_SIZE}", f"--roller.max_concurrent_episodes={opts.concurrency}",
         "--env.name=toy_lookup_slow", "--env.kwargs", f"{{latency_s: {opts.latency_s}}}",
-        "--queue.address", f"tcp://127.0.0.1:{free_port()}",
     ]  # fmt: skip
+    if share is None:
+        args += ["--queue.address", f"tcp://127.0.0.1:{free_port()}"]
+    elif share:
+        args += [f"--colocated.partial_rollout={share}"]
     result = _run(args)
     if result.returncode != 0:
-        raise RuntimeError(
-            f"agentrl run at max_staleness={k} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
-        )
+        what = f"max_staleness={k}" if share is None else f"colocated (partial_rollout {share or None})"
+        raise RuntimeError(f"agentrl run at {what} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
     records = read_metrics(run_dir / "learner.jsonl")
     window = steady_rate(records, opts.warmup_steps, opts.groups_per_step * GROUP_SIZE)
     tail = records[-max(1, len(records) // 4) :]
@@ -95,6 +109,9 @@ def main(args: list[str]) -> int:
     parser.add_argument("--latency-s", type=float, default=0.3, help="median tool latency (Pareto tail)")
     parser.add_argument("--model-dir", help="checkpoint to start from (default: a fresh mini model)")
     parser.add_argument("--ks", default="0,1,2,4")
+    parser.add_argument("--colocated-share", type=float, default=None,
+                        help="also run mode: colocated twice, without and with partial rollouts at this "
+                        "share of each step's groups (colocated.partial_rollout), in the same window")  # fmt: skip
     parser.add_argument(
         "--warmstart-steps", type=int, default=600, help="supervised steps (the quickstart's weak teacher)"
     )
@@ -115,7 +132,17 @@ def main(args: list[str]) -> int:
         if opts.warmstart_steps:  # a random model never calls the tool, so tool latency would not show
             model_dir = _warmstart(model_dir, Path(tmp) / "warm", opts.warmstart_steps)
         results = {k: _one_run(k, Path(tmp) / f"k{k}", model_dir, opts) for k in ks}
+        colocated = {}
+        if opts.colocated_share:
+            for name, share in (("colocated", 0.0), ("colocated_partial", opts.colocated_share)):
+                colocated[name] = _one_run(0, Path(tmp) / name, model_dir, opts, share)
 
+    _print(opts, results, colocated)
+    emit("async", *_report(opts, results, colocated))
+    return 0
+
+
+def _print(opts: argparse.Namespace, results: dict, colocated: dict) -> None:
     base = results[0]["samples_per_s"]
     print_table(
         f"whole system, {opts.steps} timed steps after {opts.warmup_steps} warm-up steps (every k) × "
@@ -127,15 +154,35 @@ def main(args: list[str]) -> int:
             for k, r in results.items()
         ],
     )
-    metrics = {f"k{k}_samples_per_s": r["samples_per_s"] for k, r in results.items()}
-    metrics.update({f"k{k}_final_reward": r["final_reward"] for k, r in results.items()})
-    for k, r in results.items():  # the raw figures behind each rate, and the window they cover
+    if colocated:
+        whole = colocated["colocated"]["samples_per_s"]
+        print_table(
+            f"colocated on the same env and window: every step waits for its groups, or stops at "
+            f"{opts.colocated_share:g} of them (partial rollouts)",
+            ["mode", "samples/s", "vs colocated", "final mean reward"],
+            [[name, r["samples_per_s"], r["samples_per_s"] / whole if whole else 0.0, r["final_reward"]]
+             for name, r in colocated.items()],
+        )  # fmt: skip
+
+
+def _report(opts: argparse.Namespace, results: dict, colocated: dict) -> tuple[dict, dict]:
+    """Metrics (each run's rate, final reward and the raw figures of its window) and ratios."""
+    base = results[0]["samples_per_s"]
+    runs = {f"k{k}": r for k, r in results.items()} | colocated
+    metrics: dict = {}
+    for name, r in runs.items():
         metrics.update(
-            {f"k{k}_window_{key}": r[key] for key in ("samples", "seconds", "from_step", "to_step")}
+            {f"{name}_samples_per_s": r["samples_per_s"], f"{name}_final_reward": r["final_reward"]}
+        )
+        metrics.update(
+            {f"{name}_window_{key}": r[key] for key in ("samples", "seconds", "from_step", "to_step")}
         )
     metrics["warmup_steps"] = opts.warmup_steps
     ratios = {
         f"k{k}_vs_sync": r["samples_per_s"] / base if base else 0.0 for k, r in results.items() if k != 0
     }
-    emit("async", metrics, ratios)
-    return 0
+    if colocated and colocated["colocated"]["samples_per_s"]:
+        ratios["colocated_partial_vs_colocated"] = (
+            colocated["colocated_partial"]["samples_per_s"] / colocated["colocated"]["samples_per_s"]
+        )
+    return metrics, ratios

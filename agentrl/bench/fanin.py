@@ -199,31 +199,46 @@ def _tail(logs: list[Path]) -> str:
     return "\n".join(f"{log.name}: {log.read_text()[-1500:]}" for log in logs if log.exists())
 
 
-def _one_run(opts: argparse.Namespace, rollers: int, urls: list[str], tmp: Path) -> dict[str, Any]:
-    from agentrl.config import ZmqQueueConfig
-    from agentrl.inference import server_list
-    from agentrl.queue import create
-    from agentrl.queue.account import invariant_residuals
+class _LiveList:
+    """The launcher's side of the live list: the file, rewritten with a new epoch on demand
+    (alternately every server and all but the last), and when each epoch was written."""
 
-    list_file = tmp / f"servers-{rollers}.json"
-    go = tmp / f"go-{rollers}"
-    epoch = 1
-    server_list.write(list_file, epoch, urls)
-    written = {epoch: time.time()}
-    auth = os.environ.get("AGENTRL_QUEUE_AUTH", "mac")
-    config = ZmqQueueConfig(address="tcp://127.0.0.1:*", capacity_groups=1 << 16, auth=auth)
-    backend = create(config)
-    g = opts.groups_per_step or max(8, -(-rollers // (opts.k + 1)))  # auto: a credit for every roller
-    server = backend.server(groups_per_step=g, max_staleness=opts.k, servers_file=list_file).start()
-    consumer = backend.consumer("fanin", server=server)
-    learner = _Learner(consumer, g, opts.k)
-    learner.start()
+    def __init__(self, path: Path, urls: list[str]) -> None:
+        from agentrl.inference import server_list
+
+        self.path, self.urls, self._write = path, urls, server_list.write
+        self.epoch = 0
+        self.written: dict[int, float] = {}
+        self.bump()
+
+    def bump(self) -> None:
+        self.epoch += 1
+        self._write(self.path, self.epoch, self.urls if self.epoch % 2 else self.urls[:-1])
+        self.written[self.epoch] = time.time()
+
+    def reached(self, reports: list[dict]) -> tuple[float | None, list[int]]:
+        """The slowest epoch's time to reach every roller process, and the epochs some never saw."""
+        lags, missed = [], []
+        for epoch, at in self.written.items():
+            if epoch == 1:
+                continue
+            seen = [r["epochs"].get(str(epoch)) for r in reports]
+            if any(x is None for x in seen):
+                missed.append(epoch)
+            else:
+                lags.append(max(seen) - at)
+        return (max(lags) if lags else None), missed
+
+
+def _spawn_rollers(opts: argparse.Namespace, rollers: int, endpoint: str, urls: list[str], tmp: Path):
+    """The roller processes, started and past their imports (each printed READY); their logs."""
     per = [rollers // opts.procs + (1 if i < rollers % opts.procs else 0) for i in range(opts.procs)]
+    go = tmp / f"go-{rollers}"
     logs = [tmp / f"worker-{rollers}-{i}.log" for i in range(len(per))]
     procs = []
     for n, log in zip(per, logs, strict=True):
         if n:
-            cmd = [sys.executable, "-m", "agentrl.bench.fanin", "--worker", server.endpoint, str(n),
+            cmd = [sys.executable, "-m", "agentrl.bench.fanin", "--worker", endpoint, str(n),
                    str(opts.seconds), str(opts.turns), str(opts.tool_s), json.dumps(urls), str(go)]  # fmt: skip
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
                                           start_new_session=True, preexec_fn=die_with_parent))  # fmt: skip
@@ -231,32 +246,52 @@ def _one_run(opts: argparse.Namespace, rollers: int, urls: list[str], tmp: Path)
         if p.stdout.readline().strip() != "READY":
             p.wait()
             raise RuntimeError(f"a roller process did not start: {_tail(logs)}")
-    queue_tid = server._thread.native_id
-    go.touch()
-    cpu0, t0 = _thread_cpu_s(queue_tid), time.monotonic()
-    acked0, waited0 = learner.acked, learner.waited_s
-    next_list = time.monotonic() + opts.list_every_s
-    hard_stop = t0 + opts.seconds + 120
-    while any(p.poll() is None for p in procs):
-        if not learner.is_alive() or time.monotonic() > hard_stop:
-            for p in procs:
-                stop_child(p, 5)
-            raise RuntimeError("the learner thread died or the rollers did not stop: " + _tail(logs))
-        if time.monotonic() >= next_list and time.monotonic() - t0 < opts.seconds - 1:
-            epoch += 1
-            server_list.write(list_file, epoch, urls if epoch % 2 else urls[:-1])
-            written[epoch] = time.time()
-            next_list += opts.list_every_s
-        time.sleep(0.05)
-    elapsed = time.monotonic() - t0
-    cpu = _thread_cpu_s(queue_tid) - cpu0
-    waited = learner.waited_s - waited0
+    return procs, logs, go
+
+
+def _reports(procs: list[subprocess.Popen], logs: list[Path]) -> list[dict]:
     reports = []
     for p in procs:
         out, _ = p.communicate()
         if p.returncode != 0 or not out.strip():
             raise RuntimeError(f"a roller process failed ({p.returncode}): {_tail(logs)}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+def _one_run(opts: argparse.Namespace, rollers: int, urls: list[str], tmp: Path) -> dict[str, Any]:
+    from agentrl.config import ZmqQueueConfig
+    from agentrl.queue import create
+    from agentrl.queue.account import invariant_residuals
+
+    live = _LiveList(tmp / f"servers-{rollers}.json", urls)
+    config = ZmqQueueConfig(address="tcp://127.0.0.1:*", capacity_groups=1 << 16,
+                            auth=os.environ.get("AGENTRL_QUEUE_AUTH", "mac"))  # fmt: skip
+    backend = create(config)
+    g = opts.groups_per_step or max(8, -(-rollers // (opts.k + 1)))  # auto: a credit for every roller
+    server = backend.server(groups_per_step=g, max_staleness=opts.k, servers_file=live.path).start()
+    consumer = backend.consumer("fanin", server=server)
+    learner = _Learner(consumer, g, opts.k)
+    learner.start()
+    procs, logs, go = _spawn_rollers(opts, rollers, server.endpoint, urls, tmp)
+    queue_tid = server._thread.native_id
+    go.touch()
+    cpu0, t0 = _thread_cpu_s(queue_tid), time.monotonic()
+    acked0, waited0 = learner.acked, learner.waited_s
+    next_list = t0 + opts.list_every_s
+    while any(p.poll() is None for p in procs):
+        if not learner.is_alive() or time.monotonic() > t0 + opts.seconds + 120:
+            for p in procs:
+                stop_child(p, 5)
+            raise RuntimeError("the learner thread died or the rollers did not stop: " + _tail(logs))
+        if time.monotonic() >= next_list and time.monotonic() - t0 < opts.seconds - 1:
+            live.bump()
+            next_list += opts.list_every_s
+        time.sleep(0.05)
+    elapsed = time.monotonic() - t0
+    cpu = _thread_cpu_s(queue_tid) - cpu0
+    waited = learner.waited_s - waited0
+    reports = _reports(procs, logs)
     time.sleep(0.5)  # the learner takes the last full batches
     learner.stop_flag.set()
     learner.join(5)
@@ -264,15 +299,8 @@ def _one_run(opts: argparse.Namespace, rollers: int, urls: list[str], tmp: Path)
     credits, groups = invariant_residuals(metrics)
     consumer.close()
     server.stop()
-    # how long each epoch took to reach every roller process (those written while all ran)
-    lags = []
-    for e, at in written.items():
-        seen = [r["epochs"].get(str(e)) for r in reports]
-        if e > 1 and all(s is not None for s in seen):
-            lags.append(max(seen) - at)
-    missed = [e for e in written if e > 1 and any(str(e) not in r["epochs"] for r in reports)]
+    lag, missed = live.reached(reports)
     puts = sum(r["puts"] for r in reports)
-    admit_p99 = max(r["admit_p99_s"] or 0 for r in reports)
     return {
         "rollers": rollers,
         "groups_per_step": g,
@@ -288,9 +316,9 @@ def _one_run(opts: argparse.Namespace, rollers: int, urls: list[str], tmp: Path)
         "queue_cpu_per_group_ms": 1e3 * cpu / max(puts, 1),
         "queue_core_share": cpu / max(elapsed, 1e-9),
         "admit_p50_s": statistics.median(r["admit_p50_s"] or 0 for r in reports),
-        "admit_p99_s": admit_p99,
-        "list_epochs": len(written) - 1,
-        "list_lag_max_s": max(lags) if lags else None,
+        "admit_p99_s": max(r["admit_p99_s"] or 0 for r in reports),
+        "list_epochs": live.epoch - 1,
+        "list_lag_max_s": lag,
         "list_epochs_missed": missed,
         "errors": [e for r in reports for e in r["errors"]],
         "account_residuals": {"credits": credits, "groups": groups, "leased_at_end": metrics.get("leased")},

@@ -48,7 +48,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from agentrl.bench.common import emit, print_table
-from agentrl.types import Episode, Group, encode_group
+from agentrl.types import Episode, Group
+from agentrl.wire import encode_group
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 BYTES_PER_TOKEN = 13  # int32 token + uint8 mask + float32 logprob + int32 version

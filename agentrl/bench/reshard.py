@@ -30,7 +30,13 @@ it: the bound training + generation shard and the staging the engine sizes
 (`staging_bytes_per_rank`; `within_bound`: peak <= bound + staging) — a bound the measurement
 can exceed.
 
+With `--backends fsdp2,megatron` the same rows are measured from the Megatron backend's training
+shards too (TP over every rank, `fsdp=False`; its colocated layout): at tg = world every
+generation parameter is bound to the training shard, at tg < world the micro-DP all-gather runs.
+The ratios stay the FSDP2 rows'.
+
     agentrl bench reshard [--presets small,base100m] [--worlds 2,4] [--repeats 5] [--bucket-bytes N]
+                          [--backends fsdp2,megatron]
 """
 
 from __future__ import annotations
@@ -99,7 +105,33 @@ def _naive(engine) -> None:
             del full, piece
 
 
-def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_bytes: int, out: str) -> None:
+def _megatron_shards(config, rank: int, world: int, workdir: str):
+    """`--backends megatron`: the preset with random weights saved once (rank 0; the only full copy,
+    before any timing), loaded by the Megatron backend at TP over every rank (its colocated
+    layout); the shards are `MegatronBackend.local_shards` (HF layout, in place)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.learner.megatron import MegatronBackend
+
+    path = Path(workdir) / "megatron-model"
+    if rank == 0:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        model.save_pretrained(path, safe_serialization=True)
+        del model
+    dist.barrier()
+    backend = MegatronBackend(tp=world)
+    actor = backend.build("policy", path)
+    return functools.partial(backend.local_shards, actor)
+
+
+def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_bytes: int, out: str,
+            backend: str = "fsdp2") -> None:  # fmt: skip
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -118,27 +150,31 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
         model = AutoModelForCausalLM.from_config(config)
     specs = param_specs(model)
     full_bytes = 4 * sum(box_numel(tuple((0, n) for n in sp.shape)) for sp in specs)
-    rows, model_sharded = [], False
+    rows, shards = [], None
+    megatron = backend == "megatron"
     for tg, dg in LAYOUTS[world]:
         try:
             check_tp_degree(config, tg)
+            if megatron:  # TP over every rank: the model's key/value heads must split `world` ways
+                check_tp_degree(config, world)
         except ValueError as exc:
             rows.append({"tg": tg, "dg": dg, "skipped": str(exc)})
             continue
-        layout = HybridLayout(TrainLayout(d=world), GenLayout(tg=tg, dg=dg))
+        train = TrainLayout(t=world, d=1, fsdp=False) if megatron else TrainLayout(d=world)
+        layout = HybridLayout(train, GenLayout(tg=tg, dg=dg))
         meshes = build_meshes(layout)
-        if not model_sharded:
+        if shards is None and megatron:
+            shards = _megatron_shards(config, rank, world, str(Path(out).parent))
+        elif shards is None:
             shard_training_model(model, meshes.train)
             model.to_empty(device="cpu")
             torch.manual_seed(rank)
             with torch.no_grad():
                 for p in model.parameters():
                     p.to_local().normal_(0, 0.02)
-            model_sharded = True
+            shards = functools.partial(local_shards, model)
         gen_model = parallelize_generation_model(config, meshes.tp)
-        engine = HybridEngine(
-            functools.partial(local_shards, model), gen_model, layout, meshes, bucket_bytes=bucket_bytes
-        )
+        engine = HybridEngine(shards, gen_model, layout, meshes, bucket_bytes=bucket_bytes)
         gen_numel = engine.generation_bytes // 4
         micro = meshes.gen.get_group("dg")
         raw_out = torch.empty(gen_numel)
@@ -190,13 +226,33 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
     dist.destroy_process_group()
 
 
-def _spawn(preset: str, world: int, repeats: int, bucket_bytes: int, timeout_s: float) -> list[dict]:
+def _spawn(
+    preset: str, world: int, repeats: int, bucket_bytes: int, timeout_s: float, backend: str
+) -> list[dict]:
     from agentrl.hybrid.procs import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
-        run_ranks(_worker, world, (preset, repeats, bucket_bytes, out), timeout_s, f"bench reshard {preset}")
+        run_ranks(_worker, world, (preset, repeats, bucket_bytes, out, backend), timeout_s,
+                  f"bench reshard {preset} ({backend})")  # fmt: skip
         return json.loads(Path(out).read_text())
+
+
+def _table(rows: list[dict]) -> list[list]:
+    """The printed rows (and each measured row's two ratios, added to it)."""
+    table = []
+    for r in rows:
+        if "skipped" in r:
+            table.append([r["backend"], r["preset"], r["world"], r["tg"], r["dg"], "skipped"] + [""] * 8)
+            continue
+        r["vs_raw_allgather"] = r["raw_allgather_s"] / r["reshard_s"]
+        r["vs_naive"] = r["naive_s"] / r["reshard_s"]
+        table.append(
+            [r["backend"], r["preset"], r["world"], r["tg"], r["dg"], 1e3 * r["reshard_s"], 1e3 * r["raw_allgather_s"],
+             1e3 * r["naive_s"], r["vs_raw_allgather"], r["vs_naive"], r["collectives"],
+             r["peak_param_bytes"] / 2**20, r["bound_bytes"] / 2**20, r["staging_bytes"] / 2**20]
+        )  # fmt: skip
+    return table
 
 
 def main(args: list[str]) -> int:
@@ -205,6 +261,9 @@ def main(args: list[str]) -> int:
     parser.add_argument("--worlds", default="2,4", help="world sizes (ranks), each of 2 or 4")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="limit per preset and world size")
+    parser.add_argument("--backends", default="fsdp2",
+                        help="training backends to reshard from: fsdp2 (FSDP over every rank) and/or megatron "
+                             "(Megatron TP over every rank; needs agentrl[megatron])")  # fmt: skip
     parser.add_argument("--bucket-bytes", type=int, default=None,
                         help="gather parameters up to this size in buckets (default: the engine's; 0: none)")  # fmt: skip
     ns = parser.parse_args(args)
@@ -215,33 +274,22 @@ def main(args: list[str]) -> int:
 
     bucket_bytes = BUCKET_BYTES if ns.bucket_bytes is None else ns.bucket_bytes
     rows = []
-    for preset in ns.presets.split(","):
-        for world in worlds:
-            for row in _spawn(preset, world, ns.repeats, bucket_bytes, ns.timeout_s):
-                rows.append({"preset": preset, "world": world, **row})
+    for backend in ns.backends.split(","):
+        for preset in ns.presets.split(","):
+            for world in worlds:
+                for row in _spawn(preset, world, ns.repeats, bucket_bytes, ns.timeout_s, backend):
+                    rows.append({"backend": backend, "preset": preset, "world": world, **row})
     _print_rows(rows)
     emit("reshard", *_summary(rows, bucket_bytes))
     return 0
 
 
 def _print_rows(rows: list[dict]) -> None:
-    """The table of every measured layout; adds each row's ratios (reshard against the raw
-    all-gather and the naive gather) to it."""
-    table = []
-    for r in rows:
-        if "skipped" in r:
-            table.append([r["preset"], r["world"], r["tg"], r["dg"], "skipped"] + [""] * 8)
-            continue
-        r["vs_raw_allgather"] = r["raw_allgather_s"] / r["reshard_s"]
-        r["vs_naive"] = r["naive_s"] / r["reshard_s"]
-        table.append(
-            [r["preset"], r["world"], r["tg"], r["dg"], 1e3 * r["reshard_s"], 1e3 * r["raw_allgather_s"],
-             1e3 * r["naive_s"], r["vs_raw_allgather"], r["vs_naive"], r["collectives"],
-             r["peak_param_bytes"] / 2**20, r["bound_bytes"] / 2**20, r["staging_bytes"] / 2**20]
-        )  # fmt: skip
+    """The table of every measured layout (`_table`)."""
+    table = _table(rows)
     print_table(
         "HybridEngine reshard (gloo, CPU)",
-        ["preset", "ranks", "tg", "dg", "reshard ms", "raw AG ms", "naive ms", "vs raw", "vs naive",
+        ["backend", "preset", "ranks", "tg", "dg", "reshard ms", "raw AG ms", "naive ms", "vs raw", "vs naive",
          "collectives", "peak MiB/rank", "bound MiB", "staging MiB"],
         table,
     )  # fmt: skip
@@ -249,8 +297,8 @@ def _print_rows(rows: list[dict]) -> None:
 
 def _summary(rows: list[dict], bucket_bytes: int) -> tuple[dict, dict]:
     """Metrics (the peaks per rank against their bound, every row) and ratios (the lowest over the
-    layouts with both tg and dg above 1)."""
-    head = [r for r in rows if "skipped" not in r and r["tg"] > 1 and r["dg"] > 1]
+    FSDP2 layouts with both tg and dg above 1)."""
+    head = [r for r in rows if "skipped" not in r and r["tg"] > 1 and r["dg"] > 1 and r["backend"] == "fsdp2"]
     ratios = {}
     if head:
         ratios = {

@@ -3,6 +3,7 @@ a raw gloo broadcast of the same tensors and with the disk engine, in one run.
 
     agentrl bench sync [--preset base100m] [--repeats 3] [--bucket-mb 64]
     agentrl bench sync --preset mini --repeats 1 --bucket-mb 1   # seconds: several buckets, ~4 MB
+    agentrl bench sync --lora-rank 8     # (the default) adds the LoRA adapter push row; 0 leaves it out
 
 One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter model.
 - ours: `BroadcastEngine.push` — pause, bucketed broadcast with the server loading each
@@ -17,6 +18,10 @@ One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter m
 - vllm (`--vllm`, needs `make vllm`): `BroadcastEngine.push` into a real vLLM server started
   after the embedded one has stopped: the same broadcast into agentrl's worker extension, which
   stages every bucket and loads the whole set with vLLM's in-place reload at the end.
+- LoRA (`--lora-rank`, default 8; needs `peft` in the server): `BroadcastEngine.push` of a rank-r
+  adapter on every attention and MLP projection of the same model (`lora_mode: adapter`: only the
+  adapter's tensors travel, the server applies them on the base it holds), measured first, while the
+  server still holds its base; `lora_vs_full_push` = adapter / full push seconds (lower is better).
 Ratios (higher is better): `vs_raw_broadcast` = raw / ours (target ≥ 0.9), `vs_disk` =
 disk / ours (target ≥ 3); the JSON carries both sides' seconds (`push_s`, `raw_broadcast_s`,
 `disk_s`, medians, and every repeat's). A phase table splits our push (median per phase over
@@ -41,6 +46,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -148,12 +154,57 @@ def _vllm_pushes(model: torch.nn.Module, model_dir: str, opts: argparse.Namespac
     return [p.seconds for p in pushes[1:]]
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def adapter_for(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """A rank-`rank` LoRA adapter on every attention and MLP projection of `model`, named as PEFT
+    saves one (`base_model.model.<module>.lora_A.weight`): what a LoRA learner of this model pushes."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS:
+            prefix = f"base_model.model.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=gen) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=gen) * 0.01
+    return tensors
+
+
+def _lora_pushes(model: torch.nn.Module, inference: Any, opts: argparse.Namespace) -> dict[str, Any]:
+    """Adapter pushes (`lora_mode: adapter`) of a rank-`--lora-rank` adapter of `model` into the
+    server, through the same broadcast engine as the full pushes, the first one a warm-up."""
+    from agentrl.config import BroadcastSyncConfig
+    from agentrl.weight_sync.base import AdapterSpec, AdapterWeights
+    from agentrl.weight_sync.registry import create
+
+    tensors = adapter_for(model, opts.lora_rank)
+    spec = AdapterSpec(opts.lora_rank, 2.0 * opts.lora_rank, LORA_TARGETS)
+    weights = AdapterWeights(adapter=lambda: tensors.items(), merged=model.named_parameters, spec=spec)
+    engine = create(BroadcastSyncConfig(bucket_mb=opts.bucket_mb, timeout_s=300), inference)
+    engine.init()
+    seconds, pushed = [], 0
+    try:
+        for version in range(1, opts.repeats + 2):
+            stats = engine.push(weights, version)
+            if stats.servers_updated != 1:
+                raise RuntimeError(f"adapter push {version} did not commit on the server: {stats.outcomes}")
+            if version > 1:
+                seconds.append(stats.seconds)
+            pushed = stats.bytes
+    finally:
+        engine.close()
+    return {"seconds": seconds, "bytes": pushed}
+
+
 def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agentrl bench sync")
     parser.add_argument("--preset", default="base100m", help="model size to push (tiny, small, base100m)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--vllm", action="store_true", help="also push into a real vLLM server (make vllm)")
+    parser.add_argument(
+        "--lora-rank", type=int, default=8, help="rank of the LoRA adapter push rows (0: none)"
+    )
     opts = parser.parse_args(args)
     if opts.repeats < 1 or opts.bucket_mb < 1:
         parser.error("--repeats and --bucket-mb must be at least 1")
@@ -186,6 +237,8 @@ def main(args: list[str]) -> int:
         try:
             wait_healthy([url], [server])
             inference = InferenceConfig(servers=[url])
+            # first, while the server holds the base it loaded: an adapter on a replaced base is refused
+            lora = _lora_pushes(model, inference, opts) if opts.lora_rank else None
             ours, raw, peaks, phases, round_trips = [], [], [], [], []
             engine = create(BroadcastSyncConfig(bucket_mb=opts.bucket_mb, timeout_s=300), inference)
             engine.init()
@@ -230,6 +283,10 @@ def main(args: list[str]) -> int:
     if vllm:
         vllm_s = statistics.median(vllm)
         rows.append(["vLLM: broadcast engine into the worker extension", vllm_s, nbytes / vllm_s / 1e9])
+    if lora:
+        lora_s = statistics.median(lora["seconds"])
+        rows.append([f"LoRA adapter push, rank {opts.lora_rank} ({lora['bytes'] / 1e6:.1f} MB)", lora_s,
+                     lora["bytes"] / lora_s / 1e9])  # fmt: skip
     print_table(
         f"weight push of {nbytes / 1e6:.0f} MB ({opts.preset}), median of {opts.repeats}",
         ["path", "seconds", "GB/s"],
@@ -266,10 +323,21 @@ def main(args: list[str]) -> int:
             "peak_extra_rss_bytes": max(peaks),
             "peak_extra_rss_exact": exact_rss,
             "bucket_bytes": bucket,
+            **(
+                {
+                    "lora_rank": opts.lora_rank,
+                    "lora_bytes": lora["bytes"],
+                    "lora_push_s": statistics.median(lora["seconds"]),
+                    "lora_push_s_each": lora["seconds"],
+                }
+                if lora
+                else {}
+            ),
         },
         {
             "vs_raw_broadcast": raw_s / ours_s,
             "vs_disk": disk_s / ours_s,
+            **({"lora_vs_full_push": statistics.median(lora["seconds"]) / ours_s} if lora else {}),
             **(
                 {
                     "vllm_push_s": statistics.median(vllm),

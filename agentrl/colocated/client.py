@@ -31,6 +31,18 @@ class EngineClient(InferenceClient):
         self.engine = engine
         self.seed = seed
         self._seen: dict[bytes, int] = {}
+        self._open = asyncio.Event()
+        self._open.set()
+
+    def hold(self) -> None:
+        """New requests wait (in `generate`) until `resume`: between two colocated steps, while the
+        engine's buffers are released and the ranks train."""
+        self._open.clear()
+
+    def resume(self, seed: int | None) -> None:
+        """Let held and new requests through, seeded from `seed` as if this were a new client."""
+        self.seed, self._seen = seed, {}
+        self._open.set()
 
     async def generate(
         self,
@@ -41,6 +53,7 @@ class EngineClient(InferenceClient):
     ) -> GenerateResult:
         from agentrl.inference.server import _prompt_ids, _sampling
 
+        await self._open.wait()
         if self.seed is not None and sampling_params.get("sampling_seed") is None:
             sampling_params = {**sampling_params, "sampling_seed": self._seed_for(input_ids)}
         try:

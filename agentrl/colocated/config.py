@@ -24,6 +24,16 @@ class ColocatedConfig(Section):
     """Tensor-parallel degree of one generation engine replica; there are num_processes/tg replicas."""
     max_batch_size: int = Field(64, ge=1)
     """Sequences one replica decodes together."""
+    partial_rollout: float | None = Field(None, gt=0, le=1)
+    """Partial rollouts against the long tail: each replica keeps ⌈(groups_per_step/replicas) /
+    partial_rollout⌉ groups in flight, and a step stops generating once groups_per_step/replicas of
+    them are done (that share of its groups); the unfinished episodes keep their tokens and
+    versions and go on after the next reshard, on the new weights (their later tokens carry the
+    newer version, as after a weight push in decoupled mode). None: a step waits for all its groups
+    (on-policy). The time an episode waits across a training step counts towards
+    `roller.episode_timeout_s`. A checkpoint does not hold unfinished episodes: `--resume` goes on
+    with the next tasks (those groups' tasks are skipped), so it repeats the uninterrupted run only
+    without partial rollouts."""
 
     @model_validator(mode="after")
     def _layouts(self) -> ColocatedConfig:

@@ -1,7 +1,8 @@
 """The colocated loop: every rank generates, reshards and trains in turn, on the same devices.
 
-    torchrun --nproc_per_node=2 -m agentrl.colocated.loop --config recipes/quickstart_colocated.yaml
-    (what `agentrl run` starts for `mode: colocated`; see agentrl/colocated/launch.py)
+    torchrun --nproc_per_node=2 -m agentrl colocated --config recipes/quickstart_colocated.yaml
+    (what `agentrl run` starts for `mode: colocated`: agentrl/launch/colocated.py, or one Ray
+    placement group with `launcher.type: ray`)
 
 Start-up (`ColocatedRank`, every rank, in this order, because each creates process groups): the
 hybrid layout (training: `colocated.t`-way tensor parallel times FSDP2 over the S/t dp ranks, a
@@ -9,7 +10,8 @@ hybrid layout (training: `colocated.t`-way tensor parallel times FSDP2 over the 
 S/tg of them), the meshes, the learner (`learner.loop.build_learner`: the actor sharded by the
 HybridEngine's training layout, AdamW, LR schedule, data parallel over the dp mesh:
 hybrid/backend.py; the frozen reference with `loss.kl_coef > 0`, the critic with its own AdamW
-with `loss.advantage: gae`, both FSDP2 over all ranks, never resharded), the TP generation model
+with `loss.advantage: gae`, both FSDP2 over all ranks, never resharded; with `learner.backend:
+megatron` all three are the Megatron backend's, TP over every rank: `megatron_layout`), the TP generation model
 whose parameters the HybridEngine binds to its buffers, the replica's lock-step channel, and the
 engine on that module (no second copy of the weights is ever loaded). Each replica's leader
 starts the engine thread.
@@ -18,8 +20,11 @@ One step, a short script (`ColocatedRank.generate`, then `.train`):
 
     1. reshard: training shards -> generation buffers (all-gather inside each micro-DP group)
     2. generate: each replica's leader runs its share of the step's groups with the roller's own
-       group code (`Roller` against an in-process `StepProducer`: the same envs, tools, rewards,
-       reward model, ReMax greedy episode, dynamic sampling) on its engine; followers replay
+       group code (one `Roller` for the run against an in-process `StepProducer`: the same envs,
+       tools, rewards, reward model, ReMax greedy episode, dynamic sampling) on its engine;
+       followers replay. With `colocated.partial_rollout` more groups run than the step takes,
+       and the step is cut once it has its groups: the unfinished episodes keep their tokens
+       (and versions) and go on in the next step, after its reshard
     3. release: KV cache and generation buffers go (the training shards stay)
     4. share: every rank gets every group (all_gather_object); the tokens carry version v
     5. train: the learner's step (`learner.step`: advantages, packing over the S/t dp ranks, the t
@@ -30,7 +35,9 @@ One step, a short script (`ColocatedRank.generate`, then `.train`):
     7. checkpoint and export every N versions (`run`, with the decoupled learner's functions)
 
 Generation runs on the weights of version v and training consumes them at version v: the loop is
-on-policy, every group has staleness 0, and TIS / decoupled PPO see ratios of ~1.
+on-policy, every group has staleness 0, and TIS / decoupled PPO see ratios of ~1 (with partial
+rollouts, the tokens of a cut episode generated before the cut are a step or more stale, which
+their per-token versions show and the off-policy correction weights).
 """
 
 from __future__ import annotations
@@ -57,16 +64,29 @@ def build_learner(cfg: AgentRLConfig, meshes: Any) -> Any:
     """The learner's `Learner` through its backend seam, the actor sharded with the HybridEngine's
     training layout (tensor parallel over `meshes.train_tp` when `colocated.t > 1`, then FSDP2 over
     `meshes.train`, each parameter on its TP dim, so every training shard lies inside a generation
-    shard); the backend's data parallel is the dp mesh (hybrid/backend.py)."""
+    shard); the backend's data parallel is the dp mesh (hybrid/backend.py). With `learner.backend:
+    megatron` the Megatron backend itself, TP over every rank (`megatron_layout` checks it)."""
     from agentrl.hybrid.backend import HybridFSDP2Backend
     from agentrl.hybrid.reshard import shard_training_model
     from agentrl.learner.loop import build_learner as build
 
     lc = cfg.learner
-    if lc.backend != "fsdp2":
-        raise ValueError(f"learner.backend: {lc.backend!r}; mode: colocated trains with fsdp2")
+    if lc.backend == "megatron":  # Megatron's own TP layout; local_shards gives it to the engine
+        return build(lc, cfg.run_dir)
     shard = functools.partial(shard_training_model, mesh=meshes.train, tp_mesh=meshes.train_tp)
     return build(lc, cfg.run_dir, HybridFSDP2Backend(meshes.train), shard)
+
+
+def megatron_layout(cfg: AgentRLConfig, world: int) -> None:
+    """Colocated with `learner.backend: megatron`: the HybridEngine reshards Megatron's tensor
+    parallel over every rank (one replica, one pipeline stage); refuses other layouts naming the
+    field to change."""
+    m, cc = cfg.learner.megatron, cfg.colocated
+    if m.pp != 1:
+        raise ValueError(f"learner.megatron.pp={m.pp}: colocated mode reshards one pipeline stage; use pp 1")
+    if m.tp != cc.t or m.tp != world:
+        raise ValueError(f"learner.megatron.tp={m.tp}: colocated with megatron trains TP over every rank; set "
+                         f"colocated.t and learner.megatron.tp to colocated.num_processes ({world})")  # fmt: skip
 
 
 def _lockstep(meshes: Any) -> Any:
@@ -89,27 +109,67 @@ def hash_seed(*parts: int) -> int:
 
 
 class StepProducer:
-    """One replica's queue for one step (the roller's `Producer`, in process): it admits the
+    """One replica's queue (the roller's `Producer`, in process), step after step: it admits the
     replica's next tasks (task `k·replicas + replica` for its k-th admission, so the replicas
-    split one task stream) and keeps the groups the roller puts. The roller drops groups itself
-    (dynamic sampling, failures) and is then admitted a further task, as against the queue."""
+    split one task stream) while fewer than `in_flight` groups are running in the open step, and
+    keeps the groups the roller puts; a step is full once `target` groups are done. The roller
+    drops groups itself (dynamic sampling, failures) and is then admitted a further task, as
+    against the queue. With `in_flight == target` every step waits for all its groups; with more
+    in flight (partial rollouts), the groups still running at the cut go on in the next step."""
 
-    def __init__(self, version: int, cursor: int, replica: int, replicas: int) -> None:
-        self.version, self.cursor, self.replica, self.replicas = version, cursor, replica, replicas
-        self.groups: list[Group] = []
+    def __init__(self, replica: int, replicas: int, in_flight: int, target: int) -> None:
+        self.replica, self.replicas, self.in_flight, self.target = replica, replicas, in_flight, target
+        self.version = 0
+        self.cursor = 0  # this replica's admissions so far (its next task is cursor·replicas + replica)
+        self.running = 0  # admitted groups neither put nor dropped
+        self.done: list[Group] = []
+        self._free = 0  # admissions the open step may still grant
+        self._open = False
+        self._changed = asyncio.Condition()
+        self._full = asyncio.Event()
+
+    async def begin(self, version: int) -> None:
+        """Open a step at `version`: admit up to `in_flight` running groups."""
+        self.version, self._open = version, True
+        async with self._changed:
+            self._free = max(0, self.in_flight - self.running)
+            self._changed.notify_all()
+
+    async def full(self) -> None:
+        await self._full.wait()
+
+    def cut(self) -> list[Group]:
+        """Close the step: no more admissions; its `target` groups (those done first)."""
+        self._free, self._open = 0, False
+        groups, self.done = self.done[: self.target], self.done[self.target :]
+        if len(self.done) < self.target:
+            self._full.clear()
+        return groups
 
     async def acquire_start(self, n: int = 1) -> Any:
         from agentrl.queue.base import Admission
 
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._free >= n)
+            self._free -= n
+        self.running += n
         first = self.cursor * self.replicas + self.replica
         self.cursor += n
         return Admission(self.version, first)
 
     async def put(self, group: Group) -> None:
-        self.groups.append(group)
+        self.running -= 1
+        self.done.append(group)
+        if len(self.done) >= self.target:
+            self._full.set()
 
     async def release_start(self, n: int = 1) -> None:
-        return None  # a dropped group's task is not tried again; the next admission is a new task
+        """A dropped group: its task is not tried again; the open step admits a new one instead."""
+        self.running -= n
+        if self._open:
+            async with self._changed:
+                self._free += n
+                self._changed.notify_all()
 
     async def current_version(self) -> int:
         return self.version
@@ -131,6 +191,7 @@ class ColocatedRank:
     def __init__(self, cfg: AgentRLConfig):
         from transformers import AutoTokenizer
 
+        from agentrl.colocated.client import EngineClient
         from agentrl.envs.registry import env_factory, load_env_class
         from agentrl.hybrid.layout import GenLayout, HybridLayout, TrainLayout
         from agentrl.hybrid.reshard import HybridEngine, build_meshes
@@ -146,8 +207,12 @@ class ColocatedRank:
         cc, lc = cfg.colocated, cfg.learner
         if self.world != cc.num_processes:
             raise ValueError(f"colocated.num_processes={cc.num_processes}, but {self.world} ranks started")
+        megatron = lc.backend == "megatron"
+        if megatron:
+            megatron_layout(cfg, self.world)
         layout = HybridLayout(
-            TrainLayout(t=cc.t, d=self.world // cc.t), GenLayout(tg=cc.tg, dg=self.world // cc.tg)
+            TrainLayout(t=cc.t, d=self.world // cc.t, fsdp=not megatron),
+            GenLayout(tg=cc.tg, dg=self.world // cc.tg),
         )
         self.meshes = build_meshes(layout, self.device.type)
         self.learner = build_learner(cfg, self.meshes)
@@ -171,10 +236,16 @@ class ColocatedRank:
         )
         self.renderer = ChatRenderer(tokenizer, self.make_env().tool_schemas or None)
         self.reward_model = RewardModelClient(cfg.reward) if cfg.reward.url else None
-        self.cursor = 0  # this replica's admitted tasks so far (its next is cursor·replicas + index)
+        in_flight = self.per_replica
+        if cc.partial_rollout is not None:
+            in_flight = math.ceil(self.per_replica / cc.partial_rollout)
+        self.producer = StepProducer(self.replica_index, self.replicas, in_flight, self.per_replica)
+        self.client = EngineClient(self.engine)
+        self.roller: Any = None  # started by the first step (`_roll`), on `gen_loop`
+        self.roller_task: asyncio.Future | None = None
         self.cursors: dict[int, int] = {}  # every replica's, after each step (what a checkpoint saves)
         self.roller_metrics: dict[str, Any] = {}
-        from agentrl.learner.loop import ConsoleProgress, RunTally
+        from agentrl.learner.bookkeeping import ConsoleProgress, RunTally
 
         self.tally = RunTally(ConsoleProgress(lc.max_steps, 0, enabled=False))  # skips, saved / exported
         self.applied = False
@@ -188,27 +259,43 @@ class ColocatedRank:
 
     async def _roll(self) -> list[Group]:
         """This replica's share of the step, by the roller's own group code (`Roller`: episodes,
-        ReMax's greedy episode, reward-model scores, dynamic sampling, accounting) against an
-        in-process `StepProducer`; the groups in task order, so that the step does not depend
-        on which episode finished first."""
-        from agentrl.colocated.client import EngineClient
-        from agentrl.rollers.roller import Roller
+        ReMax's greedy episode, reward-model scores, dynamic sampling, accounting) against the
+        in-process `StepProducer`; one roller for the whole run, so that episodes still running
+        when a step is cut (partial rollouts) go on in the next. The cut holds new requests and
+        aborts the running ones (their tokens so far come back, as after a weight push, and the
+        agent loop resubmits them, held until the next step resumes the client). The step's
+        groups in task order, so that it does not depend on which episode finished first."""
+        from agentrl.rollers.roller import Roller, RollerStats
 
-        producer = StepProducer(self.learner.version, self.cursor, self.replica_index, self.replicas)
-        config = self.cfg.roller.model_copy(update={"max_groups": self.per_replica})
-        Path(self.cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        groups_file = str(Path(self.cfg.run_dir) / f"colocated_replica{self.replica_index}.groups")
-        client = EngineClient(
-            self.engine, seed=hash_seed(self.cfg.learner.seed, self.learner.version, self.replica_index)
-        )
-        roller = Roller(config, self.make_env, self.tasks, client, self.renderer, producer,
-                        groups_file=groups_file, reward_model=self.reward_model)  # fmt: skip
-        await roller.run()
-        if roller.fatal is not None:
-            raise RuntimeError(f"colocated replica {self.replica_index}: {roller.fatal}")
-        self.cursor = producer.cursor
-        self.roller_metrics = roller.stats.snapshot()
-        return sorted(producer.groups, key=lambda g: g.metrics.get("task_index", 0))
+        producer, client = self.producer, self.client
+        if self.roller_task is None:
+            config = self.cfg.roller.model_copy(update={"max_groups": None})
+            Path(self.cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            groups_file = str(Path(self.cfg.run_dir) / f"colocated_replica{self.replica_index}.groups")
+            self.roller = Roller(config, self.make_env, self.tasks, client, self.renderer, producer,
+                                 groups_file=groups_file, reward_model=self.reward_model)  # fmt: skip
+            self.roller_task = asyncio.ensure_future(self.roller.run())
+        else:  # the step's own counts, as from a roller of its own; the episodes in flight go on
+            old = self.roller.stats
+            self.roller.stats = RollerStats(
+                in_flight_episodes=old.in_flight_episodes, newest_version=old.newest_version
+            )
+        client.resume(hash_seed(self.cfg.learner.seed, self.learner.version, self.replica_index))
+        await producer.begin(self.learner.version)
+        full = asyncio.ensure_future(producer.full())
+        await asyncio.wait({full, self.roller_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not full.done():
+            full.cancel()
+            error = None if self.roller_task.cancelled() else self.roller_task.exception()
+            why = self.roller.fatal or self.roller.finished or (repr(error) if error else "it stopped")
+            raise RuntimeError(f"colocated replica {self.replica_index}: the roller ended: {why}")
+        client.hold()
+        if producer.running:  # partial rollouts: the unfinished episodes wait for the next step
+            engine = self.engine
+            await asyncio.wrap_future(engine.call(lambda: engine.abort(abort_all=True, message="step cut")))
+        groups = producer.cut()
+        self.roller_metrics = {**self.roller.stats.snapshot(), "colocated/groups_carried": producer.running}
+        return sorted(groups, key=lambda g: g.metrics.get("task_index", 0))
 
     def generate(self) -> tuple[list[Group], dict[str, float]]:
         """Steps 1-4: reshard, generate on the rank-local replica, release, share. Every rank
@@ -239,7 +326,8 @@ class ColocatedRank:
 
         # 4. share: every rank gets every group
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (mine, self.replica_index, self.cursor if lock.is_leader else None))
+        cursor = self.producer.cursor if lock.is_leader else None
+        dist.all_gather_object(gathered, (mine, self.replica_index, cursor))
         groups = [g for part, _, _ in gathered for g in part]
         self.cursors = {i: c for _, i, c in gathered if c is not None}
         return groups, {**self.roller_metrics, "time/generation_s": t_gen, "time/reshard_s": t_reshard, "time/release_s": t_release,
@@ -248,32 +336,36 @@ class ColocatedRank:
     def train(self, groups: list[Group]) -> dict[str, float]:
         """Step 5: advantages, packing over the dp ranks, recompute, forward/backward, AdamW (the
         learner's own functions); version v+1. Returns the step's metrics (the same on every rank)."""
-        from agentrl.learner import step
-        from agentrl.learner.loop import _prepare, _publish
+        from agentrl.learner import bookkeeping, step
 
         learner, tally = self.learner, self.tally
-        result = step.train(learner, _prepare(learner, groups, tally))
+        result = step.train(learner, bookkeeping.prepare(learner, groups, tally))
         self.applied = result.applied
         if result.nonfinite:
             tally.count("nonfinite_step")
             log.error("step at version %d skipped: non-finite loss or gradient norm", learner.version)
         staleness = max(g.staleness(learner.version) for g in groups)
         learner.consumed_groups += len(groups)
-        _publish(learner, None, None, result.applied, tally, counts_as_skip=not result.used)
+        bookkeeping.publish(learner, None, None, result.applied, tally, counts_as_skip=not result.used)
         m = result.metrics(learner)
         m.update({"groups_consumed": learner.consumed_groups, "staleness/max": staleness})
         m.update({f"skipped/{k}": float(v) for k, v in tally.skipped.items()})
         return m
 
-    # the checkpoint's cursor (`learner.loop._save` / `resume` call these as a consumer's)
+    # the checkpoint's cursor (`learner.bookkeeping`'s `save` / `resume` call these as a consumer's)
     def state_dict(self) -> dict[str, Any]:
         return {"task_cursors": {str(i): c for i, c in self.cursors.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cursors = {int(i): c for i, c in state["task_cursors"].items()}
-        self.cursor = self.cursors[self.replica_index]
+        self.producer.cursor = self.cursors[self.replica_index]
 
     def close(self) -> None:
+        if self.roller_task is not None:  # the roller, then what it leaves (groups cut by the last step)
+            for tasks in ({self.roller_task}, asyncio.all_tasks(self.gen_loop)):
+                for task in tasks:
+                    task.cancel()
+                self.gen_loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         if self.reward_model is not None:
             self.gen_loop.run_until_complete(self.reward_model.close())
         self.gen_loop.close()
@@ -284,15 +376,15 @@ class ColocatedRank:
 def run(cfg: AgentRLConfig, resume: bool = False) -> int:
     """Every rank: train until `learner.max_steps` versions exist, checkpointing every
     `checkpoint.every` versions and exporting every `checkpoint.export_every` (and both at the
-    end), as the decoupled learner does (`learner.loop`'s own functions); `resume` continues from
+    end), as the decoupled learner does (`learner.bookkeeping`, as the decoupled loop); `resume` continues from
     the newest intact checkpoint: weights, optimizer states, version and every replica's task
     cursor (generation is seeded per step and prompt: `EngineClient`), so the resumed run
     repeats the uninterrupted one. Returns the final version."""
-    from agentrl.learner import loop
+    from agentrl.learner import bookkeeping as book
 
     r = ColocatedRank(cfg)
     learner, tally = r.learner, r.tally
-    if resume and loop.resume(learner, r):
+    if resume and book.resume(learner, r):
         tally.saved = learner.version
         log.info("resumed at version %d (task cursors %s)", learner.version, r.cursors)
     metrics = MetricsLogger.from_config(cfg.run_dir, "learner", cfg.learner.logging) if r.rank == 0 else None
@@ -319,11 +411,11 @@ def run(cfg: AgentRLConfig, resume: bool = False) -> int:
                          m.get("reward/mean", math.nan), m["time/generation_s"], m["time/reshard_s"],
                          m["time/train_s"])  # fmt: skip
             # 7. checkpoint and export every N versions
-            loop._periodic_save(learner, r, r.applied, tally)
+            book.periodic_save(learner, r, r.applied, tally)
         if tally.saved != learner.version:
-            loop._save(learner, r)
+            book.save(learner, r)
         if tally.exported != learner.version:
-            loop.export(learner)
+            book.export(learner)
     finally:
         if endpoint is not None:
             endpoint.stop()
@@ -331,6 +423,15 @@ def run(cfg: AgentRLConfig, resume: bool = False) -> int:
         if metrics is not None:
             metrics.close()
     return learner.version
+
+
+def run_rank(cfg: AgentRLConfig, resume: bool = False) -> int:
+    """This process's rank of the run (`agentrl colocated`): `run`, then leave the process group.
+    Returns the exit code."""
+    run(cfg, resume)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
 
 
 def main() -> int:
@@ -344,11 +445,7 @@ def main() -> int:
     path = None
     if args[:1] == ["--config"]:
         path, args = args[1], args[2:]
-    cfg = load_config(path, args, uses=("learner", "roller", "env", "reward"))
-    run(cfg, resume)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return run_rank(load_config(path, args, uses=("learner", "roller", "env", "reward", "colocated")), resume)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The collectives of the HybridEngine reshard (reshard.py): the bucket plan, a bucket's copy-out
+"""The collectives of the HybridEngine reshard (reshard.py): a parameter's generation slot, the bucket plan, a bucket's copy-out
 from its staging buffer, the reorder of blocks a group gathered out of layout order, the
 all-gather itself, and an outside view of live tensor memory for the tests and the bench."""
 
@@ -11,7 +11,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from agentrl.hybrid.reshard import GenSlot
+
+@dataclass
+class GenSlot:
+    """One parameter's generation buffer and where it comes from."""
+
+    name: str
+    kind: str  # "col" (Shard(0)), "row" (Shard(1), stored transposed unless a view) or "rep"
+    buffer: torch.Tensor  # owns the storage (for "row" the module weight's transpose), or a view
+    nbytes: int  # bytes of the generation shard
+    box: tuple[tuple[int, int], ...]  # the slice of the full parameter it holds (layout.gen_box)
+    view: bool = False  # the training shard itself (a gather over one rank): nothing to fill or free
+    group: str = "micro"  # gathered over the micro-DP group, or "fsdp" (the norms)
 
 
 @dataclass

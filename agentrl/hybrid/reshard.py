@@ -5,9 +5,11 @@ generation buffers are released again before training.
 Layouts and rank maps are in layout.py, the TP plan in tp.py. The training layouts supported
 here are FSDP2 over `d` ranks, optionally tensor parallel over `t` (`p = 1`; a (dp, tp)
 DeviceMesh, `rank = d_idx·t + t_idx`, torch-native `parallelize_module` with tp.py's plan, then
-`fully_shard` over dp); the generation layout is `tg`-way TP with `dg = t·d/tg` micro-DP replicas,
-on a DeviceMesh ("dg", "tg") built from `layout.gen_mesh()`. Pipeline stages (`p > 1`) exist in
-the rank maps only.
+`fully_shard` over dp), and Megatron's tensor parallel over every rank (`fsdp=False`, `d = 1`:
+the Megatron backend's `local_shards` gives its TP shards in HF layout, norms whole); the
+generation layout is `tg`-way TP with `dg = t·d/tg` micro-DP replicas,
+on a DeviceMesh ("dg", "tg") built from `layout.gen_mesh()`. Pipeline stages (`p > 1`) and
+replicated data parallel exist in the rank maps only.
 
 FSDP shards each parameter on its TP dim (tp.fsdp_shard_placement), and on top of TP it shards
 the TP-local tensor (`_StridedShard`): rank `r` holds block `s = t_idx·d + d_idx` of the `t·d`
@@ -22,7 +24,9 @@ grouping `s = g·dg + j`). So per parameter:
 - replicated (RMSNorms; FSDP shards them over the `d` ranks of the rank's TP index): gathered
   over that FSDP group (a few KB).
 - a gather over one rank (`dg = 1`, or a norm at `d = 1`): the generation parameter is a view of
-  the training shard itself; nothing is copied and no memory is added.
+  the training shard itself; nothing is copied and no memory is added. (Where the backend's block
+  is a re-arranged copy of its shard, Megatron's q/k/v with several KV groups per rank, the bound
+  copy is refreshed from the current one at each `to_generation()`.)
 
 Parameters whose generation shard is at most `bucket_bytes` are gathered in buckets (one
 all-gather per bucket and group: on gloo each collective costs a fixed latency that dominates
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agentrl.hybrid.gather import (
+    GenSlot,
     Group,
     all_gather_coalesced,
     all_gather_single,
@@ -75,19 +80,6 @@ class HybridMeshes:
     gen: DeviceMesh
     tp: DeviceMesh
     train_tp: DeviceMesh | None = None
-
-
-@dataclass
-class GenSlot:
-    """One parameter's generation buffer and where it comes from."""
-
-    name: str
-    kind: str  # "col" (Shard(0)), "row" (Shard(1), stored transposed unless a view) or "rep"
-    buffer: torch.Tensor  # owns the storage (for "row" the module weight's transpose), or a view
-    nbytes: int  # bytes of the generation shard
-    box: tuple[tuple[int, int], ...]  # the slice of the full parameter it holds (layout.gen_box)
-    view: bool = False  # the training shard itself (a gather over one rank): nothing to fill or free
-    group: str = "micro"  # gathered over the micro-DP group, or "fsdp" (the norms)
 
 
 @dataclass
@@ -175,15 +167,14 @@ class HybridEngine:
         self.added_bytes = sum(s.nbytes for s in self.slots if not s.view)
         sizes = {name: group.size for name, group in self.groups.items()}
         self.in_place, self.buckets = plan_buckets([s for s in self.slots if not s.view], sizes, bucket_bytes)
-        if transport == "auto":
-            gloo = all(dist.get_backend(g.pg) == "gloo" for g in self.groups.values())
-            transport = "coalesced" if gloo else "staging"
-        if transport not in ("coalesced", "staging"):
-            raise ValueError(f"transport={transport!r}: 'auto', 'coalesced' (gloo) or 'staging'")
-        self.transport = transport
+        self.transport = _transport(transport, self.groups)
         self.peak_param_bytes = self.training_bytes  # of this engine's own accounting
         self._allocated = False
-        if transport == "coalesced":
+        self._plan_staging()
+
+    def _plan_staging(self) -> None:
+        """The transport's units and the staging memory it holds at most (`staging_bytes`)."""
+        if self.transport == "coalesced":
             # one allgather_coalesced per bucket and per large parameter; gloo's flat input and
             # output of at most MAX_STAGING calls are alive at once (inside gloo)
             self.allocate()
@@ -216,6 +207,7 @@ class HybridEngine:
         self._read_shards()
         start = time.perf_counter()
         with torch.no_grad():
+            self._refresh_views()
             self.allocate()
             if self.transport == "coalesced":
                 collectives = self._gather_coalesced(probe)
@@ -286,6 +278,15 @@ class HybridEngine:
                     probe()
         return collectives
 
+    def _refresh_views(self) -> None:
+        """A gather over one rank binds the training block itself; where the backend's block is a
+        re-arranged copy (Megatron's q/k/v with several key/value groups per TP rank) rather than
+        the parameter in place, the bound copy is refreshed from the current one."""
+        for slot in self.slots:
+            local = self._train[slot.name].local
+            if slot.view and local.data_ptr() != slot.buffer.data_ptr():
+                slot.buffer.copy_(local)
+
     def allocate(self) -> None:
         """Give every generation buffer its storage again (contents undefined until filled)."""
         for slot in self.slots:
@@ -326,11 +327,12 @@ class HybridEngine:
         dim = tp_dim(name)
         local = shard.local
         want = tuple(b - a for a, b in self.layout.train_box(self.rank, spec))
-        fsdp_dim = getattr(shard.placements[0], "dim", None)
-        if fsdp_dim != (dim or 0) or tuple(local.shape) != want:
+        # FSDP shards every parameter on its TP dim (a norm on dim 0); Megatron's TP only the TP ones
+        want_dim = (dim or 0) if self.layout.train.fsdp else dim
+        if getattr(shard.placements[0], "dim", None) != want_dim or tuple(local.shape) != want:
             raise ValueError(
-                f"{name}: training placement {shard.placements}, local shape {tuple(local.shape)}; "
-                f"the layout wants FSDP on dim {dim or 0} and a local block of {want} (shard_training_model)"
+                f"{name}: training placement {shard.placements}, local shape {tuple(local.shape)}; the "
+                f"layout wants it sharded on dim {want_dim} and a local block of {want} (shard_training_model)"
             )
         box = self.layout.gen_box(self.rank, spec)
         shape = tuple(b - a for a, b in box)
@@ -357,6 +359,18 @@ class HybridEngine:
         return GenSlot(name, kind, buffer, nbytes, box, view, group)
 
 
+def _transport(transport: str, groups: dict[str, Group]) -> str:
+    """`auto`: gloo's coalesced all-gather when every gather group is gloo, else staging."""
+    import torch.distributed as dist
+
+    if transport == "auto":
+        gloo = all(dist.get_backend(g.pg) == "gloo" for g in groups.values())
+        transport = "coalesced" if gloo else "staging"
+    if transport not in ("coalesced", "staging"):
+        raise ValueError(f"transport={transport!r}: 'auto', 'coalesced' (gloo) or 'staging'")
+    return transport
+
+
 def _alloc(slot: GenSlot) -> None:
     storage = slot.buffer.untyped_storage()
     if storage.nbytes() != slot.nbytes:
@@ -370,11 +384,12 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def _check_supported(layout: HybridLayout) -> None:
     tr, ge = layout.train, layout.gen
-    if not tr.fsdp or tr.p != 1 or ge.pg != 1:
+    megatron_tp = not tr.fsdp and tr.d == 1  # Megatron TP over every rank, one replica
+    if tr.p != 1 or ge.pg != 1 or not (tr.fsdp or megatron_tp):
         raise NotImplementedError(
-            f"the reshard runs FSDP2 (+ TP) training layouts (p = 1, fsdp) to pg = 1 generation layouts; "
-            f"got {tr} -> {ge} (the rank maps in layout.py cover the others; pipeline stages are for a "
-            "later Megatron backend)"
+            f"the reshard runs FSDP2 (+ TP) training layouts and Megatron TP over every rank (d = 1), "
+            f"p = 1, to pg = 1 generation layouts; got {tr} -> {ge} (the rank maps in layout.py cover "
+            "the others: pipeline stages and replicated data parallel are not resharded here)"
         )
     if tr.t > 1 and ge.tg > tr.t:
         raise NotImplementedError(

@@ -84,7 +84,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         )
     if body.load_format not in (None, "flattened_bucket"):
         return _fail(f"load_format {body.load_format!r}: the embedded server takes none or flattened_bucket")
-    session = state["session"]
+    session, adapter = state["session"], state["staged_adapter"]
     group = state["groups"].get(body.group_name)
     if group is None:
         return _spoil(state, f"no weight group {body.group_name!r}; call /init_weights_update_group first")
@@ -110,7 +110,10 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
                 name: group.broadcast(torch.empty(shape, dtype=dtype, device=device), 0)
                 for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True)
             }
-        engine.check_weights(tensors)
+        if adapter is not None:
+            engine.check_adapter(tensors, adapter)
+        else:
+            engine.check_weights(tensors)
         return tensors
 
     try:
@@ -170,6 +173,26 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     return _ok(f"loaded {body.model_path}", num_paused_requests=aborted, weight_version=engine.weight_version)
 
 
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """SGLang's route for a PEFT adapter directory; the embedded server serves one adapter at a
+    time on its base (the newest loaded), all or nothing, and reports `weight_version`."""
+    from agentrl.inference.peft_adapter import read_adapter_dir
+
+    engine = request.app[ENGINE]
+    body: P.LoadLoraIn = await parse(request, P.LoadLoraIn)
+    try:
+        tensors, config = await asyncio.to_thread(read_adapter_dir, body.lora_path)
+    except Exception as exc:
+        return _fail(f"cannot read adapter {body.lora_path}: {type(exc).__name__}: {exc}")
+    config = {**config, "name": body.lora_name}
+    version = None if body.weight_version is None else str(body.weight_version)
+    try:
+        await _in_engine(engine, lambda: engine.load_adapter(tensors, config, version))
+    except ValueError as exc:
+        return _fail(f"adapter refused, weights unchanged: {exc}")
+    return _ok(f"loaded adapter {body.lora_name}", weight_version=engine.weight_version)
+
+
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     body: P.DestroyGroupIn = await parse(request, P.DestroyGroupIn)
     group = request.app[STATE]["groups"].pop(body.group_name, None)
@@ -182,12 +205,13 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
 async def begin_weight_update(request: web.Request) -> web.Response:
     """Open a session; `staged_commit` (an agentrl extra) tells the client that buckets are staged
     until `/end_weight_update`."""
-    await parse(request, P.BeginUpdateIn)
+    body: P.BeginUpdateIn = await parse(request, P.BeginUpdateIn)
     state = request.app[STATE]
     if state["session"]:
         return _fail("a weight-update session is already open; call end_weight_update() first")
     state["sessions"] += 1
     state["session"], state["staged"], state["staged_version"] = state["sessions"], {}, None
+    state["staged_adapter"] = body.lora
     return _ok("Success", staged_commit=True)
 
 
@@ -198,8 +222,8 @@ async def end_weight_update(request: web.Request) -> web.Response:
     engine, state = request.app[ENGINE], request.app[STATE]
     if not state["session"]:
         return _fail("no weight-update session is open; call begin_weight_update() first")
-    staged, version = state["staged"], state["staged_version"]
-    state["session"], state["staged"], state["staged_version"] = 0, None, None
+    staged, version, adapter = state["staged"], state["staged_version"], state["staged_adapter"]
+    state["session"], state["staged"], state["staged_version"], state["staged_adapter"] = 0, None, None, None
     if body.abort:
         return _ok(
             f"aborted, {len(staged or {})} staged tensors discarded", weight_version=engine.weight_version
@@ -208,7 +232,14 @@ async def end_weight_update(request: web.Request) -> web.Response:
         return _fail(
             f"a bucket of this session failed: nothing applied, weights stay at {engine.weight_version}"
         )
-    if staged:
+    if adapter is not None:
+        try:
+            await _in_engine(engine, lambda: engine.load_adapter(staged, adapter, version))
+        except ValueError as exc:
+            return _fail(f"adapter refused, weights unchanged: {exc}")
+        except Exception as exc:
+            return _fail(f"commit failed, weights unchanged: {type(exc).__name__}: {exc}", status=500)
+    elif staged:
         try:
             await _in_engine(engine, lambda: engine.load_weights(staged, version))
         except Exception as exc:
@@ -278,5 +309,6 @@ async def get_model_info(request: web.Request) -> web.Response:
             "vocab_size": engine.vocab_size,
             "max_batch_size": engine.max_batch_size,
             "paused": engine.paused,
+            "lora_adapter": engine.adapter_name,
         }
     )

@@ -21,6 +21,12 @@ def _sglang_client(url: str, config: InferenceConfig, **kwargs: Any):
     return SGLangClient(url, routed_experts=config.routed_experts, **kwargs)
 
 
+def _embedded_client(url: str, config: InferenceConfig, **kwargs: Any):
+    from agentrl.inference.embedded_client import EmbeddedClient
+
+    return EmbeddedClient(url, routed_experts=config.routed_experts, **kwargs)
+
+
 def _vllm_client(url: str, config: InferenceConfig, **kwargs: Any):
     from agentrl.inference.vllm import VLLMClient
 
@@ -76,7 +82,7 @@ def _doctor_vllm(config: InferenceConfig) -> str:
 
 EMBEDDED = InferenceBackend(
     "embedded",
-    client=_sglang_client,  # the embedded server speaks SGLang's native API
+    client=_embedded_client,  # SGLang's native API, plus LoRA adapter loading
     serve=_serve_embedded,
     help="agentrl's own server (torch, any device)",
 )

@@ -13,7 +13,8 @@ The math is the same op for op (transformers 5 `modeling_qwen2.py` and
 embeddings from the model's own `rotary_emb`, the new K/V appended to each layer's cache
 (`torch.cat` on the sequence dim, as `DynamicLayer.update`), SDPA with the padding mask and the
 query heads packed onto their key/value heads (transformers' `pack_gqa` for one query token), o_proj,
-residual, RMSNorm, SiLU-gated MLP, final norm, lm_head on the last position. The weights are read
+residual, RMSNorm, SiLU-gated MLP, final norm, lm_head on the last position; a projection that
+carries a LoRA adapter runs its PEFT layer (`linear`). The weights are read
 from the modules on every call, so parameters the HybridEngine rebinds or refills between
 phases are always the current ones. tests/unit/inference/test_engine_decode.py checks the logits
 and caches against the model's forward over a left-padded batch.
@@ -25,6 +26,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A projection: `F.linear` on the module's weights, or the module itself when it carries a
+    LoRA adapter (PEFT's layer adds its `scaling · B(A(x))`; `inference/peft_adapter.py`)."""
+    if hasattr(module, "lora_A"):
+        return module(x)
+    return F.linear(x, module.weight, module.bias)
 
 
 def lean_decoder(model: torch.nn.Module) -> LeanDecoder | None:
@@ -93,23 +102,21 @@ class LeanDecoder:
         for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
             attn = layer.self_attn
             x = self._norm(layer.input_layernorm, h)
-            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(
-                b, self.kv_heads, self.groups, self.head_dim
-            )
-            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(b, self.kv_heads, 1, self.head_dim)
-            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(b, self.kv_heads, 1, self.head_dim)
+            q = linear(attn.q_proj, x).view(b, self.kv_heads, self.groups, self.head_dim)
+            k = linear(attn.k_proj, x).view(b, self.kv_heads, 1, self.head_dim)
+            v = linear(attn.v_proj, x).view(b, self.kv_heads, 1, self.head_dim)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             k_cache = torch.cat([k_cache, k], dim=2)
             v_cache = torch.cat([v_cache, v], dim=2)
             new_keys.append(k_cache)
             new_values.append(v_cache)
             out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=attend, scale=self.scaling)
-            h = h + F.linear(out.reshape(b, -1), attn.o_proj.weight, attn.o_proj.bias)
+            h = h + linear(attn.o_proj, out.reshape(b, -1))
             mlp = layer.mlp
             x = self._norm(layer.post_attention_layernorm, h)
-            gate = F.silu(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
-            up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
-            h = h + F.linear(gate * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            gate = F.silu(linear(mlp.gate_proj, x))
+            up = linear(mlp.up_proj, x)
+            h = h + linear(mlp.down_proj, gate * up)
         h = self._norm(self.base.norm, h)
         head = self.model.lm_head
-        return F.linear(h, head.weight, head.bias).float(), new_keys, new_values
+        return linear(head, h).float(), new_keys, new_values

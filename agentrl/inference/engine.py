@@ -188,6 +188,8 @@ class Engine(BufferPhases, ReplicaFollowing):
         self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.max_batch_size = max_batch_size
         self.weight_version = "0"
+        self._adapter = None  # peft_adapter.ServedAdapter, from the first adapter loaded
+        self._base_replaced: str | None = None  # the version of the last full-weight load
         self._lean = lean_decoder(self.model) if lean_decode else None
         self.routing_shape = routing_shape(self.model)  # (MoE layers, top-k); None for a dense model
         self._routing = RoutingRecorder(self.model) if self.routing_shape else None
@@ -289,6 +291,8 @@ class Engine(BufferPhases, ReplicaFollowing):
     def check_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Raise ValueError naming every name the model lacks and every shape that differs (a
         tensor-parallel shard takes its full tensor or its local shard)."""
+        if self._adapter is not None:
+            tensors = self._adapter.base_names(tensors)
         state = self.model.state_dict()
         unknown = [n for n in tensors if n not in state]
         wrong = [
@@ -306,10 +310,16 @@ class Engine(BufferPhases, ReplicaFollowing):
 
     def load_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
         """Copy `tensors` into the model in place (checked first, so a bad update changes nothing).
-        A DTensor parameter given its full tensor keeps its own slice (no communication)."""
+        A DTensor parameter given its full tensor keeps its own slice (no communication). On a
+        model that served a LoRA adapter, full weights replace the base and the adapter is cleared;
+        adapters are refused from then on (they were trained on the original base)."""
         if self._offloaded is not None:
             raise RuntimeError("load_weights on released buffers: call rebuild() first")
         self.check_weights(tensors)
+        if self._adapter is not None:  # full weights (merged, or a full model) replace the adapter
+            tensors = self._adapter.base_names(tensors)
+            self._adapter.clear()
+        self._base_replaced = str(weight_version)
         state = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in tensors.items():
@@ -324,6 +334,43 @@ class Engine(BufferPhases, ReplicaFollowing):
         if weight_version is not None:
             self.weight_version = str(weight_version)
         logger.info("loaded %d tensors; weight_version=%s", len(tensors), self.weight_version)
+
+    @property
+    def adapter_name(self) -> str | None:
+        """The name of the LoRA adapter served on the base (None: none loaded)."""
+        return None if self._adapter is None else self._adapter.name
+
+    def check_adapter(self, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+        """Raise ValueError unless `tensors` (PEFT's saved names) form the adapter `config`
+        describes on this model (`peft_adapter.ServedAdapter.check`)."""
+        from agentrl.inference.peft_adapter import ServedAdapter
+
+        if self._base_replaced is not None:
+            raise ValueError(
+                f"this server's base weights were replaced by a full-weight push (version {self._base_replaced}): "
+                "an adapter trained on the original base would not apply; restart the server from the base model"
+            )
+        (self._adapter or ServedAdapter(self.model)).check(tensors, config)
+
+    def load_adapter(
+        self, tensors: dict[str, torch.Tensor], config: dict[str, Any], weight_version: str | None
+    ) -> None:
+        """Serve base + the LoRA adapter `tensors` from now on (checked whole first: a refused one
+        changes nothing), under `config["name"]`, tagged `weight_version`."""
+        from agentrl.inference.peft_adapter import ServedAdapter
+
+        if self._offloaded is not None:
+            raise RuntimeError("load_adapter on released buffers: call rebuild() first")
+        if self.replica is not None:
+            raise ValueError("LoRA adapters on a tensor-parallel replica are not supported")
+        self.check_adapter(tensors, config)
+        adapter = self._adapter or ServedAdapter(self.model)
+        adapter.load(tensors, config)
+        self._adapter = adapter
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        logger.info("loaded adapter %s (%d tensors); weight_version=%s", adapter.name, len(tensors),
+                    self.weight_version)  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
 

@@ -94,6 +94,10 @@ class GenerateIn(Strict):
     stream: bool = False
     rid: str | list[str] | None = None
     session_id: str | None = None
+    lora_path: str | list[str | None] | None = None
+    """The adapter a request names (SGLang's field). The embedded server serves one adapter, the
+    newest pushed: it takes any agentrl adapter name (`agentrl-lora-v<v>`; the reply's
+    `weight_version` says which version answered, as for full weights) and refuses other names."""
 
     @field_validator("stream")
     @classmethod
@@ -197,6 +201,18 @@ class PauseIn(Admin):
 
 class BeginUpdateIn(Admin):
     selector: Literal["target", "draft", "all"] = "all"
+    lora: dict[str, Any] | None = None
+    """agentrl extra: the session's buckets form this LoRA adapter (PEFT's `r`, `lora_alpha`,
+    `target_modules`, and the `name` it is served under), applied on the base at the commit."""
+
+
+class LoadLoraIn(Admin):
+    """SGLang 0.5.23's `/load_lora_adapter` body (`LoadLoRAAdapterReqInput`), plus the version."""
+
+    lora_name: str
+    lora_path: str
+    weight_version: str | int | None = None
+    """agentrl extra: the weight version the server reports once the adapter is served."""
 
 
 class EndUpdateIn(Admin):

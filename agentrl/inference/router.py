@@ -25,8 +25,8 @@ that wake together sharing one probe — for at most `server_wait_s`, instead of
 retries on a server that is restarting. After `max_retries + 1` failures, or that long without a usable server, it
 raises `RequestLostError`, counted in `stats["lost"]` — a request is never dropped silently
 and never waits without a bound. A background `_health_loop` marks servers down and up
-again and reads their versions. Admin calls (weight updates, pause, abort) fan out to
-every server.
+again and reads their versions. Admin calls (pause, continue, abort) fan out to
+every server; weight updates go to each server's own `WeightUpdateClient` (`weight_sync/`).
 
 The server set can change while the run goes on: `set_servers(epoch, urls)` swaps it for the
 launcher's live list, which the queue carries to the rollers (`inference.server_list`).
@@ -500,44 +500,6 @@ class Router(InferenceClient):
     async def get_weight_version(self) -> int:
         """The oldest version any server reports (the one that bounds staleness)."""
         return min(await self._all("get_weight_version"))
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
-        """Server i joins as rank `rank_offset + i` (one GPU per server, SGLang's numbering)."""
-        results = await asyncio.gather(
-            *(
-                c.init_weights_update_group(
-                    master_address, master_port, rank_offset + i, world_size, group_name, backend
-                )
-                for i, c in enumerate(self.clients)
-            ),
-            return_exceptions=True,
-        )
-        failed = [
-            f"{c.url}: {r}"
-            for c, r in zip(self.clients, results, strict=True)
-            if isinstance(r, BaseException)
-        ]
-        if failed:
-            raise InferenceError(f"init_weights_update_group failed: {'; '.join(failed)}")
-
-    async def update_weights_from_distributed(
-        self, names, dtypes, shapes, group_name="weight_update_group", weight_version=None
-    ) -> None:
-        await self._all("update_weights_from_distributed", names, dtypes, shapes, group_name, weight_version)
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
-        await self._all("update_weights_from_disk", model_path, weight_version)
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        await self._all("destroy_weights_update_group", group_name)
 
     async def pause_generation(self) -> None:
         await self._all("pause_generation")

@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from agentrl.inference import admin
+from agentrl.inference import admin, prompt_logprobs
 from agentrl.inference import protocol as P
 from agentrl.inference.engine import Engine, Request, error_status
 from agentrl.inference.protocol import ENGINE, STATE, BadInput, parse
@@ -149,12 +149,17 @@ def _routed_experts(req: Request, engine: Engine) -> str:
     return encode_routed_experts(np.concatenate(chunks) if chunks else np.zeros((0, layers, top_k), np.int32))
 
 
-async def generate(request: web.Request) -> web.Response:
-    engine, state = request.app[ENGINE], request.app[STATE]
-    body: P.GenerateIn = await parse(request, P.GenerateIn)
+Item = tuple[Request, P.SamplingParamsIn, bool, asyncio.Future]
+"""One request of a `/generate` call: the engine's request, its sampling params, whether it
+returns log-probs, and the future its completion sets."""
+
+
+def _requests(body: P.GenerateIn, engine: Engine, in_flight: set[str]) -> list[Item]:
+    """The engine requests of a `/generate` body: one per prompt and sample (`n`), each with a rid
+    not in flight; BadInput for anything malformed."""
     prompts, single = body.prompts()
     loop = asyncio.get_running_loop()
-    items: list[tuple[Request, P.SamplingParamsIn, bool, asyncio.Future]] = []
+    items: list[Item] = []
     try:
         for i, prompt in enumerate(prompts):
             where = "input_ids" if single else f"input_ids[{i}]"
@@ -168,7 +173,7 @@ async def generate(request: web.Request) -> web.Response:
                 rid = f"{body.rid}-{i}"
             for j in range(sp.n):
                 item_rid = rid if sp.n == 1 else f"{rid}-{j}"
-                if item_rid in state["rids"] or any(r.rid == item_rid for r, *_ in items):
+                if item_rid in in_flight or any(r.rid == item_rid for r, *_ in items):
                     raise BadInput(f"rid {item_rid!r} is already in flight")
                 future = loop.create_future()
 
@@ -184,8 +189,13 @@ async def generate(request: web.Request) -> web.Response:
             )
     except ValueError as exc:
         raise BadInput(str(exc)) from None
+    return items
+
+
+async def _run(items: list[Item], engine: Engine, in_flight: set[str]) -> None:
+    """Submit every request and wait for all; a client that goes away aborts them."""
     for req, *_ in items:
-        state["rids"].add(req.rid)
+        in_flight.add(req.rid)
         engine.submit(req)
     try:
         await asyncio.gather(*(f for *_, f in items))
@@ -195,13 +205,33 @@ async def generate(request: web.Request) -> web.Response:
         raise
     finally:
         for req, *_ in items:
-            state["rids"].discard(req.rid)
+            in_flight.discard(req.rid)
+
+
+def _check_adapter(names: str | list[str | None] | None, engine: Engine) -> None:
+    """BadInput unless every adapter named is one of agentrl's (served as the newest version)."""
+    for name in names if isinstance(names, list) else [names]:
+        if name is not None and not name.startswith("agentrl-lora-v"):
+            raise BadInput(
+                f"lora_path {name!r}: this server serves agentrl's adapter ({engine.adapter_name})"
+            )
+        if name is not None and engine.adapter_name is None:
+            raise BadInput(f"lora_path {name!r}: no adapter has been pushed to this server yet")
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine, state = request.app[ENGINE], request.app[STATE]
+    body: P.GenerateIn = await parse(request, P.GenerateIn)
+    _check_adapter(body.lora_path, engine)
+    items = _requests(body, engine, state["rids"])
+    await _run(items, engine, state["rids"])
     failed = next((r for r, *_ in items if error_status(r.finish_reason) is not None), None)
     if failed is not None:  # SGLang 0.5.23: FastAPI's HTTPException body (400: `_create_error_response`)
         status, message = error_status(failed.finish_reason), failed.finish_reason.get("message", "")
         reply = {"error": {"message": message}} if status == 400 else {"detail": message}
         return web.json_response(reply, status=status)
     out = [_response(r, sp, lp, body.return_text_in_logprobs, engine) for r, sp, lp, _ in items]
+    single = body.prompts()[1]
     return web.json_response(out[0] if single and len(out) == 1 else out)
 
 
@@ -232,6 +262,7 @@ def make_app(
         "sessions": 0,
         "staged": None,
         "staged_version": None,
+        "staged_adapter": None,  # the LoRA config of an adapter session (its buckets form the adapter)
     }
     post = {
         "/generate": generate,
@@ -240,12 +271,14 @@ def make_app(
         "/end_weight_update": admin.end_weight_update,
         "/update_weights_from_distributed": admin.update_weights_from_distributed,
         "/update_weights_from_disk": admin.update_weights_from_disk,
+        "/load_lora_adapter": admin.load_lora_adapter,
         "/destroy_weights_update_group": admin.destroy_weights_update_group,
         "/pause_generation": admin.pause_generation,
         "/continue_generation": admin.continue_generation,
         "/abort_request": admin.abort_request,
         "/update_weight_version": admin.update_weight_version,
         "/flush_cache": admin.flush_cache,
+        "/prompt_logprobs": prompt_logprobs.handle,  # teacher log-probs for on-policy distillation
     }
     get = {
         "/health": admin.health,

@@ -29,92 +29,24 @@ strict stand-in, tests/sglang_standin.py). What 0.5.23 requires of a client:
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
-
-import aiohttp
 
 from agentrl.inference.base import (
     BadRequestError,
     GenerateResult,
-    InferenceClient,
     InferenceError,
     ServerError,
-    ServerUnavailableError,
-    WeightUpdateClient,
     parse_weight_version,
 )
+from agentrl.inference.http import HTTPServerClient
 from agentrl.inference.lora import (
-    AdapterClient,
     AdapterError,
     AdapterLimits,
     generate_with_adapter,
-    newest,
-    served_from_models,
 )
 from agentrl.log import get_logger
 
 logger = get_logger(__name__)
-
-
-class HTTPClient:
-    """aiohttp session with timeouts, bearer auth and error mapping; shared by the SGLang and vLLM clients."""
-
-    def __init__(
-        self, url: str, api_key: str | None = None, timeout_s: float = 300.0, connect_timeout_s: float = 10.0
-    ) -> None:
-        self.url = url.rstrip("/")
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
-            # no cap on connections: a roller keeps thousands of generations in flight (aiohttp's
-            # default of 100 would silently serialise them)
-            connector = aiohttp.TCPConnector(limit=0)
-            self._session = aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector)
-        return self._session
-
-    async def request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        timeout_s: float | None = None,
-        params: dict[str, str] | None = None,
-    ) -> Any:
-        """Send one request; return the parsed JSON body (or text, or None when empty)."""
-        kwargs: dict[str, Any] = {"params": params}
-        if body is not None:
-            kwargs["json"] = body
-        if timeout_s is not None:
-            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s)
-        try:
-            async with self._client().request(method, f"{self.url}{path}", **kwargs) as resp:
-                text = await resp.text()
-                status = resp.status
-                is_json = resp.content_type == "application/json"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise ServerUnavailableError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
-        if 400 <= status < 500:
-            raise BadRequestError(f"{self.url}{path}: HTTP {status}: {text[:2000]}", status)
-        if status >= 500:
-            raise ServerError(f"{self.url}{path}: HTTP {status}: {text[:2000]}")
-        if not text:
-            return None
-        if is_json:
-            import json
-
-            return json.loads(text)
-        return text
-
-    async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
 
 
 def _check_success(path: str, reply: Any) -> None:
@@ -158,9 +90,16 @@ def _routed_experts(meta: dict[str, Any], prompt_tokens: int, output_tokens: int
     return flat.reshape(rows, -1)
 
 
-class SGLangClient(InferenceClient, WeightUpdateClient, AdapterClient):
+class SGLangClient(HTTPServerClient):
     """SGLang native API: generation (`/generate` with `input_ids`), weight-update control and
     LoRA adapters, one HTTP API, so one class fills the three interfaces."""
+
+    # with `lora` (`HTTPServerClient`), requests name the adapter's newest served version in `lora_path`
+    has_session: bool | None = None
+    """Whether the server has `/begin_weight_update` (SGLang ≥ 0.5.2x); None until first asked."""
+    stages_updates: bool = False
+    """Whether the server stages buckets until `/end_weight_update` (the embedded server
+    says so in its `/begin_weight_update` reply); learnt at each begin."""
 
     def __init__(
         self,
@@ -171,18 +110,9 @@ class SGLangClient(InferenceClient, WeightUpdateClient, AdapterClient):
         lora: str | None = None,
         routed_experts: bool = False,
     ) -> None:
-        self.http = HTTPClient(url, api_key, timeout_s, connect_timeout_s)
+        super().__init__(url, api_key, timeout_s, connect_timeout_s, lora)
         self.routed_experts = routed_experts
         """Ask for each token's routed experts (`return_routed_experts`, MoE models)."""
-        self.url = self.http.url
-        self.lora = lora
-        """Base name of the adapter requests name (`lora_path`: its newest served version); None: the
-        base model."""
-        self.has_session: bool | None = None
-        """Whether the server has `/begin_weight_update` (SGLang ≥ 0.5.2x); None until first asked."""
-        self.stages_updates = False
-        """Whether the server stages buckets until `/end_weight_update` (the embedded server
-        says so in its `/begin_weight_update` reply); learnt at each begin."""
 
     @property
     def flattened_buckets(self) -> bool:
@@ -263,13 +193,6 @@ class SGLangClient(InferenceClient, WeightUpdateClient, AdapterClient):
 
         return await generate_with_adapter(self, self.lora, send)
 
-    async def health(self) -> bool:
-        try:
-            await self.http.request("GET", "/health", timeout_s=self.http.connect_timeout_s)
-            return True
-        except InferenceError:
-            return False
-
     async def alive(self) -> bool:
         try:
             await self.http.request("GET", "/ping", timeout_s=self.http.connect_timeout_s)
@@ -277,10 +200,7 @@ class SGLangClient(InferenceClient, WeightUpdateClient, AdapterClient):
         except InferenceError:
             return False
 
-    async def get_weight_version(self) -> int:
-        """The server's weight version; with `lora`, the newest served adapter version (if any)."""
-        if self.lora is not None and (adapter := newest(await self.served_adapters(), self.lora)):
-            return adapter[1]
+    async def _server_version(self) -> int:
         return parse_weight_version((await self.get_model_info()).get("weight_version"))
 
     async def get_model_info(self) -> dict[str, Any]:
@@ -413,9 +333,6 @@ class SGLangClient(InferenceClient, WeightUpdateClient, AdapterClient):
             target_modules=None if "all" in targets else frozenset(targets),
         )
 
-    async def served_adapters(self) -> dict[str, str]:
-        return served_from_models(self.url, await self.http.request("GET", "/v1/models"))
-
     async def _load(self, name: str, path: str) -> None:
         await self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path}, name)
 
@@ -431,6 +348,3 @@ class SGLangClient(InferenceClient, WeightUpdateClient, AdapterClient):
             raise AdapterError(f"adapter {name}: {exc}") from exc
         if not isinstance(reply, dict) or reply.get("success") is not True:
             raise AdapterError(f"adapter {name}: {self.url}{route} answered {str(reply)[:500]}")
-
-    async def close(self) -> None:
-        await self.http.close()

@@ -66,24 +66,19 @@ from typing import Any
 from agentrl.inference.base import (
     BadRequestError,
     GenerateResult,
-    InferenceClient,
     InferenceError,
     ServerError,
     ServerUnavailableError,
-    WeightUpdateClient,
     parse_weight_version,
 )
+from agentrl.inference.http import HTTPServerClient
 from agentrl.inference.lora import (
-    AdapterClient,
     AdapterError,
     AdapterLimits,
     AdapterSpec,
     adapter_name,
     generate_with_adapter,
-    newest,
-    served_from_models,
 )
-from agentrl.inference.sglang import HTTPClient
 from agentrl.log import get_logger
 
 logger = get_logger(__name__)
@@ -119,7 +114,7 @@ _NEUTRAL = {
 }
 
 
-class VLLMClient(InferenceClient, WeightUpdateClient, AdapterClient):
+class VLLMClient(HTTPServerClient):
     """vLLM's OpenAI-compatible server driven token-in / token-out."""
 
     flattened_buckets = True
@@ -137,11 +132,8 @@ class VLLMClient(InferenceClient, WeightUpdateClient, AdapterClient):
         group_timeout_s: float = 120.0,
         lora: str | None = None,
     ) -> None:
-        self.http = HTTPClient(url, api_key, timeout_s, connect_timeout_s)
-        self.url = self.http.url
+        super().__init__(url, api_key, timeout_s, connect_timeout_s, lora)
         self.model = model
-        self.lora = lora
-        """Base name of the adapter requests name (its newest served version); None: the base model."""
         self.group_timeout_s = group_timeout_s
         """Timeout of the workers' weight-group set-up and of each of their receives."""
         self._pending_version: int | None = None  # the version the staged buckets were announced with
@@ -303,21 +295,8 @@ class VLLMClient(InferenceClient, WeightUpdateClient, AdapterClient):
         reply = await self.http.request("POST", "/v1/completions", payload)
         return self.parse_completion(reply, version)
 
-    async def health(self) -> bool:
-        try:
-            await self.http.request("GET", "/health", timeout_s=self.http.connect_timeout_s)
-            return True
-        except InferenceError:
-            return False
-
     async def alive(self) -> bool:
         return await self.health()  # vLLM's /health answers while paused
-
-    async def get_weight_version(self) -> int:
-        """The server's weight version; with `lora`, the newest served adapter version (if any)."""
-        if self.lora is not None and (adapter := newest(await self.served_adapters(), self.lora)):
-            return adapter[1]
-        return await self._server_version()
 
     async def _server_version(self) -> int:
         reply = await self.http.request("GET", "/weight_info")
@@ -444,9 +423,6 @@ class VLLMClient(InferenceClient, WeightUpdateClient, AdapterClient):
             raise AdapterError(f"{self.url} was started without --enable-lora: it cannot serve adapters")
         return AdapterLimits(max_rank=int(lora["max_lora_rank"]), max_loras=int(lora["max_loras"]))
 
-    async def served_adapters(self) -> dict[str, str]:
-        return served_from_models(self.url, await self.http.request("GET", "/v1/models"))
-
     async def load_adapter_tensors(
         self, base: str, tensors: dict[str, Any], config: dict[str, Any], version: int
     ) -> str:
@@ -497,9 +473,6 @@ class VLLMClient(InferenceClient, WeightUpdateClient, AdapterClient):
             raise AdapterError(f"adapter {name}: {exc}") from exc
         except InferenceError as exc:
             raise AdapterError(f"adapter {name}: {exc}") from exc
-
-    async def close(self) -> None:
-        await self.http.close()
 
 
 def _no_route(exc: BadRequestError) -> bool:

@@ -48,7 +48,7 @@ from agentrl.config import AgentRLConfig, save_resolved
 from agentrl.inference import server_list
 from agentrl.inference.registry import backend as inference_backend
 from agentrl.launch.control import exit_state, mark_ended
-from agentrl.launch.plan import Addresses, Role, plan, render, server_url, service_roles
+from agentrl.launch.plan import Addresses, Role, plan, render, server_url, service_roles, teacher_roles
 from agentrl.launch.procs import Child, ChildSpec, Supervisor, agentrl_command, warm_model
 from agentrl.launch.progress import exit_code, watch
 from agentrl.launch.servers import LiveServers, LocalScaler
@@ -130,19 +130,42 @@ def local_spec(role: Role, addrs: Addresses, ports: list[int]) -> ChildSpec:
     return ChildSpec(role.name, agentrl_command(*args), role.env, role.restart)
 
 
+def start_teachers(config: AgentRLConfig, config_path: Path, supervisor: Supervisor) -> list[str]:
+    """Start the teacher's servers of `learner.distill` (the plan's `teacher_roles`) on loopback
+    ports, restarted on the same port when they die; returns the flag that gives the learner their URLs."""
+    roles = teacher_roles(config, config_path)
+    if not roles:
+        return []
+    ports = [free_port() for _ in roles]
+    urls = [server_url("127.0.0.1", p) for p in ports]
+    children = [
+        supervisor.run(ChildSpec(role.name, agentrl_command(*render(role, Addresses([]), ("127.0.0.1", port))),
+                                 role.env, True, url))
+        for role, port, url in zip(roles, ports, urls, strict=True)
+    ]  # fmt: skip
+    timeout_s = inference_backend(config.learner.distill.backend).startup_timeout_s(config.inference)
+    try:
+        wait_healthy(urls, [c.proc for c in children], timeout_s=timeout_s)
+    except RuntimeError:
+        failed = supervisor.failed()
+        raise RuntimeError(f"{failed.name} failed to start:\n{supervisor.tail(failed)}") from None
+    return ["--learner.distill.servers=[" + ", ".join(urls) + "]"]
+
+
 def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> int:
     """Run the job described by `config` (already validated, saved at `config_path`); with
     `resume` the learner continues from its latest checkpoint and a finished warm start is kept.
     `launcher.type: ray` hands the same plan to the Ray launcher (`launch/ray.py`); `mode: colocated`
-    starts ranks that generate and train in turn instead (`colocated/launch.py`)."""
-    if config.mode == "colocated":  # no servers, rollers or queue: ranks that generate and train
-        from agentrl.colocated.launch import launch as launch_colocated
-
-        return launch_colocated(config, config_path, resume)
+    starts ranks that generate and train in turn instead (`launch/colocated.py`; with Ray, the
+    plan's one role)."""
     if config.launcher.type == "ray":
         from agentrl.launch.ray import launch_ray
 
         return launch_ray(config, config_path, resume)
+    if config.mode == "colocated":  # no servers, rollers or queue: ranks that generate and train
+        from agentrl.launch.colocated import launch as launch_colocated
+
+        return launch_colocated(config, config_path, resume)
     run_dir = Path(config.run_dir)
     supervisor = Supervisor(run_dir)
     secret_env = getattr(config.queue, "secret_env", None)
@@ -163,6 +186,7 @@ def _run(config: AgentRLConfig, config_path: Path, supervisor: Supervisor, resum
     if config.learner.warmstart.steps > 0:
         model = _warm_start(supervisor, run_dir, config_path, resume)
     service_overrides = [f"--env.kwargs.{k}={v}" for k, v in start_services(config, supervisor).items()]
+    service_overrides += start_teachers(config, config_path, supervisor)
     specs = plan_children(config, config_path, model, service_overrides, resume)
     servers = _start_servers(config, supervisor, specs)
     live = None

@@ -8,7 +8,9 @@ the Ray launcher learns them at run time, as each actor reports the host:port it
 node. Both then give every process the same flags a user passes when starting it by hand.
 
 Start order, for both launchers: the env's services (`service_roles`; until each answers its
-health path, and every other process is then given its URL as an `env.kwargs` flag), servers
+health path, and every other process is then given its URL as an `env.kwargs` flag), the
+teacher's servers of on-policy distillation (`teacher_roles`, local launcher only; their URLs
+become `learner.distill.servers`), servers
 (until each answers /health), the learner (it hosts the TransferQueue at `Addresses.queue` and
 pushes weights to the servers), the rollers. What each role asks a scheduler for is its section's
 `resources` (`inference`, `learner` per rank, `roller`, `env.service_resources`).
@@ -60,6 +62,17 @@ def plan(
         f"--inference.model_path={model}",
     ]
     common += overrides
+    if config.mode == "colocated":  # one role: the ranks that generate and train in turn
+        args = ["colocated", *common, *(["--resume"] if resume else [])]
+        return [
+            Role(
+                "learner",
+                "learner",
+                args,
+                dict(config.learner.resources),
+                ranks=config.colocated.num_processes,
+            )
+        ]
     # the backend's own launcher (inference/registry.py) behind `agentrl serve`; embedded is its default
     backend = ["--backend", config.inference.type] if config.inference.type != "embedded" else []
     servers = [
@@ -81,6 +94,21 @@ def plan(
     )
     rollers = [roller_role(config, common, i) for i in range(config.roller.num_processes)]
     return [*servers, learner, *rollers]
+
+
+def teacher_roles(config: AgentRLConfig, config_path: Path) -> list[Role]:
+    """The teacher's servers of on-policy distillation (`learner.distill`): `agentrl serve` of
+    `teacher_model` with the distill section's backend, restarted when they die like the rollout
+    servers, but never sent weights (the learner only reads their prompt log-probs). None when
+    distillation is off or its `servers` are given."""
+    d = config.learner.distill
+    if d.teacher_model is None or d.servers:
+        return []
+    backend = ["--backend", d.backend] if d.backend != "embedded" else []
+    args = ["serve", *backend, "--config", str(config_path), "--model", d.teacher_model]
+    return [
+        Role(f"teacher{i}", "server", args, dict(d.resources), restart=True) for i in range(d.num_servers)
+    ]
 
 
 def roller_role(config: AgentRLConfig, common: list[str], index: int) -> Role:

@@ -11,6 +11,8 @@ reports its node's IP and binds a free port there, and the driver renders the ot
 lines with what was reported. Start-up order: env services, servers (until each answers /health),
 the learner's ranks in one placement group (PACK; rank 0's node address and a port it bound are
 the torch.distributed rendezvous, the TransferQueue and the weight-sync master), the rollers.
+`mode: colocated` plans one role only (`launch/plan.py`): its `colocated.num_processes` ranks
+(`agentrl colocated`) placed like the learner's ranks, with the learner's failure story.
 Each learner rank's device comes from the GPUs Ray gave its actor (`launch/devices.py`: `cuda:0`,
 its own first GPU, or `cpu` when `learner.resources` asks for none), passed as `AGENTRL_DEVICE`;
 a rank or server that asked for GPUs and got none, or that cannot see the one it was given,

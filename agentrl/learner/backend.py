@@ -2,13 +2,13 @@
 
 The loop (`loop.py`) and the step (`train_step.py`) hold the algorithm: which forwards run, the
 losses, when to step, what to log. A backend holds the framework: how models are built, sharded,
-run, stepped, gathered, saved and exported. FSDP2 (`fsdp.FSDP2Backend`) is the first; a
-Megatron backend would fill the same methods (its `forward_backward` runs its own pipeline
-schedule around the same `loss_fn`). The shape follows torchtitan's `TrainSpec` (build
+run, stepped, gathered, saved and exported. FSDP2 (`fsdp.FSDP2Backend`) and Megatron-core
+(`megatron.MegatronBackend`, whose `forward_backward` runs Megatron's own pipeline schedule around
+the same `loss_fn`) fill it; `registry.create` picks one by name (this module imports neither). The shape follows torchtitan's `TrainSpec` (build
 functions per role; torchtitan/protocols/train_spec.py) and slime's per-framework actors
 (slime/backends/fsdp_utils, slime/backends/megatron_utils).
 
-    backend = create(cfg)                                   # picks by `learner.backend`
+    backend = registry.create(cfg.backend, cfg.megatron)    # picks by `learner.backend`
     actor = backend.build("policy", cfg.model_path, optim=cfg.optim, lr_lambda=...)
     ref = backend.build("policy", cfg.model_path)           # frozen: no optimizer
     with backend.frozen(ref):
@@ -102,12 +102,14 @@ class LearnerBackend(Protocol):
         activation_checkpointing: bool = False,
         bf16: bool = False,
         shard: Callable[[nn.Module], nn.Module] | None = None,
+        lora: Any = None,
     ) -> ModelPart:
         """Load a model of `kind` from the HF checkpoint at `path` and distribute it. With
         `optim` (an `OptimConfig`: lr, betas, weight decay) it is trained by AdamW under the LR
         schedule `lr_lambda`; without, it is frozen (eval mode, no gradients). `shard`, when given,
         distributes the loaded module instead of the backend's default layout (the colocated
-        HybridEngine's placement)."""
+        HybridEngine's placement). `lora` (a `learner.lora.LoraConfig`, policies only) wraps it with
+        LoRA adapters first: only their parameters train (a backend without LoRA refuses it)."""
         ...
 
     def logprobs(
@@ -175,18 +177,3 @@ class LearnerBackend(Protocol):
     def export(self, part: ModelPart, out_dir: Path, tokenizer_path: str | Path | None) -> Path:
         """A plain HF checkpoint of `part` (safetensors, config, tokenizer) that servers load."""
         ...
-
-
-def create(backend: str, megatron: Any = None, seed: int = 0) -> LearnerBackend:
-    """The backend named by `learner.backend` (initialising the process group); `megatron` is
-    `learner.megatron` (tp, pp) for the Megatron-core backend."""
-    if backend == "fsdp2":
-        from agentrl.learner.fsdp import FSDP2Backend
-
-        return FSDP2Backend()
-    if backend == "megatron":
-        from agentrl.learner.megatron import MegatronBackend
-
-        tp, pp = (megatron.tp, megatron.pp) if megatron is not None else (1, 1)
-        return MegatronBackend(tp=tp, pp=pp, seed=seed)
-    raise ValueError(f"learner.backend: unknown backend {backend!r}; available: fsdp2, megatron")

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from agentrl.learner.distill import DistillConfig
+from agentrl.learner.lora import LoraConfig
 from agentrl.section import Section
 
 
@@ -347,6 +349,10 @@ class LearnerConfig(Section):
     """TensorBoard and W&B sinks, transcripts, the flat-reward warning."""
     warmstart: WarmstartConfig = WarmstartConfig()
     """The supervised warm start before RL."""
+    distill: DistillConfig = DistillConfig()
+    """On-policy distillation from a served teacher (`agentrl/learner/distill.py`); off by default."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters on the frozen policy instead of all its weights (`learner/lora.py`)."""
     moe: MoeConfig = MoeConfig()
     """Mixture-of-experts settings: router replay."""
 

@@ -1,5 +1,5 @@
 """PPO's critic: a value head on the policy's architecture, built, run and stepped through the
-learner backend (FSDP2-sharded like the actor), with its own AdamW and learning rate.
+learner backend (distributed like the actor: FSDP2 shards, or Megatron TP / PP), with its own AdamW and learning rate.
 
     critic = build_critic(backend, cfg)                     # `loss.advantage: gae`
     adv_metrics = gae_advantages(backend, critic, plans, cfg.loss)   # before any update

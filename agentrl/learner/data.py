@@ -206,6 +206,7 @@ def _batch_metrics(groups: list[Group], advs: list[np.ndarray], version: int) ->
         "seq/len_mean": float(lengths.mean()),
         "seq/len_max": float(lengths.max()),
         "seq/generated_mean": float(gen.mean()),
+        "seq/turns_mean": float(np.mean([ep.num_turns for g in groups for ep in g.episodes])),
         "groups/uniform_reward_frac": float(np.mean([np.ptp(g.rewards) == 0 for g in groups])),
     }
     for s, n in sorted(Counter(g.staleness(version) for g in groups).items()):

@@ -29,6 +29,7 @@ from torch import nn
 from agentrl.learner import hf_model
 from agentrl.learner.backend import LocalShard, ModelPart, NonFiniteError, PartKind
 from agentrl.learner.packing import MicroBatch
+from agentrl.learner.sharded import full, reshard_units
 from agentrl.log import get_logger
 
 log = get_logger("learner.fsdp")
@@ -116,31 +117,20 @@ def shard_model(
     return model
 
 
-def _reshard(model: nn.Module) -> None:
-    """Units kept gathered after a forward (`reshard_after_forward=False`) expose their compute
-    copies (bf16 under mixed precision) as parameters until resharded: go back to the fp32 shards."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():  # each unit reshards only its own parameters
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
 def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every parameter, gathered one at a time (`DTensor.full_tensor()`).
 
     A collective: every rank must iterate to the end in the same order; typically only rank 0
     uses the tensors (weight sync broadcasts them to inference servers). Tied weights appear once."""
-    _reshard(model)
+    reshard_units(model)
     for name, param in model.named_parameters():
-        data = param.detach()
-        yield name, data.full_tensor() if hasattr(data, "full_tensor") else data
+        yield name, full(param)
 
 
 def local_shards(model: nn.Module) -> Iterator[LocalShard]:
     """This rank's piece of every parameter of an FSDP2 (or FSDP2 + TP) model, in place, with its
     DTensor placement; the model is put back in its sharded state first."""
-    _reshard(model)
+    reshard_units(model)
     for name, param in model.named_parameters():
         data = param.detach()
         if hasattr(data, "to_local"):
@@ -153,7 +143,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded model state on CPU (a collective; the dict is complete on rank 0 only)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    _reshard(model)
+    reshard_units(model)
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -262,13 +252,19 @@ class FSDP2Backend:
         activation_checkpointing: bool = False,
         bf16: bool = False,
         shard: Callable[[nn.Module], nn.Module] | None = None,
+        lora: Any = None,
     ) -> ModelPart:
         # `shard` replaces the default FSDP2 wrapping (the colocated HybridEngine shards each
-        # parameter on its TP dim so that training shards lie inside generation shards)
+        # parameter on its TP dim so that training shards lie inside generation shards); `lora`
+        # (a `learner.lora.LoraConfig`) wraps the policy with PEFT before it is sharded
         if kind == "policy":
             module = load_model(path, self.device)
         else:
             module = hf_model.load_value_model(path, self.device)
+        if lora is not None:
+            from agentrl.learner import lora as adapters
+
+            module = adapters.apply(module, lora)
         if shard is not None:
             module = shard(module)
         else:
@@ -277,7 +273,8 @@ class FSDP2Backend:
             module.eval().requires_grad_(False)
             return ModelPart(name, kind, module)
         module.train()
-        optimizer = torch.optim.AdamW(module.parameters(), lr=optim.lr, betas=optim.adam_betas,
+        trained = [p for p in module.parameters() if p.requires_grad]  # a LoRA policy: the adapter's
+        optimizer = torch.optim.AdamW(trained, lr=optim.lr, betas=optim.adam_betas,
                                       weight_decay=optim.weight_decay, fused=True)  # fmt: skip
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda or (lambda step: 1.0))
         return ModelPart(name, kind, module, optimizer, scheduler)
@@ -351,6 +348,8 @@ class FSDP2Backend:
     def first_nonfinite(self, part: ModelPart, params: bool = True, state: bool = True) -> str | None:
         named: list[tuple[str, torch.Tensor]] = []
         for name, param in part.module.named_parameters():
+            if part.trainable and not param.requires_grad:
+                continue  # frozen (a LoRA policy's base): no step changes it
             if params:
                 named.append((name, _local(param.detach())))
             if state and part.optimizer is not None:
@@ -379,12 +378,25 @@ class FSDP2Backend:
     def local_shards(self, part: ModelPart) -> Iterator[LocalShard]:
         return local_shards(part.module)
 
+    @staticmethod
+    def _options(part: ModelPart) -> Any:
+        """A part with frozen parameters (a LoRA policy's base) saves and loads only its trained
+        ones: the frozen ones come from `learner.model_path` at every start."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen = any(not p.requires_grad for p in part.module.parameters())
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
+
     def _state(self, parts: list[ModelPart]) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         state = {}
         for part in parts:
-            model_sd, optim_sd = get_state_dict(part.module, part.optimizer)
+            options = self._options(part)
+            model_sd, optim_sd = get_state_dict(part.module, part.optimizer, options=options)
+            if options is not None:  # a frozen weight tied to another (lm_head) is still listed: drop it
+                trained = {n for n, p in part.module.named_parameters() if p.requires_grad}
+                model_sd = {k: v for k, v in model_sd.items() if k in trained}
             prefix = "" if part.name == "actor" else f"{part.name}."
             state[f"{prefix}model"], state[f"{prefix}optim"] = model_sd, optim_sd
         return state
@@ -393,6 +405,13 @@ class FSDP2Backend:
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self._state(parts), checkpoint_id=str(path))
+        for part in parts:  # a LoRA policy's checkpoint also holds its adapter in PEFT's format
+            if hasattr(part.module, "peft_config"):
+                from agentrl.learner import lora
+
+                tensors = dict(lora.adapter_tensors(part.module))  # a collective
+                if self.rank == 0:
+                    lora.write_peft_dir(path / f"{part.name}_adapter", tensors, part.module)
 
     def load(self, parts: list[ModelPart], path: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -403,7 +422,7 @@ class FSDP2Backend:
         for part in parts:
             prefix = "" if part.name == "actor" else f"{part.name}."
             set_state_dict(part.module, part.optimizer, model_state_dict=state[f"{prefix}model"],
-                           optim_state_dict=state[f"{prefix}optim"])  # fmt: skip
+                           optim_state_dict=state[f"{prefix}optim"], options=self._options(part))  # fmt: skip
 
     def export(self, part: ModelPart, out_dir: Path, tokenizer_path: str | Path | None) -> Path:
         return export_hf(part.module, out_dir, tokenizer_path, self.rank, part.kind)

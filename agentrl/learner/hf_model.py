@@ -73,7 +73,9 @@ def logprobs_from_logits(
 
 def load_value_model(path: str | Path, device: torch.device) -> nn.Module:
     """The checkpoint's decoder with a scalar head in fp32: zero-initialised, unless the
-    checkpoint is a one-label token classifier already (an exported critic)."""
+    checkpoint is a one-label token classifier already (an exported critic). No dropout before
+    the head (HF's token classifier defaults to 0.1): the values trained against are those the
+    frozen forward computed as the clip centre (as TRL disables dropout in its value model)."""
     from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
@@ -89,6 +91,8 @@ def load_value_model(path: str | Path, device: torch.device) -> nn.Module:
     finally:
         hf_logging.set_verbosity(level)
     model.config.use_cache = False
+    model.config.classifier_dropout = 0.0
+    model.dropout.p = 0.0
     if not is_critic:
         with torch.no_grad():
             model.score.weight.zero_()

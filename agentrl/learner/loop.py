@@ -29,13 +29,11 @@ models only through the learner backend (`backend.LearnerBackend`; FSDP2 in `fsd
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +41,11 @@ import torch
 from torch import nn
 
 from agentrl.config import LearnerConfig, ScheduleConfig
-from agentrl.learner import backend as backends
-from agentrl.learner import checkpoint, step
+from agentrl.learner import bookkeeping, registry, step
 from agentrl.learner.backend import LearnerBackend, ModelPart
+from agentrl.learner.bookkeeping import ConsoleProgress, RunTally
 from agentrl.learner.critic import build_critic
-from agentrl.learner.data import no_generation_why
+from agentrl.learner.state import Learner
 from agentrl.learner.transcripts import StepNotes
 from agentrl.log import MetricsLogger, get_logger
 from agentrl.queue.base import Consumer
@@ -55,63 +53,6 @@ from agentrl.types import Group
 from agentrl.weight_sync.base import WeightSyncEngine as WeightSync
 
 log = get_logger("learner")
-
-
-@dataclass
-class Learner:
-    """The loop's state: the backend, the model parts it runs, and where the run stands."""
-
-    cfg: LearnerConfig
-    run_dir: Path
-    backend: LearnerBackend
-    actor: ModelPart
-    ref: ModelPart | None
-    vocab_size: int
-    pad_id: int
-    critic: ModelPart | None = None
-    version: int = 0
-    consumed_groups: int = 0
-
-    @property
-    def trained_parts(self) -> list[ModelPart]:
-        """What a checkpoint holds."""
-        return [self.actor] + ([self.critic] if self.critic is not None else [])
-
-    @property
-    def critic_warming_up(self) -> bool:
-        """Within `critic.warmup_steps`: only the critic trains (counted in its applied steps)."""
-        if self.critic is None:
-            return False
-        return self.critic.scheduler.last_epoch < self.cfg.critic.warmup_steps * self.cfg.mini_batches
-
-    @property
-    def model(self) -> nn.Module:
-        return self.actor.module
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.actor.optimizer
-
-    @property
-    def pack_rows(self) -> int | None:
-        """The `row_tokens` this learner packs with (`learner.pack_row_tokens` for its model)."""
-        return row_tokens(self.cfg.pack_row_tokens, self.model)
-
-    @property
-    def rank(self) -> int:
-        return self.backend.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.backend.world_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.backend.device
-
-    def weights(self) -> Callable[[], Iterable[tuple[str, torch.Tensor]]]:
-        """What weight sync pushes: the actor's full tensors under HF names (a collective)."""
-        return functools.partial(self.backend.full_tensors, self.actor)
 
 
 def lr_lambda(schedule: ScheduleConfig, total_steps: int):
@@ -138,16 +79,29 @@ def build_learner(
     shard: Callable[[nn.Module], nn.Module] | None = None,
 ) -> Learner:
     """The backend (process group; `learner.backend` unless one is given), the actor with AdamW
-    and its LR schedule (distributed by `shard` when given: the colocated HybridEngine's layout),
-    the frozen reference when kl_coef > 0, and the critic with its own AdamW when
-    `loss.advantage: gae` (both in the backend's own layout)."""
-    backend = backend if backend is not None else backends.create(cfg.backend, cfg.megatron, cfg.seed)
+    and its LR schedule (distributed by `shard` when given: the colocated HybridEngine's layout;
+    with `learner.lora`, PEFT adapters on the frozen policy, only they in AdamW), the frozen
+    reference when kl_coef > 0 (a LoRA actor's: itself with the adapter disabled), and the critic
+    with its own AdamW when `loss.advantage: gae` (both in the backend's own layout)."""
+    if cfg.lora is not None and (cfg.backend != "fsdp2" or shard is not None):
+        where = "colocated mode" if shard is not None else f"learner.backend {cfg.backend}"
+        raise ValueError(
+            f"learner.lora: {where} does not train adapters yet; use learner.backend: fsdp2, decoupled"
+        )
+    backend = backend if backend is not None else registry.create(cfg.backend, cfg.megatron, cfg.seed)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
     schedule = lr_lambda(cfg.schedule, cfg.max_steps * cfg.mini_batches)
+    lora = {"lora": cfg.lora} if cfg.lora is not None else {}
     actor = backend.build("policy", cfg.model_path, name="actor", optim=cfg.optim, lr_lambda=schedule,
-                          activation_checkpointing=cfg.activation_checkpointing, bf16=bf16, shard=shard)  # fmt: skip
-    ref = backend.build("policy", cfg.model_path, name="ref", bf16=bf16) if cfg.loss.kl_coef > 0 else None
+                          activation_checkpointing=cfg.activation_checkpointing, bf16=bf16, shard=shard, **lora)  # fmt: skip
+    ref = None
+    if cfg.loss.kl_coef > 0 and cfg.lora is not None:  # the base: the actor with its adapter disabled
+        from agentrl.learner.lora import AdapterDisabled
+
+        ref = ModelPart("ref", "policy", AdapterDisabled(actor.module))
+    elif cfg.loss.kl_coef > 0:
+        ref = backend.build("policy", cfg.model_path, name="ref", bf16=bf16)
     critic = build_critic(backend, cfg) if cfg.loss.advantage == "gae" else None
     config = actor.module.config
     pad = config.pad_token_id if config.pad_token_id is not None else 0
@@ -249,60 +203,6 @@ def _record_groups(learner: Learner, groups: list[Group], applied: bool) -> None
         f.write(json.dumps(line) + "\n")
 
 
-def _save(learner: Learner, consumer: Consumer | None) -> None:
-    cursor: dict[str, Any] = {"consumed_groups": learner.consumed_groups}
-    if consumer is not None and hasattr(consumer, "state_dict"):
-        cursor["consumer"] = consumer.state_dict()
-    checkpoint.save_checkpoint(learner.run_dir / "checkpoints", learner.backend, learner.trained_parts,
-                               learner.version, cursor, learner.cfg.checkpoint.keep)  # fmt: skip
-
-
-def export(learner: Learner) -> Path:
-    """The actor as an HF checkpoint under `<run_dir>/hf/` (and, with `critic.export`, the critic
-    under `<run_dir>/hf_critic/`), each with a `latest` link."""
-    parts = [(learner.actor, "hf")]
-    if learner.critic is not None and learner.cfg.critic.export:
-        parts.append((learner.critic, "hf_critic"))
-    for part, folder in parts:
-        out = learner.run_dir / folder / f"step_{learner.version:08d}"
-        learner.backend.export(part, out, learner.cfg.model_path)
-        if learner.rank == 0:
-            latest = learner.run_dir / folder / "latest"
-            latest.unlink(missing_ok=True)
-            latest.symlink_to(out.name)
-            log.info("exported HF checkpoint %s", out)
-    return learner.run_dir / "hf" / f"step_{learner.version:08d}"
-
-
-def resume(learner: Learner, consumer: Consumer | None) -> bool:
-    """Load the newest intact checkpoint if one exists (a corrupt newer one is named and set
-    aside; see `checkpoint.resume_point`); the consumer gets its saved cursor back."""
-    path = checkpoint.resume_point(learner.run_dir / "checkpoints")
-    if path is None:
-        log.info("--resume: no checkpoint under %s; starting fresh", learner.run_dir / "checkpoints")
-        return False
-    learner.version, cursor = checkpoint.load_checkpoint(path, learner.backend, learner.trained_parts)
-    learner.consumed_groups = cursor.get("consumed_groups", 0)
-    if consumer is not None and "consumer" in cursor and hasattr(consumer, "load_state_dict"):
-        consumer.load_state_dict(cursor["consumer"])
-    return True
-
-
-@dataclass
-class RunTally:
-    """What `run` carries from step to step: skips, and the versions step 7 wrote."""
-
-    progress: ConsoleProgress
-    skipped: dict[str, int] = field(default_factory=dict)
-    skips_in_a_row: int = 0
-    last_skip: str = ""  # why the last group without generated tokens had none
-    saved: int = -1
-    exported: int = -1
-
-    def count(self, reason: str, n: int = 1) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + n
-
-
 def run(
     learner: Learner,
     consumer: Consumer | None,
@@ -319,7 +219,7 @@ def run(
     `observe.prometheus.LearnerExporter`), with the step's logged metrics."""
     cfg = learner.cfg
     if resume_from_checkpoint:
-        resume(learner, consumer)
+        bookkeeping.resume(learner, consumer)
     if learner.rank == 0 and consumer is not None:
         consumer.publish_version(learner.version)
     tally = RunTally(ConsoleProgress(cfg.max_steps, learner.version, enabled=learner.rank == 0))
@@ -336,7 +236,7 @@ def run(
         learner.consumed_groups += len(groups)
 
         # 2. validate, skip bad groups with a counted reason, compute advantages
-        batch = _prepare(learner, groups, tally)
+        batch = bookkeeping.prepare(learner, groups, tally)
 
         # 3-4. pack, recompute frozen log-probs (and the critic's values, GAE); forward/backward,
         #      clip, AdamW per mini-batch: the actor (not while the critic warms up), then the critic
@@ -347,7 +247,9 @@ def run(
             log.error("step at version %d skipped: non-finite loss or gradient norm", learner.version)
 
         # 5. version += 1; publish; hand weights to weight sync
-        pushed = _publish(learner, consumer, weight_sync, applied, tally, counts_as_skip=not result.used)
+        pushed = bookkeeping.publish(
+            learner, consumer, weight_sync, applied, tally, counts_as_skip=not result.used
+        )
 
         # 6. ack the groups (after the step: a crash before it means redelivery); log metrics
         if learner.rank == 0:
@@ -363,65 +265,14 @@ def run(
                 exporter.step(learner.version, m)
 
         # 7. checkpoint and export every N steps
-        _periodic_save(learner, consumer, applied, tally)
+        bookkeeping.periodic_save(learner, consumer, applied, tally)
 
     tally.progress.close()
     if tally.saved != learner.version:  # the last step's checkpoint may already be written
-        _save(learner, consumer)
+        bookkeeping.save(learner, consumer)
     if tally.exported != learner.version and (stop is None or not stop.is_set()):
-        export(learner)
+        bookkeeping.export(learner)
     return learner.version
-
-
-def _prepare(learner: Learner, groups: list[Group], tally: RunTally):
-    """Step 2: validated samples with advantages, split into mini-batches; skips counted."""
-    batch = step.prepare(learner, groups)
-    empty = [g for g in groups if g.episodes and not any(ep.loss_mask[1:].any() for ep in g.episodes)]
-    if empty:
-        tally.last_skip = no_generation_why(empty[-1])
-    for reason, n in batch.skipped.items():
-        tally.count(reason, n)
-    return batch
-
-
-def row_tokens(setting: int | None, model: Any) -> int | None:
-    """`learner.pack_row_tokens` for `model`: None (one row per micro-batch) or the row width
-    (0: rows as wide as the longest sequence, unless the attention is flash attention's varlen)."""
-    if setting is None:
-        return None
-    if setting == 0:
-        attn = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "")
-        return None if attn.startswith("flash") else 1  # 1: every row as wide as the longest sequence
-    return setting
-
-
-def _publish(
-    learner: Learner,
-    consumer: Consumer | None,
-    weight_sync: WeightSync | None,
-    applied: bool,
-    tally: RunTally,
-    counts_as_skip: bool = True,
-) -> Any:
-    """Step 5: a new version after an applied step (published, pushed to the servers); a skipped
-    step counts towards `max_consecutive_skips` (a critic warm-up step does not). Returns weight
-    sync's push report, if any."""
-    if not applied:
-        if not counts_as_skip:
-            return None
-        tally.skips_in_a_row += 1
-        limit = learner.cfg.max_consecutive_skips
-        if limit and tally.skips_in_a_row >= limit:
-            last = f"; the last: {tally.last_skip}" if tally.last_skip else ""
-            raise RuntimeError(f"{tally.skips_in_a_row} consecutive learner steps skipped ({tally.skipped}){last}; "
-                               "see the log for the reasons, or raise learner.max_consecutive_skips")  # fmt: skip
-        return None
-    learner.version += 1
-    tally.skips_in_a_row = 0
-    pushed = weight_sync.push(learner.weights(), learner.version) if weight_sync is not None else None
-    if learner.rank == 0 and consumer is not None:
-        consumer.publish_version(learner.version)
-    return pushed
 
 
 def _ack(learner: Learner, consumer: Consumer | None, groups: list[Group], applied: bool) -> None:
@@ -453,39 +304,3 @@ def _report(
     elif "critic/value_loss" in m:
         log.info("version %d  critic warm-up  value loss %.4g  explained variance %.3g", learner.version,
                  m["critic/value_loss"], m["critic/explained_variance"])  # fmt: skip
-
-
-def _periodic_save(learner: Learner, consumer: Consumer | None, applied: bool, tally: RunTally) -> None:
-    """Step 7: a checkpoint every `checkpoint.every` versions, an HF export every `export_every`."""
-    every, export_every = learner.cfg.checkpoint.every, learner.cfg.checkpoint.export_every
-    if applied and every and learner.version % every == 0:
-        _save(learner, consumer)
-        tally.saved = learner.version
-    if applied and export_every and learner.version % export_every == 0:
-        export(learner)
-        tally.exported = learner.version
-
-
-class ConsoleProgress:
-    """A progress bar of learner versions on an interactive console (rank 0); nothing elsewhere,
-    where the per-step log line and the metrics files say the same."""
-
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
-        import sys
-
-        self._bar = None
-        if enabled and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._bar = Progress(TextColumn("learner"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn())  # fmt: skip
-            self._bar.start()
-            self._task = self._bar.add_task("train", total=total, completed=start, info="")
-
-    def update(self, version: int, info: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, completed=version, info=info)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()

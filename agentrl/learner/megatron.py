@@ -22,12 +22,19 @@ over DP) is not used here.
 
 On a machine without CUDA, `megatron_cpu.apply()` installs the shims Megatron needs first.
 Resumable checkpoints are one file per (TP, PP) coordinate, written by data-parallel rank 0:
-resuming needs the same tp and pp (any data-parallel size). Critic (`kind="value"`) and the
-colocated HybridEngine's `local_shards` are FSDP2-only here and refuse with that message.
+resuming needs the same tp and pp (any data-parallel size).
+
+The critic (`kind="value"`) is the same GPTModel whose last stage ends in a `ValueHead` (HF's
+`score`, hidden -> 1, zero-initialised) instead of the vocabulary; it loads from, and exports to,
+the HF token-classification names (`model.*`, `score.*`) the FSDP2 critic uses. A frozen
+reference is a policy built without an optimizer. `local_shards` gives the colocated HybridEngine
+each rank's TP shard in HF layout (one pipeline stage).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -47,19 +54,42 @@ from agentrl.log import get_logger
 log = get_logger("learner.megatron")
 
 
-class MegatronPolicy(nn.Module):
+class MegatronModel(nn.Module):
     """The GPTModel of one pipeline stage (`gpt`), with the HF config it was built from
-    (`config`: what the loop reads, e.g. `vocab_size`) and its layout (`shape`)."""
+    (`config`: what the loop reads, e.g. `vocab_size`), its layout (`shape`) and its `kind`: a
+    policy, or a value model whose last stage ends in a `ValueHead` instead of the vocabulary."""
 
-    def __init__(self, gpt: nn.Module, hf_config: Any, shape: convert.Shape) -> None:
+    def __init__(self, gpt: nn.Module, hf_config: Any, shape: convert.Shape, kind: PartKind) -> None:
         super().__init__()
         self.gpt = gpt
         self.config = hf_config
         self.shape = shape
+        self.kind = kind
 
     def hf_names(self, name: str) -> tuple[str, ...]:
+        if self.kind == "value" and name.startswith("output_layer."):
+            return ("score." + name.rpartition(".")[2],)  # HF's token-classification head
         layers = self.gpt.decoder.layers
         return convert.hf_names(name, lambda local: layers[local].layer_number - 1, self.shape)
+
+    def partition_dim(self, name: str) -> int | None:
+        """`convert.partition_dim`; a value head is replicated over the TP group."""
+        if self.kind == "value" and name.startswith("output_layer."):
+            return None
+        return convert.partition_dim(name)
+
+
+class ValueHead(nn.Linear):
+    """The critic's scalar head (HF's `score`: hidden -> 1 with a bias), in the place of the
+    GPTModel's vocabulary-parallel output layer and called as it is. Every TP rank holds it whole
+    and computes the same values from the same (replicated) final hidden states, so neither its
+    output nor the gradient it sends back needs a TP collective."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__(hidden, 1, bias=True)
+
+    def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
+        return super().forward(hidden), None
 
 
 def causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -87,25 +117,30 @@ def _padding_idx(embedding: nn.Module, pad_id: int) -> None:
     embedding.register_forward_hook(hook)
 
 
-def _hf_tensors(path: Path) -> Callable[[str], torch.Tensor]:
-    """A reader of the checkpoint's tensors by HF name (all safetensors files)."""
-    from safetensors import safe_open
+class _HFTensors:
+    """The checkpoint's tensors by HF name (all its safetensors files), read one at a time."""
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files (an HF `from_pretrained` checkpoint)")
-    where: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), "pt") as f:
-            where.update(dict.fromkeys(f.keys(), file))
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
 
-    def read(name: str) -> torch.Tensor:
-        if name not in where:
-            raise KeyError(f"{path}: no tensor {name!r} in the checkpoint")
-        with safe_open(str(where[name]), "pt") as f:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors files (an HF `from_pretrained` checkpoint)")
+        self.path, self.where = path, {}
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                self.where.update(dict.fromkeys(f.keys(), file))
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def __call__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.where:
+            raise KeyError(f"{self.path}: no tensor {name!r} in the checkpoint")
+        with safe_open(str(self.where[name]), "pt") as f:
             return f.get_tensor(name)
-
-    return read
 
 
 class MegatronBackend:
@@ -135,7 +170,8 @@ class MegatronBackend:
         )
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        self._logits: torch.Tensor | None = None  # the last stage's output inside the schedule
+        self._output: torch.Tensor | None = None  # the last stage's output inside the schedule
+        self._tp_mesh: Any = None  # the TP group as a DeviceMesh (local_shards' placements)
         log.info("megatron: rank %d is tp %d/%d, pp %d/%d, dp %d/%d", self.rank, self.tp_rank, tp,
                  self.pp_rank, pp, self.dp_rank, self.dp_size)  # fmt: skip
 
@@ -157,13 +193,10 @@ class MegatronBackend:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from transformers import AutoConfig
 
-        if kind != "policy":
-            raise ValueError(
-                "learner.backend megatron: the critic (loss.advantage: gae) runs on fsdp2 only here"
-            )
         if shard is not None:
             raise ValueError(
-                "learner.backend megatron: colocated mode (the HybridEngine) needs learner.backend fsdp2"
+                "learner.backend megatron: `shard` is an FSDP2 layout; the Megatron backend keeps its own TP "
+                "layout (colocated mode reads it through local_shards)"
             )
         if bf16:
             raise ValueError(
@@ -172,6 +205,8 @@ class MegatronBackend:
         path = Path(path)
         hf = AutoConfig.from_pretrained(str(path))
         shape = convert.shape_of(hf)
+        if kind == "value":  # the decoder's embedding alone: the head is not the vocabulary
+            shape = dataclasses.replace(shape, tied=False)
         config = convert.transformer_config(hf, self.tp, self.pp, torch.float32, activation_checkpointing)
         gpt = GPTModel(
             config,
@@ -186,7 +221,9 @@ class MegatronBackend:
         ).to(self.device)
         if self.first and getattr(hf, "pad_token_id", None) is not None:
             _padding_idx(gpt.embedding.word_embeddings, hf.pad_token_id)
-        module = MegatronPolicy(gpt, hf, shape)
+        if kind == "value" and self.last:
+            gpt.output_layer = ValueHead(shape.hidden).to(self.device)
+        module = MegatronModel(gpt, hf, shape, kind)
         self._load_hf(module, path)
         if optim is None:
             module.eval().requires_grad_(False)
@@ -197,15 +234,19 @@ class MegatronBackend:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda or (lambda step: 1.0))
         return ModelPart(name, kind, module, optimizer, scheduler)
 
-    def _load_hf(self, module: MegatronPolicy, path: Path) -> None:
-        """Copy this rank's shard of every parameter from the HF checkpoint."""
-        read = _hf_tensors(path)
+    def _load_hf(self, module: MegatronModel, path: Path) -> None:
+        """Copy this rank's shard of every parameter from the HF checkpoint. A value model's head
+        starts at zero (every value 0, as `hf_model.load_value_model`), unless the checkpoint has
+        one (an exported critic)."""
+        read = _HFTensors(path)
         with torch.no_grad():
             for name, param in module.gpt.named_parameters():
-                full = convert.to_megatron(
-                    name, [read(n) for n in module.hf_names(name)], module.shape, self.tp
-                )
-                dim = convert.partition_dim(name)
+                names = module.hf_names(name)
+                if module.kind == "value" and name.startswith("output_layer.") and not read.has(names[0]):
+                    param.zero_()
+                    continue
+                full = convert.to_megatron(name, [read(n) for n in names], module.shape, self.tp)
+                dim = module.partition_dim(name)
                 if dim is not None:
                     full = full.chunk(self.tp, dim=dim)[self.tp_rank]
                 if full.shape != param.shape:
@@ -219,11 +260,12 @@ class MegatronBackend:
         self,
         part: ModelPart,
         mbs: list[MicroBatch],
-        on_logits: Callable[[MicroBatch], torch.Tensor],
+        on_output: Callable[[MicroBatch], torch.Tensor],
         forward_only: bool,
     ) -> None:
-        """Run Megatron's forward(-backward) schedule over `mbs`; on the last stage, `on_logits(mb)`
-        runs with that micro-batch's gathered logits in `self._logits` and returns its loss."""
+        """Run Megatron's forward(-backward) schedule over `mbs`; on the last stage, `on_output(mb)`
+        runs with that micro-batch's output in `self._output` (a policy's logits gathered over the
+        TP group, a value model's values) and returns its loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -231,12 +273,13 @@ class MegatronBackend:
             mb = next(data)
             out = gpt(mb.input_ids, mb.position_ids, causal_mask(mb.position_ids))
 
-            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-                self._logits = gather_from_tensor_model_parallel_region(logits)
+            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                policy = part.kind == "policy"
+                self._output = gather_from_tensor_model_parallel_region(output) if policy else output
                 try:
-                    loss = on_logits(mb)
+                    loss = on_output(mb)
                 finally:
-                    self._logits = None
+                    self._output = None
                 # (loss, tokens, metrics) with calculate_per_token_loss: taken as is (no rescaling)
                 return loss, torch.ones((), dtype=torch.int), {}
 
@@ -248,31 +291,40 @@ class MegatronBackend:
             num_microbatches=len(mbs), seq_length=width, micro_batch_size=rows, forward_only=forward_only,
         )  # fmt: skip
 
+    def _forward_only(
+        self, part: ModelPart, mb: MicroBatch, compute: Callable[[MicroBatch], torch.Tensor]
+    ) -> torch.Tensor:
+        """A forward of its own (outside `forward_backward`): the last stage computes `compute(mb)`
+        (flat, one float per position) from the output, and every stage receives it."""
+        result: dict[str, torch.Tensor] = {}
+
+        def keep(mb: MicroBatch) -> torch.Tensor:
+            result["out"] = compute(mb).detach().float()
+            return result["out"].sum() * 0
+
+        self._schedule(part, [mb], keep, forward_only=True)
+        out = result["out"] if self.last else torch.empty(mb.input_ids.numel(), device=self.device)
+        if self.pp > 1:
+            group = self.ps.get_pipeline_model_parallel_group()
+            dist.broadcast(out, dist.get_process_group_ranks(group)[-1], group=group)
+        return out
+
     def logprobs(
         self, part: ModelPart, mb: MicroBatch, temperature: float = 1.0, entropy: str = "none"
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from agentrl.learner.hf_model import logprobs_from_logits
 
-        if self._logits is not None:  # inside the schedule, on the last stage
-            return logprobs_from_logits(self._logits, mb, temperature, entropy)
-        # a forward of its own (frozen policies): the last stage computes, every stage receives
+        if self._output is not None:  # inside the schedule, on the last stage
+            return logprobs_from_logits(self._output, mb, temperature, entropy)
         if entropy != "none":
             raise ValueError("MegatronBackend.logprobs: entropy is computed inside forward_backward only")
-        result: dict[str, torch.Tensor] = {}
-
-        def keep(mb: MicroBatch) -> torch.Tensor:
-            result["logp"] = logprobs_from_logits(self._logits, mb, temperature, "none")[0]
-            return result["logp"].sum() * 0
-
-        self._schedule(part, [mb], keep, forward_only=True)
-        logp = result["logp"] if self.last else torch.empty(mb.input_ids.numel(), device=self.device)
-        if self.pp > 1:
-            group = self.ps.get_pipeline_model_parallel_group()
-            dist.broadcast(logp, dist.get_process_group_ranks(group)[-1], group=group)
+        logp = self._forward_only(part, mb, lambda mb: logprobs_from_logits(self._output, mb, temperature)[0])
         return logp, None
 
     def values(self, part: ModelPart, mb: MicroBatch) -> torch.Tensor:
-        raise ValueError("learner.backend megatron: value models (the critic) run on fsdp2 only here")
+        if self._output is not None:  # inside the schedule, on the last stage: [rows, T, 1]
+            return self._output.reshape(-1).float()
+        return self._forward_only(part, mb, lambda mb: self._output.reshape(-1))
 
     # framework-independent: eval mode and no_grad; rank 0's object over the world
     frozen = FSDP2Backend.frozen
@@ -311,7 +363,7 @@ class MegatronBackend:
         for name, p in gpt.named_parameters():
             if p.grad is None or p is skip:
                 continue
-            if convert.partition_dim(name) is not None or self.tp_rank == 0:
+            if part.module.partition_dim(name) is not None or self.tp_rank == 0:
                 squares += p.grad.double().pow(2).sum()
         dist.all_reduce(squares, group=self.ps.get_model_parallel_group())
         return math.sqrt(float(squares))
@@ -374,7 +426,7 @@ class MegatronBackend:
         for name, param in part.module.gpt.named_parameters():
             if param is self._tied_copy(part) and self.last and not self.first:
                 continue  # the tied matrix is exported once, from the first stage
-            full, dim = list(param.shape), convert.partition_dim(name)
+            full, dim = list(param.shape), part.module.partition_dim(name)
             if dim is not None:
                 full[dim] *= self.tp
             meta = torch.empty(full, device="meta")
@@ -384,9 +436,9 @@ class MegatronBackend:
         dist.all_gather_object(stages, (self.pp_rank, mine))
         return [next(m for r, m in stages if r == s) for s in range(self.pp)]
 
-    def _full(self, name: str, param: torch.Tensor) -> torch.Tensor:
+    def _full(self, part: ModelPart, name: str, param: torch.Tensor) -> torch.Tensor:
         """The full Megatron tensor of a parameter (its TP shards gathered)."""
-        dim = convert.partition_dim(name)
+        dim = part.module.partition_dim(name)
         if self.tp == 1 or dim is None:
             return param.detach()
         shards = [torch.empty_like(param) for _ in range(self.tp)]
@@ -399,7 +451,9 @@ class MegatronBackend:
         for stage, entries in enumerate(self._layout(part)):
             for name, hf_names, shapes in entries:
                 if stage == self.pp_rank:
-                    tensors = convert.to_hf(name, self._full(name, params[name]), part.module.shape, self.tp)
+                    tensors = convert.to_hf(
+                        name, self._full(part, name, params[name]), part.module.shape, self.tp
+                    )
                 else:
                     tensors = [torch.empty(s, device=self.device) for s in shapes]
                 for hf_name, tensor in zip(hf_names, tensors, strict=True):
@@ -409,9 +463,34 @@ class MegatronBackend:
                     yield hf_name, tensor
 
     def local_shards(self, part: ModelPart) -> Iterator[LocalShard]:
-        raise ValueError(
-            "learner.backend megatron: colocated mode (the HybridEngine) needs learner.backend fsdp2"
-        )
+        """This rank's TP shard of every parameter under its HF name and in HF layout, placed
+        `Shard(dim)` (or `Replicate()`) over the TP group: what the colocated HybridEngine
+        reshards from. Views of the parameters, except q/k/v when this rank holds more than one
+        key/value group of the grouped `linear_qkv` (then a re-arranged copy of its own shard;
+        the engine copies it into its generation buffer). One pipeline stage only."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate, Shard
+
+        if self.pp > 1:
+            raise NotImplementedError(
+                "learner.backend megatron: the colocated HybridEngine reshards one pipeline stage (pp 1)"
+            )
+        if self._tp_mesh is None:
+            self._tp_mesh = DeviceMesh.from_group(self.ps.get_tensor_model_parallel_group(), self.device.type)
+        module = part.module
+        local_shape = convert.tp_local(module.shape, self.tp)
+        for name, param in module.gpt.named_parameters():
+            dim = module.partition_dim(name)
+            placement = (Shard(dim),) if dim is not None else (Replicate(),)
+            if name.endswith("linear_fc1.weight"):  # this rank's [gate_r; up_r]: two views
+                pieces = tuple(param.detach().chunk(2))
+            else:
+                pieces = convert.to_hf(name, param.detach(), local_shape, 1)
+            for hf_name, local in zip(module.hf_names(name), pieces, strict=True):
+                full = list(local.shape)
+                if dim is not None:
+                    full[dim] *= self.tp
+                yield LocalShard(hf_name, local, placement, self._tp_mesh, torch.Size(full))
 
     def _shard_file(self, path: Path) -> Path:
         return path / f"megatron_tp{self.tp_rank}_pp{self.pp_rank}.pt"
@@ -446,14 +525,19 @@ class MegatronBackend:
             part.optimizer.load_state_dict(state[part.name]["optim"])
 
     def export(self, part: ModelPart, out_dir: Path, tokenizer_path: str | Path | None) -> Path:
-        """A plain HF checkpoint (safetensors, config, tokenizer) of the gathered weights."""
-        from transformers import AutoModelForCausalLM
+        """A plain HF checkpoint (safetensors, config, tokenizer) of the gathered weights (a value
+        model: a one-label `AutoModelForTokenClassification`, as the FSDP2 backend's critic)."""
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         state = {name: tensor.cpu() for name, tensor in self.full_tensors(part)}
         out = Path(out_dir)
         if self.rank == 0:
+            config = copy.deepcopy(part.module.config)
+            if part.kind == "value":
+                config.num_labels = 1
+            auto = AutoModelForCausalLM if part.kind == "policy" else AutoModelForTokenClassification
             with torch.device("meta"):
-                plain = AutoModelForCausalLM.from_config(part.module.config)
+                plain = auto.from_config(config)
             plain.load_state_dict(state, strict=False, assign=True)
             plain.tie_weights()
             plain.config.use_cache = True

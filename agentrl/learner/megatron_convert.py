@@ -21,6 +21,7 @@ Conversion is pure re-arrangement (no arithmetic): HF -> Megatron -> HF is bit-e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,12 @@ def shape_of(hf: Any) -> Shape:
 def rope_theta(hf: Any) -> float:
     rope = getattr(hf, "rope_parameters", None) or {}
     return float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+
+
+def tp_local(s: Shape, tp: int) -> Shape:
+    """The layout of one TP rank's shard: its heads, key/value groups and feed-forward rows (so
+    `to_hf(name, shard, tp_local(s, tp), 1)` gives the HF tensors' TP-local blocks)."""
+    return dataclasses.replace(s, heads=s.heads // tp, groups=s.groups // tp, ffn=s.ffn // tp)
 
 
 def group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Shape) -> torch.Tensor:

@@ -11,7 +11,8 @@ ranks (`colocated/loop.py`) and `agentrl bench learner` call these functions and
     1. pack each mini-batch into this rank's micro-batches (balanced over the data-parallel
        ranks), on the device
     2. recompute, without gradients, what the objective needs from frozen models: π_old / π_prox
-       (decoupled PPO; TIS with several mini-batches) and π_ref (KL penalty)
+       (decoupled PPO; TIS with several mini-batches) and π_ref (KL penalty); with
+       `learner.distill` the teacher's log-probs, its reverse-KL reward added to the advantages
     3. with a critic: its old values, GAE advantages and returns (`critic.gae_advantages`)
     4. forward/backward, clip and AdamW per mini-batch (`train_step.optimizer_step`; skipped when
        the loss or gradient norm is non-finite): the actor, unless the critic is warming up,
@@ -27,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from agentrl.learner import distill
 from agentrl.learner.critic import critic_step, gae_advantages
 from agentrl.learner.data import PreparedBatch, prepare_batch
 from agentrl.learner.packing import MicroBatch, non_padding_fraction, padded_plan, plan_microbatches
@@ -34,7 +36,7 @@ from agentrl.learner.train_step import optimizer_step, recompute_logprobs
 from agentrl.types import Group
 
 if TYPE_CHECKING:
-    from agentrl.learner.loop import Learner
+    from agentrl.learner.state import Learner
 
 
 def prepare(learner: Learner, groups: list[Group]) -> PreparedBatch:
@@ -74,6 +76,10 @@ def pack(learner: Learner, batch: PreparedBatch, padded: bool = False) -> list[l
             recompute_logprobs(backend, learner.actor, plan, "old_logp", cfg.temperature)
         if learner.ref is not None:
             recompute_logprobs(backend, learner.ref, plan, "ref_logp", cfg.temperature)
+    if cfg.distill.enabled:  # the teacher's reverse-KL reward folded into the advantages
+        batch.metrics.update(
+            distill.apply(cfg.distill, [mb for plan in plans for mb in plan], backend.all_reduce)
+        )
     return plans
 
 
@@ -119,7 +125,8 @@ class StepResult:
         m["packing/non_padding_frac"] = non_padding_fraction(mbs) if mbs else 0.0
         m["packing/micro_batches"] = float(len(mbs))
         m["time/train_s"] = self.t_train
-        m["tokens_per_s"] = self.tokens * learner.world_size / max(self.t_train, 1e-9)
+        # this rank's tokens times the data-parallel ranks (a TP group's ranks train the same ones)
+        m["tokens_per_s"] = self.tokens * learner.backend.dp_size / max(self.t_train, 1e-9)
         m.update(self.adv_stats)
         if self.critic_steps:
             m.update(

@@ -3,8 +3,11 @@
     agentrl plan --model path/to/config.json --gpus 64 --device h100 [--workload w.yaml] [--out run.yaml]
     agentrl plan --model 7b --gpus 16 ...      # a size instead of a config: a Qwen2.5-shaped model
 
+    agentrl plan calibrate --model runs/models/mini --out profile.json   # this machine, measured
+
 Predictions come from the analytic profile of the device (`agentrl/plan/profile.py`, which names
-the published figures it uses).
+the published figures it uses); `agentrl plan calibrate` measures this machine's profile
+(`agentrl/plan/calibrate.py`), which `agentrl bench plan` checks against real runs.
 """
 
 from __future__ import annotations
@@ -69,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(args: list[str]) -> int:
+    if args and args[0] == "calibrate":
+        from agentrl.plan.calibrate import main as calibrate
+
+        return calibrate(args[1:])
     opts = _parser().parse_args(args)
     model, model_path = load_model(opts.model)
     workload = (

@@ -8,7 +8,9 @@ A `CostProfile` has one small model per component, each the shape the component'
 - a prefill: `prefill_base_s + prefill_per_token_s × tokens`, added to the step it joins;
 - the learner: `train_base_s + tokens / learner_tokens_per_s` per step (all learner ranks);
 - a weight push: `push_base_s + push_bytes / push_bytes_per_s`, servers paused throughout;
-- colocated only: `reshard_s` per step (training layout → generation layout and back).
+- colocated only: `reshard_s` per step (training layout → generation layout and back);
+- on a CPU machine (`cores` > 0) the servers' steps and the learner's step share the cores: while
+  more threads are busy than there are cores, each runs that much slower (processor sharing).
 
 Each profile names where its numbers came from (`source`): the benches that measured them on a
 machine, or the published device figures an analytic profile was derived from.
@@ -36,6 +38,8 @@ class CostProfile:
     reshard_s: float = 0.0
     max_batch: int = 256  # sequences a server decodes at once (KV-cache bound)
     turn_overhead_s: float = 0.0  # roller-side cost of one model turn (render, parse, HTTP)
+    cores: int = 0  # CPU cores servers and learner share (a CPU machine); 0: each has its own device
+    learner_threads: int = 1  # threads the learner keeps busy while it trains (its ranks)
     source: dict[str, str] = field(default_factory=dict)
 
     def decode_s(self, batch: int, ctx_sum: float) -> float:

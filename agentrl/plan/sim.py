@@ -95,8 +95,10 @@ class _Server:
     """Continuous batching in macro-steps: between batch changes the step time grows linearly
     (each step adds `batch` tokens of context), so the time of n steps has a closed form."""
 
-    def __init__(self, loop: _Loop, profile: CostProfile) -> None:
+    def __init__(self, loop: _Loop, profile: CostProfile, slowdown: Callable[[], float]) -> None:
         self.loop, self.p = loop, profile
+        self.slowdown = slowdown
+        self.factor = 1.0  # the slowdown of the current macro-step (cores shared with the learner)
         self.running: list[_Request] = []
         self.joining: list[_Request] = []
         self.waiting: deque[_Request] = deque()  # beyond max_batch
@@ -117,13 +119,13 @@ class _Server:
         b = len(self.running)
         s0 = sum(r.ctx for r in self.running)
         step0 = self.p.decode_s(b, s0)
-        return n * step0 + self.p.decode_per_ctx_token_s * b * n * (n - 1) / 2
+        return self.factor * (n * step0 + self.p.decode_per_ctx_token_s * b * n * (n - 1) / 2)
 
     def _steps_by(self, elapsed: float) -> int:
         """Whole steps finished `elapsed` seconds into the macro-step."""
         b = len(self.running)
-        a = self.p.decode_per_ctx_token_s * b / 2
-        c = self.p.decode_s(b, sum(r.ctx for r in self.running)) - a
+        a = self.factor * self.p.decode_per_ctx_token_s * b / 2
+        c = self.factor * self.p.decode_s(b, sum(r.ctx for r in self.running)) - a
         n = elapsed / c if a <= 0 else (-c + math.sqrt(c * c + 4 * a * elapsed)) / (2 * a)
         n = min(self.planned, max(0, int(n + 1e-9)))
         while n < self.planned and self._time_of(n + 1) <= elapsed + 1e-12:
@@ -142,6 +144,11 @@ class _Server:
         self.paused = False
         if not self.stepping and not self.boundary_pending:
             self._boundary()
+
+    def reschedule(self) -> None:
+        """The cores' load changed: re-plan from the end of the step in progress."""
+        if self.stepping:
+            self._interrupt()
 
     def _interrupt(self) -> None:
         """Something changed: end the macro-step at the boundary of the step in progress."""
@@ -184,11 +191,12 @@ class _Server:
             self.running.append(r)
         if not self.running:
             return
-        start = self.p.prefill_s(prefill)
+        self.stepping = True  # counted among the busy while the slowdown is read
+        self.factor = self.slowdown()
+        start = self.factor * self.p.prefill_s(prefill)
         self.busy_s += start
         self.t0 = self.loop.now + start
         self.planned = min(r.remaining for r in self.running)
-        self.stepping = True
         self.token += 1
         token = self.token
         end = self.t0 + self._time_of(self.planned)
@@ -206,7 +214,8 @@ class _Episode:
         self.sim, self.group = sim, group
         rng = sim.rng
         w = sim.w
-        self.turns = max(1, round(w.turns.sample(rng)))
+        turns = w.turns.sample(rng)  # a fractional count rounds up with its fraction's probability
+        self.turns = max(1, int(turns) + (rng.random() < turns - int(turns)))
         self.turn = 0
         self.ctx = 0.0
         self.new_ctx = max(1.0, w.prompt_tokens.sample(rng))
@@ -263,17 +272,32 @@ class _Sim:
         self.rng = random.Random(seed)
         self.loop = _Loop()
         self.version = 0
-        self.servers = [_Server(self.loop, p) for _ in range(d.servers)]
+        self.servers = [_Server(self.loop, p, self.slowdown) for _ in range(d.servers)]
         self.in_flight = 0  # groups started, not yet trained or dropped
         self.roller_slots = [d.roller_concurrency] * d.rollers
         self.roller_free_at = [0.0] * d.rollers
         self.finished: deque[_Group] = deque()
         self.learner_busy = False
+        self.learner_training = False
         self.learner_busy_s = 0.0
         self.step_ends: list[float] = []
         self.dropped = 0
         self.staleness: list[int] = []
         self.gen_phase_left = 0  # colocated: groups still to finish this step
+
+    def slowdown(self) -> float:
+        """How much slower work runs now because servers and learner share `cores` (1: not at all)."""
+        if self.p.cores <= 0:
+            return 1.0
+        busy = sum(s.stepping or s.boundary_pending for s in self.servers)
+        busy += self.p.learner_threads if self.learner_training else 0
+        return max(1.0, busy / self.p.cores)
+
+    def _learner_state(self, training: bool) -> None:
+        self.learner_training = training
+        if self.p.cores > 0:
+            for s in self.servers:
+                s.reschedule()
 
     # -- rollers
     def roller_turn(self, roller: int, fn: Callable[[], None]) -> None:
@@ -330,11 +354,13 @@ class _Sim:
         batch = [self.finished.popleft() for _ in range(g)]
         self.staleness.extend(self.version - x.first_version for x in batch)
         self.learner_busy = True
-        train = self.p.train_s(sum(x.tokens for x in batch))
+        self._learner_state(True)
+        train = self.p.train_s(sum(x.tokens for x in batch)) * self.slowdown()
         self.learner_busy_s += train
         self.loop.after(train, lambda: self.push(len(batch)))
 
     def push(self, trained: int) -> None:
+        self._learner_state(False)
         for s in self.servers:
             s.pause()
         push = self.p.push_s()

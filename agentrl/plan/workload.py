@@ -23,7 +23,8 @@ Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 @dataclass(frozen=True)
 class Dist:
     """A non-negative quantity: `const` (value), `uniform` (low..high), `lognormal` (median, p99),
-    or `choice` (values, drawn uniformly). Integer quantities are rounded by the caller."""
+    `pareto` (median, alpha, capped at high: the toy envs' long-tailed tool latency), or `choice`
+    (values, drawn uniformly). Integer quantities are rounded by the caller."""
 
     kind: str = "const"
     value: float = 0.0
@@ -32,10 +33,15 @@ class Dist:
     median: float = 0.0
     p99: float = 0.0
     values: tuple[float, ...] = ()
+    alpha: float = 1.5
 
     def __post_init__(self) -> None:
-        if self.kind not in ("const", "uniform", "lognormal", "choice"):
-            raise ValueError(f"unknown distribution kind {self.kind!r} (const, uniform, lognormal, choice)")
+        if self.kind not in ("const", "uniform", "lognormal", "pareto", "choice"):
+            raise ValueError(
+                f"unknown distribution kind {self.kind!r} (const, uniform, lognormal, pareto, choice)"
+            )
+        if self.kind == "pareto" and not (self.median > 0 and self.alpha > 1 and self.high >= self.median):
+            raise ValueError(f"pareto needs median > 0, alpha > 1, high >= median; got {self}")
         if self.kind == "uniform" and not 0 <= self.low <= self.high:
             raise ValueError(f"uniform needs 0 <= low <= high, got low={self.low} high={self.high}")
         if self.kind == "lognormal" and not 0 < self.median <= self.p99:
@@ -67,6 +73,8 @@ class Dist:
             return rng.uniform(self.low, self.high)
         if self.kind == "choice":
             return rng.choice(self.values)
+        if self.kind == "pareto":  # as envs/toy.py's ParetoLatency: scaled so the median is `median`
+            return min(self.high, self.median * rng.paretovariate(self.alpha) / 2 ** (1 / self.alpha))
         return self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0))
 
     def mean(self) -> float:
@@ -76,6 +84,10 @@ class Dist:
             return (self.low + self.high) / 2
         if self.kind == "choice":
             return sum(self.values) / len(self.values)
+        if self.kind == "pareto":  # E[min(c, s·X)] for X ~ Pareto(alpha, 1), s = median / 2^(1/alpha)
+            scale, a = self.median / 2 ** (1 / self.alpha), self.alpha
+            cap = self.high / scale
+            return scale * (a / (a - 1) - cap ** (1 - a) / (a - 1)) if cap > 1 else self.high
         return self.median * math.exp(self.sigma**2 / 2)
 
 
@@ -113,7 +125,8 @@ class Workload:
         for k, v in asdict(self).items():
             if isinstance(v, dict):
                 kind = v["kind"]
-                keep = {"const": ("value",), "uniform": ("low", "high"), "lognormal": ("median", "p99")}
+                keep = {"const": ("value",), "uniform": ("low", "high"), "lognormal": ("median", "p99"),
+                        "pareto": ("median", "alpha", "high")}  # fmt: skip
                 keys = keep.get(kind, ("values",))
                 out[k] = v["value"] if kind == "const" else {"kind": kind, **{x: v[x] for x in keys}}
             else:

@@ -33,7 +33,12 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from agentrl.types import byte_view
+import msgpack
+
+from agentrl.log import get_logger
+from agentrl.wire import byte_view
+
+log = get_logger("queue.auth")
 
 try:
     from cryptography.hazmat.primitives.poly1305 import Poly1305
@@ -132,3 +137,14 @@ class Authenticator:
         expected = self._tag(mac[0], nonce, bytes(byte_view(control)), payload)
         if not hmac.compare_digest(tag, expected):
             raise AuthError("MAC mismatch: wrong secret or a corrupted message")
+
+    def read_reply(self, msg: Sequence[Any], who: str) -> dict | None:
+        """The control map of a reply `[mac, control, *payload]` from the queue server, or None
+        (logged at WARNING, as ignored by `who`) when it fails its MAC or is not a msgpack map."""
+        try:
+            self.verify(msg[0], msg[1], msg[2:])
+            ctl = msgpack.unpackb(msg[1].buffer, raw=False)
+        except (AuthError, ValueError, IndexError) as exc:
+            log.warning("%s ignored a reply that failed its check: %s", who, exc)
+            return None
+        return ctl

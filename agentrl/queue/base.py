@@ -100,11 +100,20 @@ class Producer(abc.ABC):
     `max_staleness`: the run's, as the queue told this producer (None until it has), so a roller
     knows the admissible window without its own config; `on_max_staleness(k)` is called when it
     learns (or the queue changes) it, and `on_version(v)` with the learner's version each time
-    the queue reports it (it may go down: a learner resumed from an older checkpoint)."""
+    the queue reports it (it may go down: a learner resumed from an older checkpoint).
+
+    The launcher's live list (`inference.server_list`) reaches a roller through its queue: every
+    backend's producer is a `server_list.Follower` of what the queue carries (the zmq replies,
+    Redis's `<stream>:servers` key read by the producer's heartbeat), and calls `on_servers(epoch,
+    urls)` once for each newer epoch, in order (the roller's router swaps its server set), and
+    `on_services(epoch, services)` when the env services' URLs moved (`envs.base.live_services`).
+    A hook that raises is logged; the producer's calls go on."""
 
     max_staleness: int | None = None
     on_max_staleness: Callable[[int], None] | None = None
     on_version: Callable[[int], None] | None = None
+    on_servers: Callable[[int, list[str]], None] | None = None
+    on_services: Callable[[int, dict[str, str]], None] | None = None
 
     @abc.abstractmethod
     async def put(self, group: Group) -> None:
@@ -145,6 +154,23 @@ class Consumer(abc.ABC):
     a group with none left is dropped as stale, as a group is under the per-group rule."""
 
     per_token_staleness: bool = False
+
+    def _hand_out(
+        self, groups: list[Group], ages_s: list[float], learner_version: int, max_staleness: int, dropped: int
+    ) -> Batch:
+        """The `Batch` of the groups `get_batch` took: with per-token staleness, their tokens older
+        than the bound leave the loss mask first (`mask_stale`)."""
+        masked = 0.0
+        if self.per_token_staleness:
+            groups, masked = mask_stale(groups, learner_version, max_staleness)
+        return Batch(
+            groups=groups,
+            learner_version=learner_version,
+            dropped_stale=dropped,
+            ages_s=ages_s,
+            staleness=[g.staleness(learner_version) for g in groups],
+            stale_tokens_masked=masked,
+        )
 
     @abc.abstractmethod
     def get_batch(

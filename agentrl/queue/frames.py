@@ -2,7 +2,7 @@
 
 `encode_group` gives one frame per array per episode, so the send path never copies an
 array. But pyzmq spends ~10 µs per frame on a zero-copy send, which dominates for the
-many small arrays of short episodes. So the queue amortises, as types.py anticipates:
+many small arrays of short episodes. So the queue amortises, as wire.py anticipates:
 consecutive frames under `PACK_BELOW` bytes are joined into one segment (a copy that
 costs less than the per-frame overhead), frames at or above it are sent as their own
 segment with `copy=False`. The control frame carries every frame's length and how
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from agentrl.types import WireError, byte_view
+from agentrl.wire import WireError, byte_view
 
 PACK_BELOW = 64 << 10
 

@@ -28,8 +28,9 @@ import numpy as np
 
 from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator
-from agentrl.queue.zmq_client import ZmqProducer
-from agentrl.types import Group, encode_group
+from agentrl.queue.zmq_producer import ZmqProducer
+from agentrl.types import Group
+from agentrl.wire import encode_group
 
 log = get_logger("queue.nixl")
 

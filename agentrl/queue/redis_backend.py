@@ -58,7 +58,6 @@ from agentrl.queue.base import (
     Producer,
     RunOver,
     check_drop_reason,
-    mask_stale,
 )
 from agentrl.queue.ledger import Ledger
 from agentrl.queue.redis_scripts import (
@@ -71,7 +70,8 @@ from agentrl.queue.redis_scripts import (
     RELEASE,
     TAKE,
 )
-from agentrl.types import Group, decode_group, encode_group
+from agentrl.types import Group
+from agentrl.wire import decode_group, encode_group
 
 log = get_logger("queue.redis")
 
@@ -336,17 +336,8 @@ class RedisConsumer(Consumer):
         taken, self._buffer = self._buffer[:num_groups], self._buffer[num_groups:]
         self._ages.extend(a for _, a in taken)
         self._redis.hincrby(self.state, "groups_out", len(taken))
-        groups = [g for g, _ in taken]
-        masked = 0.0
-        if self.per_token_staleness:
-            groups, masked = mask_stale(groups, learner_version, max_staleness)
-        return Batch(
-            groups=groups,
-            learner_version=learner_version,
-            dropped_stale=dropped,
-            ages_s=[a for _, a in taken],
-            staleness=[g.staleness(learner_version) for g in groups],
-            stale_tokens_masked=masked,
+        return self._hand_out(
+            [g for g, _ in taken], [a for _, a in taken], learner_version, max_staleness, dropped
         )
 
     def _give_back(self) -> None:

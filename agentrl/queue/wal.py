@@ -29,7 +29,7 @@ from typing import Any
 import msgpack
 
 from agentrl.log import get_logger
-from agentrl.types import byte_view
+from agentrl.wire import byte_view
 
 log = get_logger("queue.wal")
 

@@ -1,7 +1,7 @@
 """Admission credits under rollers' leases: the producer-side half of the queue server's state machine.
 
-`QueueServer` (zmq_server.py) owns the sockets, the loop, puts and the WAL; `Delivery`
-(zmq_delivery.py) hands groups to the learner; this mixin decides who may start a group.
+`QueueServer` (zmq_server.py) owns the sockets and the loop, `Intake` (zmq_intake.py) takes
+puts; `Delivery` (zmq_delivery.py) hands groups to the learner; this mixin decides who may start a group.
 
 Admission is *derived from what is in flight*, never kept as a running count that can drift:
 

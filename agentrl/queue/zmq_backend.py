@@ -1,6 +1,6 @@
 """`queue.type: zmq`: the factory that builds the ZeroMQ queue's server, producers and consumers.
 
-It sits beside, not inside, the modules it builds from (`zmq_server.py`, `zmq_client.py` and, with
+It sits beside, not inside, the modules it builds from (`zmq_server.py`, `zmq_producer.py`, `zmq_consumer.py` and, with
 `queue.nixl`, `nixl_transport.py`), so none of those imports another through it."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 
 from agentrl.queue.auth import Authenticator, load_secret
 from agentrl.queue.base import Backend
-from agentrl.queue.zmq_client import ZmqConsumer, ZmqProducer
+from agentrl.queue.zmq_consumer import ZmqConsumer
+from agentrl.queue.zmq_producer import ZmqProducer
 
 
 def _auth_for(config: Any) -> Authenticator:

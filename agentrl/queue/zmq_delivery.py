@@ -1,7 +1,8 @@
 """Handing groups out: the learner-side half of the queue server's state machine.
 
-`QueueServer` (zmq_server.py) owns the sockets, the loop, puts, capacity and the WAL; this
-mixin holds what the learner ranks and the admission gate ask of it:
+`QueueServer` (zmq_server.py) owns the sockets and the loop, `Intake` (zmq_intake.py) puts,
+capacity and the WAL append; this mixin holds what the learner ranks and the admission gate ask
+of it:
 
 - `get`: a rank asks for n whole groups admissible at version v with staleness k; groups
   that became inadmissible are dropped and counted (and give their admission back); the

@@ -6,14 +6,16 @@ address (every message MAC-checked, see `auth.py`) and a second ROUTER on `inpro
 for a consumer in the same process (no network, no MAC, zero-copy).
 
 Messages are `[mac, control, *payload]`; `control` is a small msgpack map with a kind
-`k`, and a put's payload is the group frames of `agentrl.types.encode_group` (several
+`k`, and a put's payload is the group frames of `agentrl.wire.encode_group` (several
 groups may share one message). Payload frames are received with `copy=False`, kept as
 they arrived and forwarded to the consumer as the same buffers.
 
-This file holds the sockets, the loop, puts, capacity and the WAL; handing groups out
-(get / ack / versions) is the `Delivery` mixin in `zmq_delivery.py`, and admission under
-rollers' leases (acq / rel / heartbeats / run id / finish) the `Admission` mixin in
-`zmq_admission.py`. Every message is first checked against the run and the sender's lease.
+This file holds the sockets, the loop, start-up (WAL recovery), replies and timers; taking
+groups in (put / nput, capacity, backpressure, the WAL append) is the `Intake` mixin in
+`zmq_intake.py`, handing them out (get / ack / versions) the `Delivery` mixin in
+`zmq_delivery.py`, and admission under rollers' leases (acq / rel / heartbeats / run id /
+finish) the `Admission` mixin in `zmq_admission.py`. Every message is first checked against the
+run and the sender's lease.
 
 What the loop does each turn (`_loop`):
 1. receive what is waiting on both sockets and handle each message (`_handle`);
@@ -28,11 +30,8 @@ What the loop does each turn (`_loop`):
    decoded rather than waiting for the whole turn; with `wal_fsync` the turn's writes share
    one fsync.
 
-Flow control: queued plus handed-out groups stay within `capacity_groups` and
-`capacity_bytes`; a put that does not fit is held unanswered until room frees up, so
-`Producer.put` waits (each producer also bounds its unacknowledged bytes). Admission is
-derived from what is in flight (see `zmq_admission.py`), so groups dropped as stale (or in a
-step the learner skipped) give their admission back by leaving, and rollers replace them.
+Flow control (`zmq_intake.py`): queued plus handed-out groups stay within `capacity_groups`
+and `capacity_bytes`; a put that does not fit is held unanswered until room frees up.
 
 With a `ledger` path the server keeps `ledger.py`'s ledger (what it took without an fsynced WAL,
 what was trained or dropped, what it still held at `stop()`): the per-group account of
@@ -58,12 +57,12 @@ from agentrl.inference.server_list import Reader, as_wire
 from agentrl.log import get_logger
 from agentrl.queue.auth import Authenticator, AuthError, load_secret
 from agentrl.queue.base import QueueError
-from agentrl.queue.frames import unpack
 from agentrl.queue.ledger import Ledger
-from agentrl.queue.wal import MAX_REMEMBERED_ACKS, WriteAheadLog
+from agentrl.queue.wal import WriteAheadLog
 from agentrl.queue.zmq_admission import Admission, PeerRefused
 from agentrl.queue.zmq_delivery import _NO_VERSION, Delivery, _Entry, _Get
-from agentrl.types import Group, WireError, decode_groups
+from agentrl.queue.zmq_intake import Intake
+from agentrl.wire import WireError, decode_groups
 
 log = get_logger("queue.server")
 
@@ -96,7 +95,7 @@ def _run_id(given: str | None, wal_dir: Path | None) -> str:
     return run_id
 
 
-class QueueServer(Admission, Delivery):
+class QueueServer(Admission, Intake, Delivery):
     """The queue's state machine and its socket thread. `start()`, `stop()`, `metrics()`."""
 
     def __init__(
@@ -412,136 +411,6 @@ class QueueServer(Admission, Delivery):
                 sock.send_multipart([ident, mac, body, *frames], copy=False)
             except zmq.ZMQError as exc:  # the peer went away
                 log.debug("reply to a gone peer dropped: %s", exc)
-
-    def _on_put(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
-        items = ctl["items"]
-        payload = unpack(ctl["lens"], ctl["segs"], payload)
-        if sum(int(item[2]) for item in items) != len(payload):
-            raise WireError("put: frame counts do not add up to the payload")
-        todo, pos, lease = [], 0, ctl.get("l")
-        for rid, gid, nframes in items:
-            frames = payload[pos : pos + nframes]
-            pos += nframes
-            nbytes = sum(map(len, frames[1:]))
-            if self._is_known(gid):
-                self._spend(lease, rid)
-                self._duplicate(sock, ident, rid)
-            elif self._fits(sock, ident, rid, nbytes, lease):
-                todo.append((rid, gid, frames, nbytes))
-        decoded = decode_groups([t[2] for t in todo], max_bytes=self.config.max_message_bytes)
-        for (rid, gid, frames, nbytes), result in zip(todo, decoded, strict=True):
-            self._put_one(sock, ident, rid, gid, frames, nbytes, result, lease)
-        self._serve_gets()
-
-    def _is_known(self, gid: str) -> bool:
-        return gid in self._acked or gid in self._queued or gid in self._inflight or gid in self._parked_ids
-
-    def _duplicate(self, sock: zmq.Socket, ident: bytes, rid: int) -> None:
-        self.counters["duplicates"] += 1
-        self._put_acks.setdefault((sock, ident), []).append(rid)
-
-    def _fits(self, sock: zmq.Socket, ident: bytes, rid: int, nbytes: int, lease: str | None) -> bool:
-        """A group of `nbytes` array bytes is within `max_message_bytes`, or it is refused."""
-        if nbytes <= self.config.max_message_bytes:
-            return True
-        self._spend(lease, rid)
-        self.counters["refused_oversize"] += 1
-        msg = f"group of {nbytes} bytes exceeds queue.max_message_bytes={self.config.max_message_bytes}"
-        self._reply(sock, ident, {"k": "err", "rid": rid, "msg": msg})
-        return False
-
-    def _put_one(
-        self,
-        sock: zmq.Socket,
-        ident: bytes,
-        rid: int,
-        gid: str,
-        frames: list[Any],
-        nbytes: int,
-        decoded: tuple[Group, int] | WireError,
-        lease: str | None,
-    ) -> None:
-        """Store one decoded group, hold it back while full, or refuse it with a reason; each spends
-        one admission credit of the sender's lease."""
-        self._spend(lease, rid)
-        if self._is_known(gid):  # e.g. twice in one message
-            self._duplicate(sock, ident, rid)
-            return
-        if not isinstance(decoded, WireError) and decoded[0].group_id != gid:
-            decoded = WireError(f"put: header group_id {decoded[0].group_id!r} differs from {gid!r}")
-        if isinstance(decoded, WireError):
-            self.counters["refused_corrupt"] += 1
-            self._reply(sock, ident, {"k": "err", "rid": rid, "msg": str(decoded)})
-            return
-        self._seq += 1
-        group, min_version = decoded
-        entry = _Entry(gid, frames, nbytes, min_version, self._seq, time.time(), group)
-        if self._has_room(entry.nbytes) and not self._parked:
-            self._accept(sock, ident, rid, entry)
-        else:
-            self._parked.append((sock, ident, rid, entry))
-            self._parked_ids.add(gid)
-
-    def _on_nput(self, sock: zmq.Socket, ident: bytes, ctl: dict, payload: list[Any]) -> None:
-        """A put whose arrays wait in the producer's memory: READ them over NIXL (see nixl_transport)."""
-        if self._nixl is None:
-            raise ValueError("this queue server was started without queue.nixl")
-        if self._is_known(ctl["gid"]) or ctl["gid"] in self._nixl_busy:
-            if not self._is_known(ctl["gid"]):
-                return  # a re-send while its read is under way: the read's ack answers it
-            self._duplicate(sock, ident, ctl["rid"])
-            return
-        if not self._fits(sock, ident, ctl["rid"], sum(int(n) for _, n in ctl["descs"]), ctl.get("l")):
-            return
-        self._nixl_busy.add(ctl["gid"])
-        self._nixl.start(ctl, payload[0], (sock, ident))
-
-    def _finish_nixl_reads(self) -> None:
-        for ctl, frames, (sock, ident), error in self._nixl.poll():
-            self._nixl_busy.discard(ctl["gid"])
-            if error is not None:
-                self.counters["refused_corrupt"] += 1
-                self._reply(sock, ident, {"k": "err", "rid": ctl["rid"], "msg": f"NIXL read failed: {error}"})
-            else:
-                self.counters["nixl_reads"] += 1  # of the lengths `_on_nput` checked against the limit
-                (decoded,) = decode_groups([frames], max_bytes=self.config.max_message_bytes)
-                nbytes = sum(map(len, frames[1:]))
-                self._put_one(sock, ident, ctl["rid"], ctl["gid"], frames, nbytes, decoded, ctl.get("l"))
-        self._serve_gets()
-
-    def _has_room(self, nbytes: int) -> bool:
-        held = len(self._queued) + len(self._inflight)
-        if held == 0:
-            return True
-        return held < self.config.capacity_groups and self._bytes + nbytes <= self.config.capacity_bytes
-
-    def _accept(self, sock: zmq.Socket, ident: bytes, rid: int, entry: _Entry) -> None:
-        if self.wal is not None:
-            self.wal.append_put(entry.gid, entry.frames)
-        self._store(entry)
-        if self.ledger is not None:
-            self.ledger.held(entry.gid)
-        self.counters["groups_in"] += 1
-        self.counters["bytes_in"] += entry.nbytes
-        self._put_acks.setdefault((sock, ident), []).append(rid)
-
-    def _store(self, entry: _Entry) -> None:
-        self._queued[entry.gid] = entry
-        if entry.min_version >= 0:
-            self._low_version = min(self._low_version, entry.min_version)
-        self._bytes += entry.nbytes
-
-    def _admit_parked(self) -> None:
-        while self._parked and self._has_room(self._parked[0][3].nbytes):
-            sock, ident, rid, entry = self._parked.popleft()
-            self._parked_ids.discard(entry.gid)
-            self._accept(sock, ident, rid, entry)
-
-    def _forget(self, entry: _Entry) -> None:
-        self._bytes -= entry.nbytes
-        self._acked[entry.gid] = None
-        while len(self._acked) > MAX_REMEMBERED_ACKS:
-            self._acked.popitem(last=False)
 
     # ---------------------------------------------------------------- timers, metrics
 

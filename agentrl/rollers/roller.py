@@ -251,6 +251,9 @@ class Roller:
         return None
 
     async def _run_group(self, task: dict[str, Any], admission: dict[str, int]) -> None:
+        """One admitted task into one `Group`: its episodes (and ReMax's greedy one), then the
+        filters and the `put` (`_put_group`); a failed group is counted and its admission given
+        back (`_group_failed`)."""
         runs = [asyncio.create_task(self._run_one(task)) for _ in range(self.config.group_size)]
         if self.config.greedy_baseline:
             runs.append(asyncio.create_task(self._run_one(task, greedy=True)))
@@ -259,22 +262,7 @@ class Roller:
         except Exception as exc:  # a lost request or a bug in user env code: count it, keep rolling
             for run in runs:
                 run.cancel()
-            self.stats.groups_failed += 1
-            self._failures_in_a_row += 1
-            if isinstance(exc, AgentFailed):
-                self.stats.agent_failures[exc.reason] += 1
-            log = logger.exception if self.stats.groups_failed <= 3 else logger.warning
-            log("group for task %s failed and was dropped (counted): %s", task.get("id", "?"), exc)
-            try:
-                await self.producer.release_start(1)
-            except QueueError as queue_exc:  # the queue is gone too; its lease will lapse
-                self._queue_ended(queue_exc)
-                return
-            limit = self.config.max_consecutive_failures
-            if limit and self._failures_in_a_row >= limit and self.fatal is None:
-                self.fatal = (f"{self._failures_in_a_row} groups in a row failed (roller.max_consecutive_failures); "
-                              f"last error: {exc}")  # fmt: skip
-                self.stop()
+            await self._group_failed(task, exc)
             return
         finally:
             self._group_slots.release()
@@ -285,6 +273,31 @@ class Roller:
         group = Group(episodes, prompt_id=str(task.get("id", "")), metrics=admission)
         if not any(ep.num_generated for ep in episodes):
             self._no_generation(task, episodes)
+        await self._put_group(group, admission)
+
+    async def _group_failed(self, task: dict[str, Any], exc: Exception) -> None:
+        """Count a failed group, give its admission back, and stop the roller after
+        `max_consecutive_failures` in a row."""
+        self.stats.groups_failed += 1
+        self._failures_in_a_row += 1
+        if isinstance(exc, AgentFailed):
+            self.stats.agent_failures[exc.reason] += 1
+        log = logger.exception if self.stats.groups_failed <= 3 else logger.warning
+        log("group for task %s failed and was dropped (counted): %s", task.get("id", "?"), exc)
+        try:
+            await self.producer.release_start(1)
+        except QueueError as queue_exc:  # the queue is gone too; its lease will lapse
+            self._queue_ended(queue_exc)
+            return
+        limit = self.config.max_consecutive_failures
+        if limit and self._failures_in_a_row >= limit and self.fatal is None:
+            self.fatal = (f"{self._failures_in_a_row} groups in a row failed (roller.max_consecutive_failures); "
+                          f"last error: {exc}")  # fmt: skip
+            self.stop()
+
+    async def _put_group(self, group: Group, admission: dict[str, int]) -> None:
+        """Dynamic sampling (a uniform-reward group gives its admission back), then `put` (waiting
+        while the queue is full), the groups file and the staleness at put."""
         try:
             if self.config.drop_uniform_reward_groups and len(set(group.rewards.tolist())) == 1:
                 self.stats.groups_dropped_uniform += 1

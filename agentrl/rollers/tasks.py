@@ -12,13 +12,13 @@ cursor (see `TaskSource`).
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from agentrl.envs.base import Env
+from agentrl.jsonl import read_objects
 
 CHUNK = 1024
 
@@ -41,18 +41,9 @@ def read_task_file(path: str | Path, env_cls: type[Env] | None = None) -> list[d
             _check_fields(task, env_cls, f"{path}: row {number}")
         return rows
     tasks = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                task = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(f"roller.tasks: {path}:{number}: not JSON: {exc}") from None
-            if not isinstance(task, dict):
-                raise ValueError(f"roller.tasks: {path}:{number}: a task must be a JSON object")
-            _check_fields(task, env_cls, f"{path}:{number}")
-            tasks.append(task)
+    for number, task in read_objects(path, "task", "roller.tasks: "):
+        _check_fields(task, env_cls, f"{path}:{number}")
+        tasks.append(task)
     if not tasks:
         raise ValueError(f"roller.tasks: {path} holds no tasks")
     return tasks

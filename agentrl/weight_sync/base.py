@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentrl.log import get_logger
 
@@ -39,6 +39,106 @@ WeightSource = Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
 """What `push` takes: a function that returns the `(HF name, full tensor)` pairs to push, tied
 weights once. It is called once per attempt (a push redone without a failed server calls it
 again) and on every learner rank in step, since it may run collectives (FSDP2 gathers)."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """The LoRA config an adapter push carries beside its tensors (PEFT's `adapter_config.json`
+    fields a server needs to apply them); the tensors are named as PEFT saves them
+    (`base_model.model.<module>.lora_A.weight`)."""
+
+    r: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    base_model: str = ""
+    modules_to_save: bool = False
+    """The learner also trains whole modules (`lora.modules_to_save`): only a merged push carries them."""
+
+    def name(self, version: int) -> str:
+        """The name a server serves version `version` of this adapter under."""
+        return f"agentrl-lora-v{version}"
+
+    def peft_config(self) -> dict[str, Any]:
+        """`adapter_config.json` of this adapter, with the fields PEFT 0.21's `LoraConfig` writes
+        that a loader reads (`PeftModel.from_pretrained`, vLLM's and SGLang's LoRA loaders)."""
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.r,
+            "lora_alpha": self.alpha,
+            "lora_dropout": 0.0,
+            "target_modules": sorted(self.target_modules),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+            "use_rslora": False,
+            "use_dora": False,
+            "inference_mode": True,
+            "base_model_name_or_path": self.base_model,
+        }
+
+    def config(self, version: int) -> dict[str, Any]:
+        """The adapter's config as it travels to a server: `peft_config` plus its served name."""
+        return {**self.peft_config(), "name": self.name(version)}
+
+
+@dataclass
+class AdapterWeights:
+    """What a LoRA learner hands `push` instead of a plain `WeightSource`: its adapter and, for
+    `weight_sync.lora_mode: merged`, base + adapter merged. Calling it gives the adapter's tensors."""
+
+    adapter: WeightSource
+    """The adapter's lora_A / lora_B tensors under PEFT's saved names (a collective)."""
+    merged: WeightSource
+    """Base + adapter merged into the plain model's tensors under HF names (a collective)."""
+    spec: AdapterSpec
+
+    def __call__(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.adapter()
+
+
+def resolve(weights: WeightSource, lora_mode: str) -> tuple[WeightSource, AdapterSpec | None]:
+    """The tensors a push sends and the adapter they form (None: full weights). An `AdapterWeights`
+    is sent as its adapter (`lora_mode: adapter`) or merged (`merged`: through the full-weight path)."""
+    if not isinstance(weights, AdapterWeights):
+        return weights, None
+    if lora_mode == "merged":
+        return weights.merged, None
+    if weights.spec.modules_to_save:
+        raise ValueError(
+            "learner.lora.modules_to_save trains whole modules that an adapter push does not carry: "
+            "set weight_sync.lora_mode: merged"
+        )
+    return weights.adapter, weights.spec
+
+
+class AdapterUpdates(Protocol):
+    """What an adapter push calls on a server's weight-update client, beside `WeightUpdateClient`
+    (a client without these methods takes no adapter push: its server is dropped from it, with
+    `weight_sync.lora_mode: merged` named as the way out).
+
+    Broadcast: `pause_generation`, `begin_adapter_update(config)`, one
+    `update_weights_from_distributed` per bucket of adapter tensors (PEFT saved names; the version
+    with the last bucket), `end_weight_update` (commit: the server serves base + this adapter under
+    `config["name"]` and reports the version), `continue_generation`; `abort_weight_update` on a
+    failure, as for full weights. Disk: `load_lora_adapter(name, directory, version)` of a PEFT
+    adapter directory, between pause and continue. Success is read back (`get_weight_version`)."""
+
+    async def begin_adapter_update(self, adapter: dict[str, Any]) -> None:
+        """Open a session whose buckets form the adapter `adapter` (`AdapterSpec.config`)."""
+        ...
+
+    async def load_lora_adapter(self, name: str, path: str, weight_version: int | None = None) -> None:
+        """Load the PEFT adapter directory `path`, serve it as `name`, tagged `weight_version`."""
+        ...
+
+
+def loads_adapters(client: Any) -> bool:
+    """Whether `client` fills `AdapterUpdates`."""
+    return all(callable(getattr(client, m, None)) for m in ("begin_adapter_update", "load_lora_adapter"))
+
+
+NO_ADAPTERS = "its client loads no LoRA adapters (set weight_sync.lora_mode: merged)"
 
 
 class AsyncBridge:
@@ -202,7 +302,8 @@ class WeightSyncEngine(abc.ABC):
 
     @abc.abstractmethod
     def push(self, weights: WeightSource, version: int) -> PushStats | None:
-        """Make every server generate with the tensors `weights()` yields, tagged `version`."""
+        """Make every server generate with the tensors `weights()` yields, tagged `version` (an
+        `AdapterWeights`: its adapter, or merged, by the config's `lora_mode`; see `resolve`)."""
 
     def _all(self, method: str, urls: list[str], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> dict:
         """Call `method` on the clients of `urls` concurrently; {url: exception or None}."""

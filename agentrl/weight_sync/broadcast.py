@@ -58,7 +58,15 @@ import torch.distributed as dist
 from agentrl.inference.weight_group import WeightGroup, dtype_name, join_group
 from agentrl.log import get_logger
 from agentrl.net import free_port
-from agentrl.weight_sync.base import Outcome, PushStats, WeightSource, WeightSyncEngine
+from agentrl.weight_sync.base import (
+    NO_ADAPTERS,
+    Outcome,
+    PushStats,
+    WeightSource,
+    WeightSyncEngine,
+    loads_adapters,
+    resolve,
+)
 from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
@@ -184,6 +192,7 @@ class BroadcastEngine(WeightSyncEngine):
         self._dead: set[str] = set()
         self._touched: set[str] = set()
         self._gave_up = ""
+        self._adapter: dict | None = None  # an adapter push's config (its sessions open with it)
         self._given_up = 0  # pushes given up in a row (`transactional: all`), for the catch-up backoff
         self._given_up_until = 0.0
 
@@ -346,7 +355,23 @@ class BroadcastEngine(WeightSyncEngine):
             return
         self._follow_list()
         self.watch.probe_now([u for u in self.urls if u not in self.members])  # not the silent ones
-        fresh = self.watch.fresh(self._pushed_at)
+        dead, back = self._changed(self.watch.fresh(self._pushed_at))
+        if not dead and not back:
+            return
+        if dead:
+            logger.error("servers %s stopped answering: leaving them out of this push", dead)
+            self._dead.update(dead)
+            self._drop(dead, dict.fromkeys(dead, "probed down before the push"))
+        if back:
+            self._take_back(back)
+        # a restarted member holds no group: it is not asked to destroy the old one
+        keep = self.members = [u for u in self.members if u not in dead and u not in back]
+        self._build_group([u for u in self.urls if u in keep or u in back])
+
+    def _changed(self, fresh: dict[str, Any]) -> tuple[list[str], list[str]]:
+        """From the latest probes: (members probed down, servers up that should join: not members,
+        or members restarted in place), outside their retry backoff. A member at the pushed version
+        clears its rejoin count."""
         now = time.monotonic()
         dead = [u for u in self.members if fresh.get(u) == DOWN]
         back = []
@@ -358,26 +383,22 @@ class BroadcastEngine(WeightSyncEngine):
                 back.append(url)
             else:
                 self._attempts.pop(url, None)  # a member at the pushed version: its rejoin worked
-        if not dead and not back:
-            return
-        if dead:
-            logger.error("servers %s stopped answering: leaving them out of this push", dead)
-            self._dead.update(dead)
-            self._drop(dead, dict.fromkeys(dead, "probed down before the push"))
-        if back:
-            added = [u for u in back if u not in self.members and u not in self.dropped]  # new in the list
-            again = [u for u in back if u not in added]
-            if added:
-                logger.info("servers %s added: rebuilding the weight group with them", added)
-            if again:
-                logger.info("servers %s are up again: rebuilding the weight group with them", again)
-            self.dropped = [u for u in self.dropped if u not in back]
-            for url in back:  # retried with backoff should this rejoin not bring it to the version
-                self._attempts[url] = self._attempts.get(url, 0) + 1
-                self._retry_at[url] = now + min(60.0, 2.0 ** self._attempts[url])
-        # a restarted member holds no group: it is not asked to destroy the old one
-        keep = self.members = [u for u in self.members if u not in dead and u not in back]
-        self._build_group([u for u in self.urls if u in keep or u in back])
+        return dead, back
+
+    def _take_back(self, back: list[str]) -> None:
+        """`back` join at this push: out of `dropped`, each with its next retry time should the
+        rejoin not bring it to the version (backoff doubling up to a minute)."""
+        added = [u for u in back if u not in self.members and u not in self.dropped]  # new in the list
+        again = [u for u in back if u not in added]
+        if added:
+            logger.info("servers %s added: rebuilding the weight group with them", added)
+        if again:
+            logger.info("servers %s are up again: rebuilding the weight group with them", again)
+        self.dropped = [u for u in self.dropped if u not in back]
+        now = time.monotonic()
+        for url in back:
+            self._attempts[url] = self._attempts.get(url, 0) + 1
+            self._retry_at[url] = now + min(60.0, 2.0 ** self._attempts[url])
 
     def _pause_members(self) -> None:
         """Pause every member; one that cannot be paused is dead: rebuild the group without it
@@ -397,14 +418,22 @@ class BroadcastEngine(WeightSyncEngine):
     # ------------------------------------------------------------------ push
 
     def _begin(self, urls: list[str]) -> dict[str, str]:
-        """Open a weight-update session on `urls`; returns {url: why} for those that refused. One
-        still holding a session from an earlier, interrupted push has it aborted and opened again."""
-        errors = self._all("begin_weight_update", urls, timeout_s=self.config.timeout_s)
+        """Open a weight-update session on `urls` (an adapter session for an adapter push); returns
+        {url: why} for those that refused. One still holding a session from an earlier, interrupted
+        push has it aborted and opened again."""
+        if self._adapter is not None:
+            unable = {u: NO_ADAPTERS for u in urls if not loads_adapters(self.clients[u])}
+            urls = [u for u in urls if u not in unable]
+            method, args = "begin_adapter_update", (self._adapter,)
+        else:
+            unable, method, args = {}, "begin_weight_update", ()
+        errors = self._all(method, urls, *args, timeout_s=self.config.timeout_s)
         stale = [u for u, exc in errors.items() if exc is not None and "already open" in str(exc)]
         if stale:
             self._abort(stale)
-            errors.update(self._all("begin_weight_update", stale, timeout_s=self.config.timeout_s))
-        return {u: f"/begin_weight_update refused: {exc}" for u, exc in errors.items() if exc is not None}
+            errors.update(self._all(method, stale, *args, timeout_s=self.config.timeout_s))
+        refused = {u: f"/begin_weight_update refused: {exc}" for u, exc in errors.items() if exc is not None}
+        return {**unable, **refused}
 
     def _abort(self, urls: list[str]) -> None:
         """Close the session on `urls` without committing (a staging server keeps its weights and
@@ -437,9 +466,12 @@ class BroadcastEngine(WeightSyncEngine):
         is dropped, one that fails twice is dropped (`transactional: any`) or ends the push for
         all (`all`). Every server of the live list ends committed or dropped with its reason
         (`PushStats.outcomes`); only servers with whole weights are resumed. Server failures never
-        raise here."""
+        raise here. An adapter push (`AdapterWeights`, `lora_mode: adapter`) opens adapter sessions
+        and sends only the adapter's tensors (`PushStats.bytes` counts them)."""
         stats = PushStats(version) if self.rank == 0 else None
         start = time.perf_counter()
+        weights, adapter = resolve(weights, self.config.lora_mode)
+        self._adapter = adapter.config(version) if adapter is not None else None
         if self.rank == 0:
             self._start_push(stats)
         attempt = 0
@@ -517,42 +549,9 @@ class BroadcastEngine(WeightSyncEngine):
             unread = [u for u in asked if not isinstance(read[u], int)]
             read.update(self._read_versions(unread, self.config.timeout_s))  # once more: a lost reply
         self._abort([u for u in committing if errors[u] is not None])  # no session is left open
-        outcomes: dict[str, Outcome] = {}
-        for url in self.urls:
-            seen = read.get(url)
-            if url in committing and seen == version:  # the read-back decides, not the reply
-                if errors[url] is not None:
-                    logger.warning(
-                        "server %s: the commit's reply failed (%s), yet it reads back %d",
-                        url,
-                        errors[url],
-                        version,
-                    )
-                outcomes[url] = Outcome(True, version)
-                continue
-            if url in committing:
-                if errors[url] is not None:
-                    why = f"commit failed: {errors[url]}"
-                elif isinstance(seen, int):
-                    why = f"read back version {seen} after the commit"
-                else:
-                    why = f"reading its version back failed: {seen}"
-                self._drop([url], {url: why})
-            elif self._gave_up and url in self.members:
-                why = f"push aborted for every server: {self._gave_up}"
-            else:
-                why = self._why.get(url, "not in the weight group (not answering)")
-            outcomes[url] = Outcome(False, seen if isinstance(seen, int) else None, why)
-        resume = [u for u in asked if outcomes[u].committed or u in self._whole([u])]
+        outcomes = {url: self._outcome(url, version, committing, errors, read.get(url)) for url in self.urls}
         with _Phase(stats, "continue"):
-            errors = self._all("continue_generation", resume, timeout_s=self.config.timeout_s)
-        for url in asked:
-            if url not in resume:
-                outcomes[url].paused = True
-                outcomes[url].reason += "; its weights may be a mix: kept paused until re-synced"
-            elif errors[url] is not None:
-                outcomes[url].paused = True
-                logger.error("server %s: /continue_generation failed: %s", url, errors[url])
+            self._resume(asked, outcomes)
         committed = [u for u, o in outcomes.items() if o.committed]
         stats.outcomes, stats.servers_updated, stats.servers_dropped = (
             outcomes,
@@ -565,6 +564,41 @@ class BroadcastEngine(WeightSyncEngine):
             self._given_up += 1
             self._given_up_until = time.monotonic() + min(60.0, 2.0**self._given_up)
         self._pushed_at = time.monotonic()
+
+    def _outcome(self, url: str, version: int, committing: list[str], errors: dict, seen: Any) -> Outcome:
+        """How `url` left the push: committed only if it reads `version` back after its commit (the
+        read-back decides, not the reply); otherwise dropped with the reason."""
+        if url in committing and seen == version:
+            if errors[url] is not None:
+                logger.warning("server %s: the commit's reply failed (%s), yet it reads back %d", url,
+                               errors[url], version)  # fmt: skip
+            return Outcome(True, version)
+        if url in committing:
+            if errors[url] is not None:
+                why = f"commit failed: {errors[url]}"
+            elif isinstance(seen, int):
+                why = f"read back version {seen} after the commit"
+            else:
+                why = f"reading its version back failed: {seen}"
+            self._drop([url], {url: why})
+        elif self._gave_up and url in self.members:
+            why = f"push aborted for every server: {self._gave_up}"
+        else:
+            why = self._why.get(url, "not in the weight group (not answering)")
+        return Outcome(False, seen if isinstance(seen, int) else None, why)
+
+    def _resume(self, asked: list[str], outcomes: dict[str, Outcome]) -> None:
+        """Continue generation on the servers of `asked` with whole weights; the others (and any
+        whose continue failed) are marked paused in their outcome."""
+        resume = [u for u in asked if outcomes[u].committed or u in self._whole([u])]
+        errors = self._all("continue_generation", resume, timeout_s=self.config.timeout_s)
+        for url in asked:
+            if url not in resume:
+                outcomes[url].paused = True
+                outcomes[url].reason += "; its weights may be a mix: kept paused until re-synced"
+            elif errors[url] is not None:
+                outcomes[url].paused = True
+                logger.error("server %s: /continue_generation failed: %s", url, errors[url])
 
     def _flatten(self, bucket: Bucket) -> torch.Tensor | None:
         """The bucket as one uint8 tensor in `FlattenedTensorBucket` layout (SGLang 0.5.23

@@ -34,6 +34,9 @@ class BroadcastSyncConfig(Section):
     `all`: every live server commits it or, once one refuses it twice, none does (all stay on the
     previous version). Holds for servers that stage updates (embedded, vLLM); an SGLang server
     loads buckets as they arrive and is kept paused after an aborted push until re-synced."""
+    lora_mode: Literal["adapter", "merged"] = "adapter"
+    """With `learner.lora`: `adapter` pushes only the adapter's tensors (servers apply it on the
+    base they hold); `merged` pushes base + adapter merged as full weights (servers without LoRA)."""
 
 
 class DiskSyncConfig(Section):
@@ -46,6 +49,9 @@ class DiskSyncConfig(Section):
     """Weight versions kept on disk."""
     timeout_s: float = Field(300.0, gt=0)
     """Timeout of one server's load."""
+    lora_mode: Literal["adapter", "merged"] = "adapter"
+    """With `learner.lora`: `adapter` pushes only the adapter's tensors (servers apply it on the
+    base they hold); `merged` pushes base + adapter merged as full weights (servers without LoRA)."""
 
 
 WeightSyncConfig = Annotated[BroadcastSyncConfig | DiskSyncConfig, Field(discriminator="type")]

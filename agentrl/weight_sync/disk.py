@@ -13,17 +13,31 @@ leaves out a server probed down or silent (it would cost the push its timeout), 
 names the servers up but not at v — restarted on their address, or back after a partition —
 so the learner pushes to them at once, while it waits for data. A push of the version already
 on disk skips the gather and the write: the servers behind only load the file.
+
+A LoRA learner's adapter (`weight_sync.lora_mode: adapter`) is written as a PEFT adapter directory
+(`adapter_config.json`, `adapter_model.safetensors`) in `v<v>/` and loaded with
+`load_lora_adapter` (SGLang's `/load_lora_adapter`), served under a name holding the version.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentrl.log import get_logger
-from agentrl.weight_sync.base import Outcome, PushStats, WeightSource, WeightSyncEngine
+from agentrl.weight_sync.base import (
+    NO_ADAPTERS,
+    AdapterSpec,
+    Outcome,
+    PushStats,
+    WeightSource,
+    WeightSyncEngine,
+    loads_adapters,
+    resolve,
+)
 from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
@@ -88,7 +102,11 @@ class DiskEngine(WeightSyncEngine):
                 self._retry_at.pop(url, None)
 
     def push(self, weights: WeightSource, version: int) -> PushStats | None:
+        """Write version `version` (unless it is on disk already), have every server up load it,
+        read each one's version back. An adapter (`AdapterWeights`, `lora_mode: adapter`) is written
+        as a PEFT adapter directory and loaded with `load_lora_adapter`."""
         start = time.perf_counter()
+        weights, adapter = resolve(weights, self.config.lora_mode)
         out = self.directory / f"v{version}"
         new = version != self._written
         if not new:  # already on disk: a server behind loads it, nothing is gathered
@@ -97,16 +115,46 @@ class DiskEngine(WeightSyncEngine):
                 return None
             targets = self.behind(version)
         else:
-            stats = self._write(weights, version, out)
+            stats = self._write(weights, version, out, adapter)
             if stats is None:
                 return None
             self._follow_list()
             targets = [u for u in self.urls if self.watch is None or self.watch.last(u) != DOWN]
+        errors = self._load(targets, out, version, adapter)
+        read = self._read_versions([u for u in targets if errors[u] is None], self.config.timeout_s)
+        stats.outcomes = self._outcomes(targets, errors, read, version, new)
+        stats.servers_updated = sum(o.committed for o in stats.outcomes.values())
+        stats.servers_dropped = [u for u, o in stats.outcomes.items() if not o.committed]
+        stats.seconds = time.perf_counter() - start
+        self._written, self._pushed_at = version, time.monotonic()
+        self.last = stats
+        self._prune(version)
+        self._report(stats, "from disk")
+        return stats
+
+    def _load(self, targets: list[str], out: Path, version: int, adapter: AdapterSpec | None) -> dict:
+        """Pause `targets`, have each load `out` (full weights, or the adapter), continue them;
+        {url: exception or None} of the loads."""
         timeout = self.config.timeout_s
         self._all("pause_generation", targets, timeout_s=timeout)
-        errors = self._all("update_weights_from_disk", targets, str(out), version, timeout_s=timeout)
+        if adapter is None:
+            errors = self._all("update_weights_from_disk", targets, str(out), version, timeout_s=timeout)
+        else:
+            able = [u for u in targets if loads_adapters(self.clients[u])]
+            errors = {u: RuntimeError(NO_ADAPTERS) for u in targets if u not in able}
+            errors.update(
+                self._all(
+                    "load_lora_adapter", able, adapter.name(version), str(out), version, timeout_s=timeout
+                )
+            )
         self._all("continue_generation", targets, timeout_s=timeout)
-        read = self._read_versions([u for u in targets if errors[u] is None], timeout)
+        return errors
+
+    def _outcomes(
+        self, targets: list[str], errors: dict, read: dict, version: int, new: bool
+    ) -> dict[str, Outcome]:
+        """One outcome per server: committed where it loaded and reads `version` back; a server that
+        failed is not named behind again for `RETRY_S`."""
         outcomes = {}
         for url in self.urls:
             seen = read.get(url)
@@ -123,18 +171,13 @@ class DiskEngine(WeightSyncEngine):
                 self._retry_at[url] = time.monotonic() + RETRY_S
             if url in targets or new:
                 outcomes[url] = Outcome(False, seen if isinstance(seen, int) else None, why)
-        stats.outcomes = outcomes
-        stats.servers_updated = sum(o.committed for o in outcomes.values())
-        stats.servers_dropped = [u for u, o in outcomes.items() if not o.committed]
-        stats.seconds = time.perf_counter() - start
-        self._written, self._pushed_at = version, time.monotonic()
-        self.last = stats
-        self._prune(version)
-        self._report(stats, "from disk")
-        return stats
+        return outcomes
 
-    def _write(self, weights: WeightSource, version: int, out: Path) -> PushStats | None:
-        """Gather (every rank) and, on rank 0, write version `version`; None on the other ranks."""
+    def _write(
+        self, weights: WeightSource, version: int, out: Path, adapter: AdapterSpec | None = None
+    ) -> PushStats | None:
+        """Gather (every rank) and, on rank 0, write version `version` (`model.safetensors`, or a
+        PEFT adapter directory); None on the other ranks."""
         from safetensors.torch import save_file
 
         tensors = {name: t.detach().cpu().contiguous() for name, t in weights()}
@@ -142,8 +185,14 @@ class DiskEngine(WeightSyncEngine):
             self._written = version
             return None
         out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / "model.safetensors.tmp"))
-        (out / "model.safetensors.tmp").rename(out / "model.safetensors")  # readers never see a partial file
+        if adapter is not None:
+            (out / "adapter_config.json.tmp").write_text(json.dumps(adapter.peft_config(), indent=2))
+            (out / "adapter_config.json.tmp").rename(out / "adapter_config.json")
+            name = "adapter_model.safetensors"
+        else:
+            name = "model.safetensors"
+        save_file(tensors, str(out / f"{name}.tmp"), metadata={"format": "pt"})
+        (out / f"{name}.tmp").rename(out / name)  # readers never see a partial file
         stats = PushStats(
             version, bytes=sum(t.numel() * t.element_size() for t in tensors.values()), tensors=len(tensors),
             buckets=1,

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.cluster_utils import Cluster
@@ -211,18 +212,23 @@ def main(model: str, run_dir: Path) -> dict:
         out["secret_in_cmdlines"] = any(secret in _cmdline(pid) for pid in _pids())
         out["secret_in_logs"] = any(secret in p.read_text(errors="replace") for p in run_dir.rglob("*.log"))
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
-        log.close()
-        ray.shutdown()
-        # bounded: what Ray's own shutdown leaves (or does not stop in time) is stopped by PID below
-        stopper = threading.Thread(target=cluster.shutdown, daemon=True)
-        stopper.start()
-        stopper.join(timeout=90)
-        out["cluster_shutdown_hung"] = stopper.is_alive()
+        out["cluster_shutdown_hung"] = shut_down(proc, log, cluster)
     out["left_after_shutdown"], out["left_after_kill"] = _stop_the_rest()
     return out
+
+
+def shut_down(proc: subprocess.Popen, log: Any, cluster: Cluster) -> bool:
+    """Stop the run (SIGTERM), then Ray and the cluster; True when the cluster's shutdown hung."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    log.close()
+    ray.shutdown()
+    # bounded: what Ray's own shutdown leaves (or does not stop in time) is stopped by PID below
+    stopper = threading.Thread(target=cluster.shutdown, daemon=True)
+    stopper.start()
+    stopper.join(timeout=90)
+    return stopper.is_alive()
 
 
 def _running(pid: int) -> bool:

@@ -49,7 +49,7 @@ def _tp_worker(rank: int, world: int, port: int, model: str, out_dir: str) -> No
     from agentrl.colocated.loop import ColocatedRank
     from agentrl.config import load_config
     from agentrl.hybrid.procs import init_gloo
-    from agentrl.learner.loop import export
+    from agentrl.learner.bookkeeping import export
 
     init_gloo(rank, world, port)
     steps: list[list] = []

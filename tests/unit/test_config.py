@@ -140,7 +140,7 @@ def test_switching_a_backend_on_the_command_line_drops_the_presets_keys_it_does_
         (["--inference.type", "sglang"], ["inference.servers"]),
         (["--learner.optim.lr"], ["--learner.optim.lr has no value"]),
         (["learner.lr", "3"], ["unexpected argument"]),
-        (["--mode", "colocated", "--launcher.type", "ray"], ["launcher.type", "mode: colocated"]),
+        (["--colocated.partial_rollout", "1.5"], ["colocated.partial_rollout", "1"]),
         (["--learner.loss.advantage", "remax"], ["learner.loss.advantage", "roller.greedy_baseline"]),
     ],
 )

@@ -65,6 +65,22 @@ def test_the_plan_starts_real_engines_behind_agentrl_serve(tmp_path: Path, kind:
     assert "--backend" not in specs["learner"].args and "--inference.servers" in specs["learner"].args
 
 
+def test_a_colocated_plan_is_one_role_of_its_ranks_for_ray(tmp_path: Path) -> None:
+    """`mode: colocated` under Ray: no servers, rollers or queue, one role (`agentrl colocated`) of
+    `colocated.num_processes` ranks, placed in one placement group like the learner's."""
+    from agentrl.config import AgentRLConfig
+    from agentrl.launch.plan import plan
+
+    config = AgentRLConfig.model_validate(
+        {"run_dir": str(tmp_path), "mode": "colocated", "launcher": {"type": "ray"},
+         "colocated": {"num_processes": 4}, "learner": {"resources": {"learner": 1}}}
+    )  # fmt: skip
+    (role,) = plan(config, tmp_path / "c.yaml", "m", ["--env.kwargs.x=1"], resume=True)
+    assert (role.kind, role.ranks, role.resources, role.restart) == ("learner", 4, {"learner": 1}, False)
+    assert role.args[0] == "colocated" and role.args[-1] == "--resume"
+    assert "--learner.model_path=m" in role.args and "--env.kwargs.x=1" in role.args
+
+
 def test_the_plan_restarts_servers_and_rollers_but_not_the_learner(tmp_path: Path) -> None:
     from agentrl.config import AgentRLConfig
     from agentrl.launch.local import plan_children

@@ -32,8 +32,8 @@ def test_a_builtin_is_imported_when_named_and_an_unknown_name_lists_the_register
     [
         ("agentrl.inference.base", ["agentrl.inference.sglang", "agentrl.inference.vllm", "agentrl.inference.router"]),
         ("agentrl.inference.registry", ["agentrl.inference.sglang", "agentrl.inference.vllm", "agentrl.inference.backends"]),
-        ("agentrl.queue.base", ["agentrl.queue.zmq_client", "agentrl.queue.redis_backend"]),
-        ("agentrl.queue", ["agentrl.queue.zmq_client", "agentrl.queue.redis_backend"]),
+        ("agentrl.queue.base", ["agentrl.queue.zmq_producer", "agentrl.queue.zmq_consumer", "agentrl.queue.redis_backend"]),
+        ("agentrl.queue", ["agentrl.queue.zmq_producer", "agentrl.queue.zmq_consumer", "agentrl.queue.redis_backend"]),
         ("agentrl.weight_sync.base", ["agentrl.weight_sync.broadcast", "agentrl.weight_sync.disk"]),
         ("agentrl.weight_sync.registry", ["agentrl.weight_sync.broadcast", "agentrl.weight_sync.disk"]),
         ("agentrl.envs.sandbox", ["agentrl.envs.sandbox.local", "agentrl.envs.sandbox.docker", "agentrl.envs.sandbox.remote"]),
@@ -60,4 +60,7 @@ def test_the_inference_descriptors_answer_for_their_backends() -> None:
     )
     assert backend("vllm").config_field == "vllm" and backend("embedded").doctor is None
     assert type(create_weight_updater(vllm, "http://127.0.0.1:1")) is VLLMClient
-    assert type(create_weight_updater(InferenceConfig(), "http://127.0.0.1:1")) is SGLangClient
+    from agentrl.inference.embedded_client import EmbeddedClient
+
+    assert type(create_weight_updater(InferenceConfig(), "http://127.0.0.1:1")) is EmbeddedClient
+    assert type(create_weight_updater(InferenceConfig(type="sglang"), "http://127.0.0.1:1")) is SGLangClient

@@ -12,15 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrl.types import (
-    ARRAY_FIELDS,
-    Episode,
-    Group,
-    WireError,
-    decode_group,
-    decode_groups,
-    encode_group,
-)
+from agentrl.types import ARRAY_FIELDS, Episode, Group
+from agentrl.wire import WireError, decode_group, decode_groups, encode_group
 
 
 def make_episode(n: int = 10, prompt: int = 4, version: int = 3, reward: float = 1.0) -> Episode:
@@ -239,14 +232,14 @@ def test_bit_flips_in_a_valid_message_are_refused_or_decode_cleanly(data: st.Dat
 def _short_sizes(episode: int, batch: int = 1 << 16) -> Iterator[None]:
     """`decode_groups` with other SHORT_EPISODE / SHORT_BATCH limits: with episode 0 every
     episode takes the one-by-one path, with small limits short ones come in several batches."""
-    import agentrl.types as types
+    import agentrl.wire as wire
 
-    saved = types.SHORT_EPISODE, types.SHORT_BATCH
-    types.SHORT_EPISODE, types.SHORT_BATCH = episode, batch
+    saved = wire.SHORT_EPISODE, wire.SHORT_BATCH
+    wire.SHORT_EPISODE, wire.SHORT_BATCH = episode, batch
     try:
         yield
     finally:
-        types.SHORT_EPISODE, types.SHORT_BATCH = saved
+        wire.SHORT_EPISODE, wire.SHORT_BATCH = saved
 
 
 def _min_version(frames: list[bytes], short: int) -> int:

@@ -86,7 +86,46 @@ QA_TASK_FIELDS = ("question", ("golden_answers", "answers", "answer", "reward_mo
 """What `normalize_task` needs of a record: a question and its gold answers in one of the layouts."""
 
 
-class SearchR1Env(Env):
+class _Retrieval:
+    """What both Search-R1 envs do with the retriever: check its settings, follow it when the
+    launcher moves it (`live_services`), open one client per episode lazily and close it, and the
+    synthetic questions and retriever a run without data starts."""
+
+    def _init_retrieval(self, retriever_url: str, topk: int, metric: str, retriever_timeout_s: float) -> None:
+        if metric not in ("em", "subem"):
+            raise ValueError(f"metric must be em or subem, got {metric!r}")
+        if retriever_url == "auto":
+            raise ValueError(
+                "env.kwargs.retriever_url: `auto` is resolved by `agentrl run` only; give the URL"
+            )
+        self.retriever_url = retriever_url
+        self.topk = topk
+        self.metric = metric
+        self.retriever_timeout_s = retriever_timeout_s
+        self._client: RetrieverClient | None = None
+
+    def _current_url(self) -> str:  # the retriever where it is now, if the launcher moved it
+        return live_services.url("retriever_url", self.retriever_url)
+
+    def client(self) -> RetrieverClient:
+        if self._client is None:
+            self._client = RetrieverClient(self._current_url, self.topk, timeout_s=self.retriever_timeout_s)
+        return self._client
+
+    def close(self) -> Awaitable[None] | None:
+        """Close the retriever connection; awaitable only when one was opened."""
+        client, self._client = self._client, None
+        return client.close() if client is not None else None
+
+    @classmethod
+    def generate_tasks(cls, num: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
+        """Synthetic questions (see `synthetic.py`): `split` (train/test), `world_seed`, `num_people`."""
+        return synthetic_tasks(num, seed=seed, **kwargs)
+
+    services = staticmethod(synthetic_retriever)
+
+
+class SearchR1Env(_Retrieval, Env):
     """Search-augmented QA with the `<search>` / `<answer>` tag protocol."""
 
     stop = ("</search>", "</answer>")
@@ -103,35 +142,17 @@ class SearchR1Env(Env):
         retriever_timeout_s: float = 60.0,
     ) -> None:
         super().__init__()
-        if metric not in ("em", "subem"):
-            raise ValueError(f"metric must be em or subem, got {metric!r}")
         if "{question}" not in prompt_template:
             raise ValueError("prompt_template must contain {question}")
-        if retriever_url == "auto":
-            raise ValueError(
-                "env.kwargs.retriever_url: `auto` is resolved by `agentrl run` only; give the URL"
-            )
-        self.retriever_url = retriever_url
-        self.topk = topk
+        self._init_retrieval(retriever_url, topk, metric, retriever_timeout_s)
         self.max_turns = max_turns
-        self.metric = metric
         self.format_reward = format_reward
         self.prompt_template = prompt_template
-        self.retriever_timeout_s = retriever_timeout_s
         self.parser = TagParser(("search", "answer"))
-        self._client: RetrieverClient | None = None
         self.task: dict[str, Any] = {}
         self.turns = 0
         self.answer: str | None = None
         self.metrics = {"search_calls": 0, "invalid_actions": 0, "tool_calls": 0, "tool_errors": 0}
-
-    def _current_url(self) -> str:  # the retriever where it is now, if the launcher moved it
-        return live_services.url("retriever_url", self.retriever_url)
-
-    def client(self) -> RetrieverClient:
-        if self._client is None:
-            self._client = RetrieverClient(self._current_url, self.topk, timeout_s=self.retriever_timeout_s)
-        return self._client
 
     def reset(self, task: dict[str, Any]) -> Messages:
         self.task = normalize_task(task)
@@ -170,20 +191,8 @@ class SearchR1Env(Env):
         )
         return score_answer(self.answer, golds, self.metric, format_ok, self.format_reward)
 
-    def close(self) -> Awaitable[None] | None:
-        """Close the retriever connection; awaitable only when one was opened."""
-        client, self._client = self._client, None
-        return client.close() if client is not None else None
 
-    @classmethod
-    def generate_tasks(cls, num: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
-        """Synthetic questions (see `synthetic.py`): `split` (train/test), `world_seed`, `num_people`."""
-        return synthetic_tasks(num, seed=seed, **kwargs)
-
-    services = staticmethod(synthetic_retriever)
-
-
-class SearchToolEnv(ToolEnv):
+class SearchToolEnv(_Retrieval, ToolEnv):
     """The tool-calling variant: `search` is a tool; the final message holds `<answer>…</answer>`."""
 
     system_prompt = (
@@ -202,19 +211,7 @@ class SearchToolEnv(ToolEnv):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if metric not in ("em", "subem"):
-            raise ValueError(f"metric must be em or subem, got {metric!r}")
-        if retriever_url == "auto":
-            raise ValueError(
-                "env.kwargs.retriever_url: `auto` is resolved by `agentrl run` only; give the URL"
-            )
-        self.retriever_url = retriever_url
-        self.topk = topk
-        self.metric = metric
-        self.retriever_timeout_s = retriever_timeout_s
-        self._client: RetrieverClient | None = None
-
-    _current_url = SearchR1Env._current_url
+        self._init_retrieval(retriever_url, topk, metric, retriever_timeout_s)
 
     @tool
     async def search(self, query: str) -> str:
@@ -223,9 +220,7 @@ class SearchToolEnv(ToolEnv):
         Args:
             query: What to look up, e.g. "founder of the Xalud Conservatory".
         """
-        if self._client is None:
-            self._client = RetrieverClient(self._current_url, self.topk, timeout_s=self.retriever_timeout_s)
-        hits = (await self._client.search([query]))[0]
+        hits = (await self.client().search([query]))[0]
         return format_passages(hits).strip() or "No documents matched the query."
 
     def reset(self, task: dict[str, Any]) -> Messages:
@@ -244,14 +239,3 @@ class SearchToolEnv(ToolEnv):
             subem=substring_match(answer, golds),
         )
         return score_answer(answer, golds, self.metric)
-
-    def close(self) -> Awaitable[None] | None:
-        client, self._client = self._client, None
-        return client.close() if client is not None else None
-
-    @classmethod
-    def generate_tasks(cls, num: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
-        """Synthetic questions, as for `SearchR1Env`."""
-        return synthetic_tasks(num, seed=seed, **kwargs)
-
-    services = staticmethod(synthetic_retriever)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from agentrl.jsonl import read_objects
 from agentrl.log import get_logger
 
 logger = get_logger(__name__)
@@ -40,22 +41,13 @@ def load_corpus(path: str | Path) -> list[Document]:
     if not path.is_file():
         raise ValueError(f"corpus not found: {path}")
     docs: list[Document] = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
-            if not isinstance(doc, dict):
-                raise ValueError(f"{path}:{number}: a document must be a JSON object")
-            if "contents" not in doc:
-                if "text" not in doc:
-                    raise ValueError(f"{path}:{number}: a document needs 'contents' (or 'title' and 'text')")
-                doc["contents"] = f'"{doc["title"]}"\n{doc["text"]}' if doc.get("title") else doc["text"]
-            doc["id"] = str(doc.get("id", len(docs)))
-            docs.append(doc)
+    for number, doc in read_objects(path, "document"):
+        if "contents" not in doc:
+            if "text" not in doc:
+                raise ValueError(f"{path}:{number}: a document needs 'contents' (or 'title' and 'text')")
+            doc["contents"] = f'"{doc["title"]}"\n{doc["text"]}' if doc.get("title") else doc["text"]
+        doc["id"] = str(doc.get("id", len(docs)))
+        docs.append(doc)
     if not docs:
         raise ValueError(f"{path}: the corpus holds no documents")
     return docs

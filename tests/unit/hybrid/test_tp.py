@@ -61,8 +61,11 @@ def test_reshard_refuses_the_layouts_it_does_not_run():
 
     _check_supported(HybridLayout(TrainLayout(t=2, d=2), GenLayout(tg=2, dg=2)))
     _check_supported(HybridLayout(TrainLayout(t=2, d=2), GenLayout(tg=1, dg=4)))
-    with pytest.raises(NotImplementedError, match="pipeline stages are for a later Megatron backend"):
+    _check_supported(HybridLayout(TrainLayout(t=2, d=1, fsdp=False), GenLayout(tg=1, dg=2)))  # Megatron TP
+    with pytest.raises(NotImplementedError, match="pipeline stages and replicated data parallel are not"):
         _check_supported(HybridLayout(TrainLayout(p=2, t=1, d=2), GenLayout(pg=2, tg=1, dg=2)))
+    with pytest.raises(NotImplementedError, match="Megatron TP over every rank"):  # Megatron TP x DP 2
+        _check_supported(HybridLayout(TrainLayout(t=2, d=2, fsdp=False), GenLayout(tg=2, dg=1)))
     with pytest.raises(NotImplementedError, match="generation tg=4 above the training t=2"):
         _check_supported(HybridLayout(TrainLayout(t=2, d=2), GenLayout(tg=4, dg=1)))
     # t=3, d=2, tg=2: the layout is valid, but one generation TP group is ranks (3, 2) in that
@@ -92,8 +95,7 @@ def test_reorder_puts_blocks_in_layout_order():
 def test_buckets_keep_large_parameters_in_place_and_cap_each_bucket():
     import torch
 
-    from agentrl.hybrid.gather import plan_buckets
-    from agentrl.hybrid.reshard import GenSlot
+    from agentrl.hybrid.gather import GenSlot, plan_buckets
 
     def slot(name: str, numel: int, group: str = "micro") -> GenSlot:
         return GenSlot(name, "col", torch.empty(numel), 4 * numel, ((0, numel),), False, group)

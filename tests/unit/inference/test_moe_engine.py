@@ -90,7 +90,8 @@ async def test_routed_experts_reach_the_episode_over_http(tiny_moe_model: Path, 
     from agentrl.inference.base import BadRequestError
     from agentrl.inference.sglang import SGLangClient
     from agentrl.rollers.agent_loop import _generate_turn, _Trace
-    from agentrl.types import Episode, Group, decode_group, encode_group
+    from agentrl.types import Episode, Group
+    from agentrl.wire import decode_group, encode_group
     from tests.unit.inference.conftest import ServerThread
 
     params = {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True}

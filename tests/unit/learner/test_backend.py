@@ -6,7 +6,7 @@ and no gradients."""
 import torch
 
 from agentrl.config import OptimConfig
-from agentrl.learner.backend import create
+from agentrl.learner.registry import create
 
 
 def test_local_shards_are_the_parameters_in_place_with_their_placements(tiny_model):

@@ -59,10 +59,13 @@ def test_critic_fits_returns(tiny_model):
     assert all(h["critic/step_skipped"] == 0 for h in history)
     assert history[-1]["critic/value_loss"] < 0.3 * history[0]["critic/value_loss"]
     assert history[0]["critic/explained_variance"] <= 0 < history[-1]["critic/explained_variance"]
-    for mb in mbs:  # clipping bounds how far one step moves the values
+    for mb in mbs:  # clipping bounds how far the steps of one batch move the values from the old ones
         mb.extra["old_values"] = backend.values(critic, mb).detach()
-    m = critic_step(backend, critic, mbs, learner_config().critic.model_copy(update={"value_clip": 1e-4}))
-    assert 0 < m["critic/clipfrac"] <= 1
+    clip = learner_config().critic.model_copy(update={"value_clip": 1e-4})
+    first = critic_step(backend, critic, mbs, clip)
+    assert first["critic/clipfrac"] == 0  # its forward is the old values' (no dropout before the head)
+    second = critic_step(backend, critic, mbs, clip)  # a second mini-batch step against the same old values
+    assert 0 < second["critic/clipfrac"] <= 1
 
 
 def test_gae_over_packed_micro_batches_equals_gae_per_episode():

@@ -146,7 +146,7 @@ def test_rows_hold_at_most_their_width_and_every_sequence_once():
 def test_row_width_follows_the_attention_implementation():
     from types import SimpleNamespace
 
-    from agentrl.learner.loop import row_tokens
+    from agentrl.learner.state import row_tokens
 
     def model(attn):
         return SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn))

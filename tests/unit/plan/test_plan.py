@@ -134,3 +134,60 @@ def test_ranked_best_first():
     assert rates == sorted(rates, reverse=True)
     assert {r.candidate.mode for r in ranked} <= {"colocated", "decoupled"}
     assert all(r.learner_memory < 80 * GIB for r in ranked)
+
+
+def test_pareto_matches_the_toy_envs_latency():
+    """The toy envs' ParetoLatency (envs/toy.py) and the planner's `pareto` draw the same law."""
+    import asyncio
+    import random
+    import statistics
+
+    from agentrl.envs.toy import ParetoLatency
+
+    d = Dist.parse({"kind": "pareto", "median": 0.3, "alpha": 1.5, "high": 10.0})
+    rng = random.Random(0)
+    ours = sorted(d.sample(rng) for _ in range(40000))
+    env = ParetoLatency(0.3, 1.5, 10.0)
+    delays = []
+
+    async def fake_sleep(s):
+        delays.append(s)
+
+    real = asyncio.sleep
+    asyncio.sleep = fake_sleep
+    try:
+        for _ in range(40000):
+            asyncio.run(env.sleep())
+    finally:
+        asyncio.sleep = real
+    delays.sort()
+    assert statistics.median(ours) == pytest.approx(statistics.median(delays), rel=0.05)
+    assert d.mean() == pytest.approx(sum(delays) / len(delays), rel=0.05)
+
+
+def test_shared_cores_slow_what_overlaps():
+    """On a CPU machine (cores > 0) servers and learner share cores: fewer cores, slower; enough
+    cores for every busy thread, as fast as separate devices. (Constant lengths and latencies: with
+    random ones a different order of events draws a different workload.)"""
+    w = workload(k=2, response_tokens=Dist.parse(40), tool_latency_s=Dist.parse(0.2))
+    d = Deployment(servers=1)
+    free = simulate(w, profile(), d, steps=10).samples_per_s
+    one = simulate(w, profile(cores=1, learner_threads=1), d, steps=10).samples_per_s
+    many = simulate(w, profile(cores=8, learner_threads=1), d, steps=10).samples_per_s
+    assert one < free
+    assert many == pytest.approx(free, rel=1e-9)
+
+
+def test_bench_plan_predicts_from_a_runs_own_shape():
+    from types import SimpleNamespace
+
+    from agentrl.bench.plan import _predict, _scenario
+
+    assert _scenario("k2") == (2, 1) and _scenario("k1r2") == (1, 2)
+    with pytest.raises(ValueError):
+        _scenario("x1")
+    opts = SimpleNamespace(latency_s=0.3, groups_per_step=4, concurrency=32, warmup_steps=2, steps=4)
+    measured = {"k": 1, "rollers": 1, "shape": {"len": 120.0, "generated": 30.0, "turns": 2.0}}
+    slow = _predict(measured, profile(), opts)
+    fast = _predict({**measured, "k": 2}, profile(), opts)
+    assert 0 < slow < fast

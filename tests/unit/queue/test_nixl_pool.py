@@ -10,7 +10,7 @@ import gc
 import numpy as np
 
 from agentrl.queue.nixl_transport import POOL_ROUND, BufferPool
-from agentrl.types import decode_group, encode_group
+from agentrl.wire import decode_group, encode_group
 from tests.unit.queue.conftest import make_group
 
 

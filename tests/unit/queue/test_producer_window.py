@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from agentrl.queue.zmq_client import ByteWindow
+from agentrl.queue.zmq_producer import ByteWindow
 
 
 async def _settle() -> None:

@@ -11,7 +11,7 @@ import zmq
 from agentrl.queue import auth as auth_module
 from agentrl.queue.auth import AESGCM, Authenticator, AuthError, Poly1305, load_secret
 from agentrl.queue.frames import pack
-from agentrl.types import encode_group
+from agentrl.wire import encode_group
 from tests.unit.queue.conftest import SECRET, Harness, make_group
 
 pytestmark = pytest.mark.timeout(90)  # a hang fails this test, not the whole run
@@ -76,7 +76,7 @@ def _raw_dealer(address: str) -> tuple[zmq.Context, zmq.Socket]:
 
 
 def _put(auth: Authenticator, rid: int, gid: str, frames: list[bytes], tamper: bool = False) -> list[bytes]:
-    """A put message as a producer builds it (see zmq_client / frames.pack)."""
+    """A put message as a producer builds it (see zmq_producer / frames.pack)."""
     return _put_many(auth, [(rid, gid, frames)], tamper)
 
 

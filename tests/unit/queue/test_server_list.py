@@ -113,6 +113,7 @@ def test_a_learner_on_a_queue_it_does_not_host_hands_the_list_on(queue: Harness,
 
     async def go() -> tuple[list, list]:
         producer, servers, services = queue.producer(), [], []
+        assert isinstance(producer, server_list.Follower)  # the hooks `Producer` declares
         producer.on_servers = lambda epoch, urls: servers.append((epoch, urls))
         producer.on_services = lambda epoch, urls: services.append((epoch, urls))
 

@@ -9,7 +9,7 @@ import pytest
 from agentrl.config import ZmqQueueConfig
 from agentrl.queue import create
 from agentrl.queue.wal import WriteAheadLog
-from agentrl.types import decode_group, encode_group
+from agentrl.wire import decode_group, encode_group
 from tests.unit.queue.conftest import make_group, put_all
 
 pytestmark = pytest.mark.timeout(90)  # a hang fails this test, not the whole run

@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 
-from agentrl.colocated import launch
+from agentrl.launch import colocated as launch
 
 
 def test_sigterm_stops_the_child_and_kills_one_that_ignores_it(monkeypatch) -> None:

@@ -1,9 +1,11 @@
-"""`agentrl run` for `mode: colocated`: the warm start, then `colocated.num_processes` ranks.
+"""`agentrl run` for `mode: colocated` on this machine (`launcher.type: local`): the warm start,
+then `colocated.num_processes` ranks. (`launcher.type: ray` places the same ranks in one
+placement group instead: `launch/plan.py`, `launch/ray.py`.)
 
 Both are child processes of `agentrl run`: the warm start is `agentrl warmstart` (as the
 decoupled launcher runs it; it writes `<run_dir>/warmstart`), the ranks are torchrun processes
 on this machine (`torch.distributed.run --standalone`, gloo on CPU, NCCL on GPUs) running
-`agentrl.colocated.loop`; there are no servers, rollers or queue to start. The run ends when the
+`agentrl colocated` (`agentrl.colocated.loop`); there are no servers, rollers or queue to start. The run ends when the
 ranks do; Ctrl-C or SIGTERM to `agentrl run` is passed on to the running child (torchrun
 forwards it to the ranks), which gets `STOP_GRACE_S` before it is killed.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 from agentrl.config import AgentRLConfig
 from agentrl.log import get_logger
 
-log = get_logger("colocated.launch")
+log = get_logger("launch.colocated")
 
 STOP_GRACE_S = 30.0
 
@@ -41,7 +43,7 @@ def launch(config: AgentRLConfig, config_path: Path, resume: bool = False) -> in
         model = str(Path(config.run_dir) / "warmstart")
     n = config.colocated.num_processes
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           "-m", "agentrl.colocated.loop", "--config", str(config_path),
+           "-m", "agentrl", "colocated", "--config", str(config_path),
            f"--learner.model_path={model}"] + (["--resume"] if resume else [])  # fmt: skip
     log.info("colocated: %d ranks: %s", n, " ".join(cmd))
     return _run(cmd)

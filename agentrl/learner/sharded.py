@@ -1,0 +1,23 @@
+"""Reading FSDP2-sharded parameters whole: what the backend's weight iterators and the LoRA
+exports share (neither imports the other)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def reshard_units(model: nn.Module) -> None:
+    """Units kept gathered after a forward (`reshard_after_forward=False`) expose their compute
+    copies (bf16 under mixed precision) as parameters until resharded: go back to the fp32 shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():  # each unit reshards only its own parameters
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def full(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor: `DTensor.full_tensor()` (a collective) or the tensor itself."""
+    data = param.detach()
+    return data.full_tensor() if hasattr(data, "full_tensor") else data
