@@ -18,9 +18,9 @@ import torch
 from agentrl.config import LearnerConfig, OptimConfig
 from agentrl.inference.engine import Engine, Request
 from agentrl.inference.sampling import SamplingParams
-from agentrl.learner.backend import create
 from agentrl.learner.config import MoeConfig
 from agentrl.learner.packing import Sample, packed_microbatch, padded_microbatch
+from agentrl.learner.registry import create
 from agentrl.learner.train_step import optimizer_step
 from agentrl.moe import RoutingRecorder, routers
 
