@@ -1,6 +1,7 @@
 """`agentrl bench peer`: TRL's GRPOTrainer against agentrl, colocated and decoupled, head to head.
 
     agentrl bench peer [--steps 8] [--prompts-per-step 4] [--completions 8] [--length 32]
+    agentrl bench peer --agentic ...   # the multi-turn tool task with slow tools (`peer_agentic`)
 
 One run, one after the other, on the same machine: TRL 1.16 `GRPOTrainer` (in this process, CPU,
 no vLLM), then `agentrl run` in `mode: colocated` (2 ranks) and decoupled at max_staleness 0 and
@@ -144,6 +145,10 @@ def _agentrl(model_dir: str, run_dir: Path, opts: argparse.Namespace, colocated:
 
 
 def main(args: list[str]) -> int:
+    if "--agentic" in args:  # the multi-turn tool task: its own rows and options
+        from agentrl.bench.peer_agentic import main as agentic
+
+        return agentic(args)
     parser = argparse.ArgumentParser(prog="agentrl bench peer")
     parser.add_argument("--steps", type=int, default=8, help="timed steps, after the warm-up")
     parser.add_argument("--warmup-steps", type=int, default=3,
