@@ -195,7 +195,9 @@ def _agentrl(model_dir: str, run_dir: Path, opts: argparse.Namespace, row: str, 
     samples_per_step = opts.prompts_per_step * opts.completions
     calls = seconds = 0.0
     for r in records:  # the env's per-episode means, summed over the step's episodes, cumulated
-        calls += r.get("episode/tool_calls", 0.0) * samples_per_step
+        # calls that reached the tool (a malformed one is counted as a call and an error; TRL's
+        # ledger counts only the calls it made)
+        calls += (r.get("episode/tool_calls", 0.0) - r.get("episode/tool_errors", 0.0)) * samples_per_step
         seconds += r.get("episode/tool_seconds", 0.0) * samples_per_step
         r["tool_calls"], r["tool_seconds"] = calls, seconds
     return _summary(records, [r.get("reward/mean", 0.0) for r in records], opts)
@@ -241,7 +243,8 @@ def main(args: list[str]) -> int:
         "--turns", type=int, default=3, help="assistant turns per episode (2 lookups + answer)"
     )
     parser.add_argument("--length", type=int, default=96, help="new tokens per episode (all turns)")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-4,
+                        help="low enough that the warm-started tool use survives the run (1e-3 lost it)")  # fmt: skip
     parser.add_argument("--latency-s", type=float, default=0.1, help="median tool latency (log-normal)")
     parser.add_argument("--sigma", type=float, default=0.99, help="log-normal sigma (0.99: p99 = 10x median)")
     parser.add_argument("--latency-seed", type=int, default=0)

@@ -52,7 +52,8 @@ def _fake_run(runs: list[tuple[str, dict]]):
         latency = options["env.kwargs"]["latency_s"]
         lines = [
             json.dumps({"step": i + 1, "time": 1000.0 * len(runs) + t, "reward/mean": REWARDS[row],
-                        "episode/tool_calls": TOOL_CALLS, "episode/tool_seconds": TOOL_SECONDS if latency else 0.0})
+                        "episode/tool_calls": TOOL_CALLS + 0.5, "episode/tool_errors": 0.5,
+                        "episode/tool_seconds": TOOL_SECONDS if latency else 0.0})
             for i, t in enumerate(CLOCKS[row])
         ]  # fmt: skip
         (run_dir / "learner.jsonl").write_text("\n".join(lines) + "\n")
