@@ -143,8 +143,6 @@ class AgentRLConfig(Section):
                 "inference.logprobs: SGLang 0.5.23 returns only full-distribution log-probs "
                 "(srt/layers/sampler.py); use inference.logprobs: full with inference.type: sglang"
             )
-        if concerns("learner", "inference") and self.learner.moe.router_replay:
-            self._check_router_replay()
         self._check_deployment(concerns)
         if concerns("learner"):
             check_distill(self)  # learner.distill's refusals across sections (learner/distill.py)
@@ -183,7 +181,9 @@ class AgentRLConfig(Section):
             )
 
     def _check_deployment(self, concerns: Any) -> None:
-        """What the chosen mode and adapters can do together."""
+        """What the chosen mode, adapters and MoE router replay can do together."""
+        if concerns("learner", "inference") and self.learner.moe.router_replay:
+            self._check_router_replay()
         lora = self.learner.lora
         if lora is None or not concerns("learner", "weight_sync"):
             return

@@ -300,17 +300,16 @@ def _parse_header(frame: Any) -> dict:
     meta = header["episodes"]
     if len(meta) > MAX_EPISODES_PER_GROUP:
         raise WireError(f"header.episodes: {len(meta)} episodes exceed {MAX_EPISODES_PER_GROUP}")
-    turns = header.get("turns") or ()
-    if turns and (len(turns) != len(meta) or any(type(k) is not int or k < 0 for k in turns)):
-        raise WireError(
-            f"header.turns: expected {len(meta)} counts of rewarded turns (ints >= 0), got {turns!r:.80}"
-        )
-    experts = header.get("experts") or ()
-    if experts and (len(experts) != len(meta) or any(type(k) is not int or k < 0 for k in experts)):
-        raise WireError(
-            f"header.experts: expected {len(meta)} widths of routed experts (ints >= 0), got {experts!r:.80}"
-        )
+    _check_counts(header, "turns", len(meta), "counts of rewarded turns")
+    _check_counts(header, "experts", len(meta), "widths of routed experts")
     return header
+
+
+def _check_counts(header: dict, key: str, episodes: int, what: str) -> None:
+    """`header[key]`, when present, holds one int >= 0 per episode."""
+    counts = header.get(key) or ()
+    if counts and (len(counts) != episodes or any(type(k) is not int or k < 0 for k in counts)):
+        raise WireError(f"header.{key}: expected {episodes} {what} (ints >= 0), got {counts!r:.80}")
 
 
 def _turn_arrays(i: int, n: int, k: int, pos_buf: memoryview, reward_buf: memoryview) -> tuple:
