@@ -81,9 +81,14 @@ def test_bench_sync_reports_vs_raw_broadcast_and_vs_disk(processes: Processes) -
     stdout, line = _bench(
         processes, "sync", "--preset", "mini", "--repeats", "1", "--bucket-mb", "1", timeout=300
     )
-    assert set(line["ratios"]) == {"vs_raw_broadcast", "vs_disk"}
-    _positive(line["ratios"], "vs_raw_broadcast", "vs_disk")
+    assert set(line["ratios"]) == {"vs_raw_broadcast", "vs_disk", "lora_vs_full_push"}
+    _positive(line["ratios"], "vs_raw_broadcast", "vs_disk", "lora_vs_full_push")
     metrics = line["metrics"]
+    # the LoRA row (default rank 8): an adapter push of the same model into the same server, both
+    # sides of its ratio from this run, and only the adapter's bytes moved
+    assert 0 < metrics["lora_bytes"] < metrics["model_bytes"]
+    assert metrics["lora_push_s"] == statistics.median(metrics["lora_push_s_each"])
+    assert line["ratios"]["lora_vs_full_push"] == pytest.approx(metrics["lora_push_s"] / metrics["push_s"])
     _positive(metrics, "model_bytes", "push_s", "raw_broadcast_s", "disk_s", "gb_per_s", "bucket_bytes")
     assert metrics["pushed_bytes"] == metrics["model_bytes"]  # ours sent the raw baseline's bytes
     assert metrics["bucket_bytes"] <= 1 << 20 and metrics["bucket_bytes"] < metrics["model_bytes"]
