@@ -78,6 +78,7 @@ from agentrl.inference.lora import (
     AdapterSpec,
     adapter_name,
     generate_with_adapter,
+    split_name,
 )
 from agentrl.log import get_logger
 
@@ -444,6 +445,16 @@ class VLLMClient(HTTPServerClient):
         except InferenceError as exc:
             raise AdapterError(f"adapter {name}: writing it on {self.url} failed: {exc}") from exc
         return await self.load_adapter(base, written[0]["path"], version)
+
+    async def load_lora_tensors(
+        self, name: str, tensors: dict[str, Any], config: dict[str, Any], weight_version: int
+    ) -> None:
+        """Weight sync's adapter push over HTTP (the broadcast engine's path to vLLM): serve `tensors`
+        as `name` (`<base>-v<weight_version>`) through `load_adapter_tensors`, read back; then
+        `keep_two` (the previous version stays for requests in flight, older ones go)."""
+        base, version = split_name(name, weight_version)
+        await self.load_adapter_tensors(base, tensors, config, version)
+        await self.keep_two(base, version)
 
     async def unload_adapter(self, name: str) -> None:
         """Stop serving `name`; then delete its directory if `load_adapter_tensors` wrote it."""

@@ -55,12 +55,14 @@ async def run_roller(config: AgentRLConfig) -> int:
     from agentrl.envs.base import live_services
     from agentrl.envs.check import model_context, require_budget
     from agentrl.envs.registry import env_factory, task_env_class
+    from agentrl.inference.registry import adapter_base
     from agentrl.inference.router import from_config as create_router
     from agentrl.queue.registry import create as create_queue
     from agentrl.rewards.client import RewardModelClient, RewardModelError
     from agentrl.rollers.chat import ChatRenderer
     from agentrl.rollers.roller import Roller
     from agentrl.rollers.tasks import TaskSource
+    from agentrl.weight_sync.base import pushed_adapter
 
     index = roller_index(config)
     name = f"roller-{index}"
@@ -85,7 +87,10 @@ async def run_roller(config: AgentRLConfig) -> int:
     # a router even over one server: requests wait out a server's restart (inference.server_wait_s)
     # and skip servers behind the admissible window: the run's max_staleness as the queue tells it
     # (this roller's own config until the queue's first reply)
-    client = create_router(config.inference, config.max_staleness)
+    # a LoRA run pushing adapters to vLLM / SGLang: each request names the newest served adapter
+    # (`agentrl-lora-v<N>`), and its tokens are labelled N
+    adapter = pushed_adapter(config.learner.lora, config.weight_sync.lora_mode, config.learner.model_path)
+    client = create_router(config.inference, config.max_staleness, adapter_base(config.inference, adapter))
     backend = create_queue(config.queue)
     producer = backend.producer(name=name)
     producer.on_max_staleness = functools.partial(setattr, client, "max_staleness")
