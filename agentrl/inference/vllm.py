@@ -53,7 +53,9 @@ runtime loading, `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (`lora
 `GET /server_info?config_format=json` (`lora_config`), and the adapter named per request as its
 `model` (`_maybe_get_adapters` in `vllm/entrypoints/serve/engine/serving.py`; an unknown name is a
 404 `ErrorResponse`). vLLM's unload only drops the name from the API server's table; the engine
-evicts the weights from its cache (`--max-cpu-loras`) when it needs the room.
+evicts the weights from its cache (`--max-cpu-loras`) when it needs the room. Weight sync's
+adapter pushes come in by `load_lora_adapter` (disk: a PEFT directory by path) or
+`load_lora_tensors` (the broadcast engine, over HTTP through `load_adapter_tensors`).
 See tests/unit/inference/test_vllm_client.py, tests/integration/test_vllm.py and
 tests/integration/test_vllm_lora.py.
 """
