@@ -9,7 +9,8 @@ Every command that takes `--config` also takes dotted overrides of any field
 (`--section.key VALUE` or `--section.key=VALUE`); the config is validated before
 anything starts. `agentrl --help` must stay fast: import torch, transformers, zmq
 and friends only inside the command that needs them. The commands around environments
-(`env check`, `sandbox`, `sandbox-server`, `retriever`) are in `cli_env.py`; what all command
+(`env check`, `sandbox`, `sandbox-server`, `retriever`) are in `cli_env.py`, the tools (`init-model`,
+`bench`, `plan`) in `cli_tools.py`; what all command
 modules share (config loading, `USES`, one-line errors) in `cli_common.py`.
 """
 
@@ -21,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from agentrl import cli_common, cli_env
+from agentrl import cli_common, cli_env, cli_tools
 from agentrl.cli_common import CONFIG_HELP, OVERRIDES, ConfigOpt, fail, load, user_error
 from agentrl.tiny_model import PRESETS as MODEL_PRESETS  # plain data: no heavy import
 
@@ -32,22 +33,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-# name -> (what it measures, issue that builds it)
-BENCHMARKS = {
-    "serve": "embedded server tokens/s at concurrency 1, 8, 32",
-    "queue": "TransferQueue vs raw ZeroMQ, Redis Streams and Ray",
-    "roller": "roller concurrency and per-turn overhead",
-    "learner": "train step vs bare HF, packed vs padded",
-    "sync": "weight push vs raw gloo broadcast and disk",
-    "async": "samples/s at max_staleness 0, 1, 2, 4",
-    "faults": "seconds from a kill -9 to the next trained step, and the group account",
-    "launch": "the Ray launcher vs the local one: seconds to the first step, episodes/s",
-    "peer": "TRL GRPOTrainer vs agentrl colocated and decoupled (k=0, k=2) samples/s",
-    "reshard": "HybridEngine reshard vs one raw all-gather and vs gather-then-slice",
-    "plan": "the planner's predicted samples/s vs measured runs (k = 0, 1, 2; two rollers)",
-    "fanin": "one queue and router under hundreds to thousands of rollers: admissions, list updates, CPU",
-}
 
 
 @app.callback()
@@ -276,7 +261,7 @@ def run(
         ctx.args.append(f"--launcher.type={launcher}")
     cfg = load(config, ctx)
     check_model_path("learner.model_path", cfg.learner.model_path)
-    from agentrl.envs.check import check_run_budget
+    from agentrl.rollers.env_check import check_run_budget
     from agentrl.rollers.main import tokenizer_path
 
     try:  # the env loads and its prompts fit the roller's budget (`agentrl env check`, cheap part)
@@ -417,64 +402,6 @@ def eval_(
     typer.echo(format_report(report))
 
 
-@app.command("init-model")
-def init_model(
-    preset: Annotated[
-        str,
-        typer.Argument(
-            help="Model size: "
-            + ", ".join(MODEL_PRESETS)
-            + " (tiny ~0.2M parameters, mini ~1M, small ~13M, base100m ~100M; tiny-rm: a tiny reward model)."
-        ),
-    ],
-    out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
-    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
-) -> None:
-    """Write a random-weight Qwen2-style HF checkpoint with a Qwen2.5-format tokenizer (offline)."""
-    if preset not in MODEL_PRESETS:
-        raise fail(f"unknown model preset {preset!r}; choose one of: {', '.join(MODEL_PRESETS)}")
-    from agentrl.tiny_model import init_model as build
-
-    out = build(preset, out_dir, seed=seed)
-    typer.echo(f"wrote {preset} model to {out}")
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench(
-    ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="Benchmark: " + ", ".join(BENCHMARKS) + ".")],
-) -> None:
-    """Measure ours against a baseline in the same run; ends with one JSON line of ratios.
-
-    Each benchmark lives in `agentrl/bench/<name>.py` as `main(args: list[str]) -> int`;
-    extra arguments are passed to it."""
-    import importlib
-
-    if name not in BENCHMARKS:
-        raise fail(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
-    what = BENCHMARKS[name]
-    module_name = f"agentrl.bench.{name}_" if name == "async" else f"agentrl.bench.{name}"  # a keyword
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        raise fail(
-            f"`agentrl bench {name}` ({what}) is not built in this checkout (no module {module_name})", code=3
-        ) from None
-    raise typer.Exit(module.main(list(ctx.args)))
-
-
-@app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
-)
-def plan(ctx: typer.Context) -> None:
-    """Rank deployments of a cluster for a model and workload (`agentrl plan --help`)."""
-    from agentrl.plan.cli import main as plan_main
-
-    raise typer.Exit(plan_main(list(ctx.args)))
-
-
 @app.command(context_settings=OVERRIDES, epilog=CONFIG_HELP)
 def doctor(ctx: typer.Context, config: ConfigOpt = None) -> None:
     """Check this machine and a config: versions, devices, optional backends, the model's chat template."""
@@ -510,6 +437,11 @@ app.add_typer(cli_env.env_app, name="env")
 app.add_typer(cli_env.sandbox_app, name="sandbox")
 app.command("sandbox-server")(cli_env.sandbox_server)
 app.command()(cli_env.retriever)
+app.command("init-model")(cli_tools.init_model)
+app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(cli_tools.bench)
+app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+)(cli_tools.plan)
 
 
 def main() -> None:

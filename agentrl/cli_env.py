@@ -31,7 +31,7 @@ def env_check(
 
     ctx.args = [f"--env.name={name}", *ctx.args]
     cfg = load(config, ctx)
-    from agentrl.envs.check import check_env, render_report
+    from agentrl.rollers.env_check import check_env, render_report
     from agentrl.rollers.main import tokenizer_path
 
     report = asyncio.run(check_env(cfg, tokenizer_path(cfg)))

@@ -1,6 +1,7 @@
 """`agentrl bench peer`: TRL's GRPOTrainer against agentrl, colocated and decoupled, head to head.
 
     agentrl bench peer [--steps 8] [--prompts-per-step 4] [--completions 8] [--length 32]
+    agentrl bench peer --agentic ...   # the multi-turn tool task with slow tools (`peer_agentic`)
 
 One run, one after the other, on the same machine: TRL 1.16 `GRPOTrainer` (in this process, CPU,
 no vLLM), then `agentrl run` in `mode: colocated` (2 ranks) and decoupled at max_staleness 0 and
@@ -147,6 +148,10 @@ ROWS = ("trl", "trl_matched", "k0", "k2", "colocated")
 
 
 def main(args: list[str]) -> int:
+    if "--agentic" in args:  # the multi-turn tool task: its own rows and options
+        from agentrl.bench.peer_agentic import main as agentic
+
+        return agentic(args)
     opts = _options(args)
     from agentrl.tiny_model import init_model
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentrl.inference.base import InferenceError
-from agentrl.inference.sglang import HTTPClient
+from agentrl.inference.http import HTTPClient
 
 # ---------------------------------------------------------------------------- server side (embedded)
 

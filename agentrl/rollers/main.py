@@ -16,7 +16,7 @@ group. Exit codes: 0 when done or when the queue says the run is over; 1 when th
 unreachable, refuses it, goes silent, or too many groups failed, or the reward model is
 unreachable or of the wrong kind at start; a ValueError (shown by the CLI as one line, exit 2) when
 the env, its tasks or its prompts do not fit the config: the longest of the first tasks' prompts
-must leave room for a turn within `roller.max_total_tokens` and the model's context (`envs.check`).
+must leave room for a turn within `roller.max_total_tokens` and the model's context (`rollers/env_check.py`).
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ async def run_roller(config: AgentRLConfig) -> int:
     from transformers import AutoTokenizer
 
     from agentrl.envs.base import live_services
-    from agentrl.envs.check import model_context, require_budget
     from agentrl.envs.registry import env_factory, task_env_class
     from agentrl.inference.registry import adapter_base
     from agentrl.inference.router import from_config as create_router
     from agentrl.queue.registry import create as create_queue
     from agentrl.rewards.client import RewardModelClient, RewardModelError
     from agentrl.rollers.chat import ChatRenderer
+    from agentrl.rollers.env_check import model_context, require_budget
     from agentrl.rollers.roller import Roller
     from agentrl.rollers.tasks import TaskSource
     from agentrl.weight_sync.base import pushed_adapter

@@ -9,9 +9,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from agentrl.config import AgentRLConfig, EnvConfig, RollerConfig
-from agentrl.envs.check import check_env, prompt_budget
 from agentrl.envs.registry import load_env_class
 from agentrl.rollers.chat import ChatRenderer
+from agentrl.rollers.env_check import check_env, prompt_budget
 from tests.unit.envs.unit_env import UnitConverter
 
 QUICKSTART_BUDGET = {"max_total_tokens": 256, "max_new_tokens": 24, "max_turns": 3}
