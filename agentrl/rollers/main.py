@@ -49,12 +49,23 @@ def roller_index(config: AgentRLConfig) -> int:
     return int(raw)
 
 
+def request_adapter(config: AgentRLConfig) -> str | None:
+    """The adapter base the roller's requests name: `agentrl-lora` in a LoRA run pushing adapters
+    (`learner.lora`, `weight_sync.lora_mode: adapter`) to servers that serve them by name (vLLM,
+    SGLang), so each request names the newest served `agentrl-lora-v<N>` and its tokens are
+    labelled N; None otherwise (the embedded server applies the pushed adapter to every request)."""
+    from agentrl.inference.registry import adapter_base
+    from agentrl.weight_sync.base import pushed_adapter
+
+    adapter = pushed_adapter(config.learner.lora, config.weight_sync.lora_mode, config.learner.model_path)
+    return adapter_base(config.inference, adapter)
+
+
 async def run_roller(config: AgentRLConfig) -> int:
     from transformers import AutoTokenizer
 
     from agentrl.envs.base import live_services
     from agentrl.envs.registry import env_factory, task_env_class
-    from agentrl.inference.registry import adapter_base
     from agentrl.inference.router import from_config as create_router
     from agentrl.queue.registry import create as create_queue
     from agentrl.rewards.client import RewardModelClient, RewardModelError
@@ -62,7 +73,6 @@ async def run_roller(config: AgentRLConfig) -> int:
     from agentrl.rollers.env_check import model_context, require_budget
     from agentrl.rollers.roller import Roller
     from agentrl.rollers.tasks import TaskSource
-    from agentrl.weight_sync.base import pushed_adapter
 
     index = roller_index(config)
     name = f"roller-{index}"
@@ -87,10 +97,7 @@ async def run_roller(config: AgentRLConfig) -> int:
     # a router even over one server: requests wait out a server's restart (inference.server_wait_s)
     # and skip servers behind the admissible window: the run's max_staleness as the queue tells it
     # (this roller's own config until the queue's first reply)
-    # a LoRA run pushing adapters to vLLM / SGLang: each request names the newest served adapter
-    # (`agentrl-lora-v<N>`), and its tokens are labelled N
-    adapter = pushed_adapter(config.learner.lora, config.weight_sync.lora_mode, config.learner.model_path)
-    client = create_router(config.inference, config.max_staleness, adapter_base(config.inference, adapter))
+    client = create_router(config.inference, config.max_staleness, request_adapter(config))
     backend = create_queue(config.queue)
     producer = backend.producer(name=name)
     producer.on_max_staleness = functools.partial(setattr, client, "max_staleness")

@@ -55,6 +55,26 @@ def test_rollers_name_adapters_only_where_servers_serve_them_by_name() -> None:
     assert adapter_base(InferenceConfig(type="sglang"), None) is None  # full or merged weights
 
 
+def test_the_rollers_router_names_the_adapter_in_a_lora_run() -> None:
+    from agentrl.config import AgentRLConfig
+    from agentrl.rollers.main import request_adapter
+
+    lora = {"lora": {"rank": 8, "target_modules": list(TARGETS)}}
+    assert request_adapter(AgentRLConfig(learner=lora, inference={"type": "vllm"})) == "agentrl-lora"
+    assert (
+        request_adapter(
+            AgentRLConfig(learner=lora, inference={"type": "sglang", "servers": ["http://127.0.0.1:1"]})
+        )
+        == "agentrl-lora"
+    )
+    assert request_adapter(AgentRLConfig(learner=lora, inference={"type": "embedded"})) is None
+    merged = {"type": "disk", "lora_mode": "merged"}
+    assert (
+        request_adapter(AgentRLConfig(learner=lora, inference={"type": "vllm"}, weight_sync=merged)) is None
+    )
+    assert request_adapter(AgentRLConfig(inference={"type": "vllm"})) is None
+
+
 def test_disk_pushes_serve_each_version_by_name(standin: StandInSGLang, tmp_path: Path) -> None:
     engine = create(DiskSyncConfig(timeout_s=10), sglang(standin.url), run_dir=tmp_path / "run", adapter=SPEC)
     engine.init()
