@@ -320,6 +320,33 @@ def test_a_lora_learner_pushes_adapters_over_http(served: Served, learner) -> No
         engine.close()
 
 
+def test_a_push_the_server_refuses_drops_it_and_claims_nothing(served: Served) -> None:
+    """An adapter push over HTTP that vLLM cannot take (rank 16 above its 8): the server is dropped
+    from the push with the reason, keeps serving what it served, and its version is unchanged."""
+    from safetensors.torch import load_file
+
+    from agentrl.weight_sync.base import AdapterSpec as Pushed
+    from agentrl.weight_sync.base import AdapterWeights
+
+    pairs = list(load_file(str(served.too_big / "adapter_model.safetensors")).items())
+    spec = Pushed(16, 16.0, tuple(TARGETS))
+    weights = AdapterWeights(adapter=lambda: iter(pairs), merged=lambda: iter(()), spec=spec)
+    engine = create(BroadcastSyncConfig(backend="gloo", timeout_s=60), inference_config(), [served.url],
+                    adapter=Pushed(8, 16.0, tuple(TARGETS)))  # fmt: skip
+    engine.init()
+    before = run(_call(served.url, "served_adapters"))
+    version = run(_call(served.url, "get_weight_version", lora="agentrl-lora"))
+    try:
+        stats = engine.push(weights, 99)
+    finally:
+        engine.close()
+    outcome = stats.outcomes[served.url]
+    assert not outcome.committed and stats.servers_updated == 0
+    assert "--max-lora-rank 8" in outcome.reason and outcome.version == version, outcome
+    assert run(_call(served.url, "served_adapters")) == before
+    assert run(_call(served.url, "generate", PROMPT, SAMPLING, lora="agentrl-lora")).weight_version == version
+
+
 def test_a_rank_the_server_cannot_load_is_refused_at_init(served: Served) -> None:
     from agentrl.config import DiskSyncConfig
     from agentrl.weight_sync.base import AdapterSpec as Pushed

@@ -100,6 +100,23 @@ def test_disk_pushes_serve_each_version_by_name(standin: StandInSGLang, tmp_path
         engine.close()
 
 
+def test_a_load_not_read_back_drops_the_server(standin: StandInSGLang, tmp_path: Path) -> None:
+    """SGLang answers the load with success but does not list the adapter: not committed, the reason
+    says so, and the server still serves (and reads back) the version before."""
+    engine = create(DiskSyncConfig(timeout_s=10), sglang(standin.url), run_dir=tmp_path, adapter=SPEC)
+    engine.init()
+    try:
+        assert engine.push(weights(seed=1), 1).outcomes[standin.url].committed
+        standin.lose_loads = 1
+        outcome = engine.push(weights(seed=2), 2).outcomes[standin.url]
+        assert not outcome.committed, outcome
+        assert "answered success, but the server lists 'no such adapter'" in outcome.reason
+        assert set(standin.adapters) == {"agentrl-lora-v1"}
+        assert engine._read_versions([standin.url], 10) == {standin.url: 1}  # still serving v1
+    finally:
+        engine.close()
+
+
 async def test_a_version_above_the_pushed_one_is_unloaded(standin: StandInSGLang, tmp_path: Path) -> None:
     """A learner resumed from an older checkpoint pushes v5 while v6 and v7 are served: both go, so
     requests never name the abandoned versions."""
