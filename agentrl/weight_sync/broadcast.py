@@ -30,6 +30,11 @@ Afterwards a server whose weights are whole (one that stages, or one no bucket r
 continues generating; one that may hold a mix (SGLang, part of a push) stays paused. A dropped
 server rejoins at a later push once it answers its liveness check (`alive`) again.
 
+A LoRA adapter push (`lora_mode: adapter`) is gathered once on every rank; to the embedded server
+it streams as above in an adapter session; to vLLM, whose clients take adapters over HTTP
+(`load_lora_tensors`), it goes by HTTP instead, each server paused, loaded, read back and resumed
+(`_push_over_http`), and an engine built with the adapter for vLLM builds no group.
+
 Servers are probed in the background (`watch.ServerWatch`: health and weight version, each
 probe bounded), so no push waits on a dead or silent server. Before each push, members
 probed down leave the group, and servers back up — dropped ones that answer again, members
@@ -211,6 +216,12 @@ class BroadcastEngine(WeightSyncEngine):
         )
         self.watch.probe_now(list(self.urls))
         seen = self.watch.fresh(0.0)
+        if self.adapter is not None and self._adapters_over_http():
+            # a LoRA run whose adapters go over HTTP (vLLM) needs no group; a full push would build it
+            logger.info("adapter pushes go over HTTP to %d server(s): no weight group", len(self.urls))
+            self._over_http = True
+            self.watch.start()
+            return
         down = [u for u in self.urls if seen.get(u, DOWN) == DOWN]
         self._drop(down, dict.fromkeys(down, "not answering at start-up"))
         self._build_group([u for u in self.urls if u not in self.dropped])
@@ -488,6 +499,7 @@ class BroadcastEngine(WeightSyncEngine):
                     self._report(stats, "over HTTP (adapter tensors)")
                 return stats
         if self.rank == 0:
+            self._over_http = False  # this push goes over the group: membership counts again
             self._start_push(stats)
         attempt = 0
         failures: dict[str, int] = {}  # failed attempts per server in this push
