@@ -75,6 +75,15 @@ def test_the_rollers_router_names_the_adapter_in_a_lora_run() -> None:
     assert request_adapter(AgentRLConfig(inference={"type": "vllm"})) is None
 
 
+def test_disk_keeps_the_previous_adapter_directory_for_vllm_and_sglang() -> None:
+    from agentrl.config import AgentRLConfig
+
+    lora = {"lora": {"rank": 8, "target_modules": list(TARGETS)}}
+    with pytest.raises(ValueError, match=r"weight_sync.keep_last: 1 .*set it to 2 or more"):
+        AgentRLConfig(learner=lora, inference={"type": "vllm"}, weight_sync={"type": "disk", "keep_last": 1})
+    AgentRLConfig(learner=lora, inference={"type": "embedded"}, weight_sync={"type": "disk", "keep_last": 1})
+
+
 def test_disk_pushes_serve_each_version_by_name(standin: StandInSGLang, tmp_path: Path) -> None:
     engine = create(DiskSyncConfig(timeout_s=10), sglang(standin.url), run_dir=tmp_path / "run", adapter=SPEC)
     engine.init()
