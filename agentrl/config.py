@@ -194,6 +194,17 @@ class AgentRLConfig(Section):
             )
         if self.mode == "colocated":
             raise ValueError("learner.lora: mode colocated does not train adapters yet; use mode: decoupled")
+        sync = self.weight_sync
+        if (
+            sync.lora_mode == "adapter"
+            and sync.type == "disk"
+            and sync.keep_last < 2
+            and (self.inference.type in ("vllm", "sglang"))
+        ):
+            raise ValueError(
+                f"weight_sync.keep_last: {sync.keep_last} deletes the adapter version {self.inference.type} still "
+                "serves for requests in flight (and reloads from its directory when evicted); set it to 2 or more"
+            )
 
     def _check_sampled_logprobs(self) -> None:
         """Top-k / top-p sampling only where the servers report the full tempered log-probs the

@@ -92,6 +92,7 @@ SGLANG = InferenceBackend(
     serve=_serve_sglang,
     doctor=_doctor_sglang,
     help="a real SGLang (GPU, .venv-sglang)",
+    names_adapters=True,
 )
 VLLM = InferenceBackend(
     "vllm",
@@ -101,4 +102,5 @@ VLLM = InferenceBackend(
     doctor=_doctor_vllm,
     config_field="vllm",
     help="a real vLLM (.venv-vllm)",
+    names_adapters=True,
 )

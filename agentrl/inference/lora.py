@@ -16,7 +16,14 @@ name's, whatever is loaded meanwhile, and an adapter is never replaced in place.
   returns the served name only if it is there with `path`; any failure raises `AdapterError`;
 - `unload_adapter(name)`: the server stops serving `name` (read back the same way);
 - `served_adapters()`: `{name: path}` as the server lists them (`GET /v1/models`, both servers);
-- `check_servers(clients, spec)`: the limits check alone, for every server, before training.
+- `check_servers(clients, spec)`: the limits check alone, for every server, before training;
+- `load_lora_adapter(name, path, weight_version)`: weight sync's disk call (`weight_sync.base.
+  AdapterUpdates`): `load_adapter` under `name` (`<base>-v<weight_version>`), then `keep_two`.
+
+Weight sync serves the learner's adapter as `ADAPTER_BASE` (`agentrl-lora-v<v>`); after version v
+is served, `keep_two` unloads every other version of that base but the newest below v (requests
+that named it may still be running) — versions above v too: a learner resumed from an older
+checkpoint pushes lower versions, and requests must not name the abandoned ones.
 
 The adapter directory must be readable by the server; `VLLMClient.load_adapter_tensors` sends
 the tensors and config to a vLLM server instead, which writes them on its own host.
@@ -37,7 +44,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentrl.inference.base import BadRequestError, GenerateResult, InferenceError
+from agentrl.log import get_logger
 
+logger = get_logger(__name__)
+
+ADAPTER_BASE = "agentrl-lora"
+"""The base name weight sync serves the learner's adapter under (`agentrl-lora-v<version>`)."""
 _NAME = re.compile(r"^(?P<base>.+)-v(?P<version>\d+)$")
 # SGLang allocates LoRA buffers per fused module: an adapter's q_proj fits `--lora-target-modules
 # qkv_proj` (`get_normalized_target_modules` in sglang 0.5.23 `srt/lora/utils.py`).
@@ -183,6 +195,32 @@ class AdapterClient(abc.ABC):
             )
         return name
 
+    async def load_lora_adapter(self, name: str, path: str, weight_version: int | None = None) -> None:
+        """Weight sync's disk call: serve the PEFT adapter directory `path` as `name`, which must be
+        `adapter_name(base, weight_version)`, read back (`load_adapter`); then `keep_two`."""
+        base, version = split_name(name, weight_version)
+        await self.load_adapter(base, path, version)
+        await self.keep_two(base, version)
+
+    async def keep_two(self, base: str, version: int) -> list[str]:
+        """Unload every served version of `base` but `version` and the newest one below it; returns
+        the names unloaded. A failed unload is logged, not raised: the new version is served, and a
+        stale one left above it shows in the version read back."""
+        names = await self.served_adapters()
+        served = sorted((p[1], n) for n in names if (p := parse_adapter_name(n)) is not None and p[0] == base)
+        below = [v for v, _ in served if v < version]
+        keep = {version, max(below)} if below else {version}
+        gone = []
+        for v, name in served:
+            if v in keep:
+                continue
+            try:
+                await self.unload_adapter(name)
+                gone.append(name)
+            except AdapterError as exc:
+                logger.warning("%s: adapter %s still served: %s", self.url, name, exc)
+        return gone
+
     async def unload_adapter(self, name: str) -> None:
         """Stop serving `name`; returns once the server no longer lists it."""
         await self._unload(name)
@@ -190,6 +228,14 @@ class AdapterClient(abc.ABC):
             raise AdapterError(
                 f"{self.url}: unloading adapter {name} answered success, but it is still listed"
             )
+
+
+def split_name(name: str, weight_version: int | None) -> tuple[str, int]:
+    """`(base, version)` of a name weight sync sends, checked against the version it sends with it."""
+    parsed = parse_adapter_name(name)
+    if parsed is None or (weight_version is not None and parsed[1] != int(weight_version)):
+        raise AdapterError(f"adapter name {name!r}: expected <base>-v{weight_version} (the pushed version)")
+    return parsed
 
 
 async def check_servers(clients: list[AdapterClient], spec: AdapterSpec) -> None:

@@ -62,6 +62,9 @@ class InferenceBackend:
     settings there; the backend reads `config.options`); None: it takes no options."""
     help: str = ""
     """One line for `agentrl serve --help`."""
+    names_adapters: bool = False
+    """Its servers serve LoRA adapters by name, per request (`inference/lora.py`: vLLM, SGLang): its
+    client takes `lora=<base>`; False: a pushed adapter serves every request (the embedded server)."""
 
 
 BACKENDS: Registry[InferenceBackend] = Registry(
@@ -92,12 +95,28 @@ def client_kwargs(config: ClientSettings) -> dict[str, Any]:
     )
 
 
-def client(config: ClientSettings, url: str) -> InferenceClient:
+def adapter_base(config: ClientSettings, adapter: object | None) -> str | None:
+    """The adapter base name requests to `config.type`'s servers name (`lora=` of its clients):
+    `agentrl-lora` when the learner pushes a LoRA adapter (`adapter`, weight sync's `AdapterSpec`;
+    None: full or merged weights) and the backend serves adapters by name; else None."""
+    if adapter is None or not backend(config.type).names_adapters:
+        return None
+    from agentrl.inference.lora import ADAPTER_BASE
+
+    return ADAPTER_BASE
+
+
+def _lora(lora: str | None) -> dict[str, Any]:
+    return {} if lora is None else {"lora": lora}  # a backend that names no adapters takes no `lora`
+
+
+def client(config: ClientSettings, url: str, lora: str | None = None) -> InferenceClient:
     """The client of the server at `url`, for `config.type` (`router.create` puts several behind a
-    `Router`)."""
-    return backend(config.type).client(url, config, **client_kwargs(config))
+    `Router`); `lora`: the adapter base its requests name (`adapter_base`)."""
+    return backend(config.type).client(url, config, **client_kwargs(config), **_lora(lora))
 
 
-def create_weight_updater(config: ClientSettings, url: str) -> WeightUpdateClient:
-    """The weight-update control client of the server at `url`, for `config.type`."""
-    return backend(config.type).client(url, config, **client_kwargs(config))
+def create_weight_updater(config: ClientSettings, url: str, lora: str | None = None) -> WeightUpdateClient:
+    """The weight-update control client of the server at `url`, for `config.type`; with `lora`, it
+    reads the newest served version of that adapter as the server's weight version."""
+    return backend(config.type).client(url, config, **client_kwargs(config), **_lora(lora))

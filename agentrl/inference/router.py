@@ -90,16 +90,17 @@ def create(config: InferenceConfig, urls: list[str] | None = None) -> InferenceC
     )
 
 
-def from_config(config: InferenceConfig, max_staleness: int | None = None) -> Router:
+def from_config(config: InferenceConfig, max_staleness: int | None = None, lora: str | None = None) -> Router:
     """A router over `config.servers` (even one), waiting up to `config.server_wait_s` for a server;
-    `set_servers` later creates the clients of new URLs the same way."""
+    `set_servers` later creates the clients of new URLs the same way. `lora`: the adapter base every
+    request names (its newest served version; `registry.adapter_base`)."""
     from agentrl.inference.registry import client
 
     if not config.servers:
         raise ValueError("inference: no server URLs given (set inference.servers)")
     return Router(
-        [client(config, url) for url in config.servers],
-        client_factory=lambda url: client(config, url),
+        [client(config, url, lora) for url in config.servers],
+        client_factory=lambda url: client(config, url, lora),
         max_retries=config.max_retries,
         request_timeout_s=config.request_timeout_s,
         health_interval_s=config.health_check_interval_s,

@@ -53,7 +53,9 @@ runtime loading, `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (`lora
 `GET /server_info?config_format=json` (`lora_config`), and the adapter named per request as its
 `model` (`_maybe_get_adapters` in `vllm/entrypoints/serve/engine/serving.py`; an unknown name is a
 404 `ErrorResponse`). vLLM's unload only drops the name from the API server's table; the engine
-evicts the weights from its cache (`--max-cpu-loras`) when it needs the room.
+evicts the weights from its cache (`--max-cpu-loras`) when it needs the room. Weight sync's
+adapter pushes come in by `load_lora_adapter` (disk: a PEFT directory by path) or
+`load_lora_tensors` (the broadcast engine, over HTTP through `load_adapter_tensors`).
 See tests/unit/inference/test_vllm_client.py, tests/integration/test_vllm.py and
 tests/integration/test_vllm_lora.py.
 """
@@ -78,6 +80,7 @@ from agentrl.inference.lora import (
     AdapterSpec,
     adapter_name,
     generate_with_adapter,
+    split_name,
 )
 from agentrl.log import get_logger
 
@@ -444,6 +447,16 @@ class VLLMClient(HTTPServerClient):
         except InferenceError as exc:
             raise AdapterError(f"adapter {name}: writing it on {self.url} failed: {exc}") from exc
         return await self.load_adapter(base, written[0]["path"], version)
+
+    async def load_lora_tensors(
+        self, name: str, tensors: dict[str, Any], config: dict[str, Any], weight_version: int
+    ) -> None:
+        """Weight sync's adapter push over HTTP (the broadcast engine's path to vLLM): serve `tensors`
+        as `name` (`<base>-v<weight_version>`) through `load_adapter_tensors`, read back; then
+        `keep_two` (the previous version stays for requests in flight, older ones go)."""
+        base, version = split_name(name, weight_version)
+        await self.load_adapter_tensors(base, tensors, config, version)
+        await self.keep_two(base, version)
 
     async def unload_adapter(self, name: str) -> None:
         """Stop serving `name`; then delete its directory if `load_adapter_tensors` wrote it."""

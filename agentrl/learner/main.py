@@ -112,12 +112,17 @@ def open_prometheus(cfg: AgentRLConfig, server: Any) -> tuple[Any, list]:
 
 
 def open_weight_sync(cfg: AgentRLConfig, rank: int) -> Any:
-    """The checkpoint engine pushing to `inference.servers` (every rank joins the FSDP gathers)."""
+    """The checkpoint engine pushing to `inference.servers` (every rank joins the FSDP gathers);
+    with `learner.lora` and `lora_mode: adapter`, refuses before training an adapter a server cannot
+    load (`AdapterLimitError` naming the server and its limit)."""
     from agentrl.inference import server_list
+    from agentrl.weight_sync.base import pushed_adapter
     from agentrl.weight_sync.registry import create
 
+    # a LoRA learner pushing adapters: `init` checks every server can load them (rank, modules)
+    adapter = pushed_adapter(cfg.learner.lora, cfg.weight_sync.lora_mode, cfg.learner.model_path)
     engine = create(cfg.weight_sync, cfg.inference, rank=rank, run_dir=cfg.run_dir,
-                    servers_file=server_list.from_env())  # fmt: skip
+                    servers_file=server_list.from_env(), adapter=adapter)  # fmt: skip
     engine.init()
     return engine
 

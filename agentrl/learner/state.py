@@ -77,8 +77,7 @@ class Learner:
         from agentrl.learner import lora
         from agentrl.weight_sync.base import AdapterSpec, AdapterWeights
 
-        spec = AdapterSpec(self.cfg.lora.rank, self.cfg.lora.alpha, tuple(self.cfg.lora.target_modules),
-                           self.cfg.model_path, bool(self.cfg.lora.modules_to_save))  # fmt: skip
+        spec = AdapterSpec.of(self.cfg.lora, self.cfg.model_path)
         module = self.actor.module
         return AdapterWeights(
             adapter=lambda: lora.lora_only(lora.adapter_tensors(module)),

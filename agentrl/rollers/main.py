@@ -49,6 +49,18 @@ def roller_index(config: AgentRLConfig) -> int:
     return int(raw)
 
 
+def request_adapter(config: AgentRLConfig) -> str | None:
+    """The adapter base the roller's requests name: `agentrl-lora` in a LoRA run pushing adapters
+    (`learner.lora`, `weight_sync.lora_mode: adapter`) to servers that serve them by name (vLLM,
+    SGLang), so each request names the newest served `agentrl-lora-v<N>` and its tokens are
+    labelled N; None otherwise (the embedded server applies the pushed adapter to every request)."""
+    from agentrl.inference.registry import adapter_base
+    from agentrl.weight_sync.base import pushed_adapter
+
+    adapter = pushed_adapter(config.learner.lora, config.weight_sync.lora_mode, config.learner.model_path)
+    return adapter_base(config.inference, adapter)
+
+
 async def run_roller(config: AgentRLConfig) -> int:
     from transformers import AutoTokenizer
 
@@ -85,7 +97,7 @@ async def run_roller(config: AgentRLConfig) -> int:
     # a router even over one server: requests wait out a server's restart (inference.server_wait_s)
     # and skip servers behind the admissible window: the run's max_staleness as the queue tells it
     # (this roller's own config until the queue's first reply)
-    client = create_router(config.inference, config.max_staleness)
+    client = create_router(config.inference, config.max_staleness, request_adapter(config))
     backend = create_queue(config.queue)
     producer = backend.producer(name=name)
     producer.on_max_staleness = functools.partial(setattr, client, "max_staleness")

@@ -54,9 +54,16 @@ class AdapterSpec:
     modules_to_save: bool = False
     """The learner also trains whole modules (`lora.modules_to_save`): only a merged push carries them."""
 
+    @classmethod
+    def of(cls, lora: Any, base_model: str) -> AdapterSpec:
+        """The spec of a learner's `learner.lora` section (a `learner.lora.LoraConfig`)."""
+        return cls(lora.rank, lora.alpha, tuple(lora.target_modules), base_model, bool(lora.modules_to_save))
+
     def name(self, version: int) -> str:
-        """The name a server serves version `version` of this adapter under."""
-        return f"agentrl-lora-v{version}"
+        """The name a server serves version `version` of this adapter under (`agentrl-lora-v<v>`)."""
+        from agentrl.inference.lora import ADAPTER_BASE, adapter_name
+
+        return adapter_name(ADAPTER_BASE, version)
 
     def peft_config(self) -> dict[str, Any]:
         """`adapter_config.json` of this adapter, with the fields PEFT 0.21's `LoraConfig` writes
@@ -97,6 +104,14 @@ class AdapterWeights:
         return self.adapter()
 
 
+def pushed_adapter(lora: Any, lora_mode: str, base_model: str) -> AdapterSpec | None:
+    """The adapter a run's pushes carry: the spec of `learner.lora` (`lora`) with `weight_sync.
+    lora_mode: adapter`; None for full weights or `merged` (servers then serve plain weights)."""
+    if lora is None or lora_mode != "adapter":
+        return None
+    return AdapterSpec.of(lora, base_model)
+
+
 def resolve(weights: WeightSource, lora_mode: str) -> tuple[WeightSource, AdapterSpec | None]:
     """The tensors a push sends and the adapter they form (None: full weights). An `AdapterWeights`
     is sent as its adapter (`lora_mode: adapter`) or merged (`merged`: through the full-weight path)."""
@@ -113,19 +128,28 @@ def resolve(weights: WeightSource, lora_mode: str) -> tuple[WeightSource, Adapte
 
 
 class AdapterUpdates(Protocol):
-    """What an adapter push calls on a server's weight-update client, beside `WeightUpdateClient`
-    (a client without these methods takes no adapter push: its server is dropped from it, with
-    `weight_sync.lora_mode: merged` named as the way out).
+    """What an adapter push calls on a server's weight-update client, beside `WeightUpdateClient`;
+    each path needs its own method, and a client without it takes no adapter push on that path: its
+    server is dropped from it with the reason (`no_adapters`).
 
-    Broadcast: `pause_generation`, `begin_adapter_update(config)`, one
-    `update_weights_from_distributed` per bucket of adapter tensors (PEFT saved names; the version
-    with the last bucket), `end_weight_update` (commit: the server serves base + this adapter under
-    `config["name"]` and reports the version), `continue_generation`; `abort_weight_update` on a
-    failure, as for full weights. Disk: `load_lora_adapter(name, directory, version)` of a PEFT
-    adapter directory, between pause and continue. Success is read back (`get_weight_version`)."""
+    Broadcast over the weight group (the embedded server): `pause_generation`,
+    `begin_adapter_update(config)`, one `update_weights_from_distributed` per bucket of adapter
+    tensors (PEFT saved names; the version with the last bucket), `end_weight_update` (commit: the
+    server serves base + this adapter under `config["name"]` and reports the version),
+    `continue_generation`; `abort_weight_update` on a failure, as for full weights.
+    Broadcast engine, over HTTP (vLLM: adapters are small, and vLLM loads them by path):
+    `load_lora_tensors(name, tensors, config, version)` between pause and continue.
+    Disk (every backend): `load_lora_adapter(name, directory, version)` of a PEFT adapter
+    directory, between pause and continue. Success is read back (`get_weight_version`)."""
 
     async def begin_adapter_update(self, adapter: dict[str, Any]) -> None:
         """Open a session whose buckets form the adapter `adapter` (`AdapterSpec.config`)."""
+        ...
+
+    async def load_lora_tensors(
+        self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any], weight_version: int
+    ) -> None:
+        """Serve the adapter `tensors` (PEFT saved names) with PEFT config `config` as `name`."""
         ...
 
     async def load_lora_adapter(self, name: str, path: str, weight_version: int | None = None) -> None:
@@ -133,12 +157,22 @@ class AdapterUpdates(Protocol):
         ...
 
 
-def loads_adapters(client: Any) -> bool:
-    """Whether `client` fills `AdapterUpdates`."""
-    return all(callable(getattr(client, m, None)) for m in ("begin_adapter_update", "load_lora_adapter"))
+ADAPTER_PATHS = {"group": "begin_adapter_update", "http": "load_lora_tensors", "disk": "load_lora_adapter"}
+"""The client method each adapter path calls (`AdapterUpdates`)."""
 
 
-NO_ADAPTERS = "its client loads no LoRA adapters (set weight_sync.lora_mode: merged)"
+def loads_adapters(client: Any, path: str) -> bool:
+    """Whether `client` takes an adapter push on `path` (`ADAPTER_PATHS`)."""
+    return callable(getattr(client, ADAPTER_PATHS[path], None))
+
+
+def no_adapters(client: Any, path: str) -> str:
+    """Why `client`'s server is left out of an adapter push on `path`, naming the way out."""
+    other = [p for p in ADAPTER_PATHS if p != path and loads_adapters(client, p)]
+    how = {"disk": "weight_sync.type: disk", "group": "weight_sync.type: broadcast",
+           "http": "weight_sync.type: broadcast"}  # fmt: skip
+    ways = [*sorted({how[p] for p in other}), "weight_sync.lora_mode: merged"]
+    return f"its client loads no LoRA adapters this way (set {' or '.join(ways)})"
 
 
 class AsyncBridge:
@@ -230,10 +264,15 @@ class WeightSyncEngine(abc.ABC):
         inference: InferenceConfig,
         rank: int = 0,
         servers_file: str | Path | None = None,
+        adapter: AdapterSpec | None = None,
     ) -> None:
         self.urls = list(urls)
         self.inference = inference
         self.rank = rank
+        self.adapter = adapter
+        """The learner's LoRA adapter when its pushes are adapters (`lora_mode: adapter`): `init`
+        checks every server can load it, and clients of servers that serve adapters by name read
+        the newest served adapter's version as the server's."""
         self.last: PushStats | None = None
         self._bridge: AsyncBridge | None = None
         self.clients: dict[str, WeightUpdateClient] = {}
@@ -250,12 +289,46 @@ class WeightSyncEngine(abc.ABC):
                 self.urls, self._target = list(found.urls), list(found.urls)
 
     def init(self) -> None:
+        """Rank 0: the clients, then (with `adapter`) the LoRA limits check, then the engine's own
+        set-up. `AdapterLimitError` naming the server and the limit (rank, module) if a server
+        cannot load the adapter: before anything trains."""
         if self.rank == 0:
-            from agentrl.inference.registry import create_weight_updater
-
             self._bridge = AsyncBridge()
-            self.clients = {url: create_weight_updater(self.inference, url) for url in self.urls}
+            self.clients = {url: self._client(url) for url in self.urls}
+            if self.adapter is not None:
+                self._check_adapter()
             self._init_servers()
+
+    def _client(self, url: str) -> WeightUpdateClient:
+        from agentrl.inference.registry import adapter_base, create_weight_updater
+
+        return create_weight_updater(self.inference, url, lora=adapter_base(self.inference, self.adapter))
+
+    def _check_adapter(self) -> None:
+        """`check_servers` on the answering servers whose clients read LoRA limits (vLLM, SGLang; the
+        embedded server checks an adapter when it arrives). A server down now is checked by its
+        first load, which refuses an adapter beyond its limits before sending it."""
+        from agentrl.inference.lora import AdapterClient, check_servers
+        from agentrl.inference.lora import AdapterSpec as Limits
+
+        assert self.adapter is not None and self._bridge is not None
+        spec = Limits(self.adapter.r, tuple(sorted(self.adapter.target_modules)))
+        clients = [c for c in self.clients.values() if isinstance(c, AdapterClient) and c.lora is not None]
+
+        async def check() -> None:
+            up = await asyncio.gather(*(c.alive() for c in clients))
+            for client, ok in zip(clients, up, strict=True):
+                if not ok:
+                    logger.warning(
+                        "%s is not answering: its LoRA limits are checked at its first load", client.url
+                    )
+            await check_servers([c for c, ok in zip(clients, up, strict=True) if ok], spec)
+
+        try:
+            self._bridge.run(check(), timeout_s=self.inference.connect_timeout_s + 30)
+        except BaseException:
+            self.close()
+            raise
 
     @abc.abstractmethod
     def _init_servers(self) -> None: ...
@@ -269,11 +342,9 @@ class WeightSyncEngine(abc.ABC):
             logger.warning("server list epoch %d: %s", found.epoch, self._target)
         if self._target is None:
             return []
-        from agentrl.inference.registry import create_weight_updater
-
         added = [u for u in self._target if u not in self.urls]
         for url in added:
-            self.clients[url] = create_weight_updater(self.inference, url)
+            self.clients[url] = self._client(url)
         self.urls += added
         if added:
             logger.warning("servers %s added to the server list: brought to the current version", added)

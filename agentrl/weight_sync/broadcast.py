@@ -30,6 +30,11 @@ Afterwards a server whose weights are whole (one that stages, or one no bucket r
 continues generating; one that may hold a mix (SGLang, part of a push) stays paused. A dropped
 server rejoins at a later push once it answers its liveness check (`alive`) again.
 
+A LoRA adapter push (`lora_mode: adapter`) is gathered once on every rank; to the embedded server
+it streams as above in an adapter session; to vLLM, whose clients take adapters over HTTP
+(`load_lora_tensors`), it goes by HTTP instead, each server paused, loaded, read back and resumed
+(`_push_over_http`), and an engine built with the adapter for vLLM builds no group.
+
 Servers are probed in the background (`watch.ServerWatch`: health and weight version, each
 probe bounded), so no push waits on a dead or silent server. Before each push, members
 probed down leave the group, and servers back up — dropped ones that answer again, members
@@ -44,6 +49,7 @@ surviving server still holds from its predecessor.
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import secrets
 import threading
@@ -59,12 +65,13 @@ from agentrl.inference.weight_group import WeightGroup, dtype_name, join_group
 from agentrl.log import get_logger
 from agentrl.net import free_port
 from agentrl.weight_sync.base import (
-    NO_ADAPTERS,
+    AdapterSpec,
     Outcome,
     PushStats,
     WeightSource,
     WeightSyncEngine,
     loads_adapters,
+    no_adapters,
     resolve,
 )
 from agentrl.weight_sync.watch import DOWN, ServerWatch
@@ -169,8 +176,9 @@ class BroadcastEngine(WeightSyncEngine):
         inference: InferenceConfig,
         rank: int,
         servers_file: str | Path | None = None,
+        adapter: AdapterSpec | None = None,
     ) -> None:
-        super().__init__(urls, inference, rank, servers_file)
+        super().__init__(urls, inference, rank, servers_file, adapter)
         self.config = config
         self.backend = (
             config.backend if config.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
@@ -193,6 +201,7 @@ class BroadcastEngine(WeightSyncEngine):
         self._touched: set[str] = set()
         self._gave_up = ""
         self._adapter: dict | None = None  # an adapter push's config (its sessions open with it)
+        self._over_http = False  # adapters go to the servers over HTTP: group membership does not matter
         self._given_up = 0  # pushes given up in a row (`transactional: all`), for the catch-up backoff
         self._given_up_until = 0.0
 
@@ -207,6 +216,12 @@ class BroadcastEngine(WeightSyncEngine):
         )
         self.watch.probe_now(list(self.urls))
         seen = self.watch.fresh(0.0)
+        if self.adapter is not None and self._adapters_over_http():
+            # a LoRA run whose adapters go over HTTP (vLLM) needs no group; a full push would build it
+            logger.info("adapter pushes go over HTTP to %d server(s): no weight group", len(self.urls))
+            self._over_http = True
+            self.watch.start()
+            return
         down = [u for u in self.urls if seen.get(u, DOWN) == DOWN]
         self._drop(down, dict.fromkeys(down, "not answering at start-up"))
         self._build_group([u for u in self.urls if u not in self.dropped])
@@ -321,7 +336,7 @@ class BroadcastEngine(WeightSyncEngine):
             for url, v in self.watch.fresh(self._pushed_at).items()
             if v != DOWN
             and url not in leaving
-            and (v != version or url not in self.members)
+            and (v != version or (url not in self.members and not self._over_http))
             and self._retry_at.get(url, 0.0) <= now
         ]
 
@@ -422,7 +437,8 @@ class BroadcastEngine(WeightSyncEngine):
         {url: why} for those that refused. One still holding a session from an earlier, interrupted
         push has it aborted and opened again."""
         if self._adapter is not None:
-            unable = {u: NO_ADAPTERS for u in urls if not loads_adapters(self.clients[u])}
+            unable = {u: no_adapters(self.clients[u], "group") for u in urls
+                      if not loads_adapters(self.clients[u], "group")}  # fmt: skip
             urls = [u for u in urls if u not in unable]
             method, args = "begin_adapter_update", (self._adapter,)
         else:
@@ -472,7 +488,18 @@ class BroadcastEngine(WeightSyncEngine):
         start = time.perf_counter()
         weights, adapter = resolve(weights, self.config.lora_mode)
         self._adapter = adapter.config(version) if adapter is not None else None
+        if adapter is not None:  # small: gathered once (every rank), whatever path and attempts follow
+            pairs = [(name, tensor.detach()) for name, tensor in weights()]
+            weights = functools.partial(iter, pairs)
+            if _agree(self.rank == 0 and self._adapters_over_http()):
+                if self.rank == 0:
+                    self._push_over_http(pairs, adapter, version, stats)
+                    stats.seconds = time.perf_counter() - start
+                    self.last = stats
+                    self._report(stats, "over HTTP (adapter tensors)")
+                return stats
         if self.rank == 0:
+            self._over_http = False  # this push goes over the group: membership counts again
             self._start_push(stats)
         attempt = 0
         failures: dict[str, int] = {}  # failed attempts per server in this push
@@ -501,6 +528,50 @@ class BroadcastEngine(WeightSyncEngine):
             self.last = stats
             self._report(stats, f"by broadcast in {attempt} attempt(s)")
         return stats
+
+    def _adapters_over_http(self) -> bool:
+        """Rank 0: whether this adapter push goes to the servers over HTTP (`load_lora_tensors`):
+        every client takes it so and none over the group (vLLM's; one `inference.type` per run)."""
+        clients = list(self.clients.values())
+        return bool(clients) and all(
+            loads_adapters(c, "http") and not loads_adapters(c, "group") for c in clients
+        )
+
+    def _push_over_http(self, pairs: list, adapter: AdapterSpec, version: int, stats: PushStats) -> None:
+        """Rank 0: an adapter push without the group. Each server up is paused, sent the adapter
+        (`load_lora_tensors`: written on its host, loaded, read back from its adapter list), its
+        version read back, resumed; committed only where it reads `version` back, otherwise dropped
+        from this push with the reason (it is named `behind` and pushed to again)."""
+        self._follow_list()
+        self._over_http = True
+        timeout = self.config.timeout_s
+        targets = [u for u in self.urls if self.watch is None or self.watch.last(u) != DOWN]
+        paused = self._all("pause_generation", targets, timeout_s=timeout)
+        why = {u: f"/pause_generation failed: {exc}" for u, exc in paused.items() if exc is not None}
+        loading = [u for u in targets if u not in why]
+        tensors = dict(pairs)
+        errors = self._all("load_lora_tensors", loading, adapter.name(version), tensors, adapter.peft_config(),
+                           version, timeout_s=timeout)  # fmt: skip
+        why.update({u: f"loading the adapter failed: {exc}" for u, exc in errors.items() if exc is not None})
+        read = self._read_versions(loading, timeout)
+        self._all("continue_generation", loading, timeout_s=timeout)
+        for url in self.urls:
+            seen = read.get(url)
+            if url in loading and url not in why and seen == version:
+                stats.outcomes[url] = Outcome(True, version)
+                continue
+            reason = why.get(url) or ("probed down: loads it when back" if url not in targets else
+                                      f"read back {seen} after loading")  # fmt: skip
+            stats.outcomes[url] = Outcome(False, seen if isinstance(seen, int) else None, reason)
+            self._retry_at[url] = time.monotonic() + 5.0
+        stats.bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        stats.tensors, stats.buckets = len(tensors), 1
+        committed = [u for u, o in stats.outcomes.items() if o.committed]
+        stats.servers_updated = len(committed)
+        stats.servers_dropped = [u for u, o in stats.outcomes.items() if not o.committed]
+        if committed:
+            self._pushed_version = version
+        self._pushed_at = time.monotonic()
 
     def _after_failure(self, failed: dict[str, str], failures: dict[str, int], stats: PushStats) -> bool:
         """Rank 0, after an attempt failed on `failed` ({url: why}): abort it on every member,

@@ -16,7 +16,11 @@ on disk skips the gather and the write: the servers behind only load the file.
 
 A LoRA learner's adapter (`weight_sync.lora_mode: adapter`) is written as a PEFT adapter directory
 (`adapter_config.json`, `adapter_model.safetensors`) in `v<v>/` and loaded with
-`load_lora_adapter` (SGLang's `/load_lora_adapter`), served under a name holding the version.
+`load_lora_adapter`, served as `agentrl-lora-v<v>`: the embedded server applies it to every
+request; vLLM (`/v1/load_lora_adapter`) and SGLang (`/load_lora_adapter`) serve it by name, each
+load read back from `/v1/models`, with the previous version kept for requests in flight and older
+ones unloaded (`inference/lora.py`). Their clients read the newest served version as the
+server's, so the version read back is the adapter's.
 """
 
 from __future__ import annotations
@@ -29,13 +33,13 @@ from typing import TYPE_CHECKING
 
 from agentrl.log import get_logger
 from agentrl.weight_sync.base import (
-    NO_ADAPTERS,
     AdapterSpec,
     Outcome,
     PushStats,
     WeightSource,
     WeightSyncEngine,
     loads_adapters,
+    no_adapters,
     resolve,
 )
 from agentrl.weight_sync.watch import DOWN, ServerWatch
@@ -58,8 +62,9 @@ class DiskEngine(WeightSyncEngine):
         rank: int,
         directory: Path,
         servers_file: str | Path | None = None,
+        adapter: AdapterSpec | None = None,
     ) -> None:
-        super().__init__(urls, inference, rank, servers_file)
+        super().__init__(urls, inference, rank, servers_file, adapter)
         self.config = config
         self.directory = directory
         self.watch: ServerWatch | None = None
@@ -140,12 +145,11 @@ class DiskEngine(WeightSyncEngine):
         if adapter is None:
             errors = self._all("update_weights_from_disk", targets, str(out), version, timeout_s=timeout)
         else:
-            able = [u for u in targets if loads_adapters(self.clients[u])]
-            errors = {u: RuntimeError(NO_ADAPTERS) for u in targets if u not in able}
+            able = [u for u in targets if loads_adapters(self.clients[u], "disk")]
+            errors = {u: RuntimeError(no_adapters(self.clients[u], "disk")) for u in targets if u not in able}
+            path = str(out.absolute())  # a server resolves a relative path against its own directory
             errors.update(
-                self._all(
-                    "load_lora_adapter", able, adapter.name(version), str(out), version, timeout_s=timeout
-                )
+                self._all("load_lora_adapter", able, adapter.name(version), path, version, timeout_s=timeout)
             )
         self._all("continue_generation", targets, timeout_s=timeout)
         return errors

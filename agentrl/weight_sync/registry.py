@@ -10,7 +10,7 @@ from agentrl.plugins import Registry
 
 if TYPE_CHECKING:
     from agentrl.config import BroadcastSyncConfig, DiskSyncConfig, InferenceConfig
-    from agentrl.weight_sync.base import WeightSyncEngine
+    from agentrl.weight_sync.base import AdapterSpec, WeightSyncEngine
 
 ENGINES: Registry[type[WeightSyncEngine]] = Registry(
     "weight_sync.type",
@@ -29,12 +29,14 @@ def create(
     rank: int = 0,
     run_dir: str | Path = "runs/default",
     servers_file: str | Path | None = None,
+    adapter: AdapterSpec | None = None,
 ) -> WeightSyncEngine:
     """The engine named by `config.type`, pushing to `urls` (default: `inference.servers`), or to
-    the live list in `servers_file` once it exists (`inference.server_list`)."""
+    the live list in `servers_file` once it exists (`inference.server_list`). `adapter`: the LoRA
+    adapter the pushes carry (`base.pushed_adapter`), checked against every server at `init`."""
     urls = list(urls if urls is not None else inference.servers)
     cls = ENGINES.get(config.type)
     if config.type == "disk":  # the directory the learner writes checkpoints into for the servers
         directory = Path(config.directory) if config.directory else Path(run_dir) / "weights"
-        return cls(config, urls, inference, rank, directory, servers_file)
-    return cls(config, urls, inference, rank, servers_file)
+        return cls(config, urls, inference, rank, directory, servers_file, adapter)
+    return cls(config, urls, inference, rank, servers_file, adapter)

@@ -406,7 +406,7 @@ def test_server_killed_mid_push_is_dropped_and_rejoins_at_the_current_version(
     monkeypatch.setattr(
         registry,
         "create_weight_updater",
-        lambda config, url: SGLangClient(url) if url == other else vllm_client(config, url),
+        lambda config, url, lora=None: SGLangClient(url) if url == other else vllm_client(config, url, lora),
     )
     config = BroadcastSyncConfig(backend="gloo", timeout_s=20, bucket_mb=1)  # mini: 4 buckets
     engine = create(config, inference_config(), [served.url, other])

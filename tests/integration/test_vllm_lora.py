@@ -10,7 +10,10 @@ anything is sent, naming the limit (and vLLM itself refuses it too, if sent); a 
 refuses raises and leaves the served set as it was; an adapter sent as tensors is written on
 the server's host and served the same, and sent again as the same version with other weights,
 loaded afresh; the merged model pushed as full weights
-(the broadcast group, the worker extension) serves what the adapter served.
+(the broadcast group, the worker extension) serves what the adapter served. And a real LoRA learner
+(FSDP2 + PEFT) pushes its adapter through weight sync, from disk and over HTTP: after each push the
+served log-probs equal its PEFT forward (< 1e-4) and differ from the previous version's, the push
+moves the adapter's bytes, and a rank the server cannot load is refused when the engine starts.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from agentrl.config import BroadcastSyncConfig, InferenceConfig
 from agentrl.inference.base import BadRequestError
 from agentrl.inference.lora import AdapterError, AdapterLimitError, AdapterSpec, check_servers
 from agentrl.inference.vllm import VLLMClient
+from agentrl.learner.sharded import reshard_units
 from agentrl.weight_sync.registry import create
 from tests.conftest import find_free_port
 
@@ -208,6 +212,149 @@ def test_adapter_tensors_are_written_where_the_server_reads_them(served: Served)
     run(_call(served.url, "unload_adapter", "sent-v4", lora="sent"))
     assert "sent-v4" not in run(_call(served.url, "served_adapters"))
     assert not any(path.exists() for path in paths)
+
+
+# ------------------------------------------------------------------ a real LoRA learner's pushes
+
+LORA = {"rank": 8, "alpha": 16.0, "target_modules": TARGETS}
+
+
+@pytest.fixture(scope="module")
+def learner(served: Served, tmp_path_factory: pytest.TempPathFactory):
+    """A real LoRA learner (FSDP2 + PEFT, one rank) on the served model."""
+    from agentrl.learner.loop import build_learner
+    from tests.unit.learner.source import learner_config
+
+    learner = build_learner(learner_config(model_path=str(served.model), lora=LORA),
+                            tmp_path_factory.mktemp("lora_learner"))  # fmt: skip
+    learner.model.eval()
+    return learner
+
+
+def learner_logprobs(learner, output: list[int]) -> list[float]:
+    """The learner's PEFT forward (its adapter as it is now) on PROMPT + `output`."""
+    with torch.no_grad():
+        logits = learner.model(input_ids=torch.tensor([PROMPT + output])).logits[0].float()
+    logp = torch.log_softmax(logits[len(PROMPT) - 1 : -1], dim=-1)
+    return logp[torch.arange(len(output)), torch.tensor(output)].tolist()
+
+
+def gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def push_and_check(served: Served, learner, engine, versions: list[int], seed: int) -> None:
+    """Push adapter versions through `engine`, each after new adapter values (a training step's
+    stand-in: `move_adapter`); after each, requests naming the newest served `agentrl-lora-v<N>`
+    (what rollers send) run on version N, whose log-probs are the learner's PEFT forward's and not
+    the previous version's; the push moved the adapter's bytes; the version before the previous one
+    is unloaded."""
+    from tests.integration.test_lora_sync import adapter_bytes, move_adapter
+
+    previous: dict | None = None
+    for version in versions:
+        reshard_units(learner.model)  # onto the shards, not the copies a forward left gathered
+        move_adapter(learner, seed=seed + version)
+        stats = engine.push(learner.weights(), version)
+        assert stats.servers_updated == 1 and stats.outcomes[served.url].committed, stats.outcomes
+        assert stats.bytes == adapter_bytes(learner)  # the adapter's bytes only
+        print(f"adapter push v{version}: {stats.bytes} bytes in {stats.seconds:.3f} s")
+        result = run(_call(served.url, "generate", PROMPT, SAMPLING, lora="agentrl-lora"))
+        assert result.weight_version == version
+        assert gap(result.logprobs, learner_logprobs(learner, result.output_ids)) < 1e-4
+        served_now = {n for n in run(_call(served.url, "served_adapters")) if n.startswith("agentrl-lora-")}
+        assert f"agentrl-lora-v{version}" in served_now and len(served_now) <= 2, served_now
+        if previous is not None:
+            assert gap(result.logprobs, with_adapter(learner, previous, result.output_ids)) > 1e-2
+        reshard_units(learner.model)
+        previous = {n: p.detach().clone() for n, p in learner.model.named_parameters() if ".lora_" in n}
+
+
+def with_adapter(learner, values: dict, output: list[int]) -> list[float]:
+    """The learner's log-probs under earlier adapter `values` (restored after), written into the
+    shards (a forward leaves FSDP2 units gathered, their parameters then being compute copies)."""
+    reshard_units(learner.model)
+    params = dict(learner.model.named_parameters())
+    now = {n: params[n].detach().clone() for n in values}
+    with torch.no_grad():
+        for n, t in values.items():
+            params[n].copy_(t)
+        try:
+            return learner_logprobs(learner, output)
+        finally:
+            reshard_units(learner.model)
+            for n, t in now.items():
+                params[n].copy_(t)
+
+
+def test_a_lora_learner_pushes_adapters_from_disk(served: Served, learner, tmp_path: Path) -> None:
+    """The disk engine writes each version as a PEFT directory; vLLM loads it by path as
+    `agentrl-lora-v<v>` (`/v1/load_lora_adapter`), read back; the engine reads the version back
+    through a client that reads the newest served adapter's version."""
+    from agentrl.config import DiskSyncConfig
+    from agentrl.weight_sync.base import pushed_adapter
+
+    adapter = pushed_adapter(learner.cfg.lora, "adapter", learner.cfg.model_path)
+    engine = create(DiskSyncConfig(timeout_s=120), inference_config(), [served.url], run_dir=tmp_path,
+                    adapter=adapter)  # fmt: skip
+    engine.init()
+    try:
+        push_and_check(served, learner, engine, [1, 2, 3], seed=300)
+    finally:
+        engine.close()
+    assert set(run(_call(served.url, "served_adapters"))) >= {"agentrl-lora-v2", "agentrl-lora-v3"}
+
+
+def test_a_lora_learner_pushes_adapters_over_http(served: Served, learner) -> None:
+    """The broadcast engine sends a vLLM server the adapter's tensors over HTTP
+    (`load_lora_tensors`), not over the weight group; versions continue from the disk test's."""
+    from agentrl.weight_sync.base import pushed_adapter
+
+    adapter = pushed_adapter(learner.cfg.lora, "adapter", learner.cfg.model_path)
+    engine = create(BroadcastSyncConfig(backend="gloo", timeout_s=60), inference_config(), [served.url],
+                    adapter=adapter)  # fmt: skip
+    engine.init()
+    try:
+        push_and_check(served, learner, engine, [4, 5], seed=400)
+        assert engine.group is None and engine.last.broadcasts == 0  # no weight group: HTTP only
+    finally:
+        engine.close()
+
+
+def test_a_push_the_server_refuses_drops_it_and_claims_nothing(served: Served) -> None:
+    """An adapter push over HTTP that vLLM cannot take (rank 16 above its 8): the server is dropped
+    from the push with the reason, keeps serving what it served, and its version is unchanged."""
+    from safetensors.torch import load_file
+
+    from agentrl.weight_sync.base import AdapterSpec as Pushed
+    from agentrl.weight_sync.base import AdapterWeights
+
+    pairs = list(load_file(str(served.too_big / "adapter_model.safetensors")).items())
+    spec = Pushed(16, 16.0, tuple(TARGETS))
+    weights = AdapterWeights(adapter=lambda: iter(pairs), merged=lambda: iter(()), spec=spec)
+    engine = create(BroadcastSyncConfig(backend="gloo", timeout_s=60), inference_config(), [served.url],
+                    adapter=Pushed(8, 16.0, tuple(TARGETS)))  # fmt: skip
+    engine.init()
+    before = run(_call(served.url, "served_adapters"))
+    version = run(_call(served.url, "get_weight_version", lora="agentrl-lora"))
+    try:
+        stats = engine.push(weights, 99)
+    finally:
+        engine.close()
+    outcome = stats.outcomes[served.url]
+    assert not outcome.committed and stats.servers_updated == 0
+    assert "--max-lora-rank 8" in outcome.reason and outcome.version == version, outcome
+    assert run(_call(served.url, "served_adapters")) == before
+    assert run(_call(served.url, "generate", PROMPT, SAMPLING, lora="agentrl-lora")).weight_version == version
+
+
+def test_a_rank_the_server_cannot_load_is_refused_at_init(served: Served) -> None:
+    from agentrl.config import DiskSyncConfig
+    from agentrl.weight_sync.base import AdapterSpec as Pushed
+
+    engine = create(DiskSyncConfig(), inference_config(), [served.url], adapter=Pushed(16, 32.0, ("q_proj",)))
+    with pytest.raises(AdapterLimitError, match=r"rank 16 is above .*--max-lora-rank 8"):
+        engine.init()
 
 
 def test_the_merged_model_pushed_as_full_weights_serves_what_the_adapter_served(served: Served) -> None:
