@@ -492,12 +492,7 @@ class BroadcastEngine(WeightSyncEngine):
             pairs = [(name, tensor.detach()) for name, tensor in weights()]
             weights = functools.partial(iter, pairs)
             if _agree(self.rank == 0 and self._adapters_over_http()):
-                if self.rank == 0:
-                    self._push_over_http(pairs, adapter, version, stats)
-                    stats.seconds = time.perf_counter() - start
-                    self.last = stats
-                    self._report(stats, "over HTTP (adapter tensors)")
-                return stats
+                return self._adapter_push_over_http(pairs, adapter, version, stats, start)
         if self.rank == 0:
             self._over_http = False  # this push goes over the group: membership counts again
             self._start_push(stats)
@@ -529,6 +524,17 @@ class BroadcastEngine(WeightSyncEngine):
             self._report(stats, f"by broadcast in {attempt} attempt(s)")
         return stats
 
+    def _adapter_push_over_http(
+        self, pairs: list, adapter: AdapterSpec, version: int, stats: PushStats | None, start: float
+    ) -> PushStats | None:
+        """An adapter push that goes to every server over HTTP (rank 0 sends; the others return)."""
+        if self.rank == 0:
+            self._push_over_http(pairs, adapter, version, stats)
+            stats.seconds = time.perf_counter() - start
+            self.last = stats
+            self._report(stats, "over HTTP (adapter tensors)")
+        return stats
+
     def _adapters_over_http(self) -> bool:
         """Rank 0: whether this adapter push goes to the servers over HTTP (`load_lora_tensors`):
         every client takes it so and none over the group (vLLM's; one `inference.type` per run)."""
@@ -555,6 +561,12 @@ class BroadcastEngine(WeightSyncEngine):
         why.update({u: f"loading the adapter failed: {exc}" for u, exc in errors.items() if exc is not None})
         read = self._read_versions(loading, timeout)
         self._all("continue_generation", loading, timeout_s=timeout)
+        self._record_http_push(stats, version, targets, loading, why, read, tensors)
+
+    def _record_http_push(self, stats: PushStats, version: int, targets: list[str], loading: list[str],
+                          why: dict[str, str], read: dict, tensors: dict) -> None:  # fmt: skip
+        """One outcome per server of an adapter push over HTTP: committed where it read `version`
+        back, else dropped with its reason (and tried again in 5 s)."""
         for url in self.urls:
             seen = read.get(url)
             if url in loading and url not in why and seen == version:
