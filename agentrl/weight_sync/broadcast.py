@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from agentrl.inference.base import InferenceError
 from agentrl.inference.weight_group import WeightGroup, dtype_name, join_group
 from agentrl.log import get_logger
 from agentrl.net import free_port
@@ -426,9 +427,18 @@ class BroadcastEngine(WeightSyncEngine):
             keep = self.members = [u for u in self.members if u not in dead]
             self._build_group(keep)
 
-    async def _healthy(self, urls: list[str]) -> list[str]:
-        answers = await asyncio.gather(*(self.clients[u].alive() for u in urls))  # at once, not in turn
-        return [url for url, ok in zip(urls, answers, strict=True) if ok]
+    async def _healthy(self, urls: list[str], timeout_s: float) -> list[str]:
+        """Those of `urls` that answer within `timeout_s` (asked at once, not in turn): a stopped
+        server (SIGSTOP, a hung host) is not alive, however long its client would wait to connect."""
+
+        async def answers(url: str) -> bool:
+            try:
+                return bool(await asyncio.wait_for(self.clients[url].alive(), timeout_s))
+            except (TimeoutError, InferenceError):
+                return False
+
+        found = await asyncio.gather(*(answers(u) for u in urls))
+        return [url for url, ok in zip(urls, found, strict=True) if ok]
 
     # ------------------------------------------------------------------ push
 
@@ -589,7 +599,8 @@ class BroadcastEngine(WeightSyncEngine):
         """Rank 0, after an attempt failed on `failed` ({url: why}): abort it on every member,
         drop those that stopped answering (and, with `transactional: any`, those failing a second
         time), rebuild the group and open new sessions. True: redo the push with the members left."""
-        alive = self._bridge.run(self._healthy(list(failed)), timeout_s=self.config.timeout_s)
+        probe_s = self.config.timeout_s
+        alive = self._bridge.run(self._healthy(list(failed), probe_s), timeout_s=probe_s + 10)
         for url in failed:
             failures[url] = failures.get(url, 0) + 1
         dead = {u: f"stopped answering ({why})" for u, why in failed.items() if u not in alive}
