@@ -114,10 +114,15 @@ def test_ray_gives_each_learner_rank_its_own_gpu_and_a_rank_without_cuda_refuses
     assert out["returncode"] == 1, driver
     ranks, ids = zip(*out["gpu_ids"], strict=True)  # the driver's log: what Ray gave each rank's actor
     assert sorted(ranks) == ["0", "1"] and sorted(ids) == ["0", "1"], driver
-    refused = [out[name]["refused"] for name in ("learner", "learner-rank1")]
-    assert all(r is not None for r in refused), [out[n]["tail"] for n in ("learner", "learner-rank1")]
+    # the first rank to refuse ends the run, so the other may be stopped before it writes a line
+    # (seen on a loaded machine): every rank that wrote refused, and at least one did
+    names = ("learner", "learner-rank1")
+    started = [n for n in names if out[n]["tail"].strip()]
+    refused = [out[n]["refused"] for n in started]
+    assert refused and all(r is not None for r in refused), [out[n]["tail"] for n in names]
     assert {r[0] for r in refused} == {"cuda:0"} and {r[1] for r in refused} == {"0"}
-    assert sorted(r[2] for r in refused) == ["0", "1"]  # each rank sees only its own GPU
+    seen = [r[2] for r in refused]
+    assert len(set(seen)) == len(seen) and set(seen) <= {"0", "1"}  # each rank sees only its own GPU
     assert not out["learner"]["on_cpu"] and not out["learner-rank1"]["on_cpu"]
 
 
