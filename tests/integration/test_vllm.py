@@ -201,6 +201,20 @@ def test_truncated_sampling_reports_the_top_k_then_top_p_distribution(served: Se
     assert (served_lp - full).abs().max().item() > 1e-2  # a -log Z offset on every truncated step
 
 
+async def _running(url: str) -> None:
+    """Until vLLM reports a request running (`vllm:num_requests_running` on its /metrics)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(f"{url}/metrics") as response:
+                text = await response.text()
+            for line in text.splitlines():
+                if line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) > 0:
+                    return
+            await asyncio.sleep(0.02)
+
+
 def _in_flight(url: str, call, rid: str = "long-1"):
     """Start a 3000-token generation, run `call(client)` once it is decoding; (result, tokens)."""
 
@@ -208,7 +222,9 @@ def _in_flight(url: str, call, rid: str = "long-1"):
         async with VLLMClient(url, timeout_s=300) as client:
             params = {"max_new_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
             task = asyncio.create_task(client.generate(PROMPT, params, rid=rid))
-            await asyncio.sleep(1.5)
+            # interrupt as soon as vLLM runs it (its Prometheus gauge), not after a fixed sleep: on a
+            # quiet machine the tiny model finished all 3000 tokens before a 1.5 s sleep ran out
+            await asyncio.wait_for(_running(url), 60)
             assert not task.done(), "the long request finished before it could be interrupted"
             await call(client)
             return await asyncio.wait_for(task, 60)
