@@ -109,8 +109,12 @@ class HTTPServerClient(InferenceClient, WeightUpdateClient, AdapterClient):
         """The base model's weight version as the server reports it."""
 
     async def health(self) -> bool:
+        return await self._answers("/health")
+
+    async def _answers(self, path: str) -> bool:
+        """Whether `GET path` answers within the connect timeout (any error: no)."""
         try:
-            await self.http.request("GET", "/health", timeout_s=self.http.connect_timeout_s)
+            await self.http.request("GET", path, timeout_s=self.http.connect_timeout_s)
             return True
         except InferenceError:
             return False

@@ -194,11 +194,7 @@ class SGLangClient(HTTPServerClient):
         return await generate_with_adapter(self, self.lora, send)
 
     async def alive(self) -> bool:
-        try:
-            await self.http.request("GET", "/ping", timeout_s=self.http.connect_timeout_s)
-            return True
-        except InferenceError:
-            return False
+        return await self._answers("/ping")  # SGLang's /ping answers while generation is paused
 
     async def _server_version(self) -> int:
         return parse_weight_version((await self.get_model_info()).get("weight_version"))
