@@ -181,7 +181,7 @@ def test_shared_cores_slow_what_overlaps():
 
 
 def test_bench_plan_scenarios_name_env_and_mode():
-    from agentrl.bench.plan import Scenario, _scenario, scenario_names
+    from agentrl.bench.plan import Scenario, _colocated_replicas, _scenario, scenario_names
 
     assert _scenario("tail:k2") == Scenario("tail", 2, 1, False)
     assert _scenario("quick:k1r2") == Scenario("quick", 1, 2, False)
@@ -193,6 +193,7 @@ def test_bench_plan_scenarios_name_env_and_mode():
     default = scenario_names("quick,tail", "k0,k1,k2,k1r2,colo")
     assert len(default) == 10 and "quick:colo" in default and "tail:k1r2" in default
     assert scenario_names("quick,tail", "tail:colo,k0") == ["tail:colo", "quick:k0", "tail:k0"]
+    assert _colocated_replicas() == 2  # the colocated recipe's two ranks, one replica each (tg 1)
 
 
 def test_bench_plan_predicts_from_a_runs_own_shape():
