@@ -9,8 +9,8 @@ A `CostProfile` has one small model per component, each the shape the component'
 - the learner: `train_base_s + tokens / learner_tokens_per_s` per step (all learner ranks);
 - a weight push: `push_base_s + push_bytes / push_bytes_per_s`, servers paused throughout;
 - colocated only, per step: `reshard_s` (training layout → generation layout and back), the
-  learner's step at `colocated_tokens_per_s` when measured (the colocated learner's own ranks;
-  else `train_s`), and `colocated_loop_s`, the loop's own work between phases (sharing the groups
+  learner's step at `colocated_tokens_per_s` when measured (the colocated learner over its own
+  ranks, at the calibration run's step size, its fixed cost folded into the rate; else `train_s`), and `colocated_loop_s`, the loop's own work between phases (sharing the groups
   over ranks, advantages, logging);
 - on a CPU machine (`cores` > 0) the servers' steps and the learner's step share the cores: while
   more threads are busy than there are cores, each runs that much slower (processor sharing).
