@@ -23,7 +23,7 @@ BENCHMARKS = {
     "launch": "the Ray launcher vs the local one: seconds to the first step, episodes/s",
     "peer": "TRL GRPOTrainer vs agentrl colocated and decoupled (k=0, k=2) samples/s",
     "reshard": "HybridEngine reshard vs one raw all-gather and vs gather-then-slice",
-    "plan": "the planner's predicted samples/s vs measured runs (k = 0, 1, 2; two rollers)",
+    "plan": "the planner's predicted samples/s vs measured runs (quick and tail envs: k 0, 1, 2; two rollers; colocated)",
     "fanin": "one queue and router under hundreds to thousands of rollers: admissions, list updates, CPU",
 }
 

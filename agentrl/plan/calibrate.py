@@ -12,6 +12,16 @@
 - **learner**: the learner's own step (`learner.step`, FSDP2 on one rank, one thread) on synthetic
   groups of two sizes; `train_s = base + tokens / tokens_per_s` through both points.
 - **cores**: this machine's CPU count when no GPU is used (servers and learner then share it).
+- **colocated** (`--colocated CONFIG`, a `mode: colocated` recipe): a short real `agentrl run` of
+  that config on the model (`--colocated-steps` steps, no warm start), read from its
+  `learner.jsonl` after its first step (which warms the engines up): `reshard_s`, the median of
+  each step's logged `time/reshard_s` + `time/release_s` (training shards to generation buffers,
+  and the buffers and KV cache released); `colocated_tokens_per_s`, the median of the logged
+  `tokens_per_s` of the colocated learner (all its ranks, FSDP2 over them, at that run's step
+  size); `colocated_loop_s`, the median of each step's wall time (between consecutive records)
+  less its logged generation, reshard, release and training seconds: the loop's own work
+  (sharing groups across ranks, advantages and packing, logging). Generation itself is not read
+  from that run: the simulator predicts it from the server's step costs above.
 
 Each measurement is written into the profile's `source` beside the fitted numbers.
 """
@@ -26,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +126,64 @@ def _learner_points(model_dir: str, workdir: Path, steps: int) -> list[tuple[flo
     return points
 
 
-def calibrate(model_dir: str, workdir: Path, new_tokens: int = 16, repeats: int = 3) -> CostProfile:
+def calibrate_colocated(
+    model_dir: str, workdir: Path, config: Path, steps: int = 4, overrides: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The colocated costs (module docstring, **colocated**) from a short real run of `config`;
+    `overrides` are further `agentrl run` options (e.g. the groups per step the prediction is for).
+    Returns the profile's fields and their `source` lines."""
+    from agentrl.bench.common import stop_child
+    from agentrl.log import read_metrics
+
+    if steps < 3:
+        raise ValueError("the colocated calibration needs at least 3 steps (the first is a warm-up)")
+    if not Path(config).is_file():
+        raise FileNotFoundError(f"colocated config {config} not found")
+    run_dir = workdir / "colocated"
+    args = [sys.executable, "-m", "agentrl", "run", "--config", str(config), f"--run_dir={run_dir}",
+            f"--learner.model_path={model_dir}", f"--learner.max_steps={steps}", "--learner.warmstart.steps=0",
+            *overrides]  # fmt: skip
+    # its own session, stopped with time to stop its ranks if we are interrupted (as the benches do)
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        stop_child(proc, 120)
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"colocated calibration run failed:\n{out[-3000:]}{err[-3000:]}")
+    records = read_metrics(run_dir / "learner.jsonl")
+    if len(records) < 3 or "time/reshard_s" not in records[-1]:
+        raise RuntimeError(f"{run_dir / 'learner.jsonl'}: {len(records)} colocated step records, 3 needed")
+    timed = list(pairwise(records[1:]))  # (previous, this): the step's wall time
+    phases = ("time/generation_s", "time/reshard_s", "time/release_s", "time/train_s")
+    reshard = statistics.median(r["time/reshard_s"] + r["time/release_s"] for r in records[1:])
+    rate = statistics.median(r["tokens_per_s"] for r in records[1:])
+    loop = statistics.median(
+        max(0.0, (r["time"] - prev["time"]) - sum(r[k] for k in phases)) for prev, r in timed
+    )
+    return {
+        "reshard_s": reshard,
+        "colocated_tokens_per_s": rate,
+        "colocated_loop_s": loop,
+        "source": {
+            "colocated": f"{config} {' '.join(overrides)}, {steps} steps; after the first: reshard + "
+            f"release {reshard:.3f} s, learner {rate:.0f} tokens/s, loop {loop:.3f} s (medians)",
+        },
+    }
+
+
+def calibrate(
+    model_dir: str,
+    workdir: Path,
+    new_tokens: int = 16,
+    repeats: int = 3,
+    colocated: dict[str, Any] | None = None,
+) -> CostProfile:
+    """The profile's components, measured; with `colocated` (the keyword arguments of
+    `calibrate_colocated` but `model_dir` and `workdir`) the colocated costs too."""
     from agentrl.net import free_port, wait_healthy
 
     port = free_port()
@@ -141,7 +209,8 @@ def calibrate(model_dir: str, workdir: Path, new_tokens: int = 16, repeats: int 
     d_base, d_seq, d_ctx = _fit(decode, 2)
     p_base, p_tok = _fit(prefill, 1)
     gpu = torch.cuda.is_available()
-    return CostProfile(
+    colo = calibrate_colocated(model_dir, workdir, **colocated) if colocated else {"source": {}}
+    profile = CostProfile(
         decode_base_s=d_base,
         decode_per_seq_s=d_seq,
         decode_per_ctx_token_s=d_ctx,
@@ -162,8 +231,12 @@ def calibrate(model_dir: str, workdir: Path, new_tokens: int = 16, repeats: int 
             "prefill_points": str([(n, round(t, 5)) for n, t in prefill]),
             "learner_points": str([(round(n), round(t, 4)) for n, t in learner]),
             "push": f"{push_bytes / 1e6:.1f} MB in {push_s:.3f} s (median of {repeats})",
+            **colo.pop("source"),
         },
     )
+    for key, value in colo.items():
+        setattr(profile, key, value)
+    return profile
 
 
 def main(args: list[str]) -> int:
@@ -172,11 +245,17 @@ def main(args: list[str]) -> int:
     p.add_argument("--out", type=Path, default=Path("profile.json"))
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--colocated", type=Path, help="a `mode: colocated` config: also measure its reshard, "
+                   "learner and loop costs in a short real run of it")  # fmt: skip
+    p.add_argument("--colocated-steps", type=int, default=4)
     opts = p.parse_args(args)
     if opts.new_tokens < 2:
         p.error("--new-tokens must be at least 2 (a step is the difference over the extra tokens)")
+    if opts.colocated_steps < 3:
+        p.error("--colocated-steps must be at least 3 (the first is a warm-up, then two step intervals)")
     with tempfile.TemporaryDirectory(prefix="agentrl-calibrate-") as tmp:
-        profile = calibrate(opts.model, Path(tmp), opts.new_tokens, opts.repeats)
+        colocated = {"config": opts.colocated, "steps": opts.colocated_steps} if opts.colocated else None
+        profile = calibrate(opts.model, Path(tmp), opts.new_tokens, opts.repeats, colocated)
     profile.save(opts.out)
     for key, value in profile.source.items():
         print(f"{key}: {value}")

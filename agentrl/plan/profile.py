@@ -8,7 +8,10 @@ A `CostProfile` has one small model per component, each the shape the component'
 - a prefill: `prefill_base_s + prefill_per_token_s × tokens`, added to the step it joins;
 - the learner: `train_base_s + tokens / learner_tokens_per_s` per step (all learner ranks);
 - a weight push: `push_base_s + push_bytes / push_bytes_per_s`, servers paused throughout;
-- colocated only: `reshard_s` per step (training layout → generation layout and back);
+- colocated only, per step: `reshard_s` (training layout → generation layout and back), the
+  learner's step at `colocated_tokens_per_s` when measured (the colocated learner over its own
+  ranks, at the calibration run's step size, its fixed cost folded into the rate; else `train_s`), and `colocated_loop_s`, the loop's own work between phases (sharing the groups
+  over ranks, advantages, logging);
 - on a CPU machine (`cores` > 0) the servers' steps and the learner's step share the cores: while
   more threads are busy than there are cores, each runs that much slower (processor sharing).
 
@@ -36,6 +39,8 @@ class CostProfile:
     push_bytes: float
     push_bytes_per_s: float
     reshard_s: float = 0.0
+    colocated_tokens_per_s: float = 0.0  # the colocated learner's tokens/s (0: use train_s)
+    colocated_loop_s: float = 0.0
     max_batch: int = 256  # sequences a server decodes at once (KV-cache bound)
     turn_overhead_s: float = 0.0  # roller-side cost of one model turn (render, parse, HTTP)
     cores: int = 0  # CPU cores servers and learner share (a CPU machine); 0: each has its own device
@@ -50,6 +55,11 @@ class CostProfile:
 
     def train_s(self, tokens: float) -> float:
         return self.train_base_s + tokens / self.learner_tokens_per_s
+
+    def colocated_train_s(self, tokens: float) -> float:
+        if self.colocated_tokens_per_s > 0:
+            return tokens / self.colocated_tokens_per_s
+        return self.train_s(tokens)
 
     def push_s(self) -> float:
         return self.push_base_s + self.push_bytes / self.push_bytes_per_s

@@ -18,7 +18,8 @@ What it models, each as agentrl does it:
   (`train_s` of their tokens), then pushes: every server pauses (finishing its current step) for
   `push_s`, then the version moves on. Decoupled: generation continues while the learner trains.
 - **Colocated**: the same devices alternate: generate one step's groups at the current version
-  (no staleness), reshard, train, reshard back.
+  (no staleness), reshard, train (`colocated_train_s`), reshard back, plus the loop's own
+  `colocated_loop_s`.
 
 `simulate` returns trained samples/s over a steady window (after `warmup_steps`), like
 `bench.common.steady_rate` measures a real run.
@@ -386,7 +387,11 @@ class _Sim:
     def colocated_train(self) -> None:
         batch = [self.finished.popleft() for _ in range(self.w.groups_per_step)]
         self.staleness.extend(0 for _ in batch)
-        busy = self.p.reshard_s + self.p.train_s(sum(x.tokens for x in batch))
+        busy = (
+            self.p.reshard_s
+            + self.p.colocated_loop_s
+            + self.p.colocated_train_s(sum(x.tokens for x in batch))
+        )
         self.learner_busy_s += busy
 
         def trained() -> None:

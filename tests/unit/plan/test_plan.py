@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -178,16 +180,101 @@ def test_shared_cores_slow_what_overlaps():
     assert many == pytest.approx(free, rel=1e-9)
 
 
+def test_bench_plan_scenarios_name_env_and_mode():
+    from agentrl.bench.plan import Scenario, _colocated_replicas, _scenario, scenario_names
+
+    assert _scenario("tail:k2") == Scenario("tail", 2, 1, False)
+    assert _scenario("quick:k1r2") == Scenario("quick", 1, 2, False)
+    assert _scenario("quick:colo") == Scenario("quick", 0, 1, True)
+    for bad in ("k1", "x:k1", "tail:x1", "tail:k1r0", "tail:k", "tail:colocated"):
+        with pytest.raises(ValueError, match="scenario"):
+            _scenario(bad)
+    # the default matrix: both envs × k 0, 1, 2, two rollers, colocated
+    default = scenario_names("quick,tail", "k0,k1,k2,k1r2,colo")
+    assert len(default) == 10 and "quick:colo" in default and "tail:k1r2" in default
+    assert scenario_names("quick,tail", "tail:colo,k0") == ["tail:colo", "quick:k0", "tail:k0"]
+    assert _colocated_replicas() == 2  # the colocated recipe's two ranks, one replica each (tg 1)
+
+
 def test_bench_plan_predicts_from_a_runs_own_shape():
     from types import SimpleNamespace
 
-    from agentrl.bench.plan import _predict, _scenario
+    from agentrl.bench.plan import _predict
 
-    assert _scenario("k2") == (2, 1) and _scenario("k1r2") == (1, 2)
-    with pytest.raises(ValueError):
-        _scenario("x1")
     opts = SimpleNamespace(latency_s=0.3, groups_per_step=4, concurrency=32, warmup_steps=2, steps=4)
-    measured = {"k": 1, "rollers": 1, "shape": {"len": 120.0, "generated": 30.0, "turns": 2.0}}
-    slow = _predict(measured, profile(), opts)
-    fast = _predict({**measured, "k": 2}, profile(), opts)
+    measured = {"shape": {"len": 120.0, "generated": 30.0, "turns": 2.0}, "replicas": 0}
+    slow = _predict("tail:k1", measured, profile(), opts)
+    fast = _predict("tail:k2", measured, profile(), opts)
     assert 0 < slow < fast
+    # the quickstart's tool answers at once: the same shape runs faster than behind the slow tool
+    assert _predict("quick:k1", measured, profile(), opts) > slow
+
+
+def test_bench_plan_colocated_prediction_uses_the_colocated_costs():
+    """The colocated scenario is simulated as colocated: its measured reshard, learner rate and loop
+    cost each lengthen the predicted step; the measured run's replicas are its servers."""
+    from types import SimpleNamespace
+
+    from agentrl.bench.plan import _predict, report
+
+    opts = SimpleNamespace(latency_s=0.3, groups_per_step=4, concurrency=32, warmup_steps=2, steps=4)
+    measured = {"shape": {"len": 60.0, "generated": 24.0, "turns": 1.0}, "replicas": 2, "samples_per_s": 4.0}
+    base = profile(reshard_s=0.0, colocated_tokens_per_s=2000.0)
+    fast = _predict("quick:colo", measured, base, opts)
+    assert fast > _predict(
+        "quick:colo", measured, profile(reshard_s=0.5, colocated_tokens_per_s=2000.0), opts
+    )
+    assert fast > _predict("quick:colo", measured, profile(colocated_tokens_per_s=500.0, reshard_s=0.0), opts)
+    assert fast > _predict("quick:colo", measured, profile(reshard_s=0.0, colocated_tokens_per_s=2000.0,
+                                                           colocated_loop_s=0.3), opts)  # fmt: skip
+    # one replica generates slower than two
+    assert fast > _predict("quick:colo", {**measured, "replicas": 1}, base, opts)
+    metrics, ratios = report(["quick:colo"], {"quick:colo": measured}, {"quick:colo": fast}, base)
+    assert metrics["quick:colo"]["measured"]["samples_per_s"] == 4.0
+    assert metrics["quick:colo"]["predicted_samples_per_s"] == fast
+    assert ratios == {"quick:colo_predicted_vs_measured": fast / 4.0}
+    assert metrics["profile"]["colocated_tokens_per_s"] == 2000.0
+
+
+def test_colocated_calibration_reads_a_runs_phases(tmp_path, monkeypatch):
+    """`calibrate_colocated` reads reshard + release, the learner's tokens/s and the loop's remainder
+    from the run's learner.jsonl, after its first step. (The run itself is replaced by one that
+    writes the records a colocated run logs, agentrl/colocated/loop.py's keys.)"""
+    import json
+    import subprocess
+
+    from agentrl.plan import calibrate as cal
+
+    config = tmp_path / "colo.yaml"
+    config.write_text("mode: colocated\n")
+    steps = [  # (time, generation, reshard, release, train, tokens/s); the first is a warm-up
+        (100.0, 5.0, 2.0, 0.1, 9.0, 100.0),
+        (103.0, 1.0, 0.2, 0.1, 1.5, 1000.0),
+        (106.2, 1.1, 0.3, 0.1, 1.5, 1200.0),
+        (109.2, 1.0, 0.2, 0.1, 1.5, 1100.0),
+    ]
+
+    class FakeRun:
+        def __init__(self, args, **_):
+            run_dir = Path(next(a for a in args if a.startswith("--run_dir=")).split("=", 1)[1])
+            run_dir.mkdir(parents=True)
+            with open(run_dir / "learner.jsonl", "w") as f:
+                for i, (t, g, r, rel, tr, rate) in enumerate(steps, 1):
+                    f.write(json.dumps({"step": i, "time": t, "time/generation_s": g, "time/reshard_s": r,
+                                        "time/release_s": rel, "time/train_s": tr, "tokens_per_s": rate}) + "\n")  # fmt: skip
+            self.returncode = 0
+
+        def communicate(self):
+            return "", ""
+
+    monkeypatch.setattr(subprocess, "Popen", FakeRun)
+    out = cal.calibrate_colocated("model", tmp_path, config, steps=4)
+    assert out["reshard_s"] == pytest.approx(0.3)  # median of 0.3, 0.4, 0.3
+    assert out["colocated_tokens_per_s"] == pytest.approx(1100.0)
+    # step 3: 3.2 - (1.1 + 0.3 + 0.1 + 1.5) = 0.2; step 4: 3.0 - 2.8 = 0.2
+    assert out["colocated_loop_s"] == pytest.approx(0.2)
+    assert "colocated" in out["source"]
+    with pytest.raises(ValueError, match="3 steps"):
+        cal.calibrate_colocated("model", tmp_path, config, steps=2)
+    with pytest.raises(FileNotFoundError):
+        cal.calibrate_colocated("model", tmp_path, tmp_path / "missing.yaml")
