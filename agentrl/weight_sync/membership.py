@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentrl.inference.base import InferenceError
+from agentrl.inference.base import DistributedWeightUpdateClient, InferenceError
 from agentrl.inference.weight_group import WeightGroup, join_group
 from agentrl.log import get_logger
 from agentrl.net import free_port
@@ -43,7 +43,11 @@ logger = get_logger(__name__)
 
 class GroupMembership(WeightSyncEngine):
     """Rank 0's weight group and its members, dropped servers and rejoin backoff; the push itself
-    is `BroadcastEngine`'s."""
+    is `BroadcastEngine`'s. Every server's client must join a weight group
+    (`DistributedWeightUpdateClient`): `init` refuses one that does not, naming the disk engine."""
+
+    client_interface = DistributedWeightUpdateClient
+    clients: dict[str, DistributedWeightUpdateClient]
 
     def __init__(
         self,
@@ -74,6 +78,14 @@ class GroupMembership(WeightSyncEngine):
         self._why: dict[str, str] = {}
         self._dead: set[str] = set()
         self._over_http = False  # adapters go to the servers over HTTP: group membership does not matter
+
+    def _refusal(self, url: str, client: object) -> str:
+        return (
+            f"weight_sync.type: broadcast cannot update server {url}: its client {type(client).__name__} "
+            f"(inference.type: {self.inference.type}) joins no weight group (it is not a "
+            f"DistributedWeightUpdateClient); set weight_sync.type: disk, which loads weights from a "
+            "directory every server can read"
+        )
 
     def _build_group(self, urls: list[str], again: bool = True) -> None:
         """(Re)create the group with `urls`; servers that fail to join are dropped. Never raises: a
