@@ -104,7 +104,7 @@ class RawBroadcast:
     def __init__(self, model: torch.nn.Module, bucket_bytes: int, rounds: int) -> None:
         from agentrl.inference.weight_group import join_group
         from agentrl.net import free_port
-        from agentrl.weight_sync.broadcast import iter_buckets
+        from agentrl.weight_sync.buckets import iter_buckets
 
         with torch.no_grad():
             self.buffers = [

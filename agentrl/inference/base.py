@@ -1,8 +1,9 @@
-"""The two client interfaces over SGLang, vLLM and the embedded server, and their result type.
+"""The client interfaces over SGLang, vLLM and the embedded server, and their result type.
 
-Rollers generate through `InferenceClient`, weight sync drives each server through
-`WeightUpdateClient`; `agentrl/inference/registry.py` builds both for the backend
-`InferenceConfig.type` names. Every
+Rollers generate through `InferenceClient`; weight sync drives each server through
+`WeightUpdateClient` (what the disk engine needs), or `DistributedWeightUpdateClient` (that plus
+the weight group and its sessions, what the broadcast engine needs);
+`agentrl/inference/registry.py` builds them for the backend `InferenceConfig.type` names. Every
 implementation returns the same `GenerateResult`: token ids exactly as sampled, the
 behaviour log-prob of each, why generation stopped, and the weight version that produced
 them. Errors fall into three kinds the router acts on: `BadRequestError` (the request is
@@ -129,22 +130,16 @@ class InferenceClient(abc.ABC):
 
 
 class WeightUpdateClient(abc.ABC):
-    """Weight-update control of one inference server: what the weight-sync engines use.
+    """Weight-update control of one inference server that every weight-sync engine uses: liveness,
+    the version read back, pause / continue, a load from disk, close.
 
     A separate interface from `InferenceClient` because servers differ here (SGLang's
-    begin/update/end session, vLLM's transfer engine, the embedded server). A broadcast push
-    is `pause_generation`, `begin_weight_update`, one `update_weights_from_distributed` per
-    bucket, `end_weight_update` (the commit), `continue_generation`, and a push that fails midway
-    ends with `abort_weight_update` instead; a disk push replaces the session by
-    `update_weights_from_disk`."""
+    begin/update/end session, vLLM's worker extension, the embedded server). A disk push (the disk
+    engine, `weight_sync/disk.py`) is `pause_generation`, `update_weights_from_disk`,
+    `continue_generation`, then `get_weight_version` to read the version back. A server that can
+    also join a weight group implements `DistributedWeightUpdateClient` as well."""
 
     url: str = ""
-    flattened_buckets: bool = False
-    """True when the server takes a bucket as one flat uint8 broadcast (`flattened=True`)."""
-    stages_updates: bool = False
-    """True when the server stages the buckets and applies them only at `end_weight_update`, so
-    an aborted push leaves it whole on its previous weights and version; False when each bucket
-    is loaded as it arrives (SGLang), so an aborted push may leave a mix."""
 
     @abc.abstractmethod
     async def alive(self) -> bool:
@@ -153,6 +148,38 @@ class WeightUpdateClient(abc.ABC):
     @abc.abstractmethod
     async def get_weight_version(self) -> int:
         """The weight version the server generates with now."""
+
+    @abc.abstractmethod
+    async def pause_generation(self) -> None:
+        """Abort in-flight requests (they return finish_reason "abort") and hold new ones."""
+
+    @abc.abstractmethod
+    async def continue_generation(self) -> None:
+        """Resume after `pause_generation`."""
+
+    @abc.abstractmethod
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
+        """Load a checkpoint directory written by the learner."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections."""
+
+
+class DistributedWeightUpdateClient(WeightUpdateClient):
+    """A `WeightUpdateClient` whose server joins a weight group and takes broadcast buckets in a
+    session: what the broadcast engine (`weight_sync/broadcast.py`) needs of every server.
+
+    A broadcast push is `pause_generation`, `begin_weight_update`, one
+    `update_weights_from_distributed` per bucket, `end_weight_update` (the commit),
+    `continue_generation`; a push that fails midway ends with `abort_weight_update` instead."""
+
+    flattened_buckets: bool = False
+    """True when the server takes a bucket as one flat uint8 broadcast (`flattened=True`)."""
+    stages_updates: bool = False
+    """True when the server stages the buckets and applies them only at `end_weight_update`, so
+    an aborted push leaves it whole on its previous weights and version; False when each bucket
+    is loaded as it arrives (SGLang), so an aborted push may leave a mix."""
 
     @abc.abstractmethod
     async def init_weights_update_group(
@@ -169,14 +196,6 @@ class WeightUpdateClient(abc.ABC):
     @abc.abstractmethod
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         """Leave the weight-update group."""
-
-    @abc.abstractmethod
-    async def pause_generation(self) -> None:
-        """Abort in-flight requests (they return finish_reason "abort") and hold new ones."""
-
-    @abc.abstractmethod
-    async def continue_generation(self) -> None:
-        """Resume after `pause_generation`."""
 
     @abc.abstractmethod
     async def begin_weight_update(self) -> None:
@@ -205,11 +224,3 @@ class WeightUpdateClient(abc.ABC):
     async def abort_weight_update(self) -> None:
         """Close the session without committing: a staging server drops what it staged and keeps
         its weights and version; one that loads per bucket keeps what it loaded."""
-
-    @abc.abstractmethod
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> None:
-        """Load a checkpoint directory written by the learner."""
-
-    @abc.abstractmethod
-    async def close(self) -> None:
-        """Release connections."""

@@ -89,7 +89,8 @@ class HTTPClient:
 
 class HTTPServerClient(InferenceClient, WeightUpdateClient, AdapterClient):
     """One inference server over HTTP, filling the generation, weight-update and adapter
-    interfaces; a backend adds its routes and `_server_version`."""
+    interfaces; a backend adds its routes and `_server_version` (and, where its server joins a
+    weight group, `DistributedWeightUpdateClient`'s methods: SGLang's and vLLM's clients)."""
 
     def __init__(
         self,

@@ -33,6 +33,7 @@ from typing import Any
 
 from agentrl.inference.base import (
     BadRequestError,
+    DistributedWeightUpdateClient,
     GenerateResult,
     InferenceError,
     ServerError,
@@ -90,9 +91,10 @@ def _routed_experts(meta: dict[str, Any], prompt_tokens: int, output_tokens: int
     return flat.reshape(rows, -1)
 
 
-class SGLangClient(HTTPServerClient):
-    """SGLang native API: generation (`/generate` with `input_ids`), weight-update control and
-    LoRA adapters, one HTTP API, so one class fills the three interfaces."""
+class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
+    """SGLang native API: generation (`/generate` with `input_ids`), weight-update control (disk
+    loads and the weight group's sessions) and LoRA adapters, one HTTP API, so one class fills
+    the generation, distributed weight-update and adapter interfaces."""
 
     # with `lora` (`HTTPServerClient`), requests name the adapter's newest served version in `lora_path`
     has_session: bool | None = None

@@ -9,9 +9,11 @@
 e.g. `functools.partial(learner.fsdp.iter_full_tensors, model)` or `model.named_parameters`,
 so any training backend can feed any engine. `push` is called on every learner rank because
 gathering full tensors from an FSDP2 model is a collective; only rank 0 talks to the servers.
-Servers are driven through their weight-update clients (`agentrl.inference.base.
-WeightUpdateClient`), so the embedded server, SGLang and vLLM are updated through the same
-engine. The learner loop is synchronous; the engine runs the
+Servers are driven through their weight-update clients, each engine through the interface it
+needs (`client_interface`): the disk engine through `agentrl.inference.base.WeightUpdateClient`,
+the broadcast engine through `DistributedWeightUpdateClient` (the weight group and its sessions);
+`init` refuses a server whose client lacks it. The embedded server, SGLang and vLLM implement both,
+so each is updated through either engine. The learner loop is synchronous; the engine runs the
 clients' HTTP calls on its own event-loop thread (`AsyncBridge`).
 """
 
@@ -25,13 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from agentrl.inference.base import WeightUpdateClient
 from agentrl.log import get_logger
 
 if TYPE_CHECKING:
     import torch
 
     from agentrl.config import InferenceConfig
-    from agentrl.inference.base import WeightUpdateClient
 
 logger = get_logger(__name__)
 
@@ -256,7 +258,11 @@ class PushStats:
 
 
 class WeightSyncEngine(abc.ABC):
-    """Base of the engines; subclasses implement `_init_servers` and `_push`."""
+    """Base of the engines; subclasses implement `_init_servers` and `push`."""
+
+    client_interface: type[WeightUpdateClient] = WeightUpdateClient
+    """The client interface the engine drives every server through (`agentrl/inference/base.py`);
+    a server whose client does not implement it is refused (`_refusal`)."""
 
     def __init__(
         self,
@@ -294,15 +300,30 @@ class WeightSyncEngine(abc.ABC):
         cannot load the adapter: before anything trains."""
         if self.rank == 0:
             self._bridge = AsyncBridge()
-            self.clients = {url: self._client(url) for url in self.urls}
+            try:
+                self.clients = {url: self._client(url) for url in self.urls}
+            except BaseException:
+                self.close()
+                raise
             if self.adapter is not None:
                 self._check_adapter()
             self._init_servers()
 
     def _client(self, url: str) -> WeightUpdateClient:
+        """The weight-update client of `url`; `TypeError` (`_refusal`) if it lacks `client_interface`."""
         from agentrl.inference.registry import adapter_base, create_weight_updater
 
-        return create_weight_updater(self.inference, url, lora=adapter_base(self.inference, self.adapter))
+        client = create_weight_updater(self.inference, url, lora=adapter_base(self.inference, self.adapter))
+        if not isinstance(client, self.client_interface):
+            raise TypeError(self._refusal(url, client))
+        return client
+
+    def _refusal(self, url: str, client: object) -> str:
+        """Why the server at `url` cannot be pushed to by this engine through `client`."""
+        return (
+            f"server {url}: its client {type(client).__name__} (inference.type: {self.inference.type}) "
+            f"does not implement {self.client_interface.__name__}, which {type(self).__name__} needs"
+        )
 
     def _check_adapter(self) -> None:
         """`check_servers` on the answering servers whose clients read LoRA limits (vLLM, SGLang; the

@@ -2,7 +2,11 @@
 
 Group: learner rank 0 (rank 0, hosts the rendezvous) plus every worker of every inference
 server (engine i at `rank_offset = 1 + i × workers_per_server`, as SGLang numbers them),
-separate from the training group; NCCL on GPUs, gloo on CPU.
+separate from the training group; NCCL on GPUs, gloo on CPU. The engine is in four modules:
+this one (the push), `membership.py` (`GroupMembership`: the group, its members, drops and
+rejoins), `adapter_http.py` (`AdapterOverHTTP`: adapter pushes over HTTP) and `buckets.py`
+(bucketing, the gather thread, phase timing). It needs clients that join a weight group
+(`DistributedWeightUpdateClient`); `init` refuses others, naming the disk engine.
 
 A push, on rank 0 (other learner ranks only join the FSDP gathers):
 1. pause generation on every server (in-flight requests come back aborted; rollers resume)
@@ -33,7 +37,7 @@ server rejoins at a later push once it answers its liveness check (`alive`) agai
 A LoRA adapter push (`lora_mode: adapter`) is gathered once on every rank; to the embedded server
 it streams as above in an adapter session; to vLLM, whose clients take adapters over HTTP
 (`load_lora_tensors`), it goes by HTTP instead, each server paused, loaded, read back and resumed
-(`_push_over_http`), and an engine built with the adapter for vLLM builds no group.
+(`adapter_http.py`), and an engine built with the adapter for vLLM builds no group.
 
 Servers are probed in the background (`watch.ServerWatch`: health and weight version, each
 probe bounded), so no push waits on a dead or silent server. Before each push, members
@@ -41,40 +45,32 @@ probed down leave the group, and servers back up — dropped ones that answer ag
 restarted on the same address (their version is not the last pushed) — join it. `behind(v)`
 names the servers up but not at `v`; the learner loop asks it while it waits for data and
 pushes the current weights at once (`push(model, v)` again), so a restarted server does not
-wait for the next trained step. A server whose rejoin fails is retried with backoff. Group
-names carry a per-process tag, so a learner that restarts never collides with the names a
-surviving server still holds from its predecessor.
+wait for the next trained step. A server whose rejoin fails is retried with backoff
+(`membership.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import queue
-import secrets
-import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from agentrl.inference.base import InferenceError
-from agentrl.inference.weight_group import WeightGroup, dtype_name, join_group
+from agentrl.inference.weight_group import dtype_name
 from agentrl.log import get_logger
-from agentrl.net import free_port
+from agentrl.weight_sync.adapter_http import AdapterOverHTTP
 from agentrl.weight_sync.base import (
     AdapterSpec,
     Outcome,
     PushStats,
     WeightSource,
-    WeightSyncEngine,
     loads_adapters,
     no_adapters,
     resolve,
 )
+from agentrl.weight_sync.buckets import Bucket, Phase, agree, iter_buckets, prefetch, timed_iter
 from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
@@ -85,91 +81,10 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-@dataclass
-class Bucket:
-    names: list[str] = field(default_factory=list)
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    nbytes: int = 0
-    last: bool = False
-    """The last bucket of the stream (known at no cost: the tensors ran out)."""
+class BroadcastEngine(AdapterOverHTTP):
+    """The push over the weight group (`GroupMembership` keeps the group and its members;
+    `AdapterOverHTTP` the adapter path to servers that take adapters over HTTP)."""
 
-
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group tensors into buckets of about `bucket_bytes`; a larger tensor travels alone."""
-    bucket = Bucket()
-    for name, tensor in named_tensors:
-        size = tensor.numel() * tensor.element_size()
-        if bucket.tensors and bucket.nbytes + size > bucket_bytes:
-            yield bucket
-            bucket = Bucket()
-        bucket.names.append(name)
-        bucket.tensors.append(tensor.contiguous())
-        bucket.nbytes += size
-    if bucket.tensors:
-        bucket.last = True
-        yield bucket
-
-
-def _prefetch(buckets: Iterator[Bucket], depth: int = 1) -> Iterator[Bucket]:
-    """Run `buckets` on a thread, at most `depth` buckets ahead of the consumer."""
-    box: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
-
-    def produce() -> None:
-        try:
-            for bucket in buckets:
-                box.put(bucket)
-        except BaseException as exc:  # surface gather errors in the consumer
-            box.put(exc)
-        box.put(done)
-
-    thread = threading.Thread(target=produce, name="weight-sync-gather", daemon=True)
-    thread.start()
-    while (item := box.get()) is not done:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-    thread.join()
-
-
-def _timed_iter(items: Iterator[Bucket], stats: PushStats | None, phase: str) -> Iterator[Bucket]:
-    """`items`, adding the time spent waiting for each to `stats.phases[phase]` (when stats)."""
-    while True:
-        start = time.perf_counter()
-        item = next(items, None)
-        if stats is not None:
-            stats.add_phase(phase, time.perf_counter() - start)
-        if item is None:
-            return
-        yield item
-
-
-class _Phase:
-    """Adds the seconds of a `with` block to `stats.phases[name]` (nothing when stats is None)."""
-
-    def __init__(self, stats: PushStats | None, name: str) -> None:
-        self.stats, self.name = stats, name
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.stats is not None:
-            self.stats.add_phase(self.name, time.perf_counter() - self.start)
-
-
-def _agree(value: bool) -> bool:
-    """Rank 0's decision, shared with every learner rank (no-op without a training group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    flag = torch.tensor([int(value)])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.broadcast(flag, 0)
-    return bool(flag.item())
-
-
-class BroadcastEngine(WeightSyncEngine):
     def __init__(
         self,
         config: BroadcastSyncConfig,
@@ -179,34 +94,16 @@ class BroadcastEngine(WeightSyncEngine):
         servers_file: str | Path | None = None,
         adapter: AdapterSpec | None = None,
     ) -> None:
-        super().__init__(urls, inference, rank, servers_file, adapter)
-        self.config = config
-        self.backend = (
-            config.backend if config.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-        )
-        self.members: list[str] = []  # servers in the current group
-        self.dropped: list[str] = []
-        self.group: WeightGroup | None = None
-        self._generation = 0
-        self._tag = secrets.token_hex(3)  # group names unique to this learner process
-        self.watch: ServerWatch | None = None
-        self._pushed_version: int | None = None
-        self._pushed_at = 0.0  # time.monotonic() at the end of the last push
-        self._attempts: dict[str, int] = {}  # rejoin attempts in a row, per server
-        self._retry_at: dict[str, float] = {}
-        self._stale_group: str | None = None  # a group our end closed mid-push, still held by the servers
-        # one push's record (rank 0): why servers were dropped, which stopped answering, which got a
-        # bucket, and why the whole push was given up (`transactional: all`), if it was
-        self._why: dict[str, str] = {}
-        self._dead: set[str] = set()
+        super().__init__(config, urls, inference, rank, servers_file, adapter)
+        # one push's record (rank 0), beside the drops `GroupMembership` records: which servers got
+        # a bucket, and why the whole push was given up (`transactional: all`), if it was
         self._touched: set[str] = set()
         self._gave_up = ""
         self._adapter: dict | None = None  # an adapter push's config (its sessions open with it)
-        self._over_http = False  # adapters go to the servers over HTTP: group membership does not matter
         self._given_up = 0  # pushes given up in a row (`transactional: all`), for the catch-up backoff
         self._given_up_until = 0.0
 
-    # ------------------------------------------------------------------ group set-up
+    # ------------------------------------------------------------------ set-up
 
     def _init_servers(self) -> None:
         """Probe every server first and invite only those that answer: one that is down, or accepts
@@ -228,101 +125,6 @@ class BroadcastEngine(WeightSyncEngine):
         self._build_group([u for u in self.urls if u not in self.dropped])
         self.watch.start()
 
-    def _build_group(self, urls: list[str], again: bool = True) -> None:
-        """(Re)create the group with `urls`; servers that fail to join are dropped. Never raises: a
-        set-up that fails twice with no server to blame drops them all (they rejoin later)."""
-        self._leave_group()
-        self._generation += 1
-        name = f"agentrl_weights_{self._tag}_{self._generation}"
-        port = self.config.master_port or free_port(self.config.master_address)
-        if self.config.master_port and self._generation > 1:
-            port = free_port(self.config.master_address)  # the fixed port may still be held
-        world = 1 + len(urls) * self.config.workers_per_server
-        futures = {
-            url: self._bridge.submit(
-                asyncio.wait_for(
-                    self.clients[url].init_weights_update_group(
-                        self.config.master_address,
-                        port,
-                        1 + i * self.config.workers_per_server,
-                        world,
-                        name,
-                        self.backend,
-                    ),
-                    2 * self.config.timeout_s,
-                )
-            )
-            for i, url in enumerate(urls)
-        }
-        try:
-            group = join_group(
-                self.config.master_address,
-                port,
-                0,
-                world,
-                name,
-                self.backend,
-                self.config.timeout_s,
-            )
-        except Exception as exc:
-            # a server that already answered with an error held the rendezvous up; the others' joins
-            # fail only because ours gave up: they are not blamed (nor waited for)
-            early = [u for u, f in futures.items() if f.done() and f.exception() is not None]
-            for url, future in futures.items():
-                if url not in early:
-                    future.cancel()
-            failed = self._failed({u: futures[u] for u in early}) if early else self._failed(futures)
-            if not failed:
-                if again:
-                    logger.error("weight group %s: set-up failed (%s); trying once more", name, exc)
-                    self._build_group(urls, again=False)
-                    return
-                failed = dict.fromkeys(urls, f"weight group set-up failed twice: {exc}")
-            logger.error(
-                "weight group %s: %s did not join (%s); rebuilding without them", name, list(failed), exc
-            )
-            self._drop(list(failed), failed)
-            self._build_group([u for u in urls if u not in failed])
-            return
-        failed = self._failed(futures)
-        self.group, self.members = group, [u for u in urls if u not in failed]
-        if failed:  # joined the collective but reported an error: do not trust it
-            self._drop(list(failed), failed)
-            self._build_group(self.members)
-            return
-        logger.info(
-            "weight group %s: learner + %d server(s) on port %d (%s)", name, len(urls), port, self.backend
-        )
-
-    def _failed(self, futures: dict[str, Any]) -> dict[str, str]:
-        failed = {}
-        for url, future in futures.items():
-            try:
-                future.result()  # bounded by its own timeout
-            except Exception as exc:
-                logger.error("server %s failed to join the weight group: %s", url, exc)
-                failed[url] = f"joining the weight group failed: {type(exc).__name__}: {exc}"
-        return failed
-
-    def _drop(self, urls: list[str], why: dict[str, str] | None = None) -> None:
-        for url in urls:
-            reason = (why or {}).get(url, "")
-            self._why[url] = reason
-            if url not in self.dropped:
-                self.dropped.append(url)
-                logger.error("server %s dropped from weight sync (%s); it rejoins once healthy", url, reason)
-
-    def _leave_group(self) -> None:
-        """Close our end first (a server still receiving then fails fast), then tell the members."""
-        if self.group is not None:
-            self._stale_group = self.group.group_name
-            self.group.close()
-            self.group = None
-        if self._stale_group is not None:
-            self._all("destroy_weights_update_group", self.members, self._stale_group, timeout_s=10)
-            self._stale_group = None
-        self.members = []
-
     def behind(self, version: int) -> list[str]:
         """Servers probed up since the last push that do not hold `version` (restarted, or dropped
         and back), outside their retry backoff. Never blocks."""
@@ -340,105 +142,6 @@ class BroadcastEngine(WeightSyncEngine):
             and (v != version or (url not in self.members and not self._over_http))
             and self._retry_at.get(url, 0.0) <= now
         ]
-
-    def _follow_list(self) -> None:
-        """Before a push: the servers the live list dropped leave (a member still up is told to
-        destroy its group, then the group is rebuilt without them). New ones join in `_regroup`."""
-        self._reread()
-        removed = self._take_removed()
-        if not removed:
-            return
-        assert self.watch is not None
-        was_member = [u for u in removed if u in self.members]
-        self.dropped = [u for u in self.dropped if u not in removed]
-        for url in removed:
-            self._attempts.pop(url, None)
-            self._retry_at.pop(url, None)
-        if was_member:
-            logger.warning(
-                "servers %s left the server list: rebuilding the weight group without them", was_member
-            )
-            keep = [u for u in self.members if u not in removed]
-            self._build_group(keep)
-        self.watch.forget(removed)
-        self._forget(removed)
-
-    def _regroup(self) -> None:
-        """Before a push: members probed down leave the group; servers back up join it (dropped
-        ones, and members restarted in place, whose version is not the one last pushed), and so do
-        servers new in the live server list."""
-        if self.watch is None:
-            return
-        self._follow_list()
-        self.watch.probe_now([u for u in self.urls if u not in self.members])  # not the silent ones
-        dead, back = self._changed(self.watch.fresh(self._pushed_at))
-        if not dead and not back:
-            return
-        if dead:
-            logger.error("servers %s stopped answering: leaving them out of this push", dead)
-            self._dead.update(dead)
-            self._drop(dead, dict.fromkeys(dead, "probed down before the push"))
-        if back:
-            self._take_back(back)
-        # a restarted member holds no group: it is not asked to destroy the old one
-        keep = self.members = [u for u in self.members if u not in dead and u not in back]
-        self._build_group([u for u in self.urls if u in keep or u in back])
-
-    def _changed(self, fresh: dict[str, Any]) -> tuple[list[str], list[str]]:
-        """From the latest probes: (members probed down, servers up that should join: not members,
-        or members restarted in place), outside their retry backoff. A member at the pushed version
-        clears its rejoin count."""
-        now = time.monotonic()
-        dead = [u for u in self.members if fresh.get(u) == DOWN]
-        back = []
-        for url, v in fresh.items():
-            restarted = url in self.members and self._pushed_version is not None and v != self._pushed_version
-            if v == DOWN or self._retry_at.get(url, 0.0) > now:
-                continue
-            if url not in self.members or restarted:
-                back.append(url)
-            else:
-                self._attempts.pop(url, None)  # a member at the pushed version: its rejoin worked
-        return dead, back
-
-    def _take_back(self, back: list[str]) -> None:
-        """`back` join at this push: out of `dropped`, each with its next retry time should the
-        rejoin not bring it to the version (backoff doubling up to a minute)."""
-        added = [u for u in back if u not in self.members and u not in self.dropped]  # new in the list
-        again = [u for u in back if u not in added]
-        if added:
-            logger.info("servers %s added: rebuilding the weight group with them", added)
-        if again:
-            logger.info("servers %s are up again: rebuilding the weight group with them", again)
-        self.dropped = [u for u in self.dropped if u not in back]
-        now = time.monotonic()
-        for url in back:
-            self._attempts[url] = self._attempts.get(url, 0) + 1
-            self._retry_at[url] = now + min(60.0, 2.0 ** self._attempts[url])
-
-    def _pause_members(self) -> None:
-        """Pause every member; one that cannot be paused is dead: rebuild the group without it
-        before anything is broadcast (a dead peer would stall the others mid-bucket)."""
-        errors = self._all("pause_generation", self.members, timeout_s=self.config.timeout_s)
-        dead = {url: f"/pause_generation failed: {exc}" for url, exc in errors.items() if exc is not None}
-        if dead:
-            self._dead.update(dead)
-            self._drop(list(dead), dead)
-            keep = self.members = [u for u in self.members if u not in dead]
-            self._build_group(keep)
-
-    async def _healthy(self, urls: list[str], timeout_s: float) -> list[str]:
-        """Those of `urls` that answer within `timeout_s` (asked at once, not in turn): a stopped
-        server (SIGSTOP, a hung host) is not alive, however long its client would wait to connect."""
-
-        async def answers(url: str) -> bool:
-            try:
-                return bool(await asyncio.wait_for(self.clients[url].alive(), timeout_s))
-            except (TimeoutError, InferenceError):
-                return False
-
-        found = await asyncio.gather(*(answers(u) for u in urls))
-        return [url for url, ok in zip(urls, found, strict=True) if ok]
 
     # ------------------------------------------------------------------ push
 
@@ -479,11 +182,11 @@ class BroadcastEngine(WeightSyncEngine):
         """Rank 0: regroup (members probed down leave, servers back up join), pause every member,
         open their sessions; a member that fails either is dropped before anything is broadcast."""
         self._why, self._dead, self._touched, self._gave_up = {}, set(), set(), ""
-        with _Phase(stats, "regroup"):
+        with Phase(stats, "regroup"):
             self._regroup()
-        with _Phase(stats, "pause"):
+        with Phase(stats, "pause"):
             self._pause_members()
-        with _Phase(stats, "begin"):
+        with Phase(stats, "begin"):
             self._open_sessions()
 
     def push(self, weights: WeightSource, version: int) -> PushStats | None:
@@ -501,7 +204,7 @@ class BroadcastEngine(WeightSyncEngine):
         if adapter is not None:  # small: gathered once (every rank), whatever path and attempts follow
             pairs = [(name, tensor.detach()) for name, tensor in weights()]
             weights = functools.partial(iter, pairs)
-            if _agree(self.rank == 0 and self._adapters_over_http()):
+            if agree(self.rank == 0 and self._adapters_over_http()):
                 return self._adapter_push_over_http(pairs, adapter, version, stats, start)
         if self.rank == 0:
             self._over_http = False  # this push goes over the group: membership counts again
@@ -512,14 +215,14 @@ class BroadcastEngine(WeightSyncEngine):
             while True:
                 attempt += 1
                 failed: dict[str, str] = {}
-                buckets = _prefetch(iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20))))
-                for bucket in _timed_iter(buckets, stats, "gather_wait"):
+                buckets = prefetch(iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20))))
+                for bucket in timed_iter(buckets, stats, "gather_wait"):
                     if self.rank == 0 and not failed and self.members:
                         # the version travels with the last bucket only: a server that loads buckets
                         # as they arrive (SGLang) never labels a partial update with it
                         failed = self._send_bucket(bucket, version if bucket.last else None, stats)
                 redo = self.rank == 0 and bool(failed) and self._after_failure(failed, failures, stats)
-                if not _agree(redo):
+                if not agree(redo):
                     break
         except BaseException:
             if self.rank == 0:  # the learner's own failure (e.g. a gather): no server keeps a session
@@ -533,67 +236,6 @@ class BroadcastEngine(WeightSyncEngine):
             self.last = stats
             self._report(stats, f"by broadcast in {attempt} attempt(s)")
         return stats
-
-    def _adapter_push_over_http(
-        self, pairs: list, adapter: AdapterSpec, version: int, stats: PushStats | None, start: float
-    ) -> PushStats | None:
-        """An adapter push that goes to every server over HTTP (rank 0 sends; the others return)."""
-        if self.rank == 0:
-            self._push_over_http(pairs, adapter, version, stats)
-            stats.seconds = time.perf_counter() - start
-            self.last = stats
-            self._report(stats, "over HTTP (adapter tensors)")
-        return stats
-
-    def _adapters_over_http(self) -> bool:
-        """Rank 0: whether this adapter push goes to the servers over HTTP (`load_lora_tensors`):
-        every client takes it so and none over the group (vLLM's; one `inference.type` per run)."""
-        clients = list(self.clients.values())
-        return bool(clients) and all(
-            loads_adapters(c, "http") and not loads_adapters(c, "group") for c in clients
-        )
-
-    def _push_over_http(self, pairs: list, adapter: AdapterSpec, version: int, stats: PushStats) -> None:
-        """Rank 0: an adapter push without the group. Each server up is paused, sent the adapter
-        (`load_lora_tensors`: written on its host, loaded, read back from its adapter list), its
-        version read back, resumed; committed only where it reads `version` back, otherwise dropped
-        from this push with the reason (it is named `behind` and pushed to again)."""
-        self._follow_list()
-        self._over_http = True
-        timeout = self.config.timeout_s
-        targets = [u for u in self.urls if self.watch is None or self.watch.last(u) != DOWN]
-        paused = self._all("pause_generation", targets, timeout_s=timeout)
-        why = {u: f"/pause_generation failed: {exc}" for u, exc in paused.items() if exc is not None}
-        loading = [u for u in targets if u not in why]
-        tensors = dict(pairs)
-        errors = self._all("load_lora_tensors", loading, adapter.name(version), tensors, adapter.peft_config(),
-                           version, timeout_s=timeout)  # fmt: skip
-        why.update({u: f"loading the adapter failed: {exc}" for u, exc in errors.items() if exc is not None})
-        read = self._read_versions(loading, timeout)
-        self._all("continue_generation", loading, timeout_s=timeout)
-        self._record_http_push(stats, version, targets, loading, why, read, tensors)
-
-    def _record_http_push(self, stats: PushStats, version: int, targets: list[str], loading: list[str],
-                          why: dict[str, str], read: dict, tensors: dict) -> None:  # fmt: skip
-        """One outcome per server of an adapter push over HTTP: committed where it read `version`
-        back, else dropped with its reason (and tried again in 5 s)."""
-        for url in self.urls:
-            seen = read.get(url)
-            if url in loading and url not in why and seen == version:
-                stats.outcomes[url] = Outcome(True, version)
-                continue
-            reason = why.get(url) or ("probed down: loads it when back" if url not in targets else
-                                      f"read back {seen} after loading")  # fmt: skip
-            stats.outcomes[url] = Outcome(False, seen if isinstance(seen, int) else None, reason)
-            self._retry_at[url] = time.monotonic() + 5.0
-        stats.bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        stats.tensors, stats.buckets = len(tensors), 1
-        committed = [u for u, o in stats.outcomes.items() if o.committed]
-        stats.servers_updated = len(committed)
-        stats.servers_dropped = [u for u, o in stats.outcomes.items() if not o.committed]
-        if committed:
-            self._pushed_version = version
-        self._pushed_at = time.monotonic()
 
     def _after_failure(self, failed: dict[str, str], failures: dict[str, int], stats: PushStats) -> bool:
         """Rank 0, after an attempt failed on `failed` ({url: why}): abort it on every member,
@@ -635,16 +277,16 @@ class BroadcastEngine(WeightSyncEngine):
         server's version back, resume those with whole weights, record and log one outcome per
         server of the live list."""
         committing = [] if self._gave_up else list(self.members)
-        with _Phase(stats, "commit"):
+        with Phase(stats, "commit"):
             errors = self._all("end_weight_update", committing, timeout_s=self.config.timeout_s)
         asked = [u for u in self.urls if u not in self._dead and (u in self.members or u in self._why)]
-        with _Phase(stats, "read_back"):
+        with Phase(stats, "read_back"):
             read = self._read_versions(asked, self.config.timeout_s)
             unread = [u for u in asked if not isinstance(read[u], int)]
             read.update(self._read_versions(unread, self.config.timeout_s))  # once more: a lost reply
         self._abort([u for u in committing if errors[u] is not None])  # no session is left open
         outcomes = {url: self._outcome(url, version, committing, errors, read.get(url)) for url in self.urls}
-        with _Phase(stats, "continue"):
+        with Phase(stats, "continue"):
             self._resume(asked, outcomes)
         committed = [u for u, o in outcomes.items() if o.committed]
         stats.outcomes, stats.servers_updated, stats.servers_dropped = (
@@ -714,7 +356,7 @@ class BroadcastEngine(WeightSyncEngine):
         dtypes = [dtype_name(t.dtype) for t in bucket.tensors]
         shapes = [list(t.shape) for t in bucket.tensors]
         assert self.group is not None, "a push streams only over a built group"
-        with _Phase(stats, "flatten"):
+        with Phase(stats, "flatten"):
             flat = self._flatten(bucket)
         self._touched.update(self.members)
         announced = time.perf_counter()
@@ -731,7 +373,7 @@ class BroadcastEngine(WeightSyncEngine):
         }
         device = "cuda" if self.backend == "nccl" else "cpu"
         try:
-            with _Phase(stats, "broadcast"):
+            with Phase(stats, "broadcast"):
                 for tensor in [flat] if flat is not None else bucket.tensors:
                     self.group.broadcast(tensor.to(device), 0)
         except Exception as exc:
@@ -748,7 +390,7 @@ class BroadcastEngine(WeightSyncEngine):
             if early:
                 return {u: failed[u] for u in early}
             return failed or {u: f"broadcast failed: {exc}" for u in self.members}
-        with _Phase(stats, "replies"):
+        with Phase(stats, "replies"):
             failed = self._replies(futures)
         stats.bucket_round_trips.append(time.perf_counter() - announced)
         stats.bytes += bucket.nbytes

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agentrl.inference.base import WeightUpdateClient
 from agentrl.log import get_logger
 from agentrl.weight_sync.base import (
     AdapterSpec,
@@ -54,6 +55,11 @@ RETRY_S = 5.0
 
 
 class DiskEngine(WeightSyncEngine):
+    """Pushes through the smallest client interface (`WeightUpdateClient`: pause, load from disk,
+    continue, read the version back), so any backend's server can be updated this way."""
+
+    client_interface = WeightUpdateClient
+
     def __init__(
         self,
         config: DiskSyncConfig,

@@ -116,7 +116,7 @@ def engine(fleet: Fleet):
 
 
 def _buckets(fleet: Fleet) -> int:
-    from agentrl.weight_sync.broadcast import iter_buckets
+    from agentrl.weight_sync.buckets import iter_buckets
 
     return sum(1 for _ in iter_buckets(fleet.model.named_parameters(), int(0.1 * (1 << 20))))
 

@@ -34,8 +34,8 @@ def test_a_builtin_is_imported_when_named_and_an_unknown_name_lists_the_register
         ("agentrl.inference.registry", ["agentrl.inference.sglang", "agentrl.inference.vllm", "agentrl.inference.backends"]),
         ("agentrl.queue.base", ["agentrl.queue.zmq_producer", "agentrl.queue.zmq_consumer", "agentrl.queue.redis_backend"]),
         ("agentrl.queue", ["agentrl.queue.zmq_producer", "agentrl.queue.zmq_consumer", "agentrl.queue.redis_backend"]),
-        ("agentrl.weight_sync.base", ["agentrl.weight_sync.broadcast", "agentrl.weight_sync.disk"]),
-        ("agentrl.weight_sync.registry", ["agentrl.weight_sync.broadcast", "agentrl.weight_sync.disk"]),
+        ("agentrl.weight_sync.base", ["agentrl.weight_sync.broadcast", "agentrl.weight_sync.membership", "agentrl.weight_sync.disk"]),
+        ("agentrl.weight_sync.registry", ["agentrl.weight_sync.broadcast", "agentrl.weight_sync.membership", "agentrl.weight_sync.disk"]),
         ("agentrl.envs.sandbox", ["agentrl.envs.sandbox.local", "agentrl.envs.sandbox.docker", "agentrl.envs.sandbox.remote"]),
     ],
 )  # fmt: skip

@@ -207,7 +207,7 @@ def test_servers_follow_the_live_list_a_new_one_catches_up_a_removed_one_leaves(
         while (late := engine.behind(1)) != [second.url]:
             assert time.monotonic() < deadline, late
             time.sleep(0.1)
-        with caplog.at_level("INFO", logger="agentrl.weight_sync.broadcast"):
+        with caplog.at_level("INFO", logger="agentrl.weight_sync.membership"):
             stats = engine.push(lambda: iter(w1.items()), 1)  # the learner loop's catch-up push
         assert stats.servers_updated == 2 and engine.members == [first.url, second.url]
         said = [r.getMessage() for r in caplog.records]
@@ -231,7 +231,7 @@ def test_a_bucket_refused_with_400_twice_is_recorded_truly_and_resynced(processe
     its version read back is the one recorded for it (the version travels with the last bucket
     only, so a partial update never carries it), and it is kept paused (its weights may be a
     mix) until the next push brings it back; the other server commits."""
-    from agentrl.weight_sync.broadcast import iter_buckets
+    from agentrl.weight_sync.buckets import iter_buckets
     from tests.fault_proxy import FaultProxy
 
     good, bad = start_standin(processes), start_standin(processes)

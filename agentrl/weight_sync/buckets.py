@@ -1,0 +1,106 @@
+"""How the broadcast engine streams a push: tensors packed into buckets, gathered on a thread at
+most one bucket ahead of the broadcast, each phase of the push timed into `PushStats.phases`, and
+rank 0's decisions shared with the other learner ranks (which repeat the gathers in step).
+
+The gather (`weights()`, layer by layer from FSDP2) runs on its own thread (`prefetch`), so bucket
+i+1 is gathered while bucket i is broadcast and peak extra memory is about two buckets.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from agentrl.weight_sync.base import PushStats
+
+
+@dataclass
+class Bucket:
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+    last: bool = False
+    """The last bucket of the stream (known at no cost: the tensors ran out)."""
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group tensors into buckets of about `bucket_bytes`; a larger tensor travels alone."""
+    bucket = Bucket()
+    for name, tensor in named_tensors:
+        size = tensor.numel() * tensor.element_size()
+        if bucket.tensors and bucket.nbytes + size > bucket_bytes:
+            yield bucket
+            bucket = Bucket()
+        bucket.names.append(name)
+        bucket.tensors.append(tensor.contiguous())
+        bucket.nbytes += size
+    if bucket.tensors:
+        bucket.last = True
+        yield bucket
+
+
+def prefetch(buckets: Iterator[Bucket], depth: int = 1) -> Iterator[Bucket]:
+    """Run `buckets` on a thread, at most `depth` buckets ahead of the consumer."""
+    box: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def produce() -> None:
+        try:
+            for bucket in buckets:
+                box.put(bucket)
+        except BaseException as exc:  # surface gather errors in the consumer
+            box.put(exc)
+        box.put(done)
+
+    thread = threading.Thread(target=produce, name="weight-sync-gather", daemon=True)
+    thread.start()
+    while (item := box.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+    thread.join()
+
+
+def timed_iter(items: Iterator[Bucket], stats: PushStats | None, phase: str) -> Iterator[Bucket]:
+    """`items`, adding the time spent waiting for each to `stats.phases[phase]` (when stats)."""
+    while True:
+        start = time.perf_counter()
+        item = next(items, None)
+        if stats is not None:
+            stats.add_phase(phase, time.perf_counter() - start)
+        if item is None:
+            return
+        yield item
+
+
+class Phase:
+    """Adds the seconds of a `with` block to `stats.phases[name]` (nothing when stats is None)."""
+
+    def __init__(self, stats: PushStats | None, name: str) -> None:
+        self.stats, self.name = stats, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stats is not None:
+            self.stats.add_phase(self.name, time.perf_counter() - self.start)
+
+
+def agree(value: bool) -> bool:
+    """Rank 0's decision, shared with every learner rank (no-op without a training group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    flag = torch.tensor([int(value)])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
