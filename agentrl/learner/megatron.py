@@ -29,6 +29,11 @@ The critic (`kind="value"`) is the same GPTModel whose last stage ends in a `Val
 the HF token-classification names (`model.*`, `score.*`) the FSDP2 critic uses. A frozen
 reference is a policy built without an optimizer. `local_shards` gives the colocated HybridEngine
 each rank's TP shard in HF layout (one pipeline stage).
+
+With `learner.lora` the policy is frozen and carries LoRA adapters on its parallel linear layers
+(`megatron_lora`): only they are in AdamW and in checkpoints, the KL reference is the same model
+with them off (`adapter_disabled`), and `adapter_tensors` / `merged_tensors` give them in PEFT's
+names or merged into the HF weights.
 """
 
 from __future__ import annotations
