@@ -2,16 +2,18 @@
 
 One torchrun launch of 2 ranks trains the same batch, with adapters on all seven Linear kinds of
 the tiny model, through the real loop (decoupled PPO, KL to the adapter-disabled base, entropy)
-with FSDP2 + PEFT (DP 2), Megatron TP 1 (DP 2) and Megatron TP 2 (with full-layer recompute).
+with FSDP2 + PEFT (DP 2), Megatron TP 1 (DP 2), TP 2 (with full-layer recompute) and PP 2.
 Every layout starts from the same adapter: A from the FSDP2 learner's PEFT initialisation, B
 random (seeded; PEFT's B = 0 would leave A without a gradient in the first step). Per layout:
 the policy's per-token log-probs equal a single-process PEFT model's and the reference's equal
 the base HF model's; the step's loss, KL and gradient norm and the adapter after one AdamW step
 equal FSDP2's; the pushed adapter and merged tensors carry FSDP2's names and values; the exported
 adapter loads with `PeftModel.from_pretrained` and gives the trained learner's log-probs; only
-adapter tensors sit in the optimizer.
+adapter tensors sit in the optimizer. TP 2 resumes from its checkpoint (the same adapter and
+AdamW state) and pushes its adapter, PP 2 its merged weights, over the broadcast group into one
+embedded `agentrl serve`, which then serves PEFT's forward with the exported adapter.
 
-This file is also the worker: `torchrun ... test_megatron_lora.py OUT_DIR MODEL_PATH`.
+This file is also the worker: `torchrun ... test_megatron_lora.py OUT_DIR MODEL_PATH SERVER_URL`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import end_rank, run_torchrun
+from tests.conftest import Processes, end_rank, find_free_port, run_torchrun
 
 pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed (pip install 'agentrl[megatron]')"
@@ -115,7 +117,40 @@ def _resumed_equal(learner, adapter: dict) -> bool:
     return same and set(shard["actor"]["model"]) == set(learner.actor.module.adapter_names)
 
 
-def worker(out_dir: str, model_path: str) -> None:
+PUSHES = {"tp2": ("adapter", 1), "pp2": ("merged", 2)}  # layout -> (weight_sync.lora_mode, version)
+
+
+def _push(learner, url: str, layout: str, adapter_dir: Path) -> dict:
+    """Push the trained learner to the embedded server over the broadcast group (`lora_mode`
+    adapter or merged); rank 0 then probes the server: the version it reports and the gap between
+    its log-probs and a single-process PEFT model's with the exported adapter, and the base's."""
+    from peft import PeftModel
+
+    from agentrl.config import BroadcastSyncConfig, InferenceConfig
+    from agentrl.learner.fsdp import load_model
+    from agentrl.weight_sync.base import pushed_adapter
+    from agentrl.weight_sync.registry import create
+    from tests.integration.test_lora_sync import gap, learner_logprobs, probe
+
+    mode, version = PUSHES[layout]
+    spec = pushed_adapter(learner.cfg.lora, mode, learner.cfg.model_path)
+    engine = create(BroadcastSyncConfig(timeout_s=60, lora_mode=mode), InferenceConfig(servers=[url]),
+                    rank=learner.rank, adapter=spec)  # fmt: skip
+    engine.init()
+    try:
+        stats = engine.push(learner.weights(), version)
+    finally:
+        engine.close()
+    if learner.rank != 0:
+        return {}
+    served_version, output_ids, served, _ = probe(url)
+    peft = PeftModel.from_pretrained(load_model(learner.cfg.model_path, learner.device), adapter_dir).eval()
+    return {"updated": stats.servers_updated, "tensors": stats.tensors, "served_version": served_version,
+            "gap": gap(served, learner_logprobs(peft, output_ids)),
+            "base_gap": gap(served, learner_logprobs(peft, output_ids, adapter=False))}  # fmt: skip
+
+
+def worker(out_dir: str, model_path: str, url: str) -> None:
     import torch
 
     from agentrl.learner.data import prepare_batch
@@ -165,6 +200,8 @@ def worker(out_dir: str, model_path: str) -> None:
         merged = {n: t.clone() for n, t in pushed.merged()}
         if layout == "tp2":
             result["resumed_equal"] = _resumed_equal(learner, adapter)
+        if layout in PUSHES:
+            result["push"] = _push(learner, url, layout, Path(out_dir) / layout / "adapter" / "latest")
         if learner.rank == 0:
             exported = _peft_logprobs(model_path, Path(out_dir) / layout / "adapter" / "latest", mb)
             result["exported_logp_diff"] = float((exported - trained_logp).abs().max())
@@ -179,8 +216,19 @@ def worker(out_dir: str, model_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model, tmp_path_factory) -> tuple[Path, dict]:
+    """The worker's results, with one embedded server (`agentrl serve`) for its pushes."""
+    from tests.integration.test_weight_sync import wait_healthy
+
     out = tmp_path_factory.mktemp("megatron_lora")
-    run_torchrun(__file__, 2, str(out), str(tiny_model), timeout=600)
+    procs, port = Processes(), find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with open(out / "server.log", "wb") as log:
+            procs.agentrl("serve", "--model", str(tiny_model), "--port", str(port), stdout=log, stderr=log)
+        wait_healthy([url])
+        run_torchrun(__file__, 2, str(out), str(tiny_model), url, timeout=600)
+    finally:
+        procs.stop_all()
     return out, json.loads((out / "result.json").read_text())
 
 
@@ -216,10 +264,24 @@ def test_megatron_lora_matches_peft_on_fsdp2(two_ranks, layout):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("layout", list(PUSHES))
+def test_megatron_lora_pushes_serve_the_trained_adapter(two_ranks, layout):
+    """TP 2's adapter push (lora_mode adapter: its 28 lora_A / lora_B tensors) and PP 2's merged
+    push (the full-weight path) into the embedded server: it reports the version and serves what
+    PEFT computes with the exported adapter, not the base."""
+    _, results = two_ranks
+    push = results[layout]["push"]
+    assert push["updated"] == 1 and push["served_version"] == PUSHES[layout][1]
+    if PUSHES[layout][0] == "adapter":
+        assert push["tensors"] == 2 * 7 * 2
+    assert push["gap"] < 1e-4 and push["base_gap"] > 1e-3
+
+
+@pytest.mark.integration
 def test_megatron_lora_checkpoint_resumes_the_adapter(two_ranks):
     _, results = two_ranks
     assert results["tp2"]["resumed_equal"]
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    worker(*sys.argv[1:4])
