@@ -82,7 +82,7 @@ def peft_config(cfg: LoraConfig) -> Any:
     )
 
 
-def _matches(module_name: str, target: str) -> bool:
+def matches(module_name: str, target: str) -> bool:
     """PEFT's rule for one `target_modules` string: the full name or its dotted suffix."""
     return module_name == target or module_name.endswith("." + target)
 
@@ -96,11 +96,11 @@ def check_targets(model: nn.Module, cfg: LoraConfig) -> None:
     linear = [name for name, m in named if isinstance(m, nn.Linear)]
     problems = []
     for target in cfg.target_modules:
-        if not any(_matches(name, target) for name in linear):
+        if not any(matches(name, target) for name in linear):
             near = sorted({name.rsplit(".", 1)[-1] for name in linear})
             problems.append(f"target_modules entry {target!r} matches no Linear module (the model's: {near})")
     for target in cfg.modules_to_save or []:
-        if not any(_matches(name, target) for name, _ in named if name):
+        if not any(matches(name, target) for name, _ in named if name):
             problems.append(f"modules_to_save entry {target!r} matches no module of the model")
     if problems:
         raise ValueError(f"learner.lora: {'; '.join(problems)}")

@@ -266,7 +266,9 @@ class MegatronBackend:
             module.eval().requires_grad_(False)
             return ModelPart(name, kind, module)
         if lora is not None:  # adapters on the frozen base: only they train
-            module.adapter_names = megatron_lora.attach(module, lora, self.tp, self.tp_rank, self.seed)
+            module.adapter_names = megatron_lora.attach(
+                module, lora, self.tp, self.tp_rank, self.pp, self.seed
+            )
             module.lora, module.base_path = lora, str(path)
             if self.first and activation_checkpointing:
                 _grad_through(gpt.embedding)

@@ -40,12 +40,12 @@ import torch
 from torch import nn
 
 from agentrl.learner import megatron_convert as convert
-from agentrl.learner.lora import PEFT_PREFIX, LoraConfig, _matches
+from agentrl.learner.lora import PEFT_PREFIX, LoraConfig, matches
 
 if TYPE_CHECKING:
     from agentrl.learner.megatron import MegatronModel
 
-CHILD = "lora"  # the adapters' module under their Megatron layer: `...linear_qkv.lora.q_proj.lora_A`
+CHILD = "lora"  # the adapters' module under their layer: `...linear_qkv.lora.adapters.q_proj.lora_A`
 
 # HF Linear (inside a decoder layer) -> (its Megatron layer, column or row parallel)
 LAYERS = {
@@ -73,7 +73,7 @@ def targets(cfg: LoraConfig, layers: int) -> set[str]:
     names = hf_linear_names(layers)
     problems, chosen = [], set()
     for target in cfg.target_modules:
-        matched = [n for n in names if _matches(n, target)]
+        matched = [n for n in names if matches(n, target)]
         unmapped = [n for n in matched if n in UNMAPPED]
         if not matched:
             near = sorted({n.rsplit(".", 1)[-1] for n in names})
@@ -199,11 +199,26 @@ def initial(
     return a, torch.zeros(b_shape)
 
 
-def attach(model: MegatronModel, cfg: LoraConfig, tp: int, tp_rank: int, seed: int) -> dict[str, str]:
+def check_stages(chosen: set[str], layers: int, pp: int) -> None:
+    """Every pipeline stage (Megatron's even split of the layers) must hold an adapter: a stage
+    without one would have nothing to train and no gradient path to send back."""
+    held = {int(name.split(".")[2]) * pp // layers for name in chosen}
+    empty = sorted(set(range(pp)) - held)
+    if empty:
+        per = layers // pp
+        spans = ", ".join(f"stage {s} (layers {s * per}-{(s + 1) * per - 1})" for s in empty)
+        raise ValueError(f"learner.lora: target_modules adapt no layer of pipeline {spans}; target a module "
+                         "in every stage's layers, or use a smaller learner.megatron.pp")  # fmt: skip
+
+
+def attach(
+    model: MegatronModel, cfg: LoraConfig, tp: int, tp_rank: int, pp: int, seed: int
+) -> dict[str, str]:
     """Add adapters for `cfg.target_modules` to this stage's layers of `model` and freeze everything
     else (only the adapters require grad). Returns {Megatron parameter name: PEFT saved name} of
     the adapters added; their TP split is recorded in `model.adapter_dims`."""
     chosen = targets(cfg, model.shape.layers)
+    check_stages(chosen, model.shape.layers, pp)
     local = convert.tp_local(model.shape, tp)
     model.requires_grad_(False)
     names: dict[str, str] = {}
@@ -234,8 +249,6 @@ def attach(model: MegatronModel, cfg: LoraConfig, tp: int, tp_rank: int, seed: i
     for name in names:
         owner, _, leaf = name.rpartition(".")
         model.adapter_dims[name] = model.gpt.get_submodule(owner).dims[leaf]
-    if not names:
-        raise RuntimeError("learner.lora: no adapter was added (a pipeline stage without decoder layers?)")
     return names
 
 

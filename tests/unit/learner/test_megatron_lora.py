@@ -13,7 +13,7 @@ pytest.importorskip(
 
 from agentrl.learner import megatron_convert as convert
 from agentrl.learner.lora import LoraConfig
-from agentrl.learner.megatron_lora import Adapter, ParallelLora, Switch, targets
+from agentrl.learner.megatron_lora import Adapter, ParallelLora, Switch, check_stages, targets
 
 SHAPE = convert.Shape(heads=4, groups=2, head_dim=3, hidden=8, ffn=6, layers=2, vocab=32, tied=True,
                       qkv_bias=True, qk_norm=False)  # fmt: skip
@@ -40,6 +40,14 @@ def test_unmappable_targets_are_refused_by_name(entries, message):
 def test_modules_to_save_is_refused():
     with pytest.raises(ValueError, match="modules_to_save \\['lm_head'\\]"):
         targets(LoraConfig(modules_to_save=["lm_head"]), layers=2)
+
+
+def test_every_pipeline_stage_needs_an_adapter():
+    one_layer = targets(LoraConfig(target_modules=["model.layers.3.mlp.down_proj"]), layers=4)
+    check_stages(one_layer, layers=4, pp=1)
+    check_stages(targets(LoraConfig(target_modules=["q_proj"]), layers=4), layers=4, pp=2)
+    with pytest.raises(ValueError, match="pipeline stage 0 \\(layers 0-1\\)"):
+        check_stages(one_layer, layers=4, pp=2)
 
 
 def _lora(layer: str, column: bool, shapes: dict, dropout: float = 0.0, tp: int = 1, rank: int = 0):
