@@ -162,6 +162,22 @@ class LearnerBackend(Protocol):
         consume. A collective; every rank iterates to the end."""
         ...
 
+    def adapter_tensors(self, part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA actor's adapter, whole, under PEFT's saved names (`base_model.model.<module>.
+        lora_A.weight`; with `lora.modules_to_save`, those modules' tensors too): what an adapter
+        push and a PEFT export carry. A collective; every rank iterates to the end."""
+        ...
+
+    def merged_tensors(self, part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA actor's base + adapter merged, as `full_tensors` of the plain model would give
+        them (for servers without adapters, and `lora.export_merged`). A collective."""
+        ...
+
+    def adapter_disabled(self, part: ModelPart) -> ModelPart:
+        """The KL reference of a LoRA actor: the same model run with its adapter disabled (no
+        second copy of the base)."""
+        ...
+
     def local_shards(self, part: ModelPart) -> Iterator[LocalShard]:
         """This rank's shard of every parameter with its placement, in place (no communication)."""
         ...

@@ -135,13 +135,13 @@ def _export_lora(learner: Learner) -> list[Path]:
     from agentrl.learner.fsdp import copy_tokenizer
 
     cfg, step_dir = learner.cfg, f"step_{learner.version:08d}"
-    tensors = dict(lora.adapter_tensors(learner.model))  # a collective: every rank gathers
+    tensors = dict(learner.backend.adapter_tensors(learner.actor))  # a collective: every rank gathers
     out = [learner.run_dir / "adapter" / step_dir]
     if learner.rank == 0:
         lora.write_adapter(out[0], tensors, cfg.lora, cfg.model_path)
     if cfg.lora.export_merged:
         merged = learner.run_dir / "hf" / step_dir
-        state = dict(lora.merged_tensors(learner.model))
+        state = dict(learner.backend.merged_tensors(learner.actor))
         if learner.rank == 0:
             lora.write_merged(merged, state, learner.model)
             copy_tokenizer(Path(cfg.model_path), merged)

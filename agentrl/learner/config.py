@@ -352,7 +352,8 @@ class LearnerConfig(Section):
     distill: DistillConfig = DistillConfig()
     """On-policy distillation from a served teacher (`agentrl/learner/distill.py`); off by default."""
     lora: LoraConfig | None = None
-    """Train LoRA adapters on the frozen policy instead of all its weights (`learner/lora.py`)."""
+    """Train LoRA adapters on the frozen policy instead of all its weights (`learner/lora.py`;
+    with `backend: megatron`, `learner/megatron_lora.py`)."""
     moe: MoeConfig = MoeConfig()
     """Mixture-of-experts settings: router replay."""
 
@@ -382,4 +383,7 @@ class LearnerConfig(Section):
         if self.backend == "megatron" and self.num_processes % (self.megatron.tp * self.megatron.pp):
             raise ValueError(f"num_processes: {self.num_processes} learner ranks cannot hold megatron.tp "
                              f"{self.megatron.tp} x pp {self.megatron.pp}; use a multiple of {self.megatron.tp * self.megatron.pp}")  # fmt: skip
+        if self.backend == "megatron" and self.lora is not None and self.lora.modules_to_save:
+            raise ValueError(f"lora.modules_to_save {self.lora.modules_to_save}: backend megatron trains adapters "
+                             "only; unset it or use backend: fsdp2")  # fmt: skip
         return self

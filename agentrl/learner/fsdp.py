@@ -297,6 +297,24 @@ class FSDP2Backend:
         finally:
             part.module.train(was_training)
 
+    @staticmethod
+    def adapter_disabled(part: ModelPart) -> ModelPart:
+        from agentrl.learner.lora import AdapterDisabled
+
+        return ModelPart("ref", "policy", AdapterDisabled(part.module))
+
+    @staticmethod
+    def adapter_tensors(part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
+        from agentrl.learner import lora
+
+        return lora.adapter_tensors(part.module)
+
+    @staticmethod
+    def merged_tensors(part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
+        from agentrl.learner import lora
+
+        return lora.merged_tensors(part.module)
+
     def forward_backward(
         self, part: ModelPart, mbs: list[MicroBatch], loss_fn: Callable[[MicroBatch], torch.Tensor]
     ) -> None:

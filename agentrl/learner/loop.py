@@ -42,7 +42,7 @@ from torch import nn
 
 from agentrl.config import LearnerConfig, ScheduleConfig
 from agentrl.learner import bookkeeping, registry, step
-from agentrl.learner.backend import LearnerBackend, ModelPart
+from agentrl.learner.backend import LearnerBackend
 from agentrl.learner.bookkeeping import ConsoleProgress, RunTally
 from agentrl.learner.critic import build_critic
 from agentrl.learner.state import Learner
@@ -80,14 +80,11 @@ def build_learner(
 ) -> Learner:
     """The backend (process group; `learner.backend` unless one is given), the actor with AdamW
     and its LR schedule (distributed by `shard` when given: the colocated HybridEngine's layout;
-    with `learner.lora`, PEFT adapters on the frozen policy, only they in AdamW), the frozen
+    with `learner.lora`, LoRA adapters on the frozen policy, only they in AdamW), the frozen
     reference when kl_coef > 0 (a LoRA actor's: itself with the adapter disabled), and the critic
     with its own AdamW when `loss.advantage: gae` (both in the backend's own layout)."""
-    if cfg.lora is not None and (cfg.backend != "fsdp2" or shard is not None):
-        where = "colocated mode" if shard is not None else f"learner.backend {cfg.backend}"
-        raise ValueError(
-            f"learner.lora: {where} does not train adapters yet; use learner.backend: fsdp2, decoupled"
-        )
+    if cfg.lora is not None and shard is not None:
+        raise ValueError("learner.lora: colocated mode does not train adapters yet; use mode: decoupled")
     backend = backend if backend is not None else registry.create(cfg.backend, cfg.megatron, cfg.seed)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"
@@ -97,9 +94,7 @@ def build_learner(
                           activation_checkpointing=cfg.activation_checkpointing, bf16=bf16, shard=shard, **lora)  # fmt: skip
     ref = None
     if cfg.loss.kl_coef > 0 and cfg.lora is not None:  # the base: the actor with its adapter disabled
-        from agentrl.learner.lora import AdapterDisabled
-
-        ref = ModelPart("ref", "policy", AdapterDisabled(actor.module))
+        ref = backend.adapter_disabled(actor)
     elif cfg.loss.kl_coef > 0:
         ref = backend.build("policy", cfg.model_path, name="ref", bf16=bf16)
     critic = build_critic(backend, cfg) if cfg.loss.advantage == "gae" else None

@@ -7,7 +7,9 @@ The FSDP2 backend wraps the loaded model with PEFT's `get_peft_model` before sha
 weights are frozen, only the adapter's (and `modules_to_save`'s) parameters train and sit in the
 optimizer. The KL reference is the same module with its adapter disabled (`AdapterDisabled`), so a
 LoRA run holds one copy of the base weights. A `target_modules` entry that names no module of the
-model is refused before anything trains, naming the entry (`check_targets`).
+model is refused before anything trains, naming the entry (`check_targets`). The Megatron backend
+keeps its own adapters on its tensor-parallel layers (`megatron_lora.py`) and emits the same
+names and files (the config, the names and `write_adapter` / `write_merged` are shared).
 
 What leaves the learner (weight sync, checkpoints' exports) is PEFT's format: the adapter's tensors
 under the names `get_peft_model_state_dict` gives them (`base_model.model.<module>.lora_A.weight`)
@@ -39,7 +41,8 @@ PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the wrapped mode
 
 
 class LoraConfig(Section):
-    """Train LoRA adapters instead of the full policy (FSDP2 backend; `pip install 'agentrl[lora]'`)."""
+    """Train LoRA adapters instead of the full policy (`pip install 'agentrl[lora]'`; FSDP2 through
+    PEFT, Megatron through `megatron_lora.py` in PEFT's layout)."""
 
     rank: int = Field(8, ge=1)
     """The adapters' rank r."""
@@ -57,7 +60,8 @@ class LoraConfig(Section):
     match a module of the model."""
     modules_to_save: list[str] | None = None
     """Modules trained in full beside the adapters (e.g. `[lm_head]`); they travel with the adapter
-    in checkpoints and exports. Servers get them only with `weight_sync.lora_mode: merged`."""
+    in checkpoints and exports. Servers get them only with `weight_sync.lora_mode: merged`. FSDP2
+    backend only."""
     export_merged: bool = False
     """Exports (`checkpoint.export_every` and the final one) also write base + adapter merged into a
     plain HF checkpoint under `<run_dir>/hf_merged/`."""
@@ -78,7 +82,7 @@ def peft_config(cfg: LoraConfig) -> Any:
     )
 
 
-def _matches(module_name: str, target: str) -> bool:
+def matches(module_name: str, target: str) -> bool:
     """PEFT's rule for one `target_modules` string: the full name or its dotted suffix."""
     return module_name == target or module_name.endswith("." + target)
 
@@ -92,11 +96,11 @@ def check_targets(model: nn.Module, cfg: LoraConfig) -> None:
     linear = [name for name, m in named if isinstance(m, nn.Linear)]
     problems = []
     for target in cfg.target_modules:
-        if not any(_matches(name, target) for name in linear):
+        if not any(matches(name, target) for name in linear):
             near = sorted({name.rsplit(".", 1)[-1] for name in linear})
             problems.append(f"target_modules entry {target!r} matches no Linear module (the model's: {near})")
     for target in cfg.modules_to_save or []:
-        if not any(_matches(name, target) for name, _ in named if name):
+        if not any(matches(name, target) for name, _ in named if name):
             problems.append(f"modules_to_save entry {target!r} matches no module of the model")
     if problems:
         raise ValueError(f"learner.lora: {'; '.join(problems)}")

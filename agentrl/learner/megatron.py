@@ -29,10 +29,16 @@ The critic (`kind="value"`) is the same GPTModel whose last stage ends in a `Val
 the HF token-classification names (`model.*`, `score.*`) the FSDP2 critic uses. A frozen
 reference is a policy built without an optimizer. `local_shards` gives the colocated HybridEngine
 each rank's TP shard in HF layout (one pipeline stage).
+
+With `learner.lora` the policy is frozen and carries LoRA adapters on its parallel linear layers
+(`megatron_lora`): only they are in AdamW and in checkpoints, the KL reference is the same model
+with them off (`adapter_disabled`), and `adapter_tensors` / `merged_tensors` give them in PEFT's
+names or merged into the HF weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -45,7 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agentrl.learner import lora as lora_io
 from agentrl.learner import megatron_convert as convert
+from agentrl.learner import megatron_lora
 from agentrl.learner.backend import LocalShard, ModelPart, NonFiniteError, PartKind
 from agentrl.learner.fsdp import FSDP2Backend, copy_tokenizer, init_distributed
 from agentrl.learner.packing import MicroBatch
@@ -65,6 +73,16 @@ class MegatronModel(nn.Module):
         self.config = hf_config
         self.shape = shape
         self.kind = kind
+        # with `learner.lora` (`megatron_lora.attach`): the adapters' PEFT names and TP split dims
+        self.lora: Any = None
+        self.base_path = ""
+        self.adapter_names: dict[str, str] = {}
+        self.adapter_dims: dict[str, int | None] = {}
+        self.switch = megatron_lora.Switch()
+
+    def base_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The GPTModel's own parameters (the adapters left out), by Megatron name."""
+        return ((n, p) for n, p in self.gpt.named_parameters() if n not in self.adapter_names)
 
     def hf_names(self, name: str) -> tuple[str, ...]:
         if self.kind == "value" and name.startswith("output_layer."):
@@ -73,7 +91,10 @@ class MegatronModel(nn.Module):
         return convert.hf_names(name, lambda local: layers[local].layer_number - 1, self.shape)
 
     def partition_dim(self, name: str) -> int | None:
-        """`convert.partition_dim`; a value head is replicated over the TP group."""
+        """`convert.partition_dim`; a value head is replicated over the TP group; an adapter's
+        split is its base layer's (`megatron_lora`)."""
+        if name in self.adapter_dims:
+            return self.adapter_dims[name]
         if self.kind == "value" and name.startswith("output_layer."):
             return None
         return convert.partition_dim(name)
@@ -113,6 +134,19 @@ def _padding_idx(embedding: nn.Module, pad_id: int) -> None:
         if output.requires_grad:
             pad = (args[0] == pad_id)[..., None]
             output.register_hook(lambda grad: grad.masked_fill(pad, 0.0))
+
+    embedding.register_forward_hook(hook)
+
+
+def _grad_through(embedding: nn.Module) -> None:
+    """With a frozen embedding and full-layer recompute, the first layer's input must require grad:
+    Megatron's `CheckpointFunction` gives an output that needs a gradient only when an input
+    does, and the adapters inside the recomputed layer are not its inputs (PEFT's
+    `enable_input_require_grads`, for the same reason under HF's gradient checkpointing)."""
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if torch.is_grad_enabled() and not output.requires_grad:
+            output.requires_grad_(True)
 
     embedding.register_forward_hook(hook)
 
@@ -163,7 +197,7 @@ class MegatronBackend:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
         self.ps = ps
-        self.tp, self.pp = tp, pp
+        self.tp, self.pp, self.seed = tp, pp, seed
         self.tp_rank, self.pp_rank = (
             ps.get_tensor_model_parallel_rank(),
             ps.get_pipeline_model_parallel_rank(),
@@ -188,6 +222,7 @@ class MegatronBackend:
         activation_checkpointing: bool = False,
         bf16: bool = False,
         shard: Callable[[nn.Module], nn.Module] | None = None,
+        lora: Any = None,
     ) -> ModelPart:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -202,6 +237,8 @@ class MegatronBackend:
             raise ValueError(
                 "learner.backend megatron: learner.dtype bfloat16 is not wired here; use float32"
             )
+        if lora is not None and (kind != "policy" or optim is None):
+            raise ValueError("learner.lora: adapters go on the trained policy only")
         path = Path(path)
         hf = AutoConfig.from_pretrained(str(path))
         shape = convert.shape_of(hf)
@@ -228,8 +265,16 @@ class MegatronBackend:
         if optim is None:
             module.eval().requires_grad_(False)
             return ModelPart(name, kind, module)
+        if lora is not None:  # adapters on the frozen base: only they train
+            module.adapter_names = megatron_lora.attach(
+                module, lora, self.tp, self.tp_rank, self.pp, self.seed
+            )
+            module.lora, module.base_path = lora, str(path)
+            if self.first and activation_checkpointing:
+                _grad_through(gpt.embedding)
         module.train()
-        optimizer = torch.optim.AdamW(module.parameters(), lr=optim.lr, betas=optim.adam_betas,
+        trained = [p for p in module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=optim.lr, betas=optim.adam_betas,
                                       weight_decay=optim.weight_decay, fused=True)  # fmt: skip
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda or (lambda step: 1.0))
         return ModelPart(name, kind, module, optimizer, scheduler)
@@ -240,7 +285,7 @@ class MegatronBackend:
         one (an exported critic)."""
         read = _HFTensors(path)
         with torch.no_grad():
-            for name, param in module.gpt.named_parameters():
+            for name, param in module.base_parameters():
                 names = module.hf_names(name)
                 if module.kind == "value" and name.startswith("output_layer.") and not read.has(names[0]):
                     param.zero_()
@@ -286,10 +331,13 @@ class MegatronBackend:
             return out, loss_func
 
         rows, width = mbs[0].input_ids.shape
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=[part.module.gpt],
-            num_microbatches=len(mbs), seq_length=width, micro_batch_size=rows, forward_only=forward_only,
-        )  # fmt: skip
+        # a LoRA actor's KL reference runs the actor's model with its adapters off
+        disabled = isinstance(part.module, megatron_lora.AdapterDisabled)
+        with part.module.off() if disabled else contextlib.nullcontext():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=[part.module.gpt],
+                num_microbatches=len(mbs), seq_length=width, micro_batch_size=rows, forward_only=forward_only,
+            )  # fmt: skip
 
     def _forward_only(
         self, part: ModelPart, mb: MicroBatch, compute: Callable[[MicroBatch], torch.Tensor]
@@ -342,8 +390,13 @@ class MegatronBackend:
         if self.dp_size > 1:  # each rank's loss is already normalised over the whole batch: sum
             _all_reduce_flat([p.grad for p in params], self.ps.get_data_parallel_group())
         tied = self._tied_copy(part)
-        if tied is not None:  # the embedding on the first stage and its copy on the last
+        # the embedding on the first stage and its copy on the last (frozen under LoRA)
+        if tied is not None and tied.requires_grad:
             dist.all_reduce(tied.grad, group=self.ps.get_embedding_group())
+
+    def adapter_disabled(self, part: ModelPart) -> ModelPart:
+        """The KL reference of a LoRA actor: its model with the adapters off (no second copy)."""
+        return ModelPart("ref", "policy", megatron_lora.AdapterDisabled(part.module))
 
     def _tied_copy(self, part: ModelPart) -> nn.Parameter | None:
         """Under pipeline parallel with tied embeddings, this stage's copy of the shared matrix."""
@@ -420,21 +473,29 @@ class MegatronBackend:
 
     # -- gathering, saving, exporting -----------------------------------------------------
 
-    def _layout(self, part: ModelPart) -> list[list[tuple[str, tuple[str, ...], list[torch.Size]]]]:
-        """Per pipeline stage: (Megatron name, HF names, HF shapes) of its parameters, in order."""
-        mine = []
-        for name, param in part.module.gpt.named_parameters():
-            if param is self._tied_copy(part) and self.last and not self.first:
-                continue  # the tied matrix is exported once, from the first stage
-            full, dim = list(param.shape), part.module.partition_dim(name)
-            if dim is not None:
-                full[dim] *= self.tp
-            meta = torch.empty(full, device="meta")
-            shapes = [t.shape for t in convert.to_hf(name, meta, part.module.shape, self.tp)]
-            mine.append((name, part.module.hf_names(name), shapes))
+    def _over_stages(
+        self,
+        mine: list[tuple[tuple[str, ...], list[torch.Size]]],
+        make: Callable[[int], tuple[torch.Tensor, ...]],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every stage's named tensors on every rank, stage by stage: `mine` lists this stage's
+        entries (names, shapes); `make(i)` builds entry i's tensors on its own stage (with any TP
+        gathers), and the other stages receive them by broadcast over the pipeline group."""
         stages: list[Any] = [None] * self.world_size
         dist.all_gather_object(stages, (self.pp_rank, mine))
-        return [next(m for r, m in stages if r == s) for s in range(self.pp)]
+        group = self.ps.get_pipeline_model_parallel_group() if self.pp > 1 else None
+        for stage in range(self.pp):
+            entries = next(m for r, m in stages if r == stage)
+            for i, (names, shapes) in enumerate(entries):
+                if stage == self.pp_rank:
+                    tensors = make(i)
+                else:
+                    tensors = [torch.empty(s, device=self.device) for s in shapes]
+                for name, tensor in zip(names, tensors, strict=True):
+                    if group is not None:
+                        tensor = tensor.contiguous()
+                        dist.broadcast(tensor, dist.get_process_group_ranks(group)[stage], group=group)
+                    yield name, tensor
 
     def _full(self, part: ModelPart, name: str, param: torch.Tensor) -> torch.Tensor:
         """The full Megatron tensor of a parameter (its TP shards gathered)."""
@@ -445,22 +506,50 @@ class MegatronBackend:
         dist.all_gather(shards, param.detach().contiguous(), group=self.ps.get_tensor_model_parallel_group())
         return torch.cat(shards, dim=dim)
 
+    def _whole_shape(self, part: ModelPart, name: str, param: torch.Tensor) -> torch.Size:
+        full, dim = list(param.shape), part.module.partition_dim(name)
+        if dim is not None:
+            full[dim] *= self.tp
+        return torch.Size(full)
+
     def full_tensors(self, part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
-        params = dict(part.module.gpt.named_parameters())
-        group = self.ps.get_pipeline_model_parallel_group() if self.pp > 1 else None
-        for stage, entries in enumerate(self._layout(part)):
-            for name, hf_names, shapes in entries:
-                if stage == self.pp_rank:
-                    tensors = convert.to_hf(
-                        name, self._full(part, name, params[name]), part.module.shape, self.tp
-                    )
-                else:
-                    tensors = [torch.empty(s, device=self.device) for s in shapes]
-                for hf_name, tensor in zip(hf_names, tensors, strict=True):
-                    if group is not None:
-                        tensor = tensor.contiguous()
-                        dist.broadcast(tensor, dist.get_process_group_ranks(group)[stage], group=group)
-                    yield hf_name, tensor
+        """The base model's tensors under HF names (a LoRA model's adapters are `adapter_tensors`)."""
+        module = part.module
+        params = [(n, p) for n, p in module.base_parameters()
+                  if not (p is self._tied_copy(part) and self.last and not self.first)]  # fmt: skip
+        # (the tied matrix is exported once, from the first stage)
+        mine = []
+        for name, param in params:
+            meta = torch.empty(self._whole_shape(part, name, param), device="meta")
+            mine.append(
+                (module.hf_names(name), [t.shape for t in convert.to_hf(name, meta, module.shape, self.tp)])
+            )
+
+        def make(i: int) -> tuple[torch.Tensor, ...]:
+            name, param = params[i]
+            return convert.to_hf(name, self._full(part, name, param), module.shape, self.tp)
+
+        return self._over_stages(mine, make)
+
+    def adapter_tensors(self, part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA actor's lora_A / lora_B, whole (gathered over TP), under PEFT's saved names
+        (`base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`). A collective."""
+        module = part.module
+        params = [(n, p) for n, p in module.gpt.named_parameters() if n in module.adapter_names]
+        mine = [((module.adapter_names[n],), [self._whole_shape(part, n, p)]) for n, p in params]
+        return self._over_stages(mine, lambda i: (self._full(part, *params[i]),))
+
+    def merged_tensors(self, part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
+        """`full_tensors` with each adapted Linear's weight merged, W + (alpha / rank) B A: a plain
+        HF model's weights, for servers without adapters. A collective."""
+        adapters = dict(self.adapter_tensors(part))
+        scaling = part.module.lora.alpha / part.module.lora.rank
+        for name, tensor in self.full_tensors(part):
+            module = megatron_lora.PEFT_PREFIX + name.removesuffix(".weight")
+            if name.endswith(".weight") and f"{module}.lora_A.weight" in adapters:
+                a, b = adapters[f"{module}.lora_A.weight"], adapters[f"{module}.lora_B.weight"]
+                tensor = tensor + (b @ a) * scaling
+            yield name, tensor
 
     def local_shards(self, part: ModelPart) -> Iterator[LocalShard]:
         """This rank's TP shard of every parameter under its HF name and in HF layout, placed
@@ -475,11 +564,13 @@ class MegatronBackend:
             raise NotImplementedError(
                 "learner.backend megatron: the colocated HybridEngine reshards one pipeline stage (pp 1)"
             )
+        if part.module.lora is not None:
+            raise NotImplementedError("learner.lora: the colocated HybridEngine does not take adapters")
         if self._tp_mesh is None:
             self._tp_mesh = DeviceMesh.from_group(self.ps.get_tensor_model_parallel_group(), self.device.type)
         module = part.module
         local_shape = convert.tp_local(module.shape, self.tp)
-        for name, param in module.gpt.named_parameters():
+        for name, param in module.base_parameters():
             dim = module.partition_dim(name)
             placement = (Shard(dim),) if dim is not None else (Replicate(),)
             if name.endswith("linear_fc1.weight"):  # this rank's [gate_r; up_r]: two views
@@ -496,19 +587,27 @@ class MegatronBackend:
         return path / f"megatron_tp{self.tp_rank}_pp{self.pp_rank}.pt"
 
     def save(self, parts: list[ModelPart], path: Path) -> None:
-        """Each (TP, PP) shard's weights and AdamW state, written by its data-parallel rank 0."""
+        """Each (TP, PP) shard's weights and AdamW state, written by its data-parallel rank 0. A
+        LoRA actor saves its adapters only (the base comes from `learner.model_path` at every
+        start), and also as a PEFT adapter directory `<name>_adapter/`."""
         path.mkdir(parents=True, exist_ok=True)
         if self.dp_rank == 0:
             state = {"tp": self.tp, "pp": self.pp}
             for part in parts:
                 state[part.name] = {
-                    "model": part.module.gpt.state_dict(),
+                    "model": _trained_state(part.module),
                     "optim": part.optimizer.state_dict(),
                 }
             with open(self._shard_file(path), "wb") as f:
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
+        for part in parts:
+            if part.module.lora is not None:
+                tensors = dict(self.adapter_tensors(part))  # a collective
+                if self.rank == 0:
+                    lora_io.write_adapter(path / f"{part.name}_adapter", tensors, part.module.lora,
+                                          part.module.base_path)  # fmt: skip
         dist.barrier()
 
     def load(self, parts: list[ModelPart], path: Path) -> None:
@@ -521,7 +620,12 @@ class MegatronBackend:
             raise ValueError(f"{path}: written with tp {state['tp']} x pp {state['pp']}, this learner is "
                              f"tp {self.tp} x pp {self.pp}")  # fmt: skip
         for part in parts:
-            part.module.gpt.load_state_dict(state[part.name]["model"])
+            saved, wanted = state[part.name]["model"], _trained_state(part.module)
+            if saved.keys() != wanted.keys():
+                missing, extra = sorted(wanted.keys() - saved.keys()), sorted(saved.keys() - wanted.keys())
+                raise ValueError(f"{path}: the {part.name}'s saved tensors differ from this model's (missing "
+                                 f"{missing[:3]}, unexpected {extra[:3]}): learner.lora must match the run's")  # fmt: skip
+            part.module.gpt.load_state_dict(saved, strict=part.module.lora is None)
             part.optimizer.load_state_dict(state[part.name]["optim"])
 
     def export(self, part: ModelPart, out_dir: Path, tokenizer_path: str | Path | None) -> Path:
@@ -546,6 +650,13 @@ class MegatronBackend:
                 copy_tokenizer(Path(tokenizer_path), out)
         dist.barrier()
         return out
+
+
+def _trained_state(module: MegatronModel) -> dict[str, Any]:
+    """What a checkpoint holds of a model: its whole state dict, or a LoRA model's adapters."""
+    if module.lora is None:
+        return module.gpt.state_dict()
+    return {n: p.detach() for n, p in module.gpt.named_parameters() if n in module.adapter_names}
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:

@@ -78,10 +78,10 @@ class Learner:
         from agentrl.weight_sync.base import AdapterSpec, AdapterWeights
 
         spec = AdapterSpec.of(self.cfg.lora, self.cfg.model_path)
-        module = self.actor.module
+        backend, actor = self.backend, self.actor
         return AdapterWeights(
-            adapter=lambda: lora.lora_only(lora.adapter_tensors(module)),
-            merged=functools.partial(lora.merged_tensors, module),
+            adapter=lambda: lora.lora_only(backend.adapter_tensors(actor)),
+            merged=functools.partial(backend.merged_tensors, actor),
             spec=spec,
         )
 

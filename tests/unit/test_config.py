@@ -237,3 +237,9 @@ def test_describe_prints_every_field_with_its_doc_and_default() -> None:
     assert "learner." not in shown
     with pytest.raises(ConfigError, match="unknown section 'nope'"):
         describe(None, "nope")
+
+
+def test_megatron_lora_refuses_modules_to_save() -> None:
+    AgentRLConfig(learner={"backend": "megatron", "lora": {"rank": 4}})  # adapters alone: accepted
+    with pytest.raises(ValueError, match=r"lora.modules_to_save \['lm_head'\]: backend megatron"):
+        AgentRLConfig(learner={"backend": "megatron", "lora": {"modules_to_save": ["lm_head"]}})
