@@ -43,6 +43,7 @@ their per-token versions show and the off-policy correction weights).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import resource
@@ -87,6 +88,26 @@ def megatron_layout(cfg: AgentRLConfig, world: int) -> None:
     if m.tp != cc.t or m.tp != world:
         raise ValueError(f"learner.megatron.tp={m.tp}: colocated with megatron trains TP over every rank; set "
                          f"colocated.t and learner.megatron.tp to colocated.num_processes ({world})")  # fmt: skip
+
+
+def lora_generation(lora: Any, actor: Any, gen_model: Any, shards: Any) -> tuple[Any, Any, Any]:
+    """A LoRA actor's generation side: PEFT's LoRA layers injected into `gen_model` as the embedded
+    server injects them for a pushed adapter (`peft_adapter.ServedAdapter`: the engine's prefill
+    and decode step run them), the training shards under the injected model's names (PEFT's
+    `base_model.model.` prefix dropped), and which of them are frozen (the base, which no step
+    changes: gathered by the first reshard only). Returns (served adapter, shards, frozen)."""
+    from agentrl.inference.peft_adapter import ServedAdapter
+    from agentrl.learner.lora import PEFT_PREFIX
+
+    served = ServedAdapter(gen_model)
+    served.inject({"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": list(lora.target_modules)})
+    frozen = {name.removeprefix(PEFT_PREFIX) for name, p in actor.named_parameters() if not p.requires_grad}
+
+    def renamed() -> Any:
+        for shard in shards():
+            yield dataclasses.replace(shard, name=shard.name.removeprefix(PEFT_PREFIX))
+
+    return served, renamed, frozen.__contains__
 
 
 def _lockstep(meshes: Any) -> Any:
@@ -218,11 +239,17 @@ class ColocatedRank:
         self.learner = build_learner(cfg, self.meshes)
         self.gen_model = parallelize_generation_model(self.learner.model.config, self.meshes.tp)
         shards = functools.partial(self.learner.backend.local_shards, self.learner.actor)
-        self.hybrid = HybridEngine(shards, self.gen_model, layout, self.meshes)
+        self.adapter, frozen = None, None
+        if lc.lora is not None:  # base + adapter through PEFT's layers; the base resharded once
+            self.adapter, shards, frozen = lora_generation(
+                lc.lora, self.learner.model, self.gen_model, shards
+            )
+        self.hybrid = HybridEngine(shards, self.gen_model, layout, self.meshes, frozen=frozen)
         self.lock = _lockstep(self.meshes)
         tokenizer = AutoTokenizer.from_pretrained(lc.model_path)
         self.engine = Engine(lc.model_path, device=str(self.device), model=self.gen_model, tokenizer=tokenizer,
-                             max_batch_size=cc.max_batch_size, replica=self.lock, cpu_threads=None)  # fmt: skip
+                             max_batch_size=cc.max_batch_size, replica=self.lock, cpu_threads=None,
+                             adapter=self.adapter)  # fmt: skip
         self.replicas = self.world // cc.tg
         self.replica_index = self.meshes.gen.mesh.tolist().index(self.lock.ranks)
         if lc.groups_per_step % self.replicas:
@@ -305,6 +332,10 @@ class ColocatedRank:
         t0 = time.perf_counter()
         stats = self.hybrid.to_generation()
         engine.weight_version = str(learner.version)
+        if self.adapter is not None:
+            from agentrl.inference.lora import ADAPTER_BASE, adapter_name
+
+            self.adapter.name = adapter_name(ADAPTER_BASE, learner.version)
         t_reshard = time.perf_counter() - t0
 
         # 2. generate on the rank-local replica (leader schedules, followers replay)
@@ -330,8 +361,12 @@ class ColocatedRank:
         dist.all_gather_object(gathered, (mine, self.replica_index, cursor))
         groups = [g for part, _, _ in gathered for g in part]
         self.cursors = {i: c for _, i, c in gathered if c is not None}
-        return groups, {**self.roller_metrics, "time/generation_s": t_gen, "time/reshard_s": t_reshard, "time/release_s": t_release,
-                        "reshard/collectives": stats.collectives, "reshard/bytes": stats.bytes_out}  # fmt: skip
+        moved = {"reshard/collectives": stats.collectives, "reshard/bytes": stats.gathered_bytes}
+        if self.adapter is not None:
+            moved.update({"reshard/base_bytes": stats.frozen_bytes,
+                          "reshard/adapter_bytes": stats.gathered_bytes - stats.frozen_bytes})  # fmt: skip
+        return groups, {**self.roller_metrics, "time/generation_s": t_gen, "time/reshard_s": t_reshard,
+                        "time/release_s": t_release, **moved}  # fmt: skip
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """Step 5: advantages, packing over the dp ranks, recompute, forward/backward, AdamW (the

@@ -9,7 +9,9 @@ arrives as PEFT's saved tensors (`base_model.model.<module>.lora_A.weight`, as
 `get_peft_model_state_dict` names them) with its config (`r`, `lora_alpha`, `target_modules`, the
 name it is served under), over the broadcast group (admin `/begin_weight_update` with `lora`) or as
 a PEFT adapter directory (`/load_lora_adapter`). Every load is checked whole before anything is
-copied: a refused adapter leaves the served one and its version in place.
+copied: a refused adapter leaves the served one and its version in place. In colocated mode
+(agentrl/colocated/loop.py) the layers are injected before the engine starts and the HybridEngine
+refills their A and B in place at each reshard, with no `load`.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class ServedAdapter:
         self.injected: tuple[int, float, tuple[str, ...]] | None = None
         self.name: str | None = None
 
-    def _inject(self, config: dict[str, Any]) -> None:
+    def inject(self, config: dict[str, Any]) -> None:
         """PEFT's LoRA layers on the model, once; a later adapter must have the same shape."""
         wanted = _targets(config)
         if self.injected is not None:
@@ -95,7 +97,7 @@ class ServedAdapter:
     def load(self, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
         """Check, inject on first use, check that every adapted Linear gets both matrices, copy."""
         self.check(tensors, config)
-        self._inject(config)
+        self.inject(config)
         params = dict(self.model.named_parameters())
         wanted = {n for n in params if f".lora_A.{ADAPTER}." in n or f".lora_B.{ADAPTER}." in n}
         given = {module_name(n): t for n, t in tensors.items()}

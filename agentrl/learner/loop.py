@@ -83,10 +83,9 @@ def build_learner(
     with `learner.lora`, PEFT adapters on the frozen policy, only they in AdamW), the frozen
     reference when kl_coef > 0 (a LoRA actor's: itself with the adapter disabled), and the critic
     with its own AdamW when `loss.advantage: gae` (both in the backend's own layout)."""
-    if cfg.lora is not None and (cfg.backend != "fsdp2" or shard is not None):
-        where = "colocated mode" if shard is not None else f"learner.backend {cfg.backend}"
+    if cfg.lora is not None and cfg.backend != "fsdp2":
         raise ValueError(
-            f"learner.lora: {where} does not train adapters yet; use learner.backend: fsdp2, decoupled"
+            f"learner.lora: learner.backend {cfg.backend} does not train adapters yet; use learner.backend: fsdp2"
         )
     backend = backend if backend is not None else registry.create(cfg.backend, cfg.megatron, cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -1,0 +1,147 @@
+"""Colocated mode with LoRA on 2 real gloo ranks: the first reshard gives the engines the frozen base,
+every later one only the adapters' lora_A / lora_B, and after each reshard the engine (prefill,
+the lean decode step, prompt log-probs) computes what the training PEFT model's forward does."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+STEPS = 3
+SEQ = [3, 17, 42, 8, 99, 5, 23, 61, 12, 7, 30, 44]  # a fixed token sequence, scored every step
+
+
+def _learner_logprobs(model, seq: list[int]) -> list[float]:
+    """log P(t_i | t_<i), i >= 1, under the training PEFT model (a collective: FSDP gathers)."""
+    import torch
+
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    return torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+
+
+def _engine_sample(engine, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """A seeded sampled continuation from the engine thread: its tokens and their log-probs."""
+    import concurrent.futures
+
+    from agentrl.inference.engine import Request
+    from agentrl.inference.sampling import SamplingParams
+
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, sampling_seed=11)
+    engine.submit(Request("probe", list(prompt), params, on_done=done.set_result))
+    req = done.result(timeout=60)
+    assert req.finish_reason["type"] == "length", req.finish_reason
+    return list(req.output_ids), list(req.logprobs)
+
+
+def _worker(rank: int, world: int, port: int, model: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from agentrl.colocated.loop import ColocatedRank
+    from agentrl.config import load_config
+    from agentrl.hybrid.procs import init_gloo
+    from agentrl.inference.prompt_logprobs import engine_prompt_logprobs
+
+    init_gloo(rank, world, port)
+    args = [f"--run_dir={out_dir}/run", f"--learner.model_path={model}", "--learner.warmstart.steps=0",
+            "--learner.groups_per_step=2", f"--learner.max_steps={STEPS}", "--learner.optim.lr=3e-2",
+            "--roller.group_size=4", "--roller.max_new_tokens=6", "--learner.micro_batch_tokens=256",
+            "--learner.lora.rank=4"]  # fmt: skip
+    cfg = load_config(
+        "recipes/quickstart_colocated_lora.yaml", args, uses=("learner", "roller", "env", "colocated")
+    )
+    r = ColocatedRank(cfg)
+    engine, peft = r.engine, r.learner.model
+    named = dict(peft.named_parameters())
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in named.items() if p.requires_grad)
+    base_bytes = sum(p.numel() * p.element_size() for n, p in named.items() if not p.requires_grad)
+    steps = []
+    try:
+        for _ in range(STEPS):
+            groups, m = r.generate()  # reshard, generate, release
+            # the check: one more reshard (adapters only), the engine against the training forward
+            probe = r.hybrid.to_generation()
+            scored = engine.call(lambda: engine_prompt_logprobs(engine, [SEQ])).result()[0][1:]
+            tokens, sampled = _engine_sample(engine, SEQ[:6])
+            r.hybrid.release()
+            peft.eval()
+            expected = _learner_logprobs(peft, SEQ)
+            expected_sampled = _learner_logprobs(peft, SEQ[:6] + tokens)[5:]
+            for group in groups:  # the untrained model earns no reward: rewards that move the adapter
+                for i, episode in enumerate(group.episodes):
+                    episode.reward = float(i % 2)
+            t = r.train(groups)
+            steps.append({
+                "bytes": m["reshard/bytes"], "base_bytes": m["reshard/base_bytes"],
+                "adapter_bytes": m["reshard/adapter_bytes"], "probe_bytes": probe.gathered_bytes,
+                "probe_frozen_bytes": probe.frozen_bytes, "scored": scored, "expected": expected,
+                "sampled": sampled, "expected_sampled": expected_sampled, "tokens": tokens,
+                "staleness": t["staleness/max"], "mismatch": t["mismatch_kl/k3"], "skipped": t["step_skipped"],
+                "engine_version": engine.weight_version, "adapter_name": engine.adapter_name,
+            })  # fmt: skip
+        # the base is never gathered again: a change to a base training shard does not reach the
+        # engine, while the adapters still follow theirs
+        norm = "model.norm.weight"
+        shard = {s.name: s.local for s in r.hybrid.shards()}[norm]
+        before = shard.clone()
+        with torch.no_grad():
+            shard.add_(1.0)
+        r.hybrid.to_generation()
+        gen = dict(r.gen_model.named_parameters())
+        lora_name = next(n for n in gen if ".lora_B." in n)
+        block = gen[norm].detach().narrow(0, rank * before.shape[0], before.shape[0])
+        base_kept = bool(torch.equal(block, before))
+        lora_full = named[f"base_model.model.{lora_name}"].full_tensor()
+        lora_equal = bool(torch.equal(gen[lora_name].detach(), lora_full))
+        r.hybrid.release()
+    finally:
+        r.close()
+    out = {"steps": steps, "adapter_bytes": adapter_bytes, "base_bytes": base_bytes, "base_kept": base_kept,
+           "lora_equal": lora_equal, "version": r.learner.version}  # fmt: skip
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_colocated_lora_reshards_the_base_once_and_serves_the_training_adapter(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    from agentrl.hybrid.procs import run_ranks
+
+    run_ranks(_worker, 2, (str(tiny_model), str(tmp_path)), 400, "the colocated LoRA test")
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        steps = got["steps"]
+        assert got["version"] == STEPS and len(steps) == STEPS
+        # the engine serves exactly the training PEFT model (fp32)
+        for i, s in enumerate(steps):
+            worst = max(abs(a - b) for a, b in zip(s["scored"], s["expected"], strict=True))
+            assert worst < 1e-5, (i, worst)
+            worst = max(abs(a - b) for a, b in zip(s["sampled"], s["expected_sampled"], strict=True))
+            assert worst < 1e-5, (i, worst, s["tokens"])
+            assert s["staleness"] == 0 and s["skipped"] == 0 and s["mismatch"] < 1e-6, s
+            assert s["engine_version"] == str(i) and s["adapter_name"] == f"agentrl-lora-v{i}", s
+        # and it follows the adapter as it trains: each step's log-probs differ from the last's
+        for before, after in itertools.pairwise(steps):
+            change = max(abs(a - b) for a, b in zip(before["scored"], after["scored"], strict=True))
+            assert change > 1e-4, change
+        assert got["adapter_bytes"] > 0 and got["base_bytes"] > got["adapter_bytes"]
+        # bytes moved: the base once (the first reshard), the adapters every time, nothing else
+        first, *later = steps
+        assert first["base_bytes"] == got["base_bytes"], first
+        assert first["adapter_bytes"] == got["adapter_bytes"], first
+        assert first["bytes"] == got["base_bytes"] + got["adapter_bytes"]
+        for s in later:
+            assert s["base_bytes"] == 0 and s["bytes"] == s["adapter_bytes"] == got["adapter_bytes"], s
+        for s in steps:
+            assert s["probe_bytes"] == got["adapter_bytes"] and s["probe_frozen_bytes"] == 0, s
+        assert got["lora_equal"]
+        assert got["base_kept"]  # the base was not gathered again
