@@ -1,6 +1,7 @@
 """Colocated mode with LoRA on 2 real gloo ranks: the first reshard gives the engines the frozen base,
 every later one only the adapters' lora_A / lora_B, and after each reshard the engine (prefill,
-the lean decode step, prompt log-probs) computes what the training PEFT model's forward does."""
+the lean decode step, prompt log-probs) computes what the training PEFT model's forward does; a
+run killed after a checkpoint and resumed ends with the same adapter as the run left alone."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
+
+from agentrl.log import read_metrics
+from tests.conftest import run_agentrl
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -145,3 +149,40 @@ def test_colocated_lora_reshards_the_base_once_and_serves_the_training_adapter(
             assert s["probe_bytes"] == got["adapter_bytes"] and s["probe_frozen_bytes"] == 0, s
         assert got["lora_equal"]
         assert got["base_kept"]  # the base was not gathered again
+
+
+def test_colocated_lora_run_killed_and_resumed_equals_uninterrupted(tiny_model: Path, tmp_path: Path) -> None:
+    """`agentrl run` with the LoRA recipe, as tests/integration/test_colocated_resume.py runs the full-weight
+    one: the checkpoint holds the adapter (PEFT format) and its optimizer state; the resumed run's
+    first reshard sends the base again, once."""
+    from safetensors.torch import load_file
+
+    from tests.integration.test_colocated_resume import STEPS, _args, _kill_after_checkpoint
+
+    config = "recipes/quickstart_colocated_lora.yaml"
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    result = run_agentrl(*_args(whole, tiny_model, config), timeout=400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    _kill_after_checkpoint(cut, tiny_model, config)
+    assert (cut / "checkpoints" / "step_00000002" / "actor_adapter" / "adapter_config.json").exists()
+    assert not (cut / "adapter").exists()  # killed before the end (the export comes last)
+    result = run_agentrl(*_args(cut, tiny_model, config), "--resume", timeout=400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed at version 2" in result.stderr
+
+    a = load_file(whole / "adapter" / "latest" / "adapter_model.safetensors")
+    b = load_file(cut / "adapter" / "latest" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and any(".lora_B." in k for k in a)
+    for name, value in a.items():
+        assert (value == b[name]).all(), name  # bit-identical
+    assert sum(int(value.abs().max() > 0) for k, value in a.items() if ".lora_B." in k) > 10  # trained
+    records = {r["step"]: r for r in read_metrics(whole / "learner.jsonl")}
+    resumed = {r["step"]: r for r in read_metrics(cut / "learner.jsonl")}
+    assert sorted(records) == list(range(1, STEPS + 1))
+    assert [records[s]["reshard/base_bytes"] > 0 for s in sorted(records)] == [True] + [False] * (STEPS - 1)
+    assert (
+        resumed[3]["reshard/base_bytes"] == records[1]["reshard/base_bytes"]
+        and resumed[4]["reshard/base_bytes"] == 0
+    )
+    for step in (3, 4):
+        assert resumed[step]["loss"] == records[step]["loss"], step
