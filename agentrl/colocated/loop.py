@@ -18,20 +18,24 @@ starts the engine thread.
 
 One step, a short script (`ColocatedRank.generate`, then `.train`):
 
-    1. reshard: training shards -> generation buffers (all-gather inside each micro-DP group)
+    1. reshard: training shards -> generation buffers (all-gather inside each micro-DP group;
+       with `learner.lora`, the frozen base at the first reshard only, then the adapters alone:
+       `lora_generation`)
     2. generate: each replica's leader runs its share of the step's groups with the roller's own
        group code (one `Roller` for the run against an in-process `StepProducer`: the same envs,
        tools, rewards, reward model, ReMax greedy episode, dynamic sampling) on its engine;
        followers replay. With `colocated.partial_rollout` more groups run than the step takes,
        and the step is cut once it has its groups: the unfinished episodes keep their tokens
        (and versions) and go on in the next step, after its reshard
-    3. release: KV cache and generation buffers go (the training shards stay)
+    3. release: KV cache and generation buffers go (the training shards stay, and with LoRA the
+       base's generation buffers)
     4. share: every rank gets every group (all_gather_object); the tokens carry version v
     5. train: the learner's step (`learner.step`: advantages, packing over the S/t dp ranks, the t
        ranks of a TP group getting the same micro-batches, recompute, GAE, forward/backward,
        AdamW); version v+1 when the step was applied (a skipped step is counted, as in the
        decoupled loop)
-    6. log: generation / reshard / training seconds, peak memory per rank, reward, staleness
+    6. log: generation / reshard / training seconds, reshard bytes, peak memory per rank,
+       reward, staleness
     7. checkpoint and export every N versions (`run`, with the decoupled learner's functions)
 
 Generation runs on the weights of version v and training consumes them at version v: the loop is
