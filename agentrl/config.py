@@ -208,7 +208,8 @@ class AgentRLConfig(Section):
 
     def _check_colocated_lora(self) -> None:
         """`learner.lora` with `mode: colocated`: the engines serve base + adapter through PEFT's
-        layers on unsharded replicas (agentrl/colocated/loop.py), the base resharded once."""
+        layers on unsharded replicas (agentrl/colocated/loop.py): the base resharded once, or with
+        `lora_mode: merged` base and adapter every step, merged in the generation buffers."""
         lora, cc = self.learner.lora, self.colocated
         if cc.t > 1 or cc.tg > 1:
             raise ValueError(
@@ -222,12 +223,12 @@ class AgentRLConfig(Section):
                 "the adapters' lora_A / lora_B only, onto a base resharded once; drop modules_to_save, or "
                 "use mode: decoupled with weight_sync.lora_mode: merged"
             )
-        if self.weight_sync.lora_mode == "merged":
+        if self.weight_sync.lora_mode == "merged" and cc.num_processes == 1:
             raise ValueError(
-                "weight_sync.lora_mode: 'merged' with mode: colocated: the colocated engines apply the adapter "
-                "themselves (the base resharded once, each step the adapter only); merged full weights are "
-                "for servers without LoRA support, which colocated mode has none of; set "
-                "weight_sync.lora_mode: adapter"
+                "weight_sync.lora_mode: 'merged' with mode: colocated and colocated.num_processes: 1: the "
+                "generation weights are then the training shards themselves (nothing is gathered), and "
+                "merging the adapter into them would change the trained base; set weight_sync.lora_mode: "
+                "adapter (the base resharded once, each step the adapter only)"
             )
 
     def _check_sampled_logprobs(self) -> None:

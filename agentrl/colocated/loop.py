@@ -20,7 +20,8 @@ One step, a short script (`ColocatedRank.generate`, then `.train`):
 
     1. reshard: training shards -> generation buffers (all-gather inside each micro-DP group;
        with `learner.lora`, the frozen base at the first reshard only, then the adapters alone:
-       `lora_generation`)
+       `lora_generation`; with `weight_sync.lora_mode: merged`, base and adapters every step,
+       merged on the generation side)
     2. generate: each replica's leader runs its share of the step's groups with the roller's own
        group code (one `Roller` for the run against an in-process `StepProducer`: the same envs,
        tools, rewards, reward model, ReMax greedy episode, dynamic sampling) on its engine;
@@ -94,12 +95,16 @@ def megatron_layout(cfg: AgentRLConfig, world: int) -> None:
                          f"colocated.t and learner.megatron.tp to colocated.num_processes ({world})")  # fmt: skip
 
 
-def lora_generation(lora: Any, actor: Any, gen_model: Any, shards: Any) -> tuple[Any, Any, Any]:
+def lora_generation(
+    lora: Any, actor: Any, gen_model: Any, shards: Any, merged: bool = False
+) -> tuple[Any, Any, Any]:
     """A LoRA actor's generation side: PEFT's LoRA layers injected into `gen_model` as the embedded
     server injects them for a pushed adapter (`peft_adapter.ServedAdapter`: the engine's prefill
     and decode step run them), the training shards under the injected model's names (PEFT's
     `base_model.model.` prefix dropped), and which of them are frozen (the base, which no step
-    changes: gathered by the first reshard only). Returns (served adapter, shards, frozen)."""
+    changes: gathered by the first reshard only; none with `merged`, where every reshard gathers
+    the base and the adapter and `ServedAdapter.merge_refilled` folds one into the other).
+    Returns (served adapter, shards, frozen)."""
     from agentrl.inference.peft_adapter import ServedAdapter
     from agentrl.learner.lora import PEFT_PREFIX
 
@@ -111,7 +116,7 @@ def lora_generation(lora: Any, actor: Any, gen_model: Any, shards: Any) -> tuple
         for shard in shards():
             yield dataclasses.replace(shard, name=shard.name.removeprefix(PEFT_PREFIX))
 
-    return served, renamed, frozen.__contains__
+    return served, renamed, None if merged else frozen.__contains__
 
 
 def _lockstep(meshes: Any) -> Any:
@@ -244,9 +249,10 @@ class ColocatedRank:
         self.gen_model = parallelize_generation_model(self.learner.model.config, self.meshes.tp)
         shards = functools.partial(self.learner.backend.local_shards, self.learner.actor)
         self.adapter, frozen = None, None
+        self.merged = lc.lora is not None and cfg.weight_sync.lora_mode == "merged"
         if lc.lora is not None:  # base + adapter through PEFT's layers; the base resharded once
             self.adapter, shards, frozen = lora_generation(
-                lc.lora, self.learner.model, self.gen_model, shards
+                lc.lora, self.learner.model, self.gen_model, shards, self.merged
             )
         self.hybrid = HybridEngine(shards, self.gen_model, layout, self.meshes, frozen=frozen)
         self.lock = _lockstep(self.meshes)
@@ -328,18 +334,27 @@ class ColocatedRank:
         self.roller_metrics = {**self.roller.stats.snapshot(), "colocated/groups_carried": producer.running}
         return sorted(groups, key=lambda g: g.metrics.get("task_index", 0))
 
-    def generate(self) -> tuple[list[Group], dict[str, float]]:
-        """Steps 1-4: reshard, generate on the rank-local replica, release, share. Every rank
-        returns every group of the step (version v) and the phases' metrics."""
-        engine, learner, lock = self.engine, self.learner, self.lock
-        # 1. reshard: training shards -> generation buffers
-        t0 = time.perf_counter()
+    def reshard(self) -> Any:
+        """Step 1: the HybridEngine's reshard into the generation buffers (with LoRA merged, the
+        adapter then folded into the base), the engine at the learner's version. Collective."""
         stats = self.hybrid.to_generation()
-        engine.weight_version = str(learner.version)
+        version = self.learner.version
+        self.engine.weight_version = str(version)
         if self.adapter is not None:
             from agentrl.inference.lora import ADAPTER_BASE, adapter_name
 
-            self.adapter.name = adapter_name(ADAPTER_BASE, learner.version)
+            if self.merged:  # base and adapter both gathered: fold one into the other
+                self.adapter.merge_refilled()
+            self.adapter.name = adapter_name(ADAPTER_BASE, version)
+        return stats
+
+    def generate(self) -> tuple[list[Group], dict[str, float]]:
+        """Steps 1-4: reshard, generate on the rank-local replica, release, share. Every rank
+        returns every group of the step (version v) and the phases' metrics."""
+        engine, lock = self.engine, self.lock
+        # 1. reshard: training shards -> generation buffers
+        t0 = time.perf_counter()
+        stats = self.reshard()
         t_reshard = time.perf_counter() - t0
 
         # 2. generate on the rank-local replica (leader schedules, followers replay)
@@ -366,7 +381,7 @@ class ColocatedRank:
         groups = [g for part, _, _ in gathered for g in part]
         self.cursors = {i: c for _, i, c in gathered if c is not None}
         moved = {"reshard/collectives": stats.collectives, "reshard/bytes": stats.gathered_bytes}
-        if self.adapter is not None:
+        if self.adapter is not None and not self.merged:
             moved.update({"reshard/base_bytes": stats.frozen_bytes,
                           "reshard/adapter_bytes": stats.gathered_bytes - stats.frozen_bytes})  # fmt: skip
         return groups, {**self.roller_metrics, "time/generation_s": t_gen, "time/reshard_s": t_reshard,

@@ -45,7 +45,7 @@ def _engine_sample(engine, prompt: list[int]) -> tuple[list[int], list[float]]:
     return list(req.output_ids), list(req.logprobs)
 
 
-def _worker(rank: int, world: int, port: int, model: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, model: str, out_dir: str, lora_mode: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, model: str, out_dir: str) -> None:
     args = [f"--run_dir={out_dir}/run", f"--learner.model_path={model}", "--learner.warmstart.steps=0",
             "--learner.groups_per_step=2", f"--learner.max_steps={STEPS}", "--learner.optim.lr=3e-2",
             "--roller.group_size=4", "--roller.max_new_tokens=6", "--learner.micro_batch_tokens=256",
-            "--learner.lora.rank=4"]  # fmt: skip
+            "--learner.lora.rank=4", f"--weight_sync.lora_mode={lora_mode}"]  # fmt: skip
     cfg = load_config(
         "recipes/quickstart_colocated_lora.yaml", args, uses=("learner", "roller", "env", "colocated")
     )
@@ -72,9 +72,10 @@ def _worker(rank: int, world: int, port: int, model: str, out_dir: str) -> None:
         for _ in range(STEPS):
             groups, m = r.generate()  # reshard, generate, release
             # the check: one more reshard (adapters only), the engine against the training forward
-            probe = r.hybrid.to_generation()
+            probe = r.reshard()
             scored = engine.call(lambda: engine_prompt_logprobs(engine, [SEQ])).result()[0][1:]
             tokens, sampled = _engine_sample(engine, SEQ[:6])
+            merged = [m.merged for m in r.gen_model.modules() if hasattr(m, "merged_adapters")]
             r.hybrid.release()
             peft.eval()
             expected = _learner_logprobs(peft, SEQ)
@@ -84,8 +85,9 @@ def _worker(rank: int, world: int, port: int, model: str, out_dir: str) -> None:
                     episode.reward = float(i % 2)
             t = r.train(groups)
             steps.append({
-                "bytes": m["reshard/bytes"], "base_bytes": m["reshard/base_bytes"],
-                "adapter_bytes": m["reshard/adapter_bytes"], "probe_bytes": probe.gathered_bytes,
+                "bytes": m["reshard/bytes"], "base_bytes": m.get("reshard/base_bytes"),
+                "adapter_bytes": m.get("reshard/adapter_bytes"), "probe_bytes": probe.gathered_bytes,
+                "merged_layers": merged,
                 "probe_frozen_bytes": probe.frozen_bytes, "scored": scored, "expected": expected,
                 "sampled": sampled, "expected_sampled": expected_sampled, "tokens": tokens,
                 "staleness": t["staleness/max"], "mismatch": t["mismatch_kl/k3"], "skipped": t["step_skipped"],
@@ -98,7 +100,7 @@ def _worker(rank: int, world: int, port: int, model: str, out_dir: str) -> None:
         before = shard.clone()
         with torch.no_grad():
             shard.add_(1.0)
-        r.hybrid.to_generation()
+        r.reshard()
         gen = dict(r.gen_model.named_parameters())
         lora_name = next(n for n in gen if ".lora_B." in n)
         block = gen[norm].detach().narrow(0, rank * before.shape[0], before.shape[0])
@@ -115,29 +117,36 @@ def _worker(rank: int, world: int, port: int, model: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def _served_the_learner(got: dict) -> None:
+    """After every reshard the engine computed what the training PEFT model does (fp32), and
+    followed the adapter as it trained."""
+    steps = got["steps"]
+    assert got["version"] == STEPS and len(steps) == STEPS
+    for i, s in enumerate(steps):
+        worst = max(abs(a - b) for a, b in zip(s["scored"], s["expected"], strict=True))
+        assert worst < 1e-5, (i, worst)
+        worst = max(abs(a - b) for a, b in zip(s["sampled"], s["expected_sampled"], strict=True))
+        assert worst < 1e-5, (i, worst, s["tokens"])
+        assert s["staleness"] == 0 and s["skipped"] == 0 and s["mismatch"] < 1e-6, s
+        assert s["engine_version"] == str(i) and s["adapter_name"] == f"agentrl-lora-v{i}", s
+    for before, after in itertools.pairwise(steps):  # each step's log-probs differ from the last's
+        change = max(abs(a - b) for a, b in zip(before["scored"], after["scored"], strict=True))
+        assert change > 1e-4, change
+    assert got["lora_equal"]
+    assert got["adapter_bytes"] > 0 and got["base_bytes"] > got["adapter_bytes"]
+
+
 def test_colocated_lora_reshards_the_base_once_and_serves_the_training_adapter(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     from agentrl.hybrid.procs import run_ranks
 
-    run_ranks(_worker, 2, (str(tiny_model), str(tmp_path)), 400, "the colocated LoRA test")
+    run_ranks(_worker, 2, (str(tiny_model), str(tmp_path), "adapter"), 400, "the colocated LoRA test")
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        _served_the_learner(got)
         steps = got["steps"]
-        assert got["version"] == STEPS and len(steps) == STEPS
-        # the engine serves exactly the training PEFT model (fp32)
-        for i, s in enumerate(steps):
-            worst = max(abs(a - b) for a, b in zip(s["scored"], s["expected"], strict=True))
-            assert worst < 1e-5, (i, worst)
-            worst = max(abs(a - b) for a, b in zip(s["sampled"], s["expected_sampled"], strict=True))
-            assert worst < 1e-5, (i, worst, s["tokens"])
-            assert s["staleness"] == 0 and s["skipped"] == 0 and s["mismatch"] < 1e-6, s
-            assert s["engine_version"] == str(i) and s["adapter_name"] == f"agentrl-lora-v{i}", s
-        # and it follows the adapter as it trains: each step's log-probs differ from the last's
-        for before, after in itertools.pairwise(steps):
-            change = max(abs(a - b) for a, b in zip(before["scored"], after["scored"], strict=True))
-            assert change > 1e-4, change
-        assert got["adapter_bytes"] > 0 and got["base_bytes"] > got["adapter_bytes"]
+        assert all(not any(s["merged_layers"]) and s["merged_layers"] for s in steps)  # served unmerged
         # bytes moved: the base once (the first reshard), the adapters every time, nothing else
         first, *later = steps
         assert first["base_bytes"] == got["base_bytes"], first
@@ -147,8 +156,24 @@ def test_colocated_lora_reshards_the_base_once_and_serves_the_training_adapter(
             assert s["base_bytes"] == 0 and s["bytes"] == s["adapter_bytes"] == got["adapter_bytes"], s
         for s in steps:
             assert s["probe_bytes"] == got["adapter_bytes"] and s["probe_frozen_bytes"] == 0, s
-        assert got["lora_equal"]
         assert got["base_kept"]  # the base was not gathered again
+
+
+def test_colocated_lora_merged_reshards_base_and_adapter_every_step(tiny_model: Path, tmp_path: Path) -> None:
+    """`weight_sync.lora_mode: merged`: every reshard gathers base and adapter, and the engine
+    serves them merged (PEFT's merge in the generation buffers), still the learner's forward."""
+    from agentrl.hybrid.procs import run_ranks
+
+    run_ranks(_worker, 2, (str(tiny_model), str(tmp_path), "merged"), 400, "the colocated merged LoRA test")
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        _served_the_learner(got)
+        everything = got["base_bytes"] + got["adapter_bytes"]
+        for s in got["steps"]:
+            assert all(s["merged_layers"]) and s["merged_layers"], s
+            assert s["bytes"] == s["probe_bytes"] == everything and s["probe_frozen_bytes"] == 0, s
+            assert s["base_bytes"] is None and s["adapter_bytes"] is None, s  # no split to log
+        assert not got["base_kept"]  # the base is gathered at every reshard
 
 
 def test_colocated_lora_run_killed_and_resumed_equals_uninterrupted(tiny_model: Path, tmp_path: Path) -> None:

@@ -162,5 +162,7 @@ def test_lora_settings_the_run_cannot_honour_are_refused_up_front():
         AgentRLConfig(learner={"lora": LORA}, mode="colocated", colocated={"tg": 2})
     with pytest.raises(ValueError, match=r"modules_to_save \['lm_head'\] with mode: colocated"):
         AgentRLConfig(learner={"lora": lora}, mode="colocated", weight_sync={"lora_mode": "merged"})
-    with pytest.raises(ValueError, match="'merged' with mode: colocated"):
-        AgentRLConfig(learner={"lora": LORA}, mode="colocated", weight_sync={"lora_mode": "merged"})
+    AgentRLConfig(learner={"lora": LORA}, mode="colocated", weight_sync={"lora_mode": "merged"})
+    with pytest.raises(ValueError, match=r"'merged' with mode: colocated and colocated\.num_processes: 1"):
+        AgentRLConfig(learner={"lora": LORA}, mode="colocated", colocated={"num_processes": 1},
+                      weight_sync={"lora_mode": "merged"})  # fmt: skip
