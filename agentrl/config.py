@@ -185,6 +185,8 @@ class AgentRLConfig(Section):
         if concerns("learner", "inference") and self.learner.moe.router_replay:
             self._check_router_replay()
         lora = self.learner.lora
+        if lora is not None and self.mode == "colocated" and concerns("learner", "colocated"):
+            self._check_colocated_lora()
         if lora is None or not concerns("learner", "weight_sync"):
             return
         if lora.modules_to_save and self.weight_sync.lora_mode == "adapter":
@@ -192,8 +194,6 @@ class AgentRLConfig(Section):
                 f"weight_sync.lora_mode: 'adapter' pushes LoRA tensors only, and learner.lora.modules_to_save "
                 f"{lora.modules_to_save} trains whole modules; set weight_sync.lora_mode: merged"
             )
-        if self.mode == "colocated":
-            raise ValueError("learner.lora: mode colocated does not train adapters yet; use mode: decoupled")
         sync = self.weight_sync
         if (
             sync.lora_mode == "adapter"
@@ -204,6 +204,36 @@ class AgentRLConfig(Section):
             raise ValueError(
                 f"weight_sync.keep_last: {sync.keep_last} deletes the adapter version {self.inference.type} still "
                 "serves for requests in flight (and reloads from its directory when evicted); set it to 2 or more"
+            )
+
+    def _check_colocated_lora(self) -> None:
+        """`learner.lora` with `mode: colocated`: the engines serve base + adapter through PEFT's
+        layers on unsharded replicas (agentrl/colocated/loop.py): the base resharded once, or with
+        `lora_mode: merged` base and adapter every step, merged in the generation buffers."""
+        lora, cc = self.learner.lora, self.colocated
+        if self.learner.backend != "fsdp2":
+            raise ValueError(
+                f"learner.lora with mode: colocated trains adapters on learner.backend fsdp2 only, not "
+                f"{self.learner.backend}; use learner.backend: fsdp2, or mode: decoupled for Megatron + LoRA"
+            )
+        if cc.t > 1 or cc.tg > 1:
+            raise ValueError(
+                f"learner.lora with mode: colocated: colocated.t={cc.t}, colocated.tg={cc.tg}: adapters are "
+                "trained and served without tensor parallel (the TP plan names the plain model's modules, "
+                "and the engine applies adapters on whole replicas); set colocated.t: 1 and colocated.tg: 1"
+            )
+        if lora.modules_to_save:
+            raise ValueError(
+                f"learner.lora.modules_to_save {lora.modules_to_save} with mode: colocated: each step reshards "
+                "the adapters' lora_A / lora_B only, onto a base resharded once; drop modules_to_save, or "
+                "use mode: decoupled with weight_sync.lora_mode: merged"
+            )
+        if self.weight_sync.lora_mode == "merged" and cc.num_processes == 1:
+            raise ValueError(
+                "weight_sync.lora_mode: 'merged' with mode: colocated and colocated.num_processes: 1: the "
+                "generation weights are then the training shards themselves (nothing is gathered), and "
+                "merging the adapter into them would change the trained base; set weight_sync.lora_mode: "
+                "adapter (the base resharded once, each step the adapter only)"
             )
 
     def _check_sampled_logprobs(self) -> None:

@@ -18,20 +18,25 @@ starts the engine thread.
 
 One step, a short script (`ColocatedRank.generate`, then `.train`):
 
-    1. reshard: training shards -> generation buffers (all-gather inside each micro-DP group)
+    1. reshard: training shards -> generation buffers (all-gather inside each micro-DP group;
+       with `learner.lora`, the frozen base at the first reshard only, then the adapters alone:
+       `lora_generation`; with `weight_sync.lora_mode: merged`, base and adapters every step,
+       merged on the generation side)
     2. generate: each replica's leader runs its share of the step's groups with the roller's own
        group code (one `Roller` for the run against an in-process `StepProducer`: the same envs,
        tools, rewards, reward model, ReMax greedy episode, dynamic sampling) on its engine;
        followers replay. With `colocated.partial_rollout` more groups run than the step takes,
        and the step is cut once it has its groups: the unfinished episodes keep their tokens
        (and versions) and go on in the next step, after its reshard
-    3. release: KV cache and generation buffers go (the training shards stay)
+    3. release: KV cache and generation buffers go (the training shards stay, and with LoRA the
+       base's generation buffers)
     4. share: every rank gets every group (all_gather_object); the tokens carry version v
     5. train: the learner's step (`learner.step`: advantages, packing over the S/t dp ranks, the t
        ranks of a TP group getting the same micro-batches, recompute, GAE, forward/backward,
        AdamW); version v+1 when the step was applied (a skipped step is counted, as in the
        decoupled loop)
-    6. log: generation / reshard / training seconds, peak memory per rank, reward, staleness
+    6. log: generation / reshard / training seconds, reshard bytes, peak memory per rank,
+       reward, staleness
     7. checkpoint and export every N versions (`run`, with the decoupled learner's functions)
 
 Generation runs on the weights of version v and training consumes them at version v: the loop is
@@ -43,6 +48,7 @@ their per-token versions show and the off-policy correction weights).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import resource
@@ -87,6 +93,30 @@ def megatron_layout(cfg: AgentRLConfig, world: int) -> None:
     if m.tp != cc.t or m.tp != world:
         raise ValueError(f"learner.megatron.tp={m.tp}: colocated with megatron trains TP over every rank; set "
                          f"colocated.t and learner.megatron.tp to colocated.num_processes ({world})")  # fmt: skip
+
+
+def lora_generation(
+    lora: Any, actor: Any, gen_model: Any, shards: Any, merged: bool = False
+) -> tuple[Any, Any, Any]:
+    """A LoRA actor's generation side: PEFT's LoRA layers injected into `gen_model` as the embedded
+    server injects them for a pushed adapter (`peft_adapter.ServedAdapter`: the engine's prefill
+    and decode step run them), the training shards under the injected model's names (PEFT's
+    `base_model.model.` prefix dropped), and which of them are frozen (the base, which no step
+    changes: gathered by the first reshard only; none with `merged`, where every reshard gathers
+    the base and the adapter and `ServedAdapter.merge_refilled` folds one into the other).
+    Returns (served adapter, shards, frozen)."""
+    from agentrl.inference.peft_adapter import ServedAdapter
+    from agentrl.learner.lora import PEFT_PREFIX
+
+    served = ServedAdapter(gen_model)
+    served.inject({"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": list(lora.target_modules)})
+    frozen = {name.removeprefix(PEFT_PREFIX) for name, p in actor.named_parameters() if not p.requires_grad}
+
+    def renamed() -> Any:
+        for shard in shards():
+            yield dataclasses.replace(shard, name=shard.name.removeprefix(PEFT_PREFIX))
+
+    return served, renamed, None if merged else frozen.__contains__
 
 
 def _lockstep(meshes: Any) -> Any:
@@ -218,11 +248,18 @@ class ColocatedRank:
         self.learner = build_learner(cfg, self.meshes)
         self.gen_model = parallelize_generation_model(self.learner.model.config, self.meshes.tp)
         shards = functools.partial(self.learner.backend.local_shards, self.learner.actor)
-        self.hybrid = HybridEngine(shards, self.gen_model, layout, self.meshes)
+        self.adapter, frozen = None, None
+        self.merged = lc.lora is not None and cfg.weight_sync.lora_mode == "merged"
+        if lc.lora is not None:  # base + adapter through PEFT's layers; the base resharded once
+            self.adapter, shards, frozen = lora_generation(
+                lc.lora, self.learner.model, self.gen_model, shards, self.merged
+            )
+        self.hybrid = HybridEngine(shards, self.gen_model, layout, self.meshes, frozen=frozen)
         self.lock = _lockstep(self.meshes)
         tokenizer = AutoTokenizer.from_pretrained(lc.model_path)
         self.engine = Engine(lc.model_path, device=str(self.device), model=self.gen_model, tokenizer=tokenizer,
-                             max_batch_size=cc.max_batch_size, replica=self.lock, cpu_threads=None)  # fmt: skip
+                             max_batch_size=cc.max_batch_size, replica=self.lock, cpu_threads=None,
+                             adapter=self.adapter)  # fmt: skip
         self.replicas = self.world // cc.tg
         self.replica_index = self.meshes.gen.mesh.tolist().index(self.lock.ranks)
         if lc.groups_per_step % self.replicas:
@@ -297,14 +334,27 @@ class ColocatedRank:
         self.roller_metrics = {**self.roller.stats.snapshot(), "colocated/groups_carried": producer.running}
         return sorted(groups, key=lambda g: g.metrics.get("task_index", 0))
 
+    def reshard(self) -> Any:
+        """Step 1: the HybridEngine's reshard into the generation buffers (with LoRA merged, the
+        adapter then folded into the base), the engine at the learner's version. Collective."""
+        stats = self.hybrid.to_generation()
+        version = self.learner.version
+        self.engine.weight_version = str(version)
+        if self.adapter is not None:
+            from agentrl.inference.lora import ADAPTER_BASE, adapter_name
+
+            if self.merged:  # base and adapter both gathered: fold one into the other
+                self.adapter.merge_refilled()
+            self.adapter.name = adapter_name(ADAPTER_BASE, version)
+        return stats
+
     def generate(self) -> tuple[list[Group], dict[str, float]]:
         """Steps 1-4: reshard, generate on the rank-local replica, release, share. Every rank
         returns every group of the step (version v) and the phases' metrics."""
-        engine, learner, lock = self.engine, self.learner, self.lock
+        engine, lock = self.engine, self.lock
         # 1. reshard: training shards -> generation buffers
         t0 = time.perf_counter()
-        stats = self.hybrid.to_generation()
-        engine.weight_version = str(learner.version)
+        stats = self.reshard()
         t_reshard = time.perf_counter() - t0
 
         # 2. generate on the rank-local replica (leader schedules, followers replay)
@@ -330,8 +380,12 @@ class ColocatedRank:
         dist.all_gather_object(gathered, (mine, self.replica_index, cursor))
         groups = [g for part, _, _ in gathered for g in part]
         self.cursors = {i: c for _, i, c in gathered if c is not None}
-        return groups, {**self.roller_metrics, "time/generation_s": t_gen, "time/reshard_s": t_reshard, "time/release_s": t_release,
-                        "reshard/collectives": stats.collectives, "reshard/bytes": stats.bytes_out}  # fmt: skip
+        moved = {"reshard/collectives": stats.collectives, "reshard/bytes": stats.gathered_bytes}
+        if self.adapter is not None and not self.merged:
+            moved.update({"reshard/base_bytes": stats.frozen_bytes,
+                          "reshard/adapter_bytes": stats.gathered_bytes - stats.frozen_bytes})  # fmt: skip
+        return groups, {**self.roller_metrics, "time/generation_s": t_gen, "time/reshard_s": t_reshard,
+                        "time/release_s": t_release, **moved}  # fmt: skip
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """Step 5: advantages, packing over the dp ranks, recompute, forward/backward, AdamW (the

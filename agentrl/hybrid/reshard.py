@@ -37,6 +37,12 @@ one all-gather fills it, and the blocks are copied out to the generation buffers
 gathered in place in their own buffers, no staging. `release()` frees the generation storages
 (`untyped_storage().resize_(0)`); the generation model keeps its parameter objects, so an engine
 built on it stays valid and the next `to_generation()` refills the same tensors.
+
+Frozen parameters (`frozen`: a LoRA actor's base weights, which never change) are gathered by the
+first `to_generation()` only; their buffers stay filled across `release()`, and every later
+reshard gathers the other parameters alone (the adapters' lora_A / lora_B). Each reshard reports
+the bytes its gathers filled on this rank, and the frozen parameters' share of them
+(`ReshardStats`).
 """
 
 from __future__ import annotations
@@ -48,8 +54,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agentrl.hybrid.gather import (
+    Bucket,
     GenSlot,
     Group,
+    Unit,
     all_gather_coalesced,
     all_gather_single,
     coalesced_units,
@@ -86,7 +94,22 @@ class HybridMeshes:
 class ReshardStats:
     seconds: float
     collectives: int
-    bytes_out: int  # bytes this rank's buffers received, its own chunk included
+    bytes_out: int  # bytes of this rank's generation shards, views of the training shards included
+    gathered_bytes: int = 0  # bytes this reshard's gathers filled on this rank, its own blocks included
+    frozen_bytes: int = 0  # the frozen parameters' part of `gathered_bytes` (the first reshard's only)
+
+
+@dataclass
+class GatherPlan:
+    """The slots one reshard gathers: large ones in place, the others in buckets (and, for the
+    coalesced transport, its units)."""
+
+    in_place: list[GenSlot]
+    buckets: list[Bucket]
+    units: list[Unit]
+
+    def slots(self) -> list[GenSlot]:
+        return self.in_place + [slot for bucket in self.buckets for slot in bucket.slots]
 
 
 def build_meshes(layout: HybridLayout, device_type: str = "cpu") -> HybridMeshes:
@@ -107,13 +130,18 @@ def build_meshes(layout: HybridLayout, device_type: str = "cpu") -> HybridMeshes
 
 def shard_training_model(model: nn.Module, mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> nn.Module:
     """The training layout: tensor parallel over `tp_mesh` (tp.py's plan) when given, then FSDP2
-    (`fully_shard` over `mesh`) per decoder layer and at the root, each parameter sharded on its TP dim."""
+    (`fully_shard` over `mesh`) per decoder layer and at the root, each parameter sharded on its TP
+    dim. A PEFT-wrapped model (a LoRA actor) is sharded the same way, its adapters inside their
+    decoder layers' units; tensor parallel does not take one (the plan names the plain model's modules)."""
     from torch.distributed.fsdp import fully_shard
 
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if tp_mesh is not None and tp_mesh.size() > 1:
+        if inner is not model:
+            raise NotImplementedError("tensor-parallel training of a LoRA (PEFT) actor: use colocated.t 1")
         tensor_parallelize(model, tp_mesh)
     placement = fsdp_shard_placement(model)
-    for layer in model.model.layers:
+    for layer in inner.model.layers:
         fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, shard_placement_fn=placement)
     return model
@@ -129,7 +157,9 @@ class HybridEngine:
     `tp.parallelize_generation_model(config, meshes.tp)`. The constructor
     binds a generation buffer (storage released) or a view of the training shard to every
     parameter of `gen_model`; `to_generation()` fills the buffers, `release()` frees them. Both are
-    collective: every rank calls them in step."""
+    collective: every rank calls them in step. `frozen(name)` is True for parameters that never
+    change (a LoRA actor's base): the first `to_generation()` gathers them, `release()` keeps them,
+    later reshards skip them."""
 
     def __init__(
         self,
@@ -139,6 +169,7 @@ class HybridEngine:
         meshes: HybridMeshes,
         bucket_bytes: int = BUCKET_BYTES,
         transport: str = "auto",
+        frozen: Callable[[str], bool] | None = None,
     ):
         import torch.distributed as dist
 
@@ -166,11 +197,24 @@ class HybridEngine:
         self.generation_bytes = sum(s.nbytes for s in self.slots)
         self.added_bytes = sum(s.nbytes for s in self.slots if not s.view)
         sizes = {name: group.size for name, group in self.groups.items()}
-        self.in_place, self.buckets = plan_buckets([s for s in self.slots if not s.view], sizes, bucket_bytes)
+        gathered = [s for s in self.slots if not s.view]
+        self.frozen = {s.name for s in gathered if frozen is not None and frozen(s.name)}
+        self.in_place, self.buckets = plan_buckets(gathered, sizes, bucket_bytes)
         self.transport = _transport(transport, self.groups)
         self.peak_param_bytes = self.training_bytes  # of this engine's own accounting
         self._allocated = False
+        self._frozen_filled = False  # the frozen parameters' buffers hold their values
         self._plan_staging()
+        self.first = GatherPlan(self.in_place, self.buckets, self.units)
+        self.later = self.first
+        if self.frozen:  # the unfrozen parameters alone, planned the same way
+            self.later = GatherPlan(*plan_buckets([s for s in gathered if s.name not in self.frozen], sizes,
+                                                  bucket_bytes), [])  # fmt: skip
+            if self.transport == "coalesced":
+                self.allocate()
+                self.later.units = coalesced_units([[s] for s in self.later.in_place] +
+                                                   [b.slots for b in self.later.buckets], self.groups)  # fmt: skip
+                self.release()
 
     def _plan_staging(self) -> None:
         """The transport's units and the staging memory it holds at most (`staging_bytes`)."""
@@ -199,30 +243,35 @@ class HybridEngine:
 
     # public --------------------------------------------------------------------------------
     def to_generation(self, probe: Callable[[], None] | None = None) -> ReshardStats:
-        """Fill the generation buffers from the current training shards. `probe`, if given, is
-        called after each collective is issued and each bucket copied out (tests measure live
-        memory there)."""
+        """Fill the generation buffers from the current training shards (the frozen parameters'
+        at the first call only). `probe`, if given, is called after each collective is issued and
+        each bucket copied out (tests measure live memory there)."""
         import torch
 
         self._read_shards()
+        plan = self.later if self._frozen_filled else self.first
         start = time.perf_counter()
         with torch.no_grad():
             self._refresh_views()
             self.allocate()
             if self.transport == "coalesced":
-                collectives = self._gather_coalesced(probe)
+                collectives = self._gather_coalesced(plan, probe)
             else:
-                collectives = self._gather_staged(probe)
+                collectives = self._gather_staged(plan, probe)
         self._allocated = True
+        self._frozen_filled = bool(self.frozen)
         self.peak_param_bytes = max(
             self.peak_param_bytes, self.training_bytes + self.added_bytes + self.staging_bytes
         )
-        return ReshardStats(time.perf_counter() - start, collectives, self.generation_bytes)
+        slots = plan.slots()
+        return ReshardStats(time.perf_counter() - start, collectives, self.generation_bytes,
+                            gathered_bytes=sum(s.nbytes for s in slots),
+                            frozen_bytes=sum(s.nbytes for s in slots if s.name in self.frozen))  # fmt: skip
 
-    def _gather_coalesced(self, probe: Callable[[], None] | None) -> int:
+    def _gather_coalesced(self, plan: GatherPlan, probe: Callable[[], None] | None) -> int:
         """gloo: each unit in one call, at most MAX_STAGING in flight."""
         inflight: deque = deque()
-        for unit in self.units:
+        for unit in plan.units:
             inflight.append(all_gather_coalesced(unit, [self._block(slot) for slot in unit.slots]))
             if probe is not None:
                 probe()
@@ -230,16 +279,16 @@ class HybridEngine:
                 inflight.popleft().wait()
         while inflight:
             inflight.popleft().wait()
-        return len(self.units)
+        return len(plan.units)
 
-    def _gather_staged(self, probe: Callable[[], None] | None) -> int:
+    def _gather_staged(self, plan: GatherPlan, probe: Callable[[], None] | None) -> int:
         """Any backend: large parameters in place, small ones in buckets through a staging buffer."""
         import torch
 
         collectives, pending = 0, []
         # large parameters: in place in their own buffers, issued async and waited for
         # together (no Python round trip between collectives, nothing extra held)
-        for slot in self.in_place:
+        for slot in plan.in_place:
             group = self.groups[slot.group]
             local = self._block(slot)
             own = slot.buffer.narrow(0, group.index * local.shape[0], local.shape[0])
@@ -250,7 +299,7 @@ class HybridEngine:
             if probe is not None:
                 probe()
         inflight: deque = deque()
-        for bucket in self.buckets:
+        for bucket in plan.buckets:
             group = self.groups[bucket.group]
             first = bucket.slots[0].buffer
             staging = torch.empty(group.size * bucket.numel, dtype=first.dtype, device=first.device)
@@ -294,9 +343,10 @@ class HybridEngine:
                 _alloc(slot)
 
     def release(self) -> None:
-        """Free the generation buffers (the training shards, and the views of them, stay)."""
+        """Free the generation buffers (the training shards, the views of them and the filled
+        buffers of frozen parameters stay)."""
         for slot in self.slots:
-            if not slot.view:
+            if not slot.view and not (self._frozen_filled and slot.name in self.frozen):
                 slot.buffer.untyped_storage().resize_(0)
         self._allocated = False
 

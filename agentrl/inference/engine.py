@@ -151,12 +151,15 @@ class Engine(BufferPhases, ReplicaFollowing):
         tokenizer: Any = None,
         replica: Any = None,
         lean_decode: bool = True,
+        adapter: Any = None,
     ) -> None:
         """`model_path` is loaded with `from_pretrained` unless `model` is given: then that module
         (already on `device`, in `dtype`) is served as it is, and `model_path`, if set, only names
         where the tokenizer is (or pass `tokenizer`). `replica`: see the module docstring.
         `lean_decode`: decode steps of a plain Qwen2 model skip transformers' per-call machinery
-        (agentrl/inference/decode.py; same logits); False always uses the model's forward."""
+        (agentrl/inference/decode.py; same logits); False always uses the model's forward.
+        `adapter`: a `peft_adapter.ServedAdapter` already injected into `model`, served from the
+        start (colocated LoRA: the HybridEngine refills its A and B in place)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if model is None and model_path is None:
@@ -188,7 +191,7 @@ class Engine(BufferPhases, ReplicaFollowing):
         self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.max_batch_size = max_batch_size
         self.weight_version = "0"
-        self._adapter = None  # peft_adapter.ServedAdapter, from the first adapter loaded
+        self._adapter = adapter  # peft_adapter.ServedAdapter, from the first adapter loaded
         self._base_replaced: str | None = None  # the version of the last full-weight load
         self._lean = lean_decoder(self.model) if lean_decode else None
         self.routing_shape = routing_shape(self.model)  # (MoE layers, top-k); None for a dense model

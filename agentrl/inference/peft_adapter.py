@@ -9,7 +9,10 @@ arrives as PEFT's saved tensors (`base_model.model.<module>.lora_A.weight`, as
 `get_peft_model_state_dict` names them) with its config (`r`, `lora_alpha`, `target_modules`, the
 name it is served under), over the broadcast group (admin `/begin_weight_update` with `lora`) or as
 a PEFT adapter directory (`/load_lora_adapter`). Every load is checked whole before anything is
-copied: a refused adapter leaves the served one and its version in place.
+copied: a refused adapter leaves the served one and its version in place. In colocated mode
+(agentrl/colocated/loop.py) the layers are injected before the engine starts and the HybridEngine
+refills their A and B in place at each reshard, with no `load` (with `lora_mode: merged` it
+refills the base too and `merge_refilled` folds the adapter into it).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class ServedAdapter:
         self.injected: tuple[int, float, tuple[str, ...]] | None = None
         self.name: str | None = None
 
-    def _inject(self, config: dict[str, Any]) -> None:
+    def inject(self, config: dict[str, Any]) -> None:
         """PEFT's LoRA layers on the model, once; a later adapter must have the same shape."""
         wanted = _targets(config)
         if self.injected is not None:
@@ -95,7 +98,7 @@ class ServedAdapter:
     def load(self, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
         """Check, inject on first use, check that every adapted Linear gets both matrices, copy."""
         self.check(tensors, config)
-        self._inject(config)
+        self.inject(config)
         params = dict(self.model.named_parameters())
         wanted = {n for n in params if f".lora_A.{ADAPTER}." in n or f".lora_B.{ADAPTER}." in n}
         given = {module_name(n): t for n, t in tensors.items()}
@@ -107,6 +110,21 @@ class ServedAdapter:
                 target = params[name]
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         self.name = str(config.get("name") or "adapter")
+
+    def merge_refilled(self) -> None:
+        """Fold every LoRA layer's `scaling · B @ A` into its base weight, which was just refilled
+        with the unmerged base (a colocated reshard with `lora_mode: merged`), and serve that
+        (PEFT's `merge`: the layer then runs its base Linear alone); what a layer merged before the
+        refill is forgotten."""
+        from peft.tuners.lora import LoraLayer
+
+        if self.injected is None:
+            raise RuntimeError("merge_refilled: no LoRA layers injected")
+        with torch.no_grad():
+            for module in self.model.modules():
+                if isinstance(module, LoraLayer):
+                    module.merged_adapters.clear()
+                    module.merge(adapter_names=[ADAPTER])
 
     def base_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full weights under the plain model's names, renamed to the injected model's (an adapted

@@ -83,8 +83,10 @@ def build_learner(
     with `learner.lora`, LoRA adapters on the frozen policy, only they in AdamW), the frozen
     reference when kl_coef > 0 (a LoRA actor's: itself with the adapter disabled), and the critic
     with its own AdamW when `loss.advantage: gae` (both in the backend's own layout)."""
-    if cfg.lora is not None and shard is not None:
-        raise ValueError("learner.lora: colocated mode does not train adapters yet; use mode: decoupled")
+    if cfg.lora is not None and shard is not None and cfg.backend != "fsdp2":
+        raise ValueError(
+            f"learner.lora: colocated mode trains adapters on learner.backend fsdp2 only, not {cfg.backend}"
+        )
     backend = backend if backend is not None else registry.create(cfg.backend, cfg.megatron, cfg.seed)
     torch.manual_seed(cfg.seed)
     bf16 = cfg.dtype == "bfloat16"

@@ -23,18 +23,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 STEPS = 4
 
 
-def _args(run_dir: Path, model: Path) -> list[str]:
+def _args(run_dir: Path, model: Path, config: str = "recipes/quickstart_colocated.yaml") -> list[str]:
     # the untrained model earns no reward: the entropy bonus makes every step move the weights
-    return ["run", "--config", "recipes/quickstart_colocated.yaml", f"--run_dir={run_dir}",
+    return ["run", "--config", config, f"--run_dir={run_dir}",
             f"--learner.model_path={model}", "--learner.warmstart.steps=0", f"--learner.max_steps={STEPS}",
             "--learner.checkpoint.every=2", "--learner.loss.entropy_coef=0.05", "--learner.optim.lr=1e-3",
             "--learner.groups_per_step=2", "--roller.group_size=2", "--roller.max_new_tokens=8"]  # fmt: skip
 
 
-def _kill_after_checkpoint(run_dir: Path, model: Path, timeout_s: float = 300) -> None:
-    """Start the run and SIGKILL it (its whole process group: launcher, torchrun, ranks) as soon as
-    the checkpoint of version 2 is complete (`checkpoints/latest` names it)."""
-    proc = subprocess.Popen([sys.executable, "-m", "agentrl", *_args(run_dir, model)], cwd=REPO,
+def _kill_after_checkpoint(
+    run_dir: Path, model: Path, config: str | None = None, timeout_s: float = 300
+) -> None:
+    """Start the run (`config`: the recipe, the colocated quickstart's by default) and SIGKILL it
+    (its whole process group: launcher, torchrun, ranks) as soon as the checkpoint of version 2 is
+    complete (`checkpoints/latest` names it)."""
+    args = _args(run_dir, model, config) if config else _args(run_dir, model)
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl", *args], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + timeout_s

@@ -155,5 +155,19 @@ def test_lora_settings_the_run_cannot_honour_are_refused_up_front():
     with pytest.raises(ValueError, match="lora_mode: merged"):
         AgentRLConfig(learner={"lora": lora})
     AgentRLConfig(learner={"lora": lora}, weight_sync={"lora_mode": "merged"})
-    with pytest.raises(ValueError, match="mode colocated does not train adapters"):
-        AgentRLConfig(learner={"lora": LORA}, mode="colocated")
+    AgentRLConfig(learner={"lora": LORA}, mode="colocated")  # adapters on whole colocated replicas
+    with pytest.raises(ValueError, match=r"colocated.t=2, colocated.tg=1: adapters are trained and served"):
+        AgentRLConfig(learner={"lora": LORA}, mode="colocated", colocated={"t": 2})
+    with pytest.raises(ValueError, match=r"colocated.t=1, colocated.tg=2"):
+        AgentRLConfig(learner={"lora": LORA}, mode="colocated", colocated={"tg": 2})
+    with pytest.raises(ValueError, match=r"modules_to_save \['lm_head'\] with mode: colocated"):
+        AgentRLConfig(learner={"lora": lora}, mode="colocated", weight_sync={"lora_mode": "merged"})
+    AgentRLConfig(learner={"lora": LORA}, mode="colocated", weight_sync={"lora_mode": "merged"})
+    with pytest.raises(ValueError, match=r"'merged' with mode: colocated and colocated\.num_processes: 1"):
+        AgentRLConfig(learner={"lora": LORA}, mode="colocated", colocated={"num_processes": 1},
+                      weight_sync={"lora_mode": "merged"})  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"colocated trains adapters on learner.backend fsdp2 only, not megatron"
+    ):
+        AgentRLConfig(learner={"lora": LORA, "backend": "megatron"}, mode="colocated")
+    AgentRLConfig(learner={"lora": LORA, "backend": "megatron"})  # decoupled Megatron + LoRA
