@@ -30,6 +30,14 @@ pinned CPU memory on CUDA) and `rebuild()` (agentrl/inference/buffers.py). With 
 replica's leader, broadcasts every change of the running batch (prefill inputs, the sampled
 tokens of each decode step, the rows kept) so the followers run the identical forward on their
 shards (agentrl/inference/replica.py); only the leader samples.
+
+The module runs past 500 lines because `Engine` is one thread's state: the running batch, the
+held requests, the paused flag and the served weights (base and adapter) are read and written by
+the loop, by abort/pause and by the weight and adapter loads, which all run on the engine thread
+between steps (HTTP handlers reach them through `submit` and `call`). What stands apart from that
+state already has its own module (the KV batch, sampling, the lean decode step, the buffer
+phases, the replica broadcasts, the served adapter); a further split would pass the thread's
+state between modules.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ as a Megatron-core `GPTModel` with tensor parallel (`learner.megatron.tp`), pipe
     actor = backend.build("policy", "runs/models/tiny", optim=cfg.optim)
 
 The model is built from the checkpoint's Hugging Face config with Megatron's local layer spec
-(no Transformer Engine, so the same code runs on CPU) and loaded from its safetensors by
-`megatron_convert`. Every forward goes through `get_forward_backward_func()` (with one stage
+(no Transformer Engine, so the same code runs on CPU) as a `megatron_model.MegatronModel` and
+loaded from its safetensors by `megatron_model.load_hf` (the layouts: `megatron_convert`). Every forward goes through `get_forward_backward_func()` (with one stage
 it runs the micro-batches in turn); the learner's `loss_fn` runs on the last stage, on the
 vocabulary-parallel logits gathered over the TP group, so the same log-prob code, losses and
 corrections as the FSDP2 backend apply. Packed rows get an explicit block-diagonal causal mask;
@@ -21,8 +21,8 @@ clipped as `clip_grad_norm_` does. Megatron's DistributedOptimizer (optimizer st
 over DP) is not used here.
 
 On a machine without CUDA, `megatron_cpu.apply()` installs the shims Megatron needs first.
-Resumable checkpoints are one file per (TP, PP) coordinate, written by data-parallel rank 0:
-resuming needs the same tp and pp (any data-parallel size).
+Resumable checkpoints (`megatron_checkpoint`) are one file per (TP, PP) coordinate, written by
+data-parallel rank 0: resuming needs the same tp and pp (any data-parallel size).
 
 The critic (`kind="value"`) is the same GPTModel whose last stage ends in a `ValueHead` (HF's
 `score`, hidden -> 1, zero-initialised) instead of the vocabulary; it loads from, and exports to,
@@ -39,10 +39,8 @@ names or merged into the HF weights.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -51,130 +49,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agentrl.learner import lora as lora_io
+from agentrl.learner import megatron_checkpoint, megatron_lora
 from agentrl.learner import megatron_convert as convert
-from agentrl.learner import megatron_lora
 from agentrl.learner.backend import LocalShard, ModelPart, NonFiniteError, PartKind
-from agentrl.learner.fsdp import FSDP2Backend, copy_tokenizer, init_distributed
+from agentrl.learner.fsdp import FSDP2Backend, init_distributed
+from agentrl.learner.megatron_model import (
+    MegatronModel,
+    ValueHead,
+    causal_mask,
+    grad_through,
+    load_hf,
+    padding_idx,
+)
 from agentrl.learner.packing import MicroBatch
 from agentrl.log import get_logger
 
 log = get_logger("learner.megatron")
-
-
-class MegatronModel(nn.Module):
-    """The GPTModel of one pipeline stage (`gpt`), with the HF config it was built from
-    (`config`: what the loop reads, e.g. `vocab_size`), its layout (`shape`) and its `kind`: a
-    policy, or a value model whose last stage ends in a `ValueHead` instead of the vocabulary."""
-
-    def __init__(self, gpt: nn.Module, hf_config: Any, shape: convert.Shape, kind: PartKind) -> None:
-        super().__init__()
-        self.gpt = gpt
-        self.config = hf_config
-        self.shape = shape
-        self.kind = kind
-        # with `learner.lora` (`megatron_lora.attach`): the adapters' PEFT names and TP split dims
-        self.lora: Any = None
-        self.base_path = ""
-        self.adapter_names: dict[str, str] = {}
-        self.adapter_dims: dict[str, int | None] = {}
-        self.switch = megatron_lora.Switch()
-
-    def base_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The GPTModel's own parameters (the adapters left out), by Megatron name."""
-        return ((n, p) for n, p in self.gpt.named_parameters() if n not in self.adapter_names)
-
-    def hf_names(self, name: str) -> tuple[str, ...]:
-        if self.kind == "value" and name.startswith("output_layer."):
-            return ("score." + name.rpartition(".")[2],)  # HF's token-classification head
-        layers = self.gpt.decoder.layers
-        return convert.hf_names(name, lambda local: layers[local].layer_number - 1, self.shape)
-
-    def partition_dim(self, name: str) -> int | None:
-        """`convert.partition_dim`; a value head is replicated over the TP group; an adapter's
-        split is its base layer's (`megatron_lora`)."""
-        if name in self.adapter_dims:
-            return self.adapter_dims[name]
-        if self.kind == "value" and name.startswith("output_layer."):
-            return None
-        return convert.partition_dim(name)
-
-
-class ValueHead(nn.Linear):
-    """The critic's scalar head (HF's `score`: hidden -> 1 with a bias), in the place of the
-    GPTModel's vocabulary-parallel output layer and called as it is. Every TP rank holds it whole
-    and computes the same values from the same (replicated) final hidden states, so neither its
-    output nor the gradient it sends back needs a TP collective."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__(hidden, 1, bias=True)
-
-    def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
-        return super().forward(hidden), None
-
-
-def causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Megatron's attention mask (True = masked, [rows, 1, T, T]) for packed rows: each position
-    attends to the earlier positions of its own sequence (sequences start where position ids
-    restart at 0)."""
-    seq = (position_ids == 0).cumsum(-1)
-    same = seq[:, :, None] == seq[:, None, :]
-    t = position_ids.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
-    return ~(same & causal)[:, None]
-
-
-def _padding_idx(embedding: nn.Module, pad_id: int) -> None:
-    """HF's `nn.Embedding(..., padding_idx=pad_token_id)` (Qwen2/Qwen3/Llama): the pad token's
-    input-embedding row gets no gradient from its lookups (the tied output side still trains
-    it). Megatron's embedding has no padding index, so the lookup's output gradient is zeroed
-    at pad positions."""
-
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if output.requires_grad:
-            pad = (args[0] == pad_id)[..., None]
-            output.register_hook(lambda grad: grad.masked_fill(pad, 0.0))
-
-    embedding.register_forward_hook(hook)
-
-
-def _grad_through(embedding: nn.Module) -> None:
-    """With a frozen embedding and full-layer recompute, the first layer's input must require grad:
-    Megatron's `CheckpointFunction` gives an output that needs a gradient only when an input
-    does, and the adapters inside the recomputed layer are not its inputs (PEFT's
-    `enable_input_require_grads`, for the same reason under HF's gradient checkpointing)."""
-
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if torch.is_grad_enabled() and not output.requires_grad:
-            output.requires_grad_(True)
-
-    embedding.register_forward_hook(hook)
-
-
-class _HFTensors:
-    """The checkpoint's tensors by HF name (all its safetensors files), read one at a time."""
-
-    def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no *.safetensors files (an HF `from_pretrained` checkpoint)")
-        self.path, self.where = path, {}
-        for file in files:
-            with safe_open(str(file), "pt") as f:
-                self.where.update(dict.fromkeys(f.keys(), file))
-
-    def has(self, name: str) -> bool:
-        return name in self.where
-
-    def __call__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        if name not in self.where:
-            raise KeyError(f"{self.path}: no tensor {name!r} in the checkpoint")
-        with safe_open(str(self.where[name]), "pt") as f:
-            return f.get_tensor(name)
 
 
 class MegatronBackend:
@@ -257,11 +147,11 @@ class MegatronBackend:
             rotary_base=convert.rope_theta(hf),
         ).to(self.device)
         if self.first and getattr(hf, "pad_token_id", None) is not None:
-            _padding_idx(gpt.embedding.word_embeddings, hf.pad_token_id)
+            padding_idx(gpt.embedding.word_embeddings, hf.pad_token_id)
         if kind == "value" and self.last:
             gpt.output_layer = ValueHead(shape.hidden).to(self.device)
         module = MegatronModel(gpt, hf, shape, kind)
-        self._load_hf(module, path)
+        load_hf(module, path, self.tp, self.tp_rank)
         if optim is None:
             module.eval().requires_grad_(False)
             return ModelPart(name, kind, module)
@@ -271,33 +161,13 @@ class MegatronBackend:
             )
             module.lora, module.base_path = lora, str(path)
             if self.first and activation_checkpointing:
-                _grad_through(gpt.embedding)
+                grad_through(gpt.embedding)
         module.train()
         trained = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=optim.lr, betas=optim.adam_betas,
                                       weight_decay=optim.weight_decay, fused=True)  # fmt: skip
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda or (lambda step: 1.0))
         return ModelPart(name, kind, module, optimizer, scheduler)
-
-    def _load_hf(self, module: MegatronModel, path: Path) -> None:
-        """Copy this rank's shard of every parameter from the HF checkpoint. A value model's head
-        starts at zero (every value 0, as `hf_model.load_value_model`), unless the checkpoint has
-        one (an exported critic)."""
-        read = _HFTensors(path)
-        with torch.no_grad():
-            for name, param in module.base_parameters():
-                names = module.hf_names(name)
-                if module.kind == "value" and name.startswith("output_layer.") and not read.has(names[0]):
-                    param.zero_()
-                    continue
-                full = convert.to_megatron(name, [read(n) for n in names], module.shape, self.tp)
-                dim = module.partition_dim(name)
-                if dim is not None:
-                    full = full.chunk(self.tp, dim=dim)[self.tp_rank]
-                if full.shape != param.shape:
-                    raise ValueError(f"{path}: {name} has shape {tuple(full.shape)} for this rank, the model "
-                                     f"{tuple(param.shape)}")  # fmt: skip
-                param.copy_(full)
 
     # -- forwards and the step ------------------------------------------------------------
 
@@ -583,80 +453,14 @@ class MegatronBackend:
                     full[dim] *= self.tp
                 yield LocalShard(hf_name, local, placement, self._tp_mesh, torch.Size(full))
 
-    def _shard_file(self, path: Path) -> Path:
-        return path / f"megatron_tp{self.tp_rank}_pp{self.pp_rank}.pt"
-
     def save(self, parts: list[ModelPart], path: Path) -> None:
-        """Each (TP, PP) shard's weights and AdamW state, written by its data-parallel rank 0. A
-        LoRA actor saves its adapters only (the base comes from `learner.model_path` at every
-        start), and also as a PEFT adapter directory `<name>_adapter/`."""
-        path.mkdir(parents=True, exist_ok=True)
-        if self.dp_rank == 0:
-            state = {"tp": self.tp, "pp": self.pp}
-            for part in parts:
-                state[part.name] = {
-                    "model": _trained_state(part.module),
-                    "optim": part.optimizer.state_dict(),
-                }
-            with open(self._shard_file(path), "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-        for part in parts:
-            if part.module.lora is not None:
-                tensors = dict(self.adapter_tensors(part))  # a collective
-                if self.rank == 0:
-                    lora_io.write_adapter(path / f"{part.name}_adapter", tensors, part.module.lora,
-                                          part.module.base_path)  # fmt: skip
-        dist.barrier()
+        megatron_checkpoint.save(self, parts, path)
 
     def load(self, parts: list[ModelPart], path: Path) -> None:
-        file = self._shard_file(path)
-        if not file.exists():
-            raise FileNotFoundError(f"{file}: no shard for tp {self.tp} x pp {self.pp}; resume with the "
-                                    "learner.megatron tp and pp the checkpoint was written with")  # fmt: skip
-        state = torch.load(file, weights_only=False, map_location=self.device)
-        if (state["tp"], state["pp"]) != (self.tp, self.pp):
-            raise ValueError(f"{path}: written with tp {state['tp']} x pp {state['pp']}, this learner is "
-                             f"tp {self.tp} x pp {self.pp}")  # fmt: skip
-        for part in parts:
-            saved, wanted = state[part.name]["model"], _trained_state(part.module)
-            if saved.keys() != wanted.keys():
-                missing, extra = sorted(wanted.keys() - saved.keys()), sorted(saved.keys() - wanted.keys())
-                raise ValueError(f"{path}: the {part.name}'s saved tensors differ from this model's (missing "
-                                 f"{missing[:3]}, unexpected {extra[:3]}): learner.lora must match the run's")  # fmt: skip
-            part.module.gpt.load_state_dict(saved, strict=part.module.lora is None)
-            part.optimizer.load_state_dict(state[part.name]["optim"])
+        megatron_checkpoint.load(self, parts, path)
 
     def export(self, part: ModelPart, out_dir: Path, tokenizer_path: str | Path | None) -> Path:
-        """A plain HF checkpoint (safetensors, config, tokenizer) of the gathered weights (a value
-        model: a one-label `AutoModelForTokenClassification`, as the FSDP2 backend's critic)."""
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-        state = {name: tensor.cpu() for name, tensor in self.full_tensors(part)}
-        out = Path(out_dir)
-        if self.rank == 0:
-            config = copy.deepcopy(part.module.config)
-            if part.kind == "value":
-                config.num_labels = 1
-            auto = AutoModelForCausalLM if part.kind == "policy" else AutoModelForTokenClassification
-            with torch.device("meta"):
-                plain = auto.from_config(config)
-            plain.load_state_dict(state, strict=False, assign=True)
-            plain.tie_weights()
-            plain.config.use_cache = True
-            plain.save_pretrained(out, safe_serialization=True)
-            if tokenizer_path is not None:
-                copy_tokenizer(Path(tokenizer_path), out)
-        dist.barrier()
-        return out
-
-
-def _trained_state(module: MegatronModel) -> dict[str, Any]:
-    """What a checkpoint holds of a model: its whole state dict, or a LoRA model's adapters."""
-    if module.lora is None:
-        return module.gpt.state_dict()
-    return {n: p.detach() for n, p in module.gpt.named_parameters() if n in module.adapter_names}
+        return megatron_checkpoint.export(self, part, out_dir, tokenizer_path)
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:

@@ -43,7 +43,7 @@ from agentrl.learner import megatron_convert as convert
 from agentrl.learner.lora import PEFT_PREFIX, LoraConfig, matches
 
 if TYPE_CHECKING:
-    from agentrl.learner.megatron import MegatronModel
+    from agentrl.learner.megatron_model import MegatronModel
 
 CHILD = "lora"  # the adapters' module under their layer: `...linear_qkv.lora.adapters.q_proj.lora_A`
 

@@ -279,7 +279,8 @@ def reshard_worker(out_dir: str, model_path: str) -> None:
     from agentrl.hybrid.reshard import HybridEngine, build_meshes
     from agentrl.hybrid.tp import parallelize_generation_model
     from agentrl.learner.data import prepare_batch
-    from agentrl.learner.megatron import MegatronBackend, causal_mask
+    from agentrl.learner.megatron import MegatronBackend
+    from agentrl.learner.megatron_model import causal_mask
     from agentrl.learner.packing import plan_microbatches
     from tests.unit.learner.source import make_groups
 
