@@ -12,13 +12,13 @@ A push, on rank 0 (other learner ranks only join the FSDP gathers):
 1. pause generation on every server (in-flight requests come back aborted; rollers resume)
    and open a weight-update session on each (`/begin_weight_update`: SGLang 0.5.23 refuses
    `/update_weights_from_distributed` outside one);
-2. a gather thread pulls full tensors from `weights()` (layer by layer from FSDP2) and packs them into
-   buckets of about `bucket_mb`, at most one bucket ahead — so bucket i+1 is gathered
-   while bucket i is broadcast, and peak extra memory is about two buckets;
+2. a gather thread pulls full tensors from `weights()` (layer by layer from FSDP2), groups them into
+   buckets of about `bucket_mb` and, where every member takes SGLang's `flattened_bucket`, packs
+   each bucket into one flat uint8 tensor, at most one bucket ahead — so bucket i+1 is gathered
+   and packed while bucket i is broadcast, and peak extra memory is about two buckets;
 3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`;
-   the version travels with the last bucket only), broadcast each tensor in that order (or,
-   where every server takes SGLang's `flattened_bucket`, the whole bucket as one flat uint8
-   broadcast), await the servers' replies (one bucket in flight: out-of-order broadcasts
+   the version travels with the last bucket only), broadcast the packed bucket (or each tensor
+   in that order), await the servers' replies (one bucket in flight: out-of-order broadcasts
    deadlock);
 4. commit every session (`/end_weight_update`), read each server's version back, and resume
    generation.
@@ -215,7 +215,8 @@ class BroadcastEngine(AdapterOverHTTP):
             while True:
                 attempt += 1
                 failed: dict[str, str] = {}
-                buckets = prefetch(iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20))))
+                pack = functools.partial(self._pack, self._flattens(), stats)
+                buckets = prefetch(map(pack, iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20)))))
                 for bucket in timed_iter(buckets, stats, "gather_wait"):
                     if self.rank == 0 and not failed and self.members:
                         # the version travels with the last bucket only: a server that loads buckets
@@ -336,18 +337,30 @@ class BroadcastEngine(AdapterOverHTTP):
                 outcomes[url].paused = True
                 logger.error("server %s: /continue_generation failed: %s", url, errors[url])
 
-    def _flatten(self, bucket: Bucket) -> torch.Tensor | None:
-        """The bucket as one uint8 tensor in `FlattenedTensorBucket` layout (SGLang 0.5.23
-        `srt/weight_sync/tensor_bucket.py`), when every member takes it and every tensor starts at an
-        offset its dtype divides (SGLang's `FlattenedTensorBucket.empty` refuses others); else None."""
-        if len(bucket.tensors) < 2 or not all(self.clients[u].flattened_buckets for u in self.members):
-            return None
+    def _flattens(self) -> bool:
+        """Rank 0, at the start of an attempt: every member takes `flattened_bucket` buckets."""
+        return (
+            self.rank == 0
+            and bool(self.members)
+            and all(self.clients[u].flattened_buckets for u in self.members)
+        )
+
+    @staticmethod
+    def _pack(flattens: bool, stats: PushStats | None, bucket: Bucket) -> Bucket:
+        """(gather thread) Set `bucket.flat`: the bucket as one uint8 tensor in
+        `FlattenedTensorBucket` layout (SGLang 0.5.23 `srt/weight_sync/tensor_bucket.py`), when
+        `flattens` and every tensor starts at an offset its dtype divides (SGLang's
+        `FlattenedTensorBucket.empty` refuses others); a one-tensor bucket travels as it is."""
+        if not flattens or len(bucket.tensors) < 2:
+            return bucket
         offset = 0
         for tensor in bucket.tensors:
             if offset % tensor.element_size():
-                return None
+                return bucket
             offset += tensor.numel() * tensor.element_size()
-        return torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.tensors])
+        with Phase(stats, "flatten"):
+            bucket.flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.tensors])
+        return bucket
 
     def _send_bucket(self, bucket: Bucket, version: int | None, stats: PushStats) -> dict[str, str]:
         """Announce one bucket to every member, broadcast it, await the replies; returns {url: why}
@@ -356,8 +369,7 @@ class BroadcastEngine(AdapterOverHTTP):
         dtypes = [dtype_name(t.dtype) for t in bucket.tensors]
         shapes = [list(t.shape) for t in bucket.tensors]
         assert self.group is not None, "a push streams only over a built group"
-        with Phase(stats, "flatten"):
-            flat = self._flatten(bucket)
+        flat = bucket.flat
         self._touched.update(self.members)
         announced = time.perf_counter()
         futures = {

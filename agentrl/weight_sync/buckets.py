@@ -2,8 +2,9 @@
 most one bucket ahead of the broadcast, each phase of the push timed into `PushStats.phases`, and
 rank 0's decisions shared with the other learner ranks (which repeat the gathers in step).
 
-The gather (`weights()`, layer by layer from FSDP2) runs on its own thread (`prefetch`), so bucket
-i+1 is gathered while bucket i is broadcast and peak extra memory is about two buckets.
+The gather (`weights()`, layer by layer from FSDP2) and the packing of each bucket into one flat
+buffer run on their own thread (`prefetch`), so bucket i+1 is gathered and packed while bucket i is
+broadcast, and peak extra memory is about two buckets.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class Bucket:
     nbytes: int = 0
     last: bool = False
     """The last bucket of the stream (known at no cost: the tensors ran out)."""
+    flat: torch.Tensor | None = None
+    """The bucket packed as one uint8 tensor (packed on the gather thread), when it travels as one."""
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
