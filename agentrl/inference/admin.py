@@ -7,8 +7,12 @@ cannot be honoured); `/update_weights_from_distributed` is refused outside a
 (`SchedulerWeightUpdaterManager.update_weights_from_distributed`). Unlike SGLang, which loads
 each bucket as it arrives, the embedded server stages the buckets of a session and applies them
 with their version only at `/end_weight_update` (an `"abort": true` there discards them), so a
-push that fails midway leaves it on its previous weights and version; staging costs one copy
-of the pushed tensors for the length of a push. `load_format:
+push that fails midway leaves it on its previous weights and version. Buckets are received into
+buffers kept from push to push (agentrl/inference/receive_buffers.py: no allocation, no page
+faults once warm), and the commit makes the received tensors the model's parameters instead of
+copying them where the engine owns its parameters (`Engine.load_weights(adopt=True)`); the
+buffers the weights left are the next push's. Staging costs one copy of the pushed tensors, kept
+between pushes as those free buffers. `load_format:
 "flattened_bucket"` receives a bucket as one uint8 broadcast (`FlattenedTensorBucket`);
 aborts match rid prefixes and answer an empty body; `/ping` is a liveness flag that answers
 while paused (`sagemaker_health`). Everything that touches the model or the
@@ -28,6 +32,7 @@ from aiohttp import web
 from agentrl.inference import protocol as P
 from agentrl.inference.engine import Engine
 from agentrl.inference.protocol import ENGINE, STATE, parse
+from agentrl.inference.receive_buffers import ReceiveBuffers
 
 
 async def _in_engine(engine: Engine, fn) -> Any:
@@ -98,18 +103,19 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         # receive everything the trainer sends even if it will be refused: the collective stays aligned
         if body.abort_all_requests:
             engine.abort(abort_all=True, message="weights updated")
+        pool: ReceiveBuffers = state["receive_buffers"]
+        sizes = [math.prod(shape) * d.itemsize for d, shape in zip(dtypes, body.shapes, strict=True)]
+        tensors = {}
         if body.load_format == "flattened_bucket":
-            sizes = [math.prod(shape) * d.itemsize for d, shape in zip(dtypes, body.shapes, strict=True)]
-            flat = group.broadcast(torch.empty(sum(sizes), dtype=torch.uint8, device=device), 0)
-            tensors, offset = {}, 0
+            flat = group.broadcast(pool.take(sum(sizes), device), 0)
+            offset = 0
             for name, dtype, shape, size in zip(body.names, dtypes, body.shapes, sizes, strict=True):
                 tensors[name] = flat[offset : offset + size].view(dtype).reshape(shape)
                 offset += size
         else:
-            tensors = {
-                name: group.broadcast(torch.empty(shape, dtype=dtype, device=device), 0)
-                for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True)
-            }
+            for name, dtype, shape, size in zip(body.names, dtypes, body.shapes, sizes, strict=True):
+                into = pool.take(size, device).view(dtype).reshape(shape)
+                tensors[name] = group.broadcast(into, 0)
         if adapter is not None:
             engine.check_adapter(tensors, adapter)
         else:
@@ -217,31 +223,48 @@ async def begin_weight_update(request: web.Request) -> web.Response:
 
 async def end_weight_update(request: web.Request) -> web.Response:
     """Commit: load every staged tensor and set the staged version, in the engine thread, all or
-    nothing (`Engine.load_weights` checks first). With `abort` (an agentrl extra): discard them."""
+    nothing (`Engine.load_weights` checks first; it adopts the received tensors as parameters where
+    it can). With `abort` (an agentrl extra): discard them. Either way the receive buffers the model
+    no longer uses are free for the next push."""
     body: P.EndUpdateIn = await parse(request, P.EndUpdateIn)
     engine, state = request.app[ENGINE], request.app[STATE]
     if not state["session"]:
         return _fail("no weight-update session is open; call begin_weight_update() first")
     staged, version, adapter = state["staged"], state["staged_version"], state["staged_adapter"]
     state["session"], state["staged"], state["staged_version"], state["staged_adapter"] = 0, None, None, None
-    if body.abort:
-        return _ok(
-            f"aborted, {len(staged or {})} staged tensors discarded", weight_version=engine.weight_version
-        )
-    if staged is None:
+
+    def settled(load: Any = None) -> Any:
+        """Run `load` (if any) in the engine thread, then free the buffers the model does not use;
+        the engine's future of that."""
+
+        def run() -> None:
+            try:
+                if load is not None:
+                    load()
+            finally:
+                cap = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+                state["receive_buffers"].settle(engine.model, cap)
+
+        return engine.call(run)
+
+    if body.abort or staged is None:
+        settled()  # not awaited: the reply does not wait behind a receive still blocked in the engine
+        if body.abort:
+            return _ok(f"aborted, {len(staged or {})} staged tensors discarded",
+                       weight_version=engine.weight_version)  # fmt: skip
         return _fail(
             f"a bucket of this session failed: nothing applied, weights stay at {engine.weight_version}"
         )
     if adapter is not None:
         try:
-            await _in_engine(engine, lambda: engine.load_adapter(staged, adapter, version))
+            await asyncio.wrap_future(settled(lambda: engine.load_adapter(staged, adapter, version)))
         except ValueError as exc:
             return _fail(f"adapter refused, weights unchanged: {exc}")
         except Exception as exc:
             return _fail(f"commit failed, weights unchanged: {type(exc).__name__}: {exc}", status=500)
     elif staged:
         try:
-            await _in_engine(engine, lambda: engine.load_weights(staged, version))
+            await asyncio.wrap_future(settled(lambda: engine.load_weights(staged, version, adopt=True)))
         except Exception as exc:
             return _fail(f"commit failed, weights unchanged: {type(exc).__name__}: {exc}", status=500)
     return _ok("Success", weight_version=engine.weight_version)

@@ -14,8 +14,9 @@ A push, on rank 0 (other learner ranks only join the FSDP gathers):
    `/update_weights_from_distributed` outside one);
 2. a gather thread pulls full tensors from `weights()` (layer by layer from FSDP2), groups them into
    buckets of about `bucket_mb` and, where every member takes SGLang's `flattened_bucket`, packs
-   each bucket into one flat uint8 tensor, at most one bucket ahead — so bucket i+1 is gathered
-   and packed while bucket i is broadcast, and peak extra memory is about two buckets;
+   each bucket into one flat uint8 tensor (`buckets.Packer`: on CPU into buffers kept from push
+   to push), at most one bucket ahead — so bucket i+1 is gathered and packed while bucket i is
+   broadcast, and extra memory is about three buckets;
 3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`;
    the version travels with the last bucket only), broadcast the packed bucket (or each tensor
    in that order), await the servers' replies (one bucket in flight: out-of-order broadcasts
@@ -56,8 +57,6 @@ import functools
 import time
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from agentrl.inference.weight_group import dtype_name
 from agentrl.log import get_logger
 from agentrl.weight_sync.adapter_http import AdapterOverHTTP
@@ -70,7 +69,7 @@ from agentrl.weight_sync.base import (
     no_adapters,
     resolve,
 )
-from agentrl.weight_sync.buckets import Bucket, Phase, agree, iter_buckets, prefetch, timed_iter
+from agentrl.weight_sync.buckets import Bucket, Packer, Phase, agree, iter_buckets, prefetch, timed_iter
 from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
@@ -102,6 +101,7 @@ class BroadcastEngine(AdapterOverHTTP):
         self._adapter: dict | None = None  # an adapter push's config (its sessions open with it)
         self._given_up = 0  # pushes given up in a row (`transactional: all`), for the catch-up backoff
         self._given_up_until = 0.0
+        self._packer = Packer()  # the flat buffers buckets are packed into (rank 0)
 
     # ------------------------------------------------------------------ set-up
 
@@ -215,7 +215,7 @@ class BroadcastEngine(AdapterOverHTTP):
             while True:
                 attempt += 1
                 failed: dict[str, str] = {}
-                pack = functools.partial(self._pack, self._flattens(), stats)
+                pack = functools.partial(self._pack, self._packer if self._flattens() else None, stats)
                 buckets = prefetch(map(pack, iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20)))))
                 for bucket in timed_iter(buckets, stats, "gather_wait"):
                     if self.rank == 0 and not failed and self.members:
@@ -226,6 +226,7 @@ class BroadcastEngine(AdapterOverHTTP):
                 if not agree(redo):
                     break
         except BaseException:
+            self._packer = Packer()  # a gather thread left behind may still write into the old buffers
             if self.rank == 0:  # the learner's own failure (e.g. a gather): no server keeps a session
                 self._abort(self.members)
                 self._all("continue_generation", self._whole(self.members), timeout_s=self.config.timeout_s)
@@ -346,12 +347,13 @@ class BroadcastEngine(AdapterOverHTTP):
         )
 
     @staticmethod
-    def _pack(flattens: bool, stats: PushStats | None, bucket: Bucket) -> Bucket:
+    def _pack(packer: Packer | None, stats: PushStats | None, bucket: Bucket) -> Bucket:
         """(gather thread) Set `bucket.flat`: the bucket as one uint8 tensor in
-        `FlattenedTensorBucket` layout (SGLang 0.5.23 `srt/weight_sync/tensor_bucket.py`), when
-        `flattens` and every tensor starts at an offset its dtype divides (SGLang's
-        `FlattenedTensorBucket.empty` refuses others); a one-tensor bucket travels as it is."""
-        if not flattens or len(bucket.tensors) < 2:
+        `FlattenedTensorBucket` layout (SGLang 0.5.23 `srt/weight_sync/tensor_bucket.py`), when a
+        `packer` is given (every member takes it) and every tensor starts at an offset its dtype
+        divides (SGLang's `FlattenedTensorBucket.empty` refuses others); a one-tensor bucket travels
+        as it is."""
+        if packer is None or len(bucket.tensors) < 2:
             return bucket
         offset = 0
         for tensor in bucket.tensors:
@@ -359,7 +361,7 @@ class BroadcastEngine(AdapterOverHTTP):
                 return bucket
             offset += tensor.numel() * tensor.element_size()
         with Phase(stats, "flatten"):
-            bucket.flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.tensors])
+            bucket.flat = packer.pack(bucket.tensors)
         return bucket
 
     def _send_bucket(self, bucket: Bucket, version: int | None, stats: PushStats) -> dict[str, str]:

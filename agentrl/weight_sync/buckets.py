@@ -3,8 +3,9 @@ most one bucket ahead of the broadcast, each phase of the push timed into `PushS
 rank 0's decisions shared with the other learner ranks (which repeat the gathers in step).
 
 The gather (`weights()`, layer by layer from FSDP2) and the packing of each bucket into one flat
-buffer run on their own thread (`prefetch`), so bucket i+1 is gathered and packed while bucket i is
-broadcast, and peak extra memory is about two buckets.
+buffer (`Packer`) run on their own thread (`prefetch`), so bucket i+1 is gathered and packed while
+bucket i is broadcast; extra memory is about three buckets (on CPU, the packing buffers, kept from
+push to push).
 """
 
 from __future__ import annotations
@@ -48,6 +49,35 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     if bucket.tensors:
         bucket.last = True
         yield bucket
+
+
+class Packer:
+    """Packs a bucket's tensors into one flat uint8 tensor. On CPU it packs into `slots` buffers
+    taken round robin and kept from push to push (grown to the largest bucket), so a push does not
+    map and fault in fresh memory for every bucket; slot k is written again only for bucket k +
+    `slots`, and with the gather thread one bucket ahead (`prefetch`) at most three buckets are in
+    use at once: the one broadcast, the one queued, the one packed. On a GPU, where the caching
+    allocator already reuses memory, each bucket is a fresh `torch.cat`."""
+
+    def __init__(self, slots: int = 3) -> None:
+        self.buffers: list[torch.Tensor | None] = [None] * slots
+        self.packed = 0
+
+    def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        parts = [t.reshape(-1).view(torch.uint8) for t in tensors]
+        if parts[0].device.type != "cpu":
+            return torch.cat(parts)
+        nbytes = sum(p.numel() for p in parts)
+        slot = self.packed % len(self.buffers)
+        self.packed += 1
+        buffer = self.buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return torch.cat(parts, out=buffer[:nbytes])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers if b is not None)
 
 
 def prefetch(buckets: Iterator[Bucket], depth: int = 1) -> Iterator[Bucket]:
