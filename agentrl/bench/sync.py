@@ -6,8 +6,10 @@ a raw gloo broadcast of the same tensors and with the disk engine, in one run.
     agentrl bench sync --lora-rank 8     # (the default) adds the LoRA adapter push row; 0 leaves it out
 
 One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter model.
-- ours: `BroadcastEngine.push` — pause, bucketed broadcast with the server loading each
-  bucket into its model, continue (what the learner does after every step);
+- ours: `BroadcastEngine.push` — pause, bucketed broadcast (each bucket packed on the gather
+  thread while the one before is broadcast) with the server receiving each bucket into buffers it
+  keeps between pushes and, at the commit, taking the received tensors as its parameters (no
+  copy), continue (what the learner does after every step);
 - raw: the like-for-like baseline, the best a bare `ProcessGroupGloo` broadcast of the same bytes
   does: the model packed once, before timing, into one flat uint8 buffer per bucket (the buckets
   ours sends, same `--bucket-mb`), each broadcast from this process to one receiver process that
@@ -30,7 +32,10 @@ gather thread, broadcast, the servers' replies after each broadcast (their recei
 commit, version read-back, continue; then, not summed, the packing of buckets into flat buffers on
 the gather thread (overlapped with the broadcast of the bucket before), and each bucket's round
 trip (announce to last reply). The peak extra memory of a push is shown as the learner's
-resident-set growth while pushing, next to the bucket size. glibc's dynamic mmap threshold
+resident-set growth while pushing, next to the bucket size and the packing buffers the engine
+keeps from push to push (so a warm push maps no fresh memory; at most three buckets); the
+server's resident set after the pushes holds its weights and the free receive buffers it keeps
+for the next push (at most one copy of the weights). glibc's dynamic mmap threshold
 would serve a freed bucket's memory again from the heap and hide even a full copy of the model
 after the first push, so the bench fixes the threshold at 64 KiB (`mallopt`): every large
 allocation maps fresh pages and shows in the resident set while it lives.
@@ -71,8 +76,8 @@ PHASES = ["regroup", "pause", "begin", "gather_wait", "broadcast", "replies", "c
 OVERLAPPED = ["flatten"]  # on the gather thread, while the previous bucket is broadcast: not summed
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
+def _rss(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -260,6 +265,8 @@ def main(args: list[str]) -> int:
                         phases.append(stats.phases)
                         round_trips.extend(stats.bucket_round_trips)
                 bucket, pushed, raw_buckets = stats.peak_bucket_bytes, stats.bytes, len(baseline.buffers)
+                packing = engine.packer.nbytes  # the learner's packing buffers, kept between pushes
+                server_rss = _rss(server.pid)  # weights + the free receive buffers kept for the next push
             finally:
                 baseline.close()
                 engine.close()
@@ -304,8 +311,13 @@ def main(args: list[str]) -> int:
     print_table(f"our push by phase (median of {opts.repeats})", ["phase", "ms", "share"], phase_rows)
     print(
         f"peak extra resident memory during our push: {max(peaks) / 1e6:.1f} MB "
-        f"(bucket {bucket / 1e6:.1f} MB; bound ~2 buckets; model {nbytes / 1e6:.0f} MB)"
+        f"(bucket {bucket / 1e6:.1f} MB; model {nbytes / 1e6:.0f} MB); packing buffers kept between pushes: "
+        f"{packing / 1e6:.1f} MB (bound 3 buckets)"
         + ("" if exact_rss else " — a lower bound: mallopt is unavailable, freed memory may be reused")
+    )
+    print(
+        f"server resident memory after the pushes: {server_rss / 1e6:.0f} MB (its weights and, kept for "
+        f"the next push, free receive buffers of at most the model's {nbytes / 1e6:.0f} MB)"
     )
     emit(
         "sync",
@@ -325,6 +337,8 @@ def main(args: list[str]) -> int:
             "peak_extra_rss_bytes": max(peaks),
             "peak_extra_rss_exact": exact_rss,
             "bucket_bytes": bucket,
+            "pack_buffer_bytes": packing,
+            "server_rss_bytes": server_rss,
             **(
                 {
                     "lora_rank": opts.lora_rank,

@@ -101,7 +101,7 @@ class BroadcastEngine(AdapterOverHTTP):
         self._adapter: dict | None = None  # an adapter push's config (its sessions open with it)
         self._given_up = 0  # pushes given up in a row (`transactional: all`), for the catch-up backoff
         self._given_up_until = 0.0
-        self._packer = Packer()  # the flat buffers buckets are packed into (rank 0)
+        self.packer = Packer()  # the flat buffers buckets are packed into (rank 0)
 
     # ------------------------------------------------------------------ set-up
 
@@ -215,7 +215,7 @@ class BroadcastEngine(AdapterOverHTTP):
             while True:
                 attempt += 1
                 failed: dict[str, str] = {}
-                pack = functools.partial(self._pack, self._packer if self._flattens() else None, stats)
+                pack = functools.partial(self._pack, self.packer if self._flattens() else None, stats)
                 buckets = prefetch(map(pack, iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20)))))
                 for bucket in timed_iter(buckets, stats, "gather_wait"):
                     if self.rank == 0 and not failed and self.members:
@@ -226,7 +226,7 @@ class BroadcastEngine(AdapterOverHTTP):
                 if not agree(redo):
                     break
         except BaseException:
-            self._packer = Packer()  # a gather thread left behind may still write into the old buffers
+            self.packer = Packer()  # a gather thread left behind may still write into the old buffers
             if self.rank == 0:  # the learner's own failure (e.g. a gather): no server keeps a session
                 self._abort(self.members)
                 self._all("continue_generation", self._whole(self.members), timeout_s=self.config.timeout_s)
