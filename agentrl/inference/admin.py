@@ -23,6 +23,7 @@ weight update never lands inside a step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -76,17 +77,62 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
     """Receive one bucket into the session's staging area (checked against the model); the model
     and its version change only at `/end_weight_update`. A bucket that fails spoils the session:
-    its commit is refused and the server keeps its weights and version."""
-    import torch
-
-    from agentrl.inference.weight_group import parse_dtype
-
-    engine, state = request.app[ENGINE], request.app[STATE]
+    its commit is refused and the server keeps its weights and version. A bucket with an index
+    (`bucket`, an agentrl extra) waits for the buckets before it to be queued for receiving, so a
+    trainer may announce the next bucket before this one's reply (`ordered_buckets`)."""
+    state = request.app[STATE]
     body: P.UpdateDistributedIn = await parse(request, P.UpdateDistributedIn)
     if not state["session"]:
         return _fail(
             "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
         )
+    session = state["session"]
+    try:
+        if body.bucket is not None and (refused := await _await_turn(state, body.bucket)):
+            return _spoil(state, refused, session)
+        return await _receive_bucket(request, body)
+    finally:  # whatever happened, the next bucket is not held up by this one
+        _pass_turn(state, session, body.bucket)
+
+
+async def _await_turn(state: dict, bucket: int) -> str | None:
+    """Wait until the buckets before `bucket` of this session are queued for receiving (bounded by
+    the group timeout); why it cannot be received, or None."""
+    session, timeout = state["session"], state["group_timeout_s"]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while state["session"] == session and state["turn"] < bucket:
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            return (
+                f"bucket {bucket} waited {timeout}s for bucket {state['turn']} of its session; nothing staged"
+            )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state["turn_moved"].wait(), remaining)
+    if state["session"] != session:
+        return "the weight-update session was closed while the bucket waited for its turn; nothing staged"
+    if state["turn"] > bucket:
+        return f"bucket {bucket} came after bucket {state['turn'] - 1} of its session was received"
+    return None
+
+
+def _pass_turn(state: dict, session: int, bucket: int | None) -> None:
+    """Bucket `bucket` of `session` is queued (or refused): the next one may go."""
+    if bucket is not None and state["session"] == session and state["turn"] == bucket:
+        state["turn"] += 1
+        _wake_turns(state)
+
+
+def _wake_turns(state: dict) -> None:
+    state["turn_moved"].set()
+    state["turn_moved"] = asyncio.Event()
+
+
+async def _receive_bucket(request: web.Request, body: P.UpdateDistributedIn) -> web.Response:
+    import torch
+
+    from agentrl.inference.weight_group import parse_dtype
+
+    engine, state = request.app[ENGINE], request.app[STATE]
     if body.load_format not in (None, "flattened_bucket"):
         return _fail(f"load_format {body.load_format!r}: the embedded server takes none or flattened_bucket")
     session, adapter = state["session"], state["staged_adapter"]
@@ -122,8 +168,10 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
             engine.check_weights(tensors)
         return tensors
 
+    queued = engine.call(receive)
+    _pass_turn(state, session, body.bucket)  # the next bucket's receive queues behind this one
     try:
-        tensors = await _in_engine(engine, receive)
+        tensors = await asyncio.wrap_future(queued)
     except ValueError as exc:
         return _spoil(state, f"update rejected, weights unchanged: {exc}", session)
     except Exception as exc:
@@ -210,15 +258,17 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
 
 async def begin_weight_update(request: web.Request) -> web.Response:
     """Open a session; `staged_commit` (an agentrl extra) tells the client that buckets are staged
-    until `/end_weight_update`."""
+    until `/end_weight_update`, `ordered_buckets` (another) that buckets with an index are received
+    in index order."""
     body: P.BeginUpdateIn = await parse(request, P.BeginUpdateIn)
     state = request.app[STATE]
     if state["session"]:
         return _fail("a weight-update session is already open; call end_weight_update() first")
     state["sessions"] += 1
     state["session"], state["staged"], state["staged_version"] = state["sessions"], {}, None
-    state["staged_adapter"] = body.lora
-    return _ok("Success", staged_commit=True)
+    state["staged_adapter"], state["turn"] = body.lora, 0
+    _wake_turns(state)  # buckets still waiting from an earlier session give up
+    return _ok("Success", staged_commit=True, ordered_buckets=True)
 
 
 async def end_weight_update(request: web.Request) -> web.Response:
@@ -232,6 +282,7 @@ async def end_weight_update(request: web.Request) -> web.Response:
         return _fail("no weight-update session is open; call begin_weight_update() first")
     staged, version, adapter = state["staged"], state["staged_version"], state["staged_adapter"]
     state["session"], state["staged"], state["staged_version"], state["staged_adapter"] = 0, None, None, None
+    _wake_turns(state)  # buckets still waiting give up
 
     def settled(load: Any = None) -> Any:
         """Run `load` (if any) in the engine thread, then free the buffers the model does not use;

@@ -3,7 +3,8 @@ model's parameters (agentrl/inference/receive_buffers.py, `Engine.load_weights(a
 
 The engine tests run a real `Engine` on the tiny checkpoint; the server test plays the trainer's
 side of a real gloo group against the embedded server in this process (as test_server.py does)
-and checks that a reused buffer never carries an aborted push's bytes into the served model."""
+and checks that a reused buffer never carries an aborted push's bytes into the served model, and
+that indexed buckets (`ordered_buckets`) are received in index order."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import asyncio
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
+from agentrl.inference.base import BadRequestError
 from agentrl.inference.receive_buffers import ReceiveBuffers, storages_in_use
 from agentrl.inference.sglang import SGLangClient
 from tests.conftest import find_free_port
@@ -193,6 +196,74 @@ async def test_reused_buffers_never_leak_an_aborted_push_into_the_model(tiny_mod
             await client.abort_weight_update()
             assert await client.get_weight_version() == 3
             assert all(torch.equal(t, c[n]) for n, t in served().items())
+    finally:
+        srv.stop()
+        if "g" in trainer:
+            trainer["g"].close()
+
+
+async def test_indexed_buckets_are_received_in_index_order_whatever_order_they_arrive(
+    tiny_model: Path,
+) -> None:
+    """`ordered_buckets`: the trainer may announce bucket i+1 before bucket i's reply, so the two
+    requests can reach the server in either order; the server receives them in index order (the
+    order of the broadcasts), and refuses an index it has already passed."""
+    from agentrl.inference.weight_group import dtype_name, join_group
+
+    srv = ServerThread(tiny_model).start()
+    port = find_free_port()
+    trainer: dict = {}
+    joined = threading.Thread(
+        target=lambda: trainer.update(g=join_group("127.0.0.1", port, 0, 2, "wg", "gloo", 30))
+    )
+    model = srv.engine.model
+    names = [n for n, _ in model.named_parameters()]
+    first, second = names[:10], names[10:]
+    new = _weights(model, seed=20)
+
+    def announce(client, bucket_names, index, version=None):
+        return asyncio.create_task(
+            client.update_weights_from_distributed(
+                bucket_names,
+                [dtype_name(new[n].dtype) for n in bucket_names],
+                [list(new[n].shape) for n in bucket_names],
+                "wg",
+                weight_version=version,
+                flattened=True,
+                bucket=index,
+            )
+        )
+
+    def packed(bucket_names):
+        return torch.cat([new[n].reshape(-1).view(torch.uint8) for n in bucket_names])
+
+    try:
+        async with SGLangClient(srv.url) as client:
+            joined.start()
+            await client.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo")
+            joined.join(30)
+            await client.begin_weight_update()
+            assert client.ordered_buckets
+            later = announce(client, second, 1, version=5)  # bucket 1 announced first ...
+            await asyncio.sleep(0.2)
+            assert not later.done()  # ... waits for bucket 0
+            earlier = announce(client, first, 0)
+            await asyncio.to_thread(trainer["g"].broadcast, packed(first), 0)
+            await asyncio.to_thread(trainer["g"].broadcast, packed(second), 0)
+            await asyncio.wait_for(asyncio.gather(earlier, later), 30)
+            await client.end_weight_update()
+            assert await client.get_weight_version() == 5
+            assert all(torch.equal(p, new[n]) for n, p in model.named_parameters())
+
+            await client.begin_weight_update()
+            done = announce(client, first, 0)
+            await asyncio.to_thread(trainer["g"].broadcast, packed(first), 0)
+            await asyncio.wait_for(done, 30)
+            with pytest.raises(BadRequestError, match="came after bucket 0"):
+                await asyncio.wait_for(announce(client, first, 0), 30)  # a repeated index: refused unreceived
+            with pytest.raises(BadRequestError, match="a bucket of this session failed"):
+                await client.end_weight_update()
+            assert await client.get_weight_version() == 5
     finally:
         srv.stop()
         if "g" in trainer:
