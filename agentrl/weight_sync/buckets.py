@@ -62,6 +62,7 @@ class Packer:
     def __init__(self, slots: int = 3) -> None:
         self.buffers: list[torch.Tensor | None] = [None] * slots
         self.packed = 0
+        self.largest = 0
 
     def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         parts = [t.reshape(-1).view(torch.uint8) for t in tensors]
@@ -71,8 +72,9 @@ class Packer:
         slot = self.packed % len(self.buffers)
         self.packed += 1
         buffer = self.buffers[slot]
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        if buffer is None or buffer.numel() < nbytes:  # sized for the largest bucket yet: grows rarely
+            self.largest = max(self.largest, nbytes)
+            buffer = self.buffers[slot] = torch.empty(self.largest, dtype=torch.uint8)
         return torch.cat(parts, out=buffer[:nbytes])
 
     @property
