@@ -39,7 +39,8 @@ def _reference(tiny_model: Path, weights: dict[str, torch.Tensor]) -> torch.nn.M
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(weights[name])
+            if name in weights:
+                param.copy_(weights[name])
     return model
 
 
@@ -268,3 +269,27 @@ async def test_indexed_buckets_are_received_in_index_order_whatever_order_they_a
         srv.stop()
         if "g" in trainer:
             trainer["g"].close()
+
+
+def test_full_weights_adopted_over_a_served_adapter_replace_its_base(tiny_model: Path) -> None:
+    """After a LoRA adapter was served, a full-weight push adopts the base Linear weights under
+    their injected names (`base_layer.weight`); the adapter is cleared and the model serves exactly
+    the pushed weights."""
+    pytest.importorskip("peft")
+    from agentrl.inference.engine import Engine
+    from tests.unit.inference.test_peft_adapter import CONFIG, peft_oracle
+
+    engine = Engine(str(tiny_model))
+    _, adapter = peft_oracle(tiny_model, seed=4)
+    engine.load_adapter(adapter, CONFIG, "1")
+    plain = _reference(tiny_model, {})  # the plain model's names, as a learner pushes them
+    new = _weights(plain, seed=5)
+    engine.load_weights(new, "2", adopt=True)
+    params = dict(engine.model.named_parameters())
+    q = "model.layers.0.self_attn.q_proj"
+    assert params[f"{q}.base_layer.weight"].data_ptr() == new[f"{q}.weight"].data_ptr()
+    assert engine.adapter_name is None
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        got, want = engine.model(input_ids=ids).logits, _reference(tiny_model, new)(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
