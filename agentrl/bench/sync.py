@@ -7,9 +7,10 @@ a raw gloo broadcast of the same tensors and with the disk engine, in one run.
 
 One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter model.
 - ours: `BroadcastEngine.push` — pause, bucketed broadcast (each bucket packed on the gather
-  thread while the one before is broadcast) with the server receiving each bucket into buffers it
-  keeps between pushes and, at the commit, taking the received tensors as its parameters (no
-  copy), continue (what the learner does after every step);
+  thread while the one before is broadcast; the next bucket announced before the last one's
+  replies are awaited) with the server receiving each bucket into buffers it keeps between
+  pushes and, at the commit, taking the received tensors as its parameters (no copy), continue
+  (what the learner does after every step);
 - raw: the like-for-like baseline, the best a bare `ProcessGroupGloo` broadcast of the same bytes
   does: the model packed once, before timing, into one flat uint8 buffer per bucket (the buckets
   ours sends, same `--bucket-mb`), each broadcast from this process to one receiver process that
