@@ -6,8 +6,11 @@ a raw gloo broadcast of the same tensors and with the disk engine, in one run.
     agentrl bench sync --lora-rank 8     # (the default) adds the LoRA adapter push row; 0 leaves it out
 
 One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter model.
-- ours: `BroadcastEngine.push` — pause, bucketed broadcast with the server loading each
-  bucket into its model, continue (what the learner does after every step);
+- ours: `BroadcastEngine.push` — pause, bucketed broadcast (each bucket packed on the gather
+  thread while the one before is broadcast; the next bucket announced before the last one's
+  replies are awaited) with the server receiving each bucket into buffers it keeps between
+  pushes and, at the commit, taking the received tensors as its parameters (no copy), continue
+  (what the learner does after every step);
 - raw: the like-for-like baseline, the best a bare `ProcessGroupGloo` broadcast of the same bytes
   does: the model packed once, before timing, into one flat uint8 buffer per bucket (the buckets
   ours sends, same `--bucket-mb`), each broadcast from this process to one receiver process that
@@ -26,9 +29,14 @@ Ratios (higher is better): `vs_raw_broadcast` = raw / ours (target ≥ 0.9), `vs
 disk / ours (target ≥ 3); the JSON carries both sides' seconds (`push_s`, `raw_broadcast_s`,
 `disk_s`, medians, and every repeat's). A phase table splits our push (median per phase over
 the repeats, from the engine's `PushStats.phases`): regroup, pause, begin, waiting for the
-gather thread, flatten, broadcast, the servers' replies after each broadcast (their load), commit,
-version read-back, continue; and each bucket's round trip (announce to last reply). The peak extra memory of a push is shown as the learner's
-resident-set growth while pushing, next to the bucket size. glibc's dynamic mmap threshold
+gather thread, broadcast, the servers' replies after each broadcast (their receive and checks),
+commit, version read-back, continue; then, not summed, the packing of buckets into flat buffers on
+the gather thread (overlapped with the broadcast of the bucket before), and each bucket's round
+trip (announce to last reply). The peak extra memory of a push is shown as the learner's
+resident-set growth while pushing, next to the bucket size and the packing buffers the engine
+keeps from push to push (so a warm push maps no fresh memory; at most three buckets); the
+server's resident set after the pushes holds its weights and the free receive buffers it keeps
+for the next push (at most one copy of the weights). glibc's dynamic mmap threshold
 would serve a freed bucket's memory again from the heap and hide even a full copy of the model
 after the first push, so the bench fixes the threshold at 64 KiB (`mallopt`): every large
 allocation maps fresh pages and shows in the resident set while it lives.
@@ -64,12 +72,13 @@ for _ in range(int(sys.argv[2])):
     group.barrier()
 import os; os._exit(0)
 """
-PHASES = ["regroup", "pause", "begin", "gather_wait", "flatten", "broadcast", "replies", "commit",
-          "read_back", "continue"]  # fmt: skip
+PHASES = ["regroup", "pause", "begin", "gather_wait", "broadcast", "replies", "commit", "read_back",
+          "continue"]  # fmt: skip
+OVERLAPPED = ["flatten"]  # on the gather thread, while the previous bucket is broadcast: not summed
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
+def _rss(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -257,6 +266,8 @@ def main(args: list[str]) -> int:
                         phases.append(stats.phases)
                         round_trips.extend(stats.bucket_round_trips)
                 bucket, pushed, raw_buckets = stats.peak_bucket_bytes, stats.bytes, len(baseline.buffers)
+                packing = engine.packer.nbytes  # the learner's packing buffers, kept between pushes
+                server_rss = _rss(server.pid)  # weights + the free receive buffers kept for the next push
             finally:
                 baseline.close()
                 engine.close()
@@ -292,18 +303,22 @@ def main(args: list[str]) -> int:
         ["path", "seconds", "GB/s"],
         rows,
     )
-    phase_s = {name: statistics.median(p.get(name, 0.0) for p in phases) for name in PHASES}
-    phase_rows = [
-        [name, 1e3 * seconds, f"{100 * seconds / ours_s:.1f}%"] for name, seconds in phase_s.items()
-    ]
-    rest = ours_s - sum(phase_s.values())
+    phase_s = {name: statistics.median(p.get(name, 0.0) for p in phases) for name in PHASES + OVERLAPPED}
+    phase_rows = [[name, 1e3 * phase_s[name], f"{100 * phase_s[name] / ours_s:.1f}%"] for name in PHASES]
+    rest = ours_s - sum(phase_s[name] for name in PHASES)
     phase_rows.append(["(unaccounted)", 1e3 * rest, f"{100 * rest / ours_s:.1f}%"])
+    phase_rows += [[f"{name} (gather thread, overlapped)", 1e3 * phase_s[name], "-"] for name in OVERLAPPED]
     phase_rows.append(["each bucket's round trip (median)", 1e3 * statistics.median(round_trips), "-"])
     print_table(f"our push by phase (median of {opts.repeats})", ["phase", "ms", "share"], phase_rows)
     print(
         f"peak extra resident memory during our push: {max(peaks) / 1e6:.1f} MB "
-        f"(bucket {bucket / 1e6:.1f} MB; bound ~2 buckets; model {nbytes / 1e6:.0f} MB)"
+        f"(bucket {bucket / 1e6:.1f} MB; model {nbytes / 1e6:.0f} MB); packing buffers kept between pushes: "
+        f"{packing / 1e6:.1f} MB (bound 3 buckets)"
         + ("" if exact_rss else " — a lower bound: mallopt is unavailable, freed memory may be reused")
+    )
+    print(
+        f"server resident memory after the pushes: {server_rss / 1e6:.0f} MB (its weights and, kept for "
+        f"the next push, free receive buffers of at most the model's {nbytes / 1e6:.0f} MB)"
     )
     emit(
         "sync",
@@ -323,6 +338,8 @@ def main(args: list[str]) -> int:
             "peak_extra_rss_bytes": max(peaks),
             "peak_extra_rss_exact": exact_rss,
             "bucket_bytes": bucket,
+            "pack_buffer_bytes": packing,
+            "server_rss_bytes": server_rss,
             **(
                 {
                     "lora_rank": opts.lora_rank,

@@ -7,8 +7,12 @@ cannot be honoured); `/update_weights_from_distributed` is refused outside a
 (`SchedulerWeightUpdaterManager.update_weights_from_distributed`). Unlike SGLang, which loads
 each bucket as it arrives, the embedded server stages the buckets of a session and applies them
 with their version only at `/end_weight_update` (an `"abort": true` there discards them), so a
-push that fails midway leaves it on its previous weights and version; staging costs one copy
-of the pushed tensors for the length of a push. `load_format:
+push that fails midway leaves it on its previous weights and version. Buckets are received into
+buffers kept from push to push (agentrl/inference/receive_buffers.py: no allocation, no page
+faults once warm), and the commit makes the received tensors the model's parameters instead of
+copying them where the engine owns its parameters (`Engine.load_weights(adopt=True)`); the
+buffers the weights left are the next push's. Staging costs one copy of the pushed tensors, kept
+between pushes as those free buffers. `load_format:
 "flattened_bucket"` receives a bucket as one uint8 broadcast (`FlattenedTensorBucket`);
 aborts match rid prefixes and answer an empty body; `/ping` is a liveness flag that answers
 while paused (`sagemaker_health`). Everything that touches the model or the
@@ -19,6 +23,7 @@ weight update never lands inside a step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,7 @@ from aiohttp import web
 from agentrl.inference import protocol as P
 from agentrl.inference.engine import Engine
 from agentrl.inference.protocol import ENGINE, STATE, parse
+from agentrl.inference.receive_buffers import ReceiveBuffers
 
 
 async def _in_engine(engine: Engine, fn) -> Any:
@@ -71,17 +77,62 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
     """Receive one bucket into the session's staging area (checked against the model); the model
     and its version change only at `/end_weight_update`. A bucket that fails spoils the session:
-    its commit is refused and the server keeps its weights and version."""
-    import torch
-
-    from agentrl.inference.weight_group import parse_dtype
-
-    engine, state = request.app[ENGINE], request.app[STATE]
+    its commit is refused and the server keeps its weights and version. A bucket with an index
+    (`bucket`, an agentrl extra) waits for the buckets before it to be queued for receiving, so a
+    trainer may announce the next bucket before this one's reply (`ordered_buckets`)."""
+    state = request.app[STATE]
     body: P.UpdateDistributedIn = await parse(request, P.UpdateDistributedIn)
     if not state["session"]:
         return _fail(
             "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
         )
+    session = state["session"]
+    try:
+        if body.bucket is not None and (refused := await _await_turn(state, body.bucket)):
+            return _spoil(state, refused, session)
+        return await _receive_bucket(request, body)
+    finally:  # whatever happened, the next bucket is not held up by this one
+        _pass_turn(state, session, body.bucket)
+
+
+async def _await_turn(state: dict, bucket: int) -> str | None:
+    """Wait until the buckets before `bucket` of this session are queued for receiving (bounded by
+    the group timeout); why it cannot be received, or None."""
+    session, timeout = state["session"], state["group_timeout_s"]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while state["session"] == session and state["turn"] < bucket:
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            return (
+                f"bucket {bucket} waited {timeout}s for bucket {state['turn']} of its session; nothing staged"
+            )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state["turn_moved"].wait(), remaining)
+    if state["session"] != session:
+        return "the weight-update session was closed while the bucket waited for its turn; nothing staged"
+    if state["turn"] > bucket:
+        return f"bucket {bucket} came after bucket {state['turn'] - 1} of its session was received"
+    return None
+
+
+def _pass_turn(state: dict, session: int, bucket: int | None) -> None:
+    """Bucket `bucket` of `session` is queued (or refused): the next one may go."""
+    if bucket is not None and state["session"] == session and state["turn"] == bucket:
+        state["turn"] += 1
+        _wake_turns(state)
+
+
+def _wake_turns(state: dict) -> None:
+    state["turn_moved"].set()
+    state["turn_moved"] = asyncio.Event()
+
+
+async def _receive_bucket(request: web.Request, body: P.UpdateDistributedIn) -> web.Response:
+    import torch
+
+    from agentrl.inference.weight_group import parse_dtype
+
+    engine, state = request.app[ENGINE], request.app[STATE]
     if body.load_format not in (None, "flattened_bucket"):
         return _fail(f"load_format {body.load_format!r}: the embedded server takes none or flattened_bucket")
     session, adapter = state["session"], state["staged_adapter"]
@@ -98,26 +149,29 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         # receive everything the trainer sends even if it will be refused: the collective stays aligned
         if body.abort_all_requests:
             engine.abort(abort_all=True, message="weights updated")
+        pool: ReceiveBuffers = state["receive_buffers"]
+        sizes = [math.prod(shape) * d.itemsize for d, shape in zip(dtypes, body.shapes, strict=True)]
+        tensors = {}
         if body.load_format == "flattened_bucket":
-            sizes = [math.prod(shape) * d.itemsize for d, shape in zip(dtypes, body.shapes, strict=True)]
-            flat = group.broadcast(torch.empty(sum(sizes), dtype=torch.uint8, device=device), 0)
-            tensors, offset = {}, 0
+            flat = group.broadcast(pool.take(sum(sizes), device), 0)
+            offset = 0
             for name, dtype, shape, size in zip(body.names, dtypes, body.shapes, sizes, strict=True):
                 tensors[name] = flat[offset : offset + size].view(dtype).reshape(shape)
                 offset += size
         else:
-            tensors = {
-                name: group.broadcast(torch.empty(shape, dtype=dtype, device=device), 0)
-                for name, dtype, shape in zip(body.names, dtypes, body.shapes, strict=True)
-            }
+            for name, dtype, shape, size in zip(body.names, dtypes, body.shapes, sizes, strict=True):
+                into = pool.take(size, device).view(dtype).reshape(shape)
+                tensors[name] = group.broadcast(into, 0)
         if adapter is not None:
             engine.check_adapter(tensors, adapter)
         else:
             engine.check_weights(tensors)
         return tensors
 
+    queued = engine.call(receive)
+    _pass_turn(state, session, body.bucket)  # the next bucket's receive queues behind this one
     try:
-        tensors = await _in_engine(engine, receive)
+        tensors = await asyncio.wrap_future(queued)
     except ValueError as exc:
         return _spoil(state, f"update rejected, weights unchanged: {exc}", session)
     except Exception as exc:
@@ -204,44 +258,64 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
 
 async def begin_weight_update(request: web.Request) -> web.Response:
     """Open a session; `staged_commit` (an agentrl extra) tells the client that buckets are staged
-    until `/end_weight_update`."""
+    until `/end_weight_update`, `ordered_buckets` (another) that buckets with an index are received
+    in index order."""
     body: P.BeginUpdateIn = await parse(request, P.BeginUpdateIn)
     state = request.app[STATE]
     if state["session"]:
         return _fail("a weight-update session is already open; call end_weight_update() first")
     state["sessions"] += 1
     state["session"], state["staged"], state["staged_version"] = state["sessions"], {}, None
-    state["staged_adapter"] = body.lora
-    return _ok("Success", staged_commit=True)
+    state["staged_adapter"], state["turn"] = body.lora, 0
+    _wake_turns(state)  # buckets still waiting from an earlier session give up
+    return _ok("Success", staged_commit=True, ordered_buckets=True)
 
 
 async def end_weight_update(request: web.Request) -> web.Response:
     """Commit: load every staged tensor and set the staged version, in the engine thread, all or
-    nothing (`Engine.load_weights` checks first). With `abort` (an agentrl extra): discard them."""
+    nothing (`Engine.load_weights` checks first; it adopts the received tensors as parameters where
+    it can). With `abort` (an agentrl extra): discard them. Either way the receive buffers the model
+    no longer uses are free for the next push."""
     body: P.EndUpdateIn = await parse(request, P.EndUpdateIn)
     engine, state = request.app[ENGINE], request.app[STATE]
     if not state["session"]:
         return _fail("no weight-update session is open; call begin_weight_update() first")
     staged, version, adapter = state["staged"], state["staged_version"], state["staged_adapter"]
     state["session"], state["staged"], state["staged_version"], state["staged_adapter"] = 0, None, None, None
-    if body.abort:
-        return _ok(
-            f"aborted, {len(staged or {})} staged tensors discarded", weight_version=engine.weight_version
-        )
-    if staged is None:
+    _wake_turns(state)  # buckets still waiting give up
+
+    def settled(load: Any = None) -> Any:
+        """Run `load` (if any) in the engine thread, then free the buffers the model does not use;
+        the engine's future of that."""
+
+        def run() -> None:
+            try:
+                if load is not None:
+                    load()
+            finally:
+                cap = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+                state["receive_buffers"].settle(engine.model, cap)
+
+        return engine.call(run)
+
+    if body.abort or staged is None:
+        settled()  # not awaited: the reply does not wait behind a receive still blocked in the engine
+        if body.abort:
+            return _ok(f"aborted, {len(staged or {})} staged tensors discarded",
+                       weight_version=engine.weight_version)  # fmt: skip
         return _fail(
             f"a bucket of this session failed: nothing applied, weights stay at {engine.weight_version}"
         )
     if adapter is not None:
         try:
-            await _in_engine(engine, lambda: engine.load_adapter(staged, adapter, version))
+            await asyncio.wrap_future(settled(lambda: engine.load_adapter(staged, adapter, version)))
         except ValueError as exc:
             return _fail(f"adapter refused, weights unchanged: {exc}")
         except Exception as exc:
             return _fail(f"commit failed, weights unchanged: {type(exc).__name__}: {exc}", status=500)
     elif staged:
         try:
-            await _in_engine(engine, lambda: engine.load_weights(staged, version))
+            await asyncio.wrap_future(settled(lambda: engine.load_weights(staged, version, adopt=True)))
         except Exception as exc:
             return _fail(f"commit failed, weights unchanged: {type(exc).__name__}: {exc}", status=500)
     return _ok("Success", weight_version=engine.weight_version)

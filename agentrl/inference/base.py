@@ -180,6 +180,10 @@ class DistributedWeightUpdateClient(WeightUpdateClient):
     """True when the server stages the buckets and applies them only at `end_weight_update`, so
     an aborted push leaves it whole on its previous weights and version; False when each bucket
     is loaded as it arrives (SGLang), so an aborted push may leave a mix."""
+    ordered_buckets: bool = False
+    """True when the server receives the buckets of a session in the order of their `bucket`
+    index, whatever order their requests arrive in, so the next bucket may be announced before
+    the last one's reply (the embedded server says so in its `/begin_weight_update` reply)."""
 
     @abc.abstractmethod
     async def init_weights_update_group(
@@ -210,10 +214,12 @@ class DistributedWeightUpdateClient(WeightUpdateClient):
         group_name: str = "weight_update_group",
         weight_version: int | None = None,
         flattened: bool = False,
+        bucket: int | None = None,
     ) -> None:
         """Receive one bucket broadcast by rank 0, then load it: one broadcast per tensor in the order
         of `names`, or with `flattened` one uint8 tensor holding them back to back (SGLang's
-        `FlattenedTensorBucket` layout)."""
+        `FlattenedTensorBucket` layout). `bucket`: its index in the session (0, 1, …), sent only
+        to servers with `ordered_buckets`."""
 
     @abc.abstractmethod
     async def end_weight_update(self, weight_version: int | None = None) -> None:

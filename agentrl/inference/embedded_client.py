@@ -22,6 +22,7 @@ class EmbeddedClient(SGLangClient):
         _check_success("/begin_weight_update", reply)
         self.has_session = True
         self.stages_updates = isinstance(reply, dict) and reply.get("staged_commit") is True
+        self.ordered_buckets = isinstance(reply, dict) and reply.get("ordered_buckets") is True
 
     async def load_lora_adapter(self, name: str, path: str, weight_version: int | None = None) -> None:
         body: dict[str, Any] = {"lora_name": name, "lora_path": path}

@@ -180,6 +180,9 @@ class Engine(BufferPhases, ReplicaFollowing):
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
+        self.owns_params = model is None
+        """The engine loaded its model itself: `load_weights(adopt=True)` may rebind its parameters.
+        An engine built on a given module (colocated mode) only ever copies into them."""
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
         self.model = model.eval()
@@ -319,11 +322,21 @@ class Engine(BufferPhases, ReplicaFollowing):
         if problems:
             raise ValueError("; ".join(problems))
 
-    def load_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> None:
-        """Copy `tensors` into the model in place (checked first, so a bad update changes nothing).
-        A DTensor parameter given its full tensor keeps its own slice (no communication). On a
-        model that served a LoRA adapter, full weights replace the base and the adapter is cleared;
-        adapters are refused from then on (they were trained on the original base)."""
+    def load_weights(
+        self, tensors: dict[str, torch.Tensor], weight_version: str | None, adopt: bool = False
+    ) -> None:
+        """Load `tensors` into the model (checked first, so a bad update changes nothing). A DTensor
+        parameter given its full tensor keeps its own slice (no communication). On a model that
+        served a LoRA adapter, full weights replace the base and the adapter is cleared; adapters
+        are refused from then on (they were trained on the original base).
+
+        Each tensor is copied into its parameter in place, unless `adopt` (the caller hands the
+        tensors over and will not write to them again) and the engine owns its parameters: then a
+        tensor of the parameter's exact dtype, device and shape becomes the parameter's data
+        (`param.data = tensor`, no copy; every module holding that parameter, tied ones included,
+        sees it). Parameters that share storage with another parameter object, DTensor shards,
+        buffers, and the parameters of an engine built on a module it was given (colocated mode:
+        the reshard fills those buffers in place) are always copied into."""
         if self._offloaded is not None:
             raise RuntimeError("load_weights on released buffers: call rebuild() first")
         self.check_weights(tensors)
@@ -332,8 +345,19 @@ class Engine(BufferPhases, ReplicaFollowing):
             self._adapter.clear()
         self._base_replaced = str(weight_version)
         state = self.model.state_dict()
+        params = self._adoptable() if adopt and self.owns_params else {}
+        adopted = 0
         with torch.no_grad():
             for name, tensor in tensors.items():
+                param = params.get(name)
+                if param is not None and (tensor.dtype, tensor.device, tensor.shape) == (
+                    param.dtype,
+                    param.device,
+                    param.shape,
+                ):
+                    param.data = tensor
+                    adopted += 1
+                    continue
                 target = local(state[name])
                 if tuple(tensor.shape) != tuple(target.shape):  # a full tensor for a TP shard
                     from torch.distributed.tensor import distribute_tensor
@@ -344,7 +368,30 @@ class Engine(BufferPhases, ReplicaFollowing):
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         if weight_version is not None:
             self.weight_version = str(weight_version)
-        logger.info("loaded %d tensors; weight_version=%s", len(tensors), self.weight_version)
+        logger.info("loaded %d tensors (%d adopted without a copy); weight_version=%s", len(tensors), adopted,
+                    self.weight_version)  # fmt: skip
+
+    def _adoptable(self) -> dict[str, torch.nn.Parameter]:
+        """{name: parameter} (tied names included) of the parameters `load_weights` may rebind: plain
+        tensors whose memory no other parameter object overlaps (a tie by shared storage, rather
+        than by one shared parameter, would come apart if one side were rebound)."""
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        unique = {id(p): p for p in named.values()}
+        if any(hasattr(p, "to_local") for p in unique.values()):
+            return {}
+        spans = sorted(
+            (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), key)
+            for key, p in unique.items()
+            if p.numel()
+        )
+        overlapping: set[int] = set()
+        reach, owner = -1, None
+        for start, end, key in spans:
+            if start < reach:
+                overlapping.update((key, owner))
+            if end > reach:
+                reach, owner = end, key
+        return {name: p for name, p in named.items() if id(p) not in overlapping}
 
     @property
     def adapter_name(self) -> str | None:

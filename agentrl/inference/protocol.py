@@ -166,6 +166,9 @@ class UpdateDistributedIn(Admin):
     abort_all_requests: bool = False
     weight_version: str | int | None = None
     load_format: str | None = None
+    bucket: int | None = Field(default=None, ge=0)
+    """agentrl extra: the bucket's index in the session; the server receives buckets in this order
+    whatever order their requests arrive in (it says `ordered_buckets` when a session opens)."""
 
     @model_validator(mode="after")
     def _aligned(self) -> UpdateDistributedIn:

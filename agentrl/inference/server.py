@@ -29,6 +29,7 @@ from agentrl.inference import admin, prompt_logprobs
 from agentrl.inference import protocol as P
 from agentrl.inference.engine import Engine, Request, error_status
 from agentrl.inference.protocol import ENGINE, STATE, BadInput, parse
+from agentrl.inference.receive_buffers import ReceiveBuffers
 from agentrl.inference.sampling import SamplingParams
 from agentrl.log import get_logger
 
@@ -263,6 +264,9 @@ def make_app(
         "staged": None,
         "staged_version": None,
         "staged_adapter": None,  # the LoRA config of an adapter session (its buckets form the adapter)
+        "receive_buffers": ReceiveBuffers(),  # kept between pushes (inference/receive_buffers.py)
+        "turn": 0,  # the index of the next bucket of the session to be received (`ordered_buckets`)
+        "turn_moved": asyncio.Event(),  # set (and replaced) whenever the turn moves or the session ends
     }
     post = {
         "/generate": generate,

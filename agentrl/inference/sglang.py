@@ -102,6 +102,9 @@ class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
     stages_updates: bool = False
     """Whether the server stages buckets until `/end_weight_update` (the embedded server
     says so in its `/begin_weight_update` reply); learnt at each begin."""
+    ordered_buckets: bool = False
+    """Whether the server receives a session's buckets in `bucket` order (the embedded server
+    says so in its `/begin_weight_update` reply); learnt at each begin."""
 
     def __init__(
         self,
@@ -236,12 +239,15 @@ class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
         group_name: str = "weight_update_group",
         weight_version: int | None = None,
         flattened: bool = False,
+        bucket: int | None = None,
     ) -> None:
         body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         if flattened:
             body["load_format"] = "flattened_bucket"
+        if bucket is not None:  # an agentrl extra, only for servers that said `ordered_buckets`
+            body["bucket"] = bucket
         reply = await self.http.request("POST", "/update_weights_from_distributed", body)
         _check_success("/update_weights_from_distributed", reply)
 
@@ -264,6 +270,7 @@ class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
         self.has_session = True
         _check_success("/begin_weight_update", reply)
         self.stages_updates = isinstance(reply, dict) and reply.get("staged_commit") is True
+        self.ordered_buckets = isinstance(reply, dict) and reply.get("ordered_buckets") is True
 
     async def end_weight_update(self, weight_version: int | None = None) -> None:
         """SGLang records the version with each bucket; `weight_version` is not sent here."""

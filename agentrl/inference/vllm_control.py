@@ -132,9 +132,11 @@ class VLLMControl(HTTPServerClient, DistributedWeightUpdateClient):
         group_name: str = "weight_update_group",
         weight_version: int | None = None,
         flattened: bool = False,
+        bucket: int | None = None,
     ) -> None:
         """Receive one bucket into the workers' staging area; the model changes at `end_weight_update`,
-        which tags it with this `weight_version` unless given one itself."""
+        which tags it with this `weight_version` unless given one itself. (`bucket` is unused: vLLM
+        is not `ordered_buckets`, so each bucket's reply comes before the next is announced.)"""
         self._pending_version = weight_version
         await self.rpc(
             "agentrl_receive",

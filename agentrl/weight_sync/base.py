@@ -232,8 +232,9 @@ class PushStats:
     """Every server of the live list, by URL: committed, or dropped and why."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds by phase of the push, summed over buckets and attempts, where the engine times them
-    (the broadcast engine: regroup, pause, begin, gather_wait, flatten, broadcast, replies, commit,
-    read_back, continue); not logged, for `agentrl bench sync`'s phase table."""
+    (the broadcast engine: regroup, pause, begin, gather_wait, broadcast, replies, commit,
+    read_back, continue on the pushing thread; flatten on the gather thread, overlapped with the
+    broadcast); not logged, for `agentrl bench sync`'s phase table."""
     bucket_round_trips: list[float] = field(default_factory=list)
     """Per bucket sent (broadcast engine): seconds from announcing it to the last server's reply."""
 

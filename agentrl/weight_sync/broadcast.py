@@ -12,14 +12,16 @@ A push, on rank 0 (other learner ranks only join the FSDP gathers):
 1. pause generation on every server (in-flight requests come back aborted; rollers resume)
    and open a weight-update session on each (`/begin_weight_update`: SGLang 0.5.23 refuses
    `/update_weights_from_distributed` outside one);
-2. a gather thread pulls full tensors from `weights()` (layer by layer from FSDP2) and packs them into
-   buckets of about `bucket_mb`, at most one bucket ahead — so bucket i+1 is gathered
-   while bucket i is broadcast, and peak extra memory is about two buckets;
+2. a gather thread pulls full tensors from `weights()` (layer by layer from FSDP2), groups them into
+   buckets of about `bucket_mb` and, where every member takes SGLang's `flattened_bucket`, packs
+   each bucket into one flat uint8 tensor (`buckets.Packer`: on CPU into buffers kept from push
+   to push), at most one bucket ahead — so bucket i+1 is gathered and packed while bucket i is
+   broadcast, and extra memory is about three buckets;
 3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`;
-   the version travels with the last bucket only), broadcast each tensor in that order (or,
-   where every server takes SGLang's `flattened_bucket`, the whole bucket as one flat uint8
-   broadcast), await the servers' replies (one bucket in flight: out-of-order broadcasts
-   deadlock);
+   the version travels with the last bucket only), broadcast the packed bucket (or each tensor
+   in that order), await the servers' replies — after the next bucket's broadcast where every
+   member receives buckets in the order of their index (`ordered_buckets`: the embedded
+   server), else before the next is announced (SGLang, vLLM: out-of-order broadcasts deadlock);
 4. commit every session (`/end_weight_update`), read each server's version back, and resume
    generation.
 Each push is a transaction per server: every server of the live list ends committed at the
@@ -54,9 +56,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from agentrl.inference.weight_group import dtype_name
 from agentrl.log import get_logger
@@ -70,7 +71,7 @@ from agentrl.weight_sync.base import (
     no_adapters,
     resolve,
 )
-from agentrl.weight_sync.buckets import Bucket, Phase, agree, iter_buckets, prefetch, timed_iter
+from agentrl.weight_sync.buckets import Bucket, Packer, Phase, agree, iter_buckets, prefetch, timed_iter
 from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
@@ -79,6 +80,17 @@ if TYPE_CHECKING:
     from agentrl.config import BroadcastSyncConfig, InferenceConfig
 
 logger = get_logger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A bucket broadcast whose replies are not yet awaited."""
+
+    futures: dict[str, Any]
+    announced: float
+    nbytes: int
+    tensors: int
+    broadcasts: int
 
 
 class BroadcastEngine(AdapterOverHTTP):
@@ -102,6 +114,7 @@ class BroadcastEngine(AdapterOverHTTP):
         self._adapter: dict | None = None  # an adapter push's config (its sessions open with it)
         self._given_up = 0  # pushes given up in a row (`transactional: all`), for the catch-up backoff
         self._given_up_until = 0.0
+        self.packer = Packer()  # the flat buffers buckets are packed into (rank 0)
 
     # ------------------------------------------------------------------ set-up
 
@@ -214,17 +227,12 @@ class BroadcastEngine(AdapterOverHTTP):
         try:
             while True:
                 attempt += 1
-                failed: dict[str, str] = {}
-                buckets = prefetch(iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20))))
-                for bucket in timed_iter(buckets, stats, "gather_wait"):
-                    if self.rank == 0 and not failed and self.members:
-                        # the version travels with the last bucket only: a server that loads buckets
-                        # as they arrive (SGLang) never labels a partial update with it
-                        failed = self._send_bucket(bucket, version if bucket.last else None, stats)
+                failed = self._stream(weights, version, stats)
                 redo = self.rank == 0 and bool(failed) and self._after_failure(failed, failures, stats)
                 if not agree(redo):
                     break
         except BaseException:
+            self.packer = Packer()  # a gather thread left behind may still write into the old buffers
             if self.rank == 0:  # the learner's own failure (e.g. a gather): no server keeps a session
                 self._abort(self.members)
                 self._all("continue_generation", self._whole(self.members), timeout_s=self.config.timeout_s)
@@ -236,6 +244,38 @@ class BroadcastEngine(AdapterOverHTTP):
             self.last = stats
             self._report(stats, f"by broadcast in {attempt} attempt(s)")
         return stats
+
+    def _stream(self, weights: WeightSource, version: int, stats: PushStats | None) -> dict[str, str]:
+        """One attempt: every bucket of `weights()` gathered (every rank) and, on rank 0, sent to the
+        members until one fails; {url: why} for the servers that failed it. Where every member
+        receives buckets in index order (`ordered_buckets`), bucket i+1 is announced and broadcast
+        before bucket i's replies are awaited (one reply in flight); each reply is still checked,
+        and a failure stops the attempt (a server that failed the earlier bucket is blamed first)."""
+        failed: dict[str, str] = {}
+        ordered = (
+            self.rank == 0
+            and bool(self.members)
+            and all(self.clients[u].ordered_buckets for u in self.members)
+        )
+        pack = functools.partial(self._pack, self.packer if self._flattens() else None, stats)
+        buckets = prefetch(map(pack, iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20)))))
+        in_flight, index = None, 0
+        for bucket in timed_iter(buckets, stats, "gather_wait"):
+            if self.rank != 0 or failed or not self.members:
+                continue  # other ranks only gather; after a failure the rest is drained unsent
+            # the version travels with the last bucket only: a server that loads buckets as they
+            # arrive (SGLang) never labels a partial update with it
+            failed, sent = self._send_bucket(
+                bucket, version if bucket.last else None, stats, index if ordered else None
+            )
+            index += 1
+            if in_flight is not None and (before := self._collect(in_flight, stats)):
+                failed = before if sent is None else {**self._collect(sent, stats), **before}
+                sent = None
+            in_flight = sent
+        if in_flight is not None:
+            failed = self._collect(in_flight, stats)
+        return failed
 
     def _after_failure(self, failed: dict[str, str], failures: dict[str, int], stats: PushStats) -> bool:
         """Rank 0, after an attempt failed on `failed` ({url: why}): abort it on every member,
@@ -336,35 +376,57 @@ class BroadcastEngine(AdapterOverHTTP):
                 outcomes[url].paused = True
                 logger.error("server %s: /continue_generation failed: %s", url, errors[url])
 
-    def _flatten(self, bucket: Bucket) -> torch.Tensor | None:
-        """The bucket as one uint8 tensor in `FlattenedTensorBucket` layout (SGLang 0.5.23
-        `srt/weight_sync/tensor_bucket.py`), when every member takes it and every tensor starts at an
-        offset its dtype divides (SGLang's `FlattenedTensorBucket.empty` refuses others); else None."""
-        if len(bucket.tensors) < 2 or not all(self.clients[u].flattened_buckets for u in self.members):
-            return None
+    def _flattens(self) -> bool:
+        """Rank 0, at the start of an attempt: every member takes `flattened_bucket` buckets."""
+        return (
+            self.rank == 0
+            and bool(self.members)
+            and all(self.clients[u].flattened_buckets for u in self.members)
+        )
+
+    @staticmethod
+    def _pack(packer: Packer | None, stats: PushStats | None, bucket: Bucket) -> Bucket:
+        """(gather thread) Set `bucket.flat`: the bucket as one uint8 tensor in
+        `FlattenedTensorBucket` layout (SGLang 0.5.23 `srt/weight_sync/tensor_bucket.py`), when a
+        `packer` is given (every member takes it) and every tensor starts at an offset its dtype
+        divides (SGLang's `FlattenedTensorBucket.empty` refuses others); a one-tensor bucket travels
+        as it is."""
+        if packer is None or len(bucket.tensors) < 2:
+            return bucket
         offset = 0
         for tensor in bucket.tensors:
             if offset % tensor.element_size():
-                return None
+                return bucket
             offset += tensor.numel() * tensor.element_size()
-        return torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.tensors])
+        with Phase(stats, "flatten"):
+            bucket.flat = packer.pack(bucket.tensors)
+        return bucket
 
-    def _send_bucket(self, bucket: Bucket, version: int | None, stats: PushStats) -> dict[str, str]:
-        """Announce one bucket to every member, broadcast it, await the replies; returns {url: why}
-        for the servers that failed it (every member, if the broadcast failed and none says why)."""
+    def _send_bucket(
+        self, bucket: Bucket, version: int | None, stats: PushStats, index: int | None
+    ) -> tuple[dict[str, str], InFlight | None]:
+        """Announce one bucket to every member (with its `index` in the push, to `ordered_buckets`
+        servers), broadcast it, and await the replies unless `index` is given; returns ({url: why}
+        for the servers that failed it: every member, if the broadcast failed and none says why;
+        the bucket in flight, its replies not yet awaited, or None)."""
         names = bucket.names
         dtypes = [dtype_name(t.dtype) for t in bucket.tensors]
         shapes = [list(t.shape) for t in bucket.tensors]
         assert self.group is not None, "a push streams only over a built group"
-        with Phase(stats, "flatten"):
-            flat = self._flatten(bucket)
+        flat = bucket.flat
         self._touched.update(self.members)
         announced = time.perf_counter()
         futures = {
             url: self._bridge.submit(
                 asyncio.wait_for(
                     self.clients[url].update_weights_from_distributed(
-                        names, dtypes, shapes, self.group.group_name, version, flattened=flat is not None
+                        names,
+                        dtypes,
+                        shapes,
+                        self.group.group_name,
+                        version,
+                        flattened=flat is not None,
+                        **({} if index is None else {"bucket": index}),
                     ),
                     2 * self.config.timeout_s,
                 )
@@ -388,16 +450,24 @@ class BroadcastEngine(AdapterOverHTTP):
             self.group = None
             failed = self._replies(futures)
             if early:
-                return {u: failed[u] for u in early}
-            return failed or {u: f"broadcast failed: {exc}" for u in self.members}
+                return {u: failed[u] for u in early}, None
+            return failed or {u: f"broadcast failed: {exc}" for u in self.members}, None
+        broadcasts = 1 if flat is not None else len(bucket.tensors)
+        sent = InFlight(futures, announced, bucket.nbytes, len(bucket.tensors), broadcasts)
+        if index is not None:
+            return {}, sent
+        return self._collect(sent, stats), None
+
+    def _collect(self, sent: InFlight, stats: PushStats) -> dict[str, str]:
+        """Await a broadcast bucket's replies and count it; {url: why} for the servers that failed it."""
         with Phase(stats, "replies"):
-            failed = self._replies(futures)
-        stats.bucket_round_trips.append(time.perf_counter() - announced)
-        stats.bytes += bucket.nbytes
-        stats.tensors += len(bucket.tensors)
+            failed = self._replies(sent.futures)
+        stats.bucket_round_trips.append(time.perf_counter() - sent.announced)
+        stats.bytes += sent.nbytes
+        stats.tensors += sent.tensors
         stats.buckets += 1
-        stats.broadcasts += 1 if flat is not None else len(bucket.tensors)
-        stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, bucket.nbytes)
+        stats.broadcasts += sent.broadcasts
+        stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, sent.nbytes)
         return failed
 
     def _replies(self, futures: dict[str, Any]) -> dict[str, str]:

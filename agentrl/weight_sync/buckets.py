@@ -2,8 +2,10 @@
 most one bucket ahead of the broadcast, each phase of the push timed into `PushStats.phases`, and
 rank 0's decisions shared with the other learner ranks (which repeat the gathers in step).
 
-The gather (`weights()`, layer by layer from FSDP2) runs on its own thread (`prefetch`), so bucket
-i+1 is gathered while bucket i is broadcast and peak extra memory is about two buckets.
+The gather (`weights()`, layer by layer from FSDP2) and the packing of each bucket into one flat
+buffer (`Packer`) run on their own thread (`prefetch`), so bucket i+1 is gathered and packed while
+bucket i is broadcast; extra memory is about three buckets (on CPU, the packing buffers, kept from
+push to push).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class Bucket:
     nbytes: int = 0
     last: bool = False
     """The last bucket of the stream (known at no cost: the tensors ran out)."""
+    flat: torch.Tensor | None = None
+    """The bucket packed as one uint8 tensor (packed on the gather thread), when it travels as one."""
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
@@ -45,6 +49,37 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     if bucket.tensors:
         bucket.last = True
         yield bucket
+
+
+class Packer:
+    """Packs a bucket's tensors into one flat uint8 tensor. On CPU it packs into `slots` buffers
+    taken round robin and kept from push to push (grown to the largest bucket), so a push does not
+    map and fault in fresh memory for every bucket; slot k is written again only for bucket k +
+    `slots`, and with the gather thread one bucket ahead (`prefetch`) at most three buckets are in
+    use at once: the one broadcast, the one queued, the one packed. On a GPU, where the caching
+    allocator already reuses memory, each bucket is a fresh `torch.cat`."""
+
+    def __init__(self, slots: int = 3) -> None:
+        self.buffers: list[torch.Tensor | None] = [None] * slots
+        self.packed = 0
+        self.largest = 0
+
+    def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        parts = [t.reshape(-1).view(torch.uint8) for t in tensors]
+        if parts[0].device.type != "cpu":
+            return torch.cat(parts)
+        nbytes = sum(p.numel() for p in parts)
+        slot = self.packed % len(self.buffers)
+        self.packed += 1
+        buffer = self.buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:  # sized for the largest bucket yet: grows rarely
+            self.largest = max(self.largest, nbytes)
+            buffer = self.buffers[slot] = torch.empty(self.largest, dtype=torch.uint8)
+        return torch.cat(parts, out=buffer[:nbytes])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers if b is not None)
 
 
 def prefetch(buckets: Iterator[Bucket], depth: int = 1) -> Iterator[Bucket]:

@@ -1,0 +1,68 @@
+"""The embedded server's receive buffers for weight pushes, kept from one push to the next.
+
+A push arrives bucket by bucket over the weight group; the server stages every bucket and applies
+them all at `/end_weight_update` (agentrl/inference/admin.py). Each bucket is received into a flat
+uint8 buffer taken from `ReceiveBuffers`, and its tensors are views of that buffer. At the commit
+the engine makes those views its parameters where it can (`Engine.load_weights(adopt=True)`:
+no second pass over the weights), so the buffers the model used before the push are no longer
+used; `settle` then takes back every buffer the model does not use (an aborted push's, the
+previous weights') as free buffers for the next push. A push of the same model in the same
+buckets therefore receives into memory that is already mapped (no page faults, no allocation):
+in steady state the server holds its weights and one free set of receive buffers.
+
+Memory: between pushes, free buffers of at most `cap` bytes (the model's parameter bytes: one
+copy of its weights) stay allocated on the device the server receives on; during a push the
+staged buckets take that memory, as a fresh staging copy would. A buffer is handed out only if
+no parameter of the model uses its storage (checked at every `settle`, from the model itself),
+so a reused buffer never aliases the served weights: an aborted push cannot change them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def storages_in_use(model: torch.nn.Module) -> set[int]:
+    """The storage addresses behind every parameter and buffer of `model` (a DTensor's local shard)."""
+    used = set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        used.add(local.untyped_storage().data_ptr())
+    return used
+
+
+class ReceiveBuffers:
+    """Flat uint8 buffers by size and device: `take` one for a bucket, `settle` after a session."""
+
+    def __init__(self) -> None:
+        self.owned: list[torch.Tensor] = []
+        """Every buffer handed out and not yet let go: used by the model, staged, or free."""
+        self.free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 buffer of exactly `nbytes` on `device`: a free one of that size, else a new one."""
+        for i, buffer in enumerate(self.free):
+            if buffer.numel() == nbytes and buffer.device == device:
+                return self.free.pop(i)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.owned.append(buffer)
+        return buffer
+
+    def settle(self, model: torch.nn.Module, cap: int) -> None:
+        """After a session ends (committed or aborted): every owned buffer the model does not use is
+        free again, up to `cap` bytes (newest first, so the buffers of the push just received stay);
+        the rest are let go."""
+        used = storages_in_use(model)
+        kept, free, free_bytes = [], [], 0
+        for buffer in reversed(self.owned):
+            if buffer.untyped_storage().data_ptr() in used:
+                kept.append(buffer)
+            elif free_bytes + buffer.numel() <= cap:
+                free.append(buffer)
+                free_bytes += buffer.numel()
+        self.owned = kept[::-1] + free[::-1]
+        self.free = free[::-1]
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(b.numel() for b in self.free)

@@ -1,0 +1,47 @@
+"""`buckets.Packer`: buckets packed into flat buffers kept from push to push, round robin."""
+
+from __future__ import annotations
+
+import torch
+
+from agentrl.weight_sync.buckets import Packer, iter_buckets, prefetch
+
+
+def test_packs_in_flattened_layout_and_reuses_a_slot_only_three_buckets_later() -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensors = [(f"t{i}", torch.randn(8, generator=gen)) for i in range(10)]
+    packer = Packer()
+    flats = []
+    for bucket in iter_buckets(tensors, 100):  # 3 tensors a bucket, the last one 1
+        flat = packer.pack(bucket.tensors)
+        want = torch.cat([t.view(torch.uint8) for t in bucket.tensors])
+        assert torch.equal(flat, want)
+        flats.append((flat.untyped_storage().data_ptr(), bucket.nbytes))
+    assert len(flats) >= 4
+    storages = [ptr for ptr, _ in flats]
+    # the three buckets in use at once (broadcast, queued, packed) never share a buffer
+    for i in range(len(storages) - 2):
+        assert len(set(storages[i : i + 3])) == 3
+    assert packer.nbytes <= 3 * max(n for _, n in flats)
+    # the next push packs into the same buffers: nothing new is allocated when sizes repeat
+    before = packer.nbytes
+    again = {packer.pack(b.tensors).untyped_storage().data_ptr() for b in iter_buckets(tensors, 100)}
+    assert again <= set(storages) and packer.nbytes == before
+
+
+def test_packing_on_the_gather_thread_keeps_every_bucket_intact_until_the_next_two_are_packed() -> None:
+    """Consumed as the engine does (one bucket at a time, the gather thread one ahead), each packed
+    bucket still holds its own bytes while it is used, although slots are reused."""
+    tensors = [(f"t{i}", torch.full((16,), float(i))) for i in range(24)]
+    packer = Packer()
+
+    def pack(bucket):
+        bucket.flat = packer.pack(bucket.tensors)
+        return bucket
+
+    seen = 0
+    for bucket in prefetch(map(pack, iter_buckets(tensors, 128))):  # two tensors a bucket
+        want = torch.cat([t.view(torch.uint8) for t in bucket.tensors])
+        assert torch.equal(bucket.flat, want)
+        seen += 1
+    assert seen == 12 and packer.packed == 12
