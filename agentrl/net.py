@@ -3,13 +3,37 @@ benchmarks (`wait_healthy`: until started servers answer their health check). Im
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import time
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for `bind(0)` / outgoing connections (Linux's
+    ip_local_port_range; 32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (for rendezvous stores, servers and queues)."""
+    """A TCP port nobody listens on right now (for rendezvous stores, servers and queues), drawn
+    below the kernel's ephemeral range: a port the kernel gave us for `bind(0)` is one it may give
+    the next process that binds 0 as soon as we release it (vLLM's engine sockets took a queue
+    port that way between the pick and the bind), which a port outside that range never is."""
+    low = _ephemeral_low()
+    if low > 11024:
+        for _ in range(64):
+            port = random.randrange(low - 10000, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,9 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from agentrl.net import free_port
+
+    return free_port()  # below the kernel's ephemeral range: no race with servers that bind 0
 
 
 @pytest.fixture

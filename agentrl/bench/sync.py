@@ -205,6 +205,40 @@ def _lora_pushes(model: torch.nn.Module, inference: Any, opts: argparse.Namespac
     return {"seconds": seconds, "bytes": pushed}
 
 
+def _interleaved(model: Any, inference: Any, opts: argparse.Namespace, server_pid: int) -> dict[str, Any]:
+    """Ours and raw, taking turns within every repeat while the server stays alive; the first
+    round warms up connections and allocations and is not counted."""
+    from agentrl.weight_sync.config import BroadcastSyncConfig
+    from agentrl.weight_sync.registry import create
+
+    ours, raw, peaks, phases, round_trips = [], [], [], [], []
+    engine = create(BroadcastSyncConfig(bucket_mb=opts.bucket_mb, timeout_s=300), inference)
+    engine.init()
+    baseline = RawBroadcast(model, int(opts.bucket_mb * (1 << 20)), opts.repeats + 1)
+    try:
+        for version in range(1, opts.repeats + 2):
+            with PeakRSS() as rss:
+                stats = engine.push(model.named_parameters, version)
+            raw_s = baseline.once()
+            if stats.servers_updated != 1:
+                raise RuntimeError(f"push {version} did not commit on the server: {stats.outcomes}")
+            if version > 1:
+                ours.append(stats.seconds)
+                raw.append(raw_s)
+                peaks.append(rss.extra)
+                phases.append(stats.phases)
+                round_trips.extend(stats.bucket_round_trips)
+        return {
+            "ours": ours, "raw": raw, "peaks": peaks, "phases": phases, "round_trips": round_trips,
+            "bucket": stats.peak_bucket_bytes, "pushed": stats.bytes, "buckets": stats.buckets, "raw_buckets": len(baseline.buffers),
+            "packing": engine.packer.nbytes,  # the learner's packing buffers, kept between pushes
+            "server_rss": _rss(server_pid),  # weights + the free receive buffers kept for the next push
+        }  # fmt: skip
+    finally:
+        baseline.close()
+        engine.close()
+
+
 def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agentrl bench sync")
     parser.add_argument("--preset", default="base100m", help="model size to push (tiny, small, base100m)")
@@ -224,7 +258,7 @@ def main(args: list[str]) -> int:
     from agentrl.inference.config import InferenceConfig
     from agentrl.net import free_port, wait_healthy
     from agentrl.tiny_model import init_model
-    from agentrl.weight_sync.config import BroadcastSyncConfig, DiskSyncConfig
+    from agentrl.weight_sync.config import DiskSyncConfig
     from agentrl.weight_sync.registry import create
 
     signal.signal(
@@ -248,29 +282,14 @@ def main(args: list[str]) -> int:
             inference = InferenceConfig(servers=[url])
             # first, while the server holds the base it loaded: an adapter on a replaced base is refused
             lora = _lora_pushes(model, inference, opts) if opts.lora_rank else None
-            ours, raw, peaks, phases, round_trips = [], [], [], [], []
-            engine = create(BroadcastSyncConfig(bucket_mb=opts.bucket_mb, timeout_s=300), inference)
-            engine.init()
-            baseline = RawBroadcast(model, int(opts.bucket_mb * (1 << 20)), opts.repeats + 1)
-            try:
-                for version in range(1, opts.repeats + 2):  # ours and raw take turns, server alive
-                    with PeakRSS() as rss:
-                        stats = engine.push(model.named_parameters, version)
-                    raw_s = baseline.once()
-                    if stats.servers_updated != 1:
-                        raise RuntimeError(f"push {version} did not commit on the server: {stats.outcomes}")
-                    if version > 1:  # the first round warms up connections and allocations
-                        ours.append(stats.seconds)
-                        raw.append(raw_s)
-                        peaks.append(rss.extra)
-                        phases.append(stats.phases)
-                        round_trips.extend(stats.bucket_round_trips)
-                bucket, pushed, raw_buckets = stats.peak_bucket_bytes, stats.bytes, len(baseline.buffers)
-                packing = engine.packer.nbytes  # the learner's packing buffers, kept between pushes
-                server_rss = _rss(server.pid)  # weights + the free receive buffers kept for the next push
-            finally:
-                baseline.close()
-                engine.close()
+            side = _interleaved(model, inference, opts, server.pid)
+            ours, raw, peaks, phases, round_trips = (
+                side[k] for k in ("ours", "raw", "peaks", "phases", "round_trips")
+            )
+            bucket, pushed, buckets, raw_buckets = (
+                side[k] for k in ("bucket", "pushed", "buckets", "raw_buckets")
+            )
+            packing, server_rss = side["packing"], side["server_rss"]
             disk_engine = create(DiskSyncConfig(keep_last=1), inference, run_dir=workdir)
             disk_engine.init()
             try:
@@ -330,7 +349,7 @@ def main(args: list[str]) -> int:
             "disk_s": disk_s,
             "push_s_each": ours,
             "raw_broadcast_s_each": raw,
-            "buckets": stats.buckets,
+            "buckets": buckets,
             "raw_buckets": raw_buckets,
             "phase_s": phase_s,
             "bucket_round_trip_s": statistics.median(round_trips),

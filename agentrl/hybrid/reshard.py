@@ -206,15 +206,18 @@ class HybridEngine:
         self._frozen_filled = False  # the frozen parameters' buffers hold their values
         self._plan_staging()
         self.first = GatherPlan(self.in_place, self.buckets, self.units)
-        self.later = self.first
-        if self.frozen:  # the unfrozen parameters alone, planned the same way
-            self.later = GatherPlan(*plan_buckets([s for s in gathered if s.name not in self.frozen], sizes,
-                                                  bucket_bytes), [])  # fmt: skip
-            if self.transport == "coalesced":
-                self.allocate()
-                self.later.units = coalesced_units([[s] for s in self.later.in_place] +
-                                                   [b.slots for b in self.later.buckets], self.groups)  # fmt: skip
-                self.release()
+        self.later = self._later_plan(gathered, sizes, bucket_bytes) if self.frozen else self.first
+
+    def _later_plan(self, gathered: list, sizes: dict[str, int], bucket_bytes: int) -> GatherPlan:
+        """The reshards after the first: the unfrozen parameters alone, planned the same way."""
+        plan = GatherPlan(*plan_buckets([s for s in gathered if s.name not in self.frozen], sizes,
+                                        bucket_bytes), [])  # fmt: skip
+        if self.transport == "coalesced":
+            self.allocate()
+            plan.units = coalesced_units([[s] for s in plan.in_place] + [b.slots for b in plan.buckets],
+                                         self.groups)  # fmt: skip
+            self.release()
+        return plan
 
     def _plan_staging(self) -> None:
         """The transport's units and the staging memory it holds at most (`staging_bytes`)."""
