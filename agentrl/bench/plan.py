@@ -1,6 +1,6 @@
 """`agentrl bench plan`: the planner's prediction of a run against the run, side by side.
 
-    agentrl bench plan [--steps 6] [--envs quick,tail] [--scenarios k0,k1,k2,k1r2,colo] [--latency-s 0.3]
+    agentrl bench plan [--steps 20] [--envs quick,tail] [--scenarios k0,k1,k2,k1r2,colo] [--latency-s 0.3]
     agentrl bench plan --scenarios quick:k1,tail:colo        # named scenarios, `--envs` unused
 
 Two envs, from the quickstart's warm-started model: `quick`, the quickstart's lookup task
@@ -186,7 +186,12 @@ def report(names: list[str], measured: dict, predicted: dict, profile) -> tuple[
 
 def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agentrl bench plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6, help="timed steps, after the warm-up")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="timed steps, after the warm-up (the tail's Pareto latencies make a short window noisy)",
+    )
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -195,7 +200,12 @@ def main(args: list[str]) -> int:
     parser.add_argument("--scenarios", default="k0,k1,k2,k1r2,colo",
                         help="k<K>, k<K>r<R>, colo, each crossed with --envs; or <env>:<mode>")  # fmt: skip
     parser.add_argument("--warmstart-steps", type=int, default=600)
-    parser.add_argument("--colocated-calibration-steps", type=int, default=4)
+    parser.add_argument(
+        "--colocated-calibration-steps",
+        type=int,
+        default=12,
+        help="steps of the colocated calibration run (its learner rate varies ~2x from step to step here)",
+    )
     parser.add_argument(
         "--model-dir", help="checkpoint to start from (default: a fresh, warm-started mini model)"
     )

