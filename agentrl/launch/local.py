@@ -22,7 +22,12 @@ leaves no server holding its port or device, and the learner still saves its fin
 Supervision (`_watch`): a server or roller that dies (exit non-zero, kill -9) is restarted
 with the same command line — a server on the same port — after `launcher.restart_backoff_s`,
 doubled per restart of that child, at most `launcher.max_restarts` times; each restart is
-logged and appended to `<run_dir>/launcher.jsonl`. The learner brings a restarted server to
+logged and appended to `<run_dir>/launcher.jsonl` with its reason. A server whose process
+lives but that has not answered /health with 200 for `launcher.unhealthy_after_s` (a vLLM
+server whose engine died answers 503; a hung one nothing) is named by the health watchdog
+(`watchdog.py`, probes off the main loop), logged with what was seen, stopped (`stop_unhealthy`:
+SIGTERM to its process group, SIGKILL `KILL_AFTER_S` later) and restarted the same way, the
+reason `unhealthy: ...`; out of restarts, the run ends naming it. The learner brings a restarted server to
 its version before rollers use it (weight_sync `behind`, the router's version window). Only
 the learner's death ends the run (exit 1, naming it); `agentrl run --resume` continues from
 its last checkpoint. Shutdown stops every child by PID in reverse order — on completion (the

@@ -31,7 +31,9 @@ carries to the rollers; the learner's ServerWatch brings a server to the current
 roller opens a new queue lease). A child
 that exits while its actor lives is restarted in the same actor after `launcher.restart_backoff_s`
 (doubled each time), and so is the process of an actor Ray restarted; one budget of
-`max_restarts` covers both. A learner rank is never
+`max_restarts` covers both. A server whose process lives but has not answered /health with 200
+for `launcher.unhealthy_after_s` is stopped through its actor and restarted the same way (the
+health watchdog, `launch/watchdog.py`; the reason `unhealthy: ...`). A learner rank is never
 restarted: its loss ends the run with its last checkpoint; `agentrl run --launcher.type ray
 --resume` continues it. `agentrl scale` / `agentrl status` work as for the local launcher
 (`launch/control.py`). Shutdown stops every child by PID (SIGTERM, then SIGKILL; the rollers
