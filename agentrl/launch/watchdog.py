@@ -96,16 +96,22 @@ class HealthWatch:
         return due
 
     def _why(self, s: _Seen, url: str, now: float) -> str | None:
+        why = self._overdue(s, url, now)
+        if why is not None and s.probe is not None:  # the newest probe has not come back yet
+            why += f"; the probe sent {now - s.probed_at:.0f}s ago has not answered yet"
+        return why
+
+    def _overdue(self, s: _Seen, url: str, now: float) -> str | None:
         if s.healthy_at is not None:
             if now - s.healthy_at > self.unhealthy_after_s:
                 return (
                     f"unhealthy: {url}/health has not answered 200 for {now - s.healthy_at:.0f}s "
-                    f"(launcher.unhealthy_after_s); last seen: {s.last}"
+                    f"(launcher.unhealthy_after_s); last probe seen: {s.last}"
                 )
         elif now - s.since > max(self.startup_s, self.unhealthy_after_s):
             return (
                 f"unhealthy: {url}/health has not answered 200 since the server started "
-                f"{now - s.since:.0f}s ago (its backend's start-up timeout); last seen: {s.last}"
+                f"{now - s.since:.0f}s ago (its backend's start-up timeout); last probe seen: {s.last}"
             )
         return None
 

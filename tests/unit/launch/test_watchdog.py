@@ -77,7 +77,7 @@ def test_a_server_unhealthy_for_longer_than_the_limit_is_named_once_with_what_wa
     named = _run(watch, clock, 5, servers)
     assert list(named) == ["server0"]
     assert named["server0"].startswith("unhealthy: ")
-    assert f"{URL}/health" in named["server0"] and "last seen: HTTP 503" in named["server0"]
+    assert f"{URL}/health" in named["server0"] and "last probe seen: HTTP 503" in named["server0"]
     assert "launcher.unhealthy_after_s" in named["server0"]
     assert _run(watch, clock, 600, servers) == {}  # named once per incarnation
 
@@ -112,7 +112,7 @@ def test_a_probe_that_never_returns_neither_blocks_a_round_nor_hides_the_server(
     watch = HealthWatch(60, 300, interval_s=2, clock=clock, pool=pool)
     named = _run(watch, clock, 301, {"server0": (URL, 1), "server1": (URL, 2)})
     assert sorted(named) == ["server0", "server1"]
-    assert "last seen: no answer yet" in named["server0"]
+    assert "last probe seen: no answer yet" in named["server0"] and "has not answered yet" in named["server0"]
     assert pool.submitted == 2  # one probe in flight per server, never a pile of them
 
 
