@@ -41,13 +41,29 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def answers(url: str, path: str = "/health", timeout_s: float = 2.0) -> bool:
     """Whether `url + path` answers 200 within `timeout_s` (a refused or timed-out request: no)."""
+    return probe(url, path, timeout_s) is None
+
+
+def probe(url: str, path: str = "/health", timeout_s: float = 2.0) -> str | None:
+    """None when `url + path` answers 200 within `timeout_s`; otherwise what was seen instead:
+    `HTTP 503`, `no answer in 2s`, or the connection's error (`Connection refused`)."""
+    import http.client
+    import urllib.error
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"{url}{path}", timeout=timeout_s) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            return f"no answer in {timeout_s:g}s"
+        return str(getattr(exc.reason, "strerror", None) or exc.reason)
+    except TimeoutError:
+        return f"no answer in {timeout_s:g}s"
+    except (OSError, http.client.HTTPException) as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def wait_healthy(

@@ -21,6 +21,11 @@ class LauncherConfig(Section):
     never restarted (its death ends the run; `agentrl run --resume` continues it)."""
     restart_backoff_s: float = Field(1.0, ge=0)
     """Wait before a child's first restart; doubled for each further restart of that child."""
+    unhealthy_after_s: float = Field(60.0, ge=0)
+    """A server whose process runs but that has not answered /health with 200 for this long (a
+    vLLM server whose engine died answers 503, a hung one nothing) is stopped (SIGTERM, SIGKILL
+    10 s later) and restarted as if it had died, within `max_restarts`; one that has not answered
+    200 since it (re)started gets its backend's start-up timeout instead. 0: never."""
     type: Literal["local", "ray"] = "local"
     """`local`: every process on this machine; `ray`: placed by Ray on a running cluster."""
     address: str = "auto"

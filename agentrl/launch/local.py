@@ -22,7 +22,12 @@ leaves no server holding its port or device, and the learner still saves its fin
 Supervision (`_watch`): a server or roller that dies (exit non-zero, kill -9) is restarted
 with the same command line — a server on the same port — after `launcher.restart_backoff_s`,
 doubled per restart of that child, at most `launcher.max_restarts` times; each restart is
-logged and appended to `<run_dir>/launcher.jsonl`. The learner brings a restarted server to
+logged and appended to `<run_dir>/launcher.jsonl` with its reason. A server whose process
+lives but that has not answered /health with 200 for `launcher.unhealthy_after_s` (a vLLM
+server whose engine died answers 503; a hung one nothing) is named by the health watchdog
+(`watchdog.py`, probes off the main loop), logged with what was seen, stopped (`stop_unhealthy`:
+SIGTERM to its process group, SIGKILL `KILL_AFTER_S` later) and restarted the same way, the
+reason `unhealthy: ...`; out of restarts, the run ends naming it. The learner brings a restarted server to
 its version before rollers use it (weight_sync `behind`, the router's version window). Only
 the learner's death ends the run (exit 1, naming it); `agentrl run --resume` continues from
 its last checkpoint. Shutdown stops every child by PID in reverse order — on completion (the
@@ -52,6 +57,7 @@ from agentrl.launch.plan import Addresses, Role, plan, render, server_url, servi
 from agentrl.launch.procs import Child, ChildSpec, Supervisor, agentrl_command, warm_model
 from agentrl.launch.progress import exit_code, watch
 from agentrl.launch.servers import LiveServers, LocalScaler
+from agentrl.launch.watchdog import KILL_AFTER_S, HealthWatch
 from agentrl.log import get_logger
 from agentrl.net import free_port, wait_healthy
 
@@ -234,9 +240,16 @@ def _start_servers(config: AgentRLConfig, supervisor: Supervisor, specs: list[Ch
     return servers
 
 
-def supervise(supervisor: Supervisor, learner: Child, max_restarts: int, backoff_s: float) -> str | None:
-    """One round of supervision: restart dead servers and rollers (with backoff, bounded). Returns
-    "done" when the learner finished, "failed" when the run must stop, None to go on."""
+def supervise(
+    supervisor: Supervisor,
+    learner: Child,
+    max_restarts: int,
+    backoff_s: float,
+    health: HealthWatch | None = None,
+) -> str | None:
+    """One round of supervision: stop servers `health` names unhealthy, restart dead (or stopped)
+    servers and rollers (with backoff, bounded). Returns "done" when the learner finished, "failed"
+    when the run must stop, None to go on."""
     code = learner.proc.poll()
     if code is not None:
         if code == 0:
@@ -244,9 +257,11 @@ def supervise(supervisor: Supervisor, learner: Child, max_restarts: int, backoff
         _log_exit(supervisor, learner, "its death ends the run (continue it with agentrl run --resume)")
         return "failed"
     now = time.monotonic()
+    if health is not None:
+        stop_unhealthy(supervisor, health, now)
     for child in supervisor.children:
         code = child.proc.poll()
-        if child is learner or code in (None, 0) or child.spec is None:
+        if child is learner or code is None or (code == 0 and not child.stopped_why) or child.spec is None:
             continue
         if not child.spec.restart or child.restarts >= max_restarts:
             _log_exit(
@@ -256,38 +271,76 @@ def supervise(supervisor: Supervisor, learner: Child, max_restarts: int, backoff
         if child.restart_at is None:
             child.restart_at = now + backoff_s * 2**child.restarts
             logger.warning(
-                "%s exited with code %d; restart %d/%d in %.1fs. Last lines of %s:\n%s", child.name, code,
+                "%s %s; restart %d/%d in %.1fs. Last lines of %s:\n%s", child.name, _ended(child),
                 child.restarts + 1, max_restarts, child.restart_at - now, child.log_path, supervisor.tail(child),
             )  # fmt: skip
         elif now >= child.restart_at:
+            why = child.stopped_why or f"exit code {code}"
             supervisor.restart(child)
             logger.warning("restarted %s (pid %d), restart %d/%d", child.name, child.proc.pid,
                            child.restarts, max_restarts)  # fmt: skip
-            record = {"time": time.time(), "child": child.name, "exit_code": code, "restart": child.restarts}
+            record = {"time": time.time(), "child": child.name, "exit_code": code, "why": why,
+                      "restart": child.restarts}  # fmt: skip
             with (supervisor.run_dir / "launcher.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
     return None
 
 
+def stop_unhealthy(supervisor: Supervisor, health: HealthWatch, now: float) -> None:
+    """Stop the running servers (children with a health URL) that `health` names: SIGTERM (and
+    SIGCONT: a stopped process cannot act on it) to the process group, SIGKILL `KILL_AFTER_S`
+    later if it still runs. Each then exits, and `supervise` restarts it or ends the run."""
+    running = {
+        c.name: c for c in supervisor.children if c.spec and c.spec.health_url and c.proc.poll() is None
+    }
+    for name, why in health.check({n: (c.spec.health_url, c.proc.pid) for n, c in running.items()}).items():
+        child = running[name]
+        logger.error("%s (pid %d) is %s; stopping it to restart it. Last lines of %s:\n%s", name,
+                     child.proc.pid, why, child.log_path, supervisor.tail(child))  # fmt: skip
+        child.stopped_why, child.kill_at = why, now + KILL_AFTER_S
+        supervisor.signal(child, signal.SIGTERM, signal.SIGCONT)
+    for child in running.values():
+        if child.kill_at is not None and now >= child.kill_at:
+            logger.warning("%s did not stop in %.0fs: SIGKILL", child.name, KILL_AFTER_S)
+            supervisor.signal(child, signal.SIGKILL)
+            child.kill_at = None
+
+
+def _ended(child: Child) -> str:
+    if child.stopped_why:
+        return f"was stopped by the launcher ({child.stopped_why}), exit code {child.proc.returncode}"
+    return f"exited with code {child.proc.returncode}"
+
+
 def _log_exit(supervisor: Supervisor, child: Child, why: str) -> None:
-    logger.error("%s exited with code %d; %s; stopping the run. Last lines of %s:\n%s", child.name,
-                 child.proc.returncode, why, child.log_path, supervisor.tail(child))  # fmt: skip
+    logger.error("%s %s; %s; stopping the run. Last lines of %s:\n%s", child.name, _ended(child), why,
+                 child.log_path, supervisor.tail(child))  # fmt: skip
 
 
 def _watch(config: AgentRLConfig, supervisor: Supervisor, learner: Child, scaler: LocalScaler) -> int:
-    """Show live progress, supervise and apply `agentrl scale` until the learner finishes or the
-    run must stop; the state `agentrl status` shows is rewritten each round."""
+    """Show live progress, supervise (the servers' health watched, `watchdog.py`) and apply
+    `agentrl scale` until the learner finishes or the run must stop; the state `agentrl status`
+    shows is rewritten each round."""
     launcher = config.launcher
-    return watch(
-        config,
-        "local",
-        lambda: (
-            scaler.tick() or supervise(supervisor, learner, launcher.max_restarts, launcher.restart_backoff_s)
-        ),
-        scaler.apply,
-        scaler.processes,
-        lambda: sum(c.restarts for c in supervisor.children),
+    startup_s = max(
+        inference_backend(name).startup_timeout_s(config.inference)
+        for name in (config.inference.type, config.learner.distill.backend)
     )
+    health = HealthWatch(launcher.unhealthy_after_s, startup_s)
+    try:
+        return watch(
+            config,
+            "local",
+            lambda: (
+                scaler.tick()
+                or supervise(supervisor, learner, launcher.max_restarts, launcher.restart_backoff_s, health)
+            ),
+            scaler.apply,
+            scaler.processes,
+            lambda: sum(c.restarts for c in supervisor.children),
+        )
+    finally:
+        health.close()
 
 
 def run(config: AgentRLConfig, resume: bool = False) -> int:

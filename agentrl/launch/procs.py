@@ -40,6 +40,8 @@ class Child:
     spec: ChildSpec | None = None
     restarts: int = 0
     restart_at: float | None = None  # when a dead restartable child is started again
+    stopped_why: str | None = None  # why the launcher stopped it (unhealthy), until it is restarted
+    kill_at: float | None = None  # when a child stopped as unhealthy that still runs gets SIGKILL
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -96,6 +98,7 @@ class Supervisor:
         assert child.spec is not None and child.proc.poll() is not None
         child.proc = self._spawn(child.name, child.spec.args, child.spec.env)
         child.restarts, child.restart_at = child.restarts + 1, None
+        child.stopped_why = child.kill_at = None
 
     def failed(self) -> Child | None:
         """The first child that exited with an error, if any."""
@@ -104,6 +107,12 @@ class Supervisor:
             if code not in (None, 0):
                 return child
         return None
+
+    def signal(self, child: Child, *sigs: int) -> None:
+        """Send `sigs` to the child's process group, without waiting (a group already gone: nothing)."""
+        for sig in sigs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, sig)
 
     def stop(self, child: Child) -> None:
         if child.proc.poll() is not None:

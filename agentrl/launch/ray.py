@@ -31,7 +31,9 @@ carries to the rollers; the learner's ServerWatch brings a server to the current
 roller opens a new queue lease). A child
 that exits while its actor lives is restarted in the same actor after `launcher.restart_backoff_s`
 (doubled each time), and so is the process of an actor Ray restarted; one budget of
-`max_restarts` covers both. A learner rank is never
+`max_restarts` covers both. A server whose process lives but has not answered /health with 200
+for `launcher.unhealthy_after_s` is stopped through its actor and restarted the same way (the
+health watchdog, `launch/watchdog.py`; the reason `unhealthy: ...`). A learner rank is never
 restarted: its loss ends the run with its last checkpoint; `agentrl run --launcher.type ray
 --resume` continues it. `agentrl scale` / `agentrl status` work as for the local launcher
 (`launch/control.py`). Shutdown stops every child by PID (SIGTERM, then SIGKILL; the rollers
@@ -69,6 +71,7 @@ from agentrl.launch.plan import (
 )
 from agentrl.launch.ray_actor import ProcessActor, actor_options, child_threads
 from agentrl.launch.servers import LiveServers, PendingServers
+from agentrl.launch.watchdog import KILL_AFTER_S, HealthWatch
 from agentrl.log import get_logger
 from agentrl.net import answers
 
@@ -108,6 +111,7 @@ class Member:
     pending_since: float = 0.0
     died_since: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    stopped_why: str | None = None  # why the driver stopped its process (unhealthy), until restarted
     env_extra: dict[str, str] = field(default_factory=dict)  # added to `env` at start only
 
 
@@ -129,6 +133,7 @@ class RayRun:
         self.actor_cls = ray.remote(ProcessActor)
         self.live: LiveServers | None = None  # the live server list, once the learner's actor exists
         self.pending: PendingServers | None = None
+        self.health = HealthWatch(self.lc.unhealthy_after_s, self._startup_timeout())
 
     # -------------------------------------------------------------- starting
     def new_member(self, role: Role, name: str, port: int = 0) -> Member:
@@ -313,8 +318,10 @@ class RayRun:
 
     # -------------------------------------------------------------- supervision
     def supervise(self) -> str | None:
-        """One round: poll every actor; restart what died. "done" / "failed" / None as local's."""
+        """One round: stop unhealthy servers, poll every actor, restart what died. "done" /
+        "failed" / None as local's."""
         now = time.monotonic()
+        self._stop_unhealthy()
         for m in list(self.members):
             if m.pending is None:
                 m.pending, m.pending_since = m.actor.poll.remote(), now
@@ -327,6 +334,23 @@ class RayRun:
             if (outcome := self._answered(m, ref, now)) is not None:
                 return outcome
         return None
+
+    def _stop_unhealthy(self) -> None:
+        """The running servers the health watchdog names (`watchdog.py`) are stopped through their
+        actor (SIGTERM, SIGKILL `KILL_AFTER_S` later); their poll then sees the exit and the
+        restart path takes over."""
+        running = {
+            m.name: m
+            for m in self.members
+            if m.role.kind == "server" and m.state == "running" and m.stopped_why is None
+        }
+        urls = {n: (server_url(m.node, m.port), m.pid) for n, m in running.items()}
+        for name, why in self.health.check(urls).items():
+            m = running[name]
+            logger.error("%s (pid %s on %s) is %s; stopping it to restart it (its log: %s)", name, m.pid,
+                         m.node, why, self.run_dir / "logs" / f"{name}.log")  # fmt: skip
+            m.stopped_why = why
+            m.actor.stop.remote(KILL_AFTER_S)  # not waited for: its poll sees the exit
 
     def _answered(self, m: Member, ref: Any, now: float) -> str | None:
         """What `m`'s poll `ref` says: its state updated, a restart due or done, or the run's end."""
@@ -354,14 +378,15 @@ class RayRun:
                 self._learner_lost(m, f"exited with code {answer['code']}; see {self.run_dir / 'logs'}")
                 return "failed"
         elif m.restarts >= self.lc.max_restarts:
-            logger.error("%s exited with code %d after %d restart(s) (launcher.max_restarts)", m.name,
-                         answer["code"], m.restarts)  # fmt: skip
+            ended = f"was stopped ({m.stopped_why}), exit code" if m.stopped_why else "exited with code"
+            logger.error("%s %s %d after %d restart(s) (launcher.max_restarts); stopping the run; its log: %s",
+                         m.name, ended, answer["code"], m.restarts, self.run_dir / "logs" / f"{m.name}.log")  # fmt: skip
             return "failed"
         elif m.restart_at is None:
             m.state = f"exited {answer['code']}"
             m.restart_at = now + self.lc.restart_backoff_s * 2**m.restarts
         elif now >= m.restart_at:
-            self._rejoin(m, f"exit code {answer['code']}")
+            self._rejoin(m, m.stopped_why or f"exit code {answer['code']}")
         return None
 
     def _actor_died(self, m: Member, now: float) -> str | None:
@@ -391,7 +416,7 @@ class RayRun:
 
     def _rejoin(self, m: Member, why: str) -> None:
         m.restarts += 1
-        m.restart_at = None
+        m.restart_at = m.stopped_why = None
         if m.role.kind in ("server", "service"):
             old = server_url(m.node, m.port)
             self._start_server(m)
@@ -527,6 +552,7 @@ class RayRun:
     def stop_all(self) -> None:
         """The rollers first (together: each finishes and puts its groups while the learner may
         still take them), then everything else together."""
+        self.health.close()
         self._stop_together([m for m in self.members if m.role.kind == "roller"])
         self._stop_together(list(reversed(self.members)))
         if self.pg is not None:

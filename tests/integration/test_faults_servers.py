@@ -155,6 +155,48 @@ def test_a_server_stopped_mid_run_is_dropped_from_pushes_and_brought_back(
     assert_account(run_dir)
 
 
+def test_a_server_that_stops_answering_is_restarted_then_ends_the_run_when_restarts_run_out(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The only server, stopped (SIGSTOP: its process lives, its /health answers nothing, as a hung
+    server's), is stopped by the launcher's health watchdog after `launcher.unhealthy_after_s` and
+    restarted with "unhealthy" as the reason in launcher.jsonl."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentrl", "run", "--config", "recipes/quickstart.yaml", f"--run_dir={run_dir}",
+             f"--learner.model_path={tiny_model}", "--learner.max_steps=2000", "--learner.groups_per_step=2",
+             "--learner.warmstart.steps=0", "--learner.batch_timeout_s=1", "--roller.group_size=2",
+             "--roller.max_turns=1", "--inference.request_timeout_s=3", "--weight_sync.timeout_s=3",
+             "--launcher.unhealthy_after_s=3", "--launcher.max_restarts=1", "--launcher.restart_backoff_s=0.5",
+             f"--queue.address=tcp://127.0.0.1:{find_free_port()}"],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+    def until(what: str, done) -> None:
+        deadline = time.monotonic() + 240
+        while not done():
+            assert proc.poll() is None, log.read_text()[-6000:]
+            assert time.monotonic() < deadline, f"{what}:\n" + log.read_text()[-6000:]
+            time.sleep(0.2)
+
+    try:
+        until("training did not start", lambda: len(_steps(run_dir)) >= 1)
+        first = _pids(log)["server0"]
+        os.kill(first, signal.SIGSTOP)
+        until("the hung server was not restarted", lambda: _pids(log)["server0"] != first)
+        [record] = restarts(run_dir)
+        assert record["child"] == "server0" and record["why"].startswith("unhealthy: "), record
+        assert not pid_alive(first)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not any(pid_alive(pid) for pid in _pids(log).values())
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_kill_9_of_the_only_server_it_restarts_on_its_port_and_rejoins_at_the_current_version(
     tiny_model: Path, tmp_path: Path, k: int

@@ -406,6 +406,7 @@ def test_a_process_ray_restarted_starts_after_the_doubling_backoff(tmp_path: Pat
 
     config = _config(tmp_path, type="ray", restart_backoff_s=1.0)
     run = ray_launch.RayRun.__new__(ray_launch.RayRun)
+    run.health = ray_launch.HealthWatch(0, 0)  # the health watchdog off
     run.ray, run.config, run.lc, run.run_dir = _Ray, config, config.launcher, tmp_path
     run.addrs, run.secrets = Addresses(["http://10.0.0.2:4001"], "tcp://10.0.0.1:5001"), {}
     actor = _Actor()
@@ -484,6 +485,7 @@ def test_an_env_service_under_the_ray_driver_is_started_pointed_at_and_restarted
     env = {"name": "search_r1", "kwargs": {"retriever_url": "auto"}}
     config = _config(tmp_path, env=env, type="ray", restart_backoff_s=0.2)
     run = ray_launch.RayRun.__new__(ray_launch.RayRun)
+    run.health = ray_launch.HealthWatch(0, 0)  # the health watchdog off
     run.ray, run.config, run.lc, run.run_dir = _Ray, config, config.launcher, tmp_path
     run.addrs, run.secrets, run.members, run.pg, run.learner_lost = Addresses([]), {}, [], None, False
     run.actor_cls = _loopback_actor_cls()
@@ -550,6 +552,7 @@ def test_a_lost_learner_rank_ends_the_run_naming_the_last_checkpoint(tmp_path: P
 
     config = _config(tmp_path, type="ray")
     run = ray_launch.RayRun.__new__(ray_launch.RayRun)
+    run.health = ray_launch.HealthWatch(0, 0)  # the health watchdog off
     run.ray, run.config, run.lc, run.run_dir = _Ray, config, config.launcher, tmp_path
     run.addrs, run.secrets, run.learner_lost = Addresses([]), {}, False
     learner = next(r for r in plan(config, tmp_path / "c.yaml", "m", []) if r.kind == "learner")

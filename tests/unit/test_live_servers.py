@@ -6,6 +6,7 @@ list reaches the learner through its actor's `write_servers` (nodes share no fil
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from agentrl.launch import ray as ray_launch
@@ -53,6 +54,7 @@ def _run(tmp_path: Path, monkeypatch, healthy: set[str]):
 
     config = _config(tmp_path, type="ray", restart_backoff_s=0.0)
     run = ray_launch.RayRun.__new__(ray_launch.RayRun)
+    run.health = ray_launch.HealthWatch(0, 0)  # the health watchdog off
     run.ray, run.config, run.lc, run.run_dir = _Ray, config, config.launcher, tmp_path
     run.secrets, run.parked, run.learner_lost = {}, {}, False
     run.addrs = Addresses(["http://10.0.0.2:4001"], "tcp://10.0.0.1:5001")
@@ -166,3 +168,55 @@ def test_the_learners_actor_writes_the_list_on_its_node(tmp_path: Path) -> None:
     assert server_list.read(tmp_path / "run" / "servers.json") == server_list.ServerList(
         4, ("http://10.0.0.7:4001",), {"u": "http://h:1"}
     )
+
+
+class _ExitsWhenStopped(_ServerActor):
+    """A server actor whose process exits when the driver stops it (and runs again once started)."""
+
+    def _poll(self) -> dict:
+        return {"started": not self.fresh, "code": -15 if self.stopped else None, "pid": 200 + self.started}
+
+    def _start(self, args: list, env: dict) -> int:
+        self.stopped = False
+        return super()._start(args, env)
+
+
+def test_the_ray_driver_stops_and_restarts_a_server_its_health_watchdog_names(tmp_path, monkeypatch):
+    """A running server whose /health answers 503 (a stand-in probe: no traffic off loopback) for
+    longer than `launcher.unhealthy_after_s` is stopped through its actor, then restarted with
+    "unhealthy" as the reason; when its restarts are used up, the run fails."""
+    from tests.unit.launch.test_watchdog import Clock, Inline
+
+    run, _, _, _ = _run(tmp_path, monkeypatch, set())
+    actor = _ExitsWhenStopped("10.0.0.2")
+    actor.fresh, actor.started = False, 1
+    run.members[0].actor = actor
+    clock, seen = Clock(), [None]
+    run.health = ray_launch.HealthWatch(
+        60, 300, interval_s=2, probe=lambda *a: seen[0], clock=clock, pool=Inline()
+    )
+    for _ in range(200):  # healthy: left alone
+        assert run.supervise() is None
+        clock.now += 1
+    assert not actor.stopped
+    seen[0] = "HTTP 503"  # its engine died; the process lives on
+    for _ in range(70):
+        assert run.supervise() is None
+        clock.now += 1
+    assert actor.started == 2 and run.members[0].restarts == 1  # stopped, then started again
+    [record] = [json.loads(line) for line in (tmp_path / "launcher.jsonl").read_text().splitlines()]
+    assert (
+        record["child"] == "server0"
+        and record["why"].startswith("unhealthy: ")
+        and "HTTP 503" in record["why"]
+    )
+    run.lc = run.lc.model_copy(update={"max_restarts": 1})
+    seen[0] = None  # the restarted server answers, then breaks again with its one restart used
+    for _ in range(5):
+        assert run.supervise() is None
+        clock.now += 1
+    seen[0], outcome = "HTTP 503", None
+    for _ in range(70):
+        outcome = outcome or run.supervise()
+        clock.now += 1
+    assert outcome == "failed" and actor.started == 2
