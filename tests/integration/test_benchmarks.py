@@ -104,7 +104,11 @@ def test_bench_sync_reports_vs_raw_broadcast_and_vs_disk(processes: Processes) -
     phases = metrics["phase_s"]  # the push by phase, each timed by the engine, within the push
     assert set(phases) >= {"pause", "begin", "broadcast", "replies", "commit", "read_back", "continue"}
     assert all(v >= 0 for v in phases.values()) and phases["broadcast"] > 0
-    assert sum(phases.values()) <= metrics["push_s"]
+    # the pushing thread's phases fit in the push; packing runs on the gather thread, overlapped
+    from agentrl.bench.sync import OVERLAPPED
+
+    assert sum(v for k, v in phases.items() if k not in OVERLAPPED) <= metrics["push_s"]
+    assert all(phases[k] <= metrics["push_s"] for k in OVERLAPPED)
     _positive(metrics, "bucket_round_trip_s")
     for row in ("ours: broadcast engine", "raw gloo broadcast", "disk engine", "peak extra resident memory"):
         assert row in stdout, row
