@@ -156,19 +156,10 @@ def export_hf(
 ) -> Path:
     """Write a plain HF checkpoint (safetensors + config + tokenizer) that servers load as-is
     (`kind="value"`: a one-label `AutoModelForTokenClassification`, the critic)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
     state = full_state_dict(model)
     out = Path(out_dir)
     if rank == 0:
-        config = model.config
-        auto = AutoModelForCausalLM if kind == "policy" else AutoModelForTokenClassification
-        with torch.device("meta"):
-            plain = auto.from_config(config)
-        plain.load_state_dict(state, strict=False, assign=True)
-        plain.tie_weights()
-        plain.config.use_cache = True
-        plain.save_pretrained(out, safe_serialization=True)
+        hf_model.save_plain(state, model.config, kind, out)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(out)
         if tokenizer_path is not None:

@@ -111,3 +111,18 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the softmax distribution of each row of logits."""
     logz = torch.logsumexp(logits, dim=-1)
     return logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def save_plain(state: dict[str, torch.Tensor], config, kind: str, out: Path) -> None:
+    """Write `state` (full tensors under HF names) as a plain HF checkpoint in `out`: a causal LM,
+    or with `kind="value"` a one-label `AutoModelForTokenClassification` (the critic), built on the
+    meta device and filled by assignment (no copy of the weights), ties restored, safetensors."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    auto = AutoModelForCausalLM if kind == "policy" else AutoModelForTokenClassification
+    with torch.device("meta"):
+        plain = auto.from_config(config)
+    plain.load_state_dict(state, strict=False, assign=True)
+    plain.tie_weights()
+    plain.config.use_cache = True
+    plain.save_pretrained(out, safe_serialization=True)

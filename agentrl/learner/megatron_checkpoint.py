@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from agentrl.learner import hf_model
 from agentrl.learner import lora as lora_io
 from agentrl.learner.backend import ModelPart
 from agentrl.learner.fsdp import copy_tokenizer
@@ -85,21 +86,13 @@ def export(
 ) -> Path:
     """A plain HF checkpoint (safetensors, config, tokenizer) of the gathered weights (a value
     model: a one-label `AutoModelForTokenClassification`, as the FSDP2 backend's critic)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
     state = {name: tensor.cpu() for name, tensor in backend.full_tensors(part)}
     out = Path(out_dir)
     if backend.rank == 0:
         config = copy.deepcopy(part.module.config)
         if part.kind == "value":
             config.num_labels = 1
-        auto = AutoModelForCausalLM if part.kind == "policy" else AutoModelForTokenClassification
-        with torch.device("meta"):
-            plain = auto.from_config(config)
-        plain.load_state_dict(state, strict=False, assign=True)
-        plain.tie_weights()
-        plain.config.use_cache = True
-        plain.save_pretrained(out, safe_serialization=True)
+        hf_model.save_plain(state, config, part.kind, out)
         if tokenizer_path is not None:
             copy_tokenizer(Path(tokenizer_path), out)
     dist.barrier()
