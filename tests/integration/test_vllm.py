@@ -201,17 +201,26 @@ def test_truncated_sampling_reports_the_top_k_then_top_p_distribution(served: Se
     assert (served_lp - full).abs().max().item() > 1e-2  # a -log Z offset on every truncated step
 
 
-async def _running(url: str) -> None:
-    """Until vLLM reports a request running (`vllm:num_requests_running` on its /metrics)."""
+def _counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def _running(url: str, task: asyncio.Task) -> None:
+    """Until vLLM reports the request decoding on its /metrics: a request running
+    (`vllm:num_requests_running`) or generated tokens counted since the call
+    (`vllm:generation_tokens_total`: the gauge alone was seen to stay at 0 for a minute on a loaded
+    machine); returns early if the request ended (the caller's assert says so)."""
     import aiohttp
 
     async with aiohttp.ClientSession() as session:
-        while True:
+        start = None
+        while not task.done():
             async with session.get(f"{url}/metrics") as response:
                 text = await response.text()
-            for line in text.splitlines():
-                if line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) > 0:
-                    return
+            tokens = _counter(text, "vllm:generation_tokens_total")
+            start = tokens if start is None else start
+            if _counter(text, "vllm:num_requests_running") > 0 or tokens > start:
+                return
             await asyncio.sleep(0.02)
 
 
@@ -224,8 +233,8 @@ def _in_flight(url: str, call, rid: str = "long-1"):
             task = asyncio.create_task(client.generate(PROMPT, params, rid=rid))
             # interrupt as soon as vLLM runs it (its Prometheus gauge), not after a fixed sleep: on a
             # quiet machine the tiny model finished all 3000 tokens before a 1.5 s sleep ran out
-            await asyncio.wait_for(_running(url), 60)
-            assert not task.done(), "the long request finished before it could be interrupted"
+            await asyncio.wait_for(_running(url, task), 60)
+            assert not task.done(), f"the long request ended before it could be interrupted: {task}"
             await call(client)
             return await asyncio.wait_for(task, 60)
 
