@@ -130,7 +130,7 @@ def _wake_turns(state: dict) -> None:
 async def _receive_bucket(request: web.Request, body: P.UpdateDistributedIn) -> web.Response:
     import torch
 
-    from agentrl.inference.weight_group import parse_dtype
+    from agentrl.inference.weight_group import parse_dtype, unflatten
 
     engine, state = request.app[ENGINE], request.app[STATE]
     if body.load_format not in (None, "flattened_bucket"):
@@ -150,16 +150,13 @@ async def _receive_bucket(request: web.Request, body: P.UpdateDistributedIn) -> 
         if body.abort_all_requests:
             engine.abort(abort_all=True, message="weights updated")
         pool: ReceiveBuffers = state["receive_buffers"]
-        sizes = [math.prod(shape) * d.itemsize for d, shape in zip(dtypes, body.shapes, strict=True)]
-        tensors = {}
+        specs = list(zip(body.names, dtypes, body.shapes, strict=True))
+        sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
         if body.load_format == "flattened_bucket":
-            flat = group.broadcast(pool.take(sum(sizes), device), 0)
-            offset = 0
-            for name, dtype, shape, size in zip(body.names, dtypes, body.shapes, sizes, strict=True):
-                tensors[name] = flat[offset : offset + size].view(dtype).reshape(shape)
-                offset += size
+            tensors = unflatten(group.broadcast(pool.take(sum(sizes), device), 0), specs)
         else:
-            for name, dtype, shape, size in zip(body.names, dtypes, body.shapes, sizes, strict=True):
+            tensors = {}
+            for (name, dtype, shape), size in zip(specs, sizes, strict=True):
                 into = pool.take(size, device).view(dtype).reshape(shape)
                 tensors[name] = group.broadcast(into, 0)
         if adapter is not None:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from agentrl.inference.weight_group import WeightGroup, join_group, parse_dtype
+from agentrl.inference.weight_group import WeightGroup, join_group, parse_dtype, unflatten
 
 
 class AgentRLWorkerExtension:
@@ -100,14 +100,10 @@ class AgentRLWorkerExtension:
         if args.get(
             "flattened"
         ):  # one uint8 broadcast, tensors back to back (SGLang's FlattenedTensorBucket)
-            sizes = [shape.numel() * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in specs]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            flat = torch.empty(sum(shape.numel() * dtype.itemsize for _, dtype, shape in specs),
+                               dtype=torch.uint8, device=device)  # fmt: skip
             group.broadcast(flat, 0)
-            flat = flat.cpu()
-            offset = 0
-            for (name, dtype, shape), size in zip(specs, sizes, strict=True):
-                staged[name] = flat[offset : offset + size].view(dtype).reshape(shape)
-                offset += size
+            staged.update(unflatten(flat.cpu(), specs))
         else:
             for name, dtype, shape in specs:
                 buffer = torch.empty(shape, dtype=dtype, device=device)

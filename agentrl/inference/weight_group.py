@@ -20,6 +20,7 @@ a timeout that fails loudly instead of hanging: set-up and each collective.
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,19 @@ def parse_dtype(name: str) -> torch.dtype:
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.bfloat16` → `"bfloat16"` (the spelling SGLang's `dtypes` field uses)."""
     return str(dtype).removeprefix("torch.")
+
+
+def unflatten(
+    flat: torch.Tensor, specs: list[tuple[str, torch.dtype, tuple[int, ...] | torch.Size]]
+) -> dict[str, torch.Tensor]:
+    """The tensors of a flattened bucket (`specs`: name, dtype, shape, back to back in `flat`, a
+    uint8 tensor in SGLang's `FlattenedTensorBucket` layout), each a view of `flat`."""
+    tensors, offset = {}, 0
+    for name, dtype, shape in specs:
+        size = math.prod(shape) * dtype.itemsize
+        tensors[name] = flat[offset : offset + size].view(dtype).reshape(shape)
+        offset += size
+    return tensors
 
 
 @dataclass

@@ -129,8 +129,7 @@ class Supervisor:
     def kill_all(self) -> None:
         for child in self.children:
             if child.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
+                self.signal(child, signal.SIGKILL)
                 child.proc.wait()
 
     def stop_all(self) -> None:
