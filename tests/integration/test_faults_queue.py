@@ -207,7 +207,10 @@ def test_learner_killed_twice_durability_off_then_on_and_resumed(
     groups), nothing is trained twice, what the first queue held is counted as lost with
     durability off (by the resumed queue and by the account), and nothing the durable queue
     acknowledged is lost."""
-    run = Run(processes, tiny_model, tmp_path, k=k, steps=5)
+    # 8 steps: room for the third life to train (at 5, the second life sometimes finished all of them
+    # before its kill landed)
+    total = 8
+    run = Run(processes, tiny_model, tmp_path, k=k, steps=total)
     ckpt, durable = "--learner.checkpoint.every=1", "--queue.durable=true"
     run.serve()
     learner = run.learner(ckpt)
@@ -220,6 +223,7 @@ def test_learner_killed_twice_durability_off_then_on_and_resumed(
     # killed while the durable queue holds groups it acknowledged that nobody trained yet
     _wait_for(lambda: account(run.dir).lost_ids, "a group acknowledged and not yet trained", run)
     _kill9(learner)  # durable: the WAL keeps them
+    assert run.steps() < total, "the second life trained every step before its kill: nothing left to resume"
     held = account(run.dir).lost_ids  # acknowledged by the durable life, neither trained nor dropped
     before = run.steps()
     learner = run.learner(ckpt, durable, "--resume")
@@ -227,7 +231,7 @@ def test_learner_killed_twice_durability_off_then_on_and_resumed(
     assert run.finish(roller, 60) == 0, run.tail()
     assert run.steps() > before
     final = account(run.dir).final
-    assert final["version"] == 5
+    assert final["version"] == total
     # the third life recovered from the WAL at least what the durable life held (a put it stored
     # but died before acknowledging is recovered too), and counted what it says it recovered
     said = re.findall(
