@@ -146,7 +146,14 @@ def test_the_config_refuses_replay_it_cannot_do() -> None:
     assert load_config(None, on).learner.moe.router_replay
     for extra, message in [
         (["--inference.routed_experts", "false"], r"needs inference\.routed_experts: true"),
-        (["--inference.type", "vllm"], r"vLLM 0\.32 can return routed experts .* does not read them"),
+        (
+            ["--inference.type", "vllm"],
+            r"inference\.routed_experts with inference\.type: vllm: .*Model Runner V2",
+        ),
+        (
+            ["--inference.type", "vllm", "--inference.routed_experts", "false"],
+            r"router_replay with inference\.type: vllm: .*requires Triton",
+        ),
         (["--learner.backend", "megatron"], "megatron backend does not replay routing"),
         (["--mode", "colocated"], "colocated does not carry routed experts"),
     ]:
