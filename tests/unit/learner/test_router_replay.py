@@ -144,10 +144,11 @@ def test_the_config_refuses_replay_it_cannot_do() -> None:
 
     on = ["--learner.moe.router_replay", "true", "--inference.routed_experts", "true"]
     assert load_config(None, on).learner.moe.router_replay
+    assert load_config(None, [*on, "--learner.backend", "megatron"]).learner.moe.router_replay
     for extra, message in [
         (["--inference.routed_experts", "false"], r"needs inference\.routed_experts: true"),
         (["--inference.type", "vllm"], r"vLLM 0\.32 can return routed experts .* does not read them"),
-        (["--learner.backend", "megatron"], "megatron backend does not replay routing"),
+        (["--learner.backend", "megatron", "--learner.megatron.pp", "2"], r"needs one pipeline stage"),
         (["--mode", "colocated"], "colocated does not carry routed experts"),
     ]:
         with pytest.raises(ConfigError, match=message):
