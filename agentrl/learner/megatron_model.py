@@ -101,16 +101,16 @@ def _router_gemm_without_te() -> None:
 @functools.cache
 def replicated_experts_moe() -> type:
     """`ReplicatedExpertsMoE`: Megatron's `MoELayer` (imported only when an MoE model is built)
-    without its refusal to train under tensor parallel without sequence parallel.
+    without its refusal to train under tensor parallel without sequence parallel (moe_layer.py,
+    `MoELayer.forward`, raised as a performance guard: "performance may degrade").
 
-    That refusal (moe_layer.py, `MoELayer.forward`: "performance may degrade") guards the case
-    where the experts are split over the TP ranks, which then each compute every token of the
-    replicated sequence. Here the routed experts are whole on every rank (expert tensor parallel
-    1, `megatron_convert.moe_config`) and the token dispatcher moves nothing, so each TP rank
-    routes and computes the same tokens with the same weights, as it does its norms; the gradients
-    of the experts and router are then complete on every rank, like the norms'. Only the layer's
-    own `training` flag is lowered around the call (the router's, which decides auxiliary losses,
-    is untouched; they are off in any case)."""
+    Here the routed experts are whole on every TP rank (expert tensor parallel 1,
+    `megatron_convert.moe_config`) and the token dispatcher moves nothing, so each TP rank routes
+    and computes the same (replicated) tokens with the same weights, as it does its norms, and the
+    gradients of the experts and the router are complete on every rank, like the norms'. (Experts
+    split over TP without sequence parallel would each see every token once per rank.) Only the
+    layer's own `training` flag is lowered around the call; the router's, which decides the
+    auxiliary losses, is untouched (they are off in any case)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     class ReplicatedExpertsMoE(MoELayer):

@@ -36,6 +36,7 @@ pytest.importorskip(
 
 PROMPT = [17, 402, 33, 918, 5, 260, 71, 640, 88, 12]
 OUTPUT = [301, 44, 590, 7, 128, 66, 903, 250, 19, 411, 3, 777]
+EPISODES = ((PROMPT + OUTPUT, len(OUTPUT)), (PROMPT[:6] + OUTPUT[:5], 5))  # (tokens, output length)
 GAP = 1e-5  # router-logit margin of the constructed near tie (fp32 noise is ~1e-7)
 EXPERT_SCALE = 30.0  # random init makes every expert's output ~0: scale them so routing matters
 LAYOUTS = {"tp1": 1, "tp2": 2, "fsdp2": None}
@@ -73,6 +74,19 @@ def _make_case(tiny_moe_model: Path, root: Path) -> tuple[Path, Path, tuple[int,
     return server_dir, learner_dir, (t, a, b)
 
 
+def _episode(ids: list[int], n: int, routed):
+    """A training sample of `ids` whose last `n` tokens are the output, with routing `routed`
+    ([T, layers·top_k]; the last row unrecorded, as the engine leaves it)."""
+    import numpy as np
+
+    from agentrl.learner.packing import Sample
+
+    routed[-1] = -1
+    p = len(ids) - n
+    return Sample(np.array(ids), np.array([0] * p + [1] * n), np.zeros(len(ids), np.float32),
+                  np.array([-1] * p + [0] * n), advantage=1.0, weight=1.0 / n, routed_experts=routed)  # fmt: skip
+
+
 def _samples(server_dir: Path) -> dict:
     """Two episodes (the prompt with the output, and a shorter one) with the server copy's
     recorded routing ([T, layers·top_k], the last token unrecorded as the engine leaves it) and
@@ -82,21 +96,17 @@ def _samples(server_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from agentrl.learner.hf_model import forward_logprobs
-    from agentrl.learner.packing import Sample, packed_microbatch, padded_microbatch
+    from agentrl.learner.packing import packed_microbatch, padded_microbatch
     from agentrl.moe import RoutingRecorder
 
     model = AutoModelForCausalLM.from_pretrained(str(server_dir), dtype=torch.float32).eval()
     recorder = RoutingRecorder(model)
     samples = []
-    for ids, n in ((PROMPT + OUTPUT, len(OUTPUT)), (PROMPT[:6] + OUTPUT[:5], 5)):
+    for ids, n in EPISODES:
         with torch.no_grad():
             model(input_ids=torch.tensor([ids]))
         routed = recorder.take().permute(1, 0, 2).reshape(len(ids), -1).numpy()
-        routed[-1] = -1
-        p = len(ids) - n
-        samples.append(Sample(np.array(ids), np.array([0] * p + [1] * n), np.zeros(len(ids), np.float32),
-                              np.array([-1] * p + [0] * n), advantage=1.0, weight=1.0 / n,
-                              routed_experts=routed))  # fmt: skip
+        samples.append(_episode(ids, n, routed))
     recorder.close()
     hf_logp = {}
     for name, pack in (("packed", packed_microbatch), ("padded", padded_microbatch)):
@@ -156,7 +166,10 @@ def worker(out_dir: str, case_dir: str) -> None:
             for name, pack in packs.items():
                 mb = pack(plain)
                 result[f"hf_diff_{name}"] = float((_logp(backend, server, mb) - hf_logp[name]).abs().max())
-        actor = backend.build("policy", learner_dir, optim=OptimConfig(lr=1e-3))
+        # TP 2 with Megatron's full-layer recompute: the recomputed forward replays the same experts
+        actor = backend.build(
+            "policy", learner_dir, optim=OptimConfig(lr=1e-3), activation_checkpointing=tp == 2
+        )
         for name, pack in packs.items():
             for replay in (True, False):
                 mb = pack(samples if replay else plain)
@@ -187,9 +200,73 @@ def worker(out_dir: str, case_dir: str) -> None:
         if torch.distributed.get_rank() == 0:
             torch.save(after, Path(out_dir) / f"{layout}.pt")
             results[layout] = result
+    results["qwen3_moe"] = _qwen3_moe(Path(case_dir) / "qwen3_moe", case["qwen3_moe"])
     if torch.distributed.get_rank() == 0:
         (Path(out_dir) / "result.json").write_text(json.dumps(results))
     end_rank()
+
+
+def _save_qwen3_moe(path: Path) -> dict:
+    """A small random Qwen3-MoE model (q/k norms, no shared expert, softmax top-2 without
+    renormalisation, layer 0 dense by `mlp_only_layers`), every weight perturbed so that a misplaced
+    tensor shows; with its tensors, a packed micro-batch of the `_samples` episodes with its own
+    recorded routing ([T, 1, top_k]: one MoE layer), and transformers' log-probs of it."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from agentrl.learner.hf_model import forward_logprobs
+    from agentrl.learner.packing import packed_microbatch
+    from agentrl.moe import RoutingRecorder
+
+    config = Qwen3MoeConfig(vocab_size=1024, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[0],
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            tie_word_embeddings=False, max_position_embeddings=512, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    model.save_pretrained(path)
+    recorder = RoutingRecorder(model)
+    samples = []
+    for ids, n in EPISODES:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+        routed = recorder.take().permute(1, 0, 2).reshape(len(ids), -1).numpy()
+        samples.append(_episode(ids, n, routed))
+    recorder.close()
+    mb = packed_microbatch(samples)
+    with torch.no_grad():
+        logp = forward_logprobs(model, dataclasses.replace(mb, routed_experts=None))[0]
+    return {"tensors": _hf_tensors(model), "mb": mb, "hf_logp": logp}
+
+
+def _qwen3_moe(path: Path, case: dict) -> dict:
+    """Megatron TP 2 on the Qwen3-MoE model: its tensors back exactly, its log-probs against
+    transformers', with the micro-batch's recorded routing replayed and without."""
+    import dataclasses
+
+    import torch
+
+    from agentrl.learner.megatron import MegatronBackend
+
+    backend = MegatronBackend(tp=2)
+    policy = backend.build("policy", path)
+    got = dict(backend.full_tensors(policy))
+    mb = case["mb"]
+    return {
+        "exported_exact": got.keys() == case["tensors"].keys()
+        and all(torch.equal(got[n], t) for n, t in case["tensors"].items()),
+        "hf_diff": float(
+            (_logp(backend, policy, dataclasses.replace(mb, routed_experts=None)) - case["hf_logp"])
+            .abs()
+            .max()
+        ),
+        "hf_diff_replay": float((_logp(backend, policy, mb) - case["hf_logp"]).abs().max()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +278,8 @@ def two_ranks(tiny_moe_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     case_dir.mkdir()
     out_dir.mkdir()
     _server, _learner, flip = _make_case(tiny_moe_model, case_dir)
-    torch.save(_samples(case_dir / "server"), case_dir / "case.pt")
+    case = _samples(case_dir / "server") | {"qwen3_moe": _save_qwen3_moe(case_dir / "qwen3_moe")}
+    torch.save(case, case_dir / "case.pt")
     run_torchrun(__file__, 2, str(out_dir), str(case_dir), timeout=600)
     return json.loads((out_dir / "result.json").read_text()), out_dir, flip
 
@@ -234,6 +312,12 @@ def test_megatron_moe_replayed_step_matches_fsdp2(two_ranks, layout):
     assert mine.keys() == fsdp.keys()
     for name in fsdp:
         torch.testing.assert_close(mine[name], fsdp[name], rtol=1e-5, atol=2e-5, msg=name)
+
+
+def test_qwen3_moe_with_a_dense_layer_loads_exactly_and_matches_transformers(two_ranks):
+    got = two_ranks[0]["qwen3_moe"]
+    assert got["exported_exact"]
+    assert got["hf_diff"] < 1e-5 and got["hf_diff_replay"] < 1e-5, got
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2"])
