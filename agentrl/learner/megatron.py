@@ -30,6 +30,11 @@ the HF token-classification names (`model.*`, `score.*`) the FSDP2 critic uses. 
 reference is a policy built without an optimizer. `local_shards` gives the colocated HybridEngine
 each rank's TP shard in HF layout (one pipeline stage).
 
+A mixture-of-experts model (Qwen2-MoE, Qwen3-MoE; `megatron_convert.moe_config`) has Megatron MoE
+layers whose routed experts are whole on every TP rank; with `routed_experts` in a micro-batch
+(`learner.moe.router_replay`) each router takes the recorded experts (`megatron_model.RoutingReplay`,
+set per micro-batch in the schedule's forward step).
+
 With `learner.lora` the policy is frozen and carries LoRA adapters on its parallel linear layers
 (`megatron_lora`): only they are in AdamW and in checkpoints, the KL reference is the same model
 with them off (`adapter_disabled`), and `adapter_tensors` / `merged_tensors` give them in PEFT's

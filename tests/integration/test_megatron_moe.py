@@ -310,8 +310,11 @@ def test_megatron_moe_replayed_step_matches_fsdp2(two_ranks, layout):
     assert got["router_moved"] > 1e-4  # the router trains under replay
     mine, fsdp = torch.load(out / f"{layout}.pt"), torch.load(out / "fsdp2.pt")
     assert mine.keys() == fsdp.keys()
+    # AdamW's first step moves each weight by ~lr·g/(|g| + eps): where a gradient is ~eps, float noise
+    # moves it by up to ~2e-5 here (measured: 1.3e-5 at TP 1, 2.0e-5 at TP 2, the median 3e-7); a
+    # wrong gradient moves it by up to 2·lr = 2e-3
     for name in fsdp:
-        torch.testing.assert_close(mine[name], fsdp[name], rtol=1e-5, atol=2e-5, msg=name)
+        torch.testing.assert_close(mine[name], fsdp[name], rtol=1e-5, atol=5e-5, msg=name)
 
 
 def test_qwen3_moe_with_a_dense_layer_loads_exactly_and_matches_transformers(two_ranks):
