@@ -14,7 +14,7 @@ copy's log-probs equal transformers' (packed and padded micro-batches); on the l
 replayed log-probs equal the behaviour log-probs and the model's own routing does not; one AdamW
 step with replay (the router gets a gradient and moves) gives FSDP2's loss, gradient norm,
 mismatch metrics and weights; the trained weights export to an HF checkpoint that reads back
-equal and loads back into Megatron unchanged.
+equal and loads back into Megatron unchanged, and a resumable checkpoint restores them and AdamW.
 
 This file is also the worker: `torchrun ... test_megatron_moe.py OUT_DIR CASE_DIR`.
 """
@@ -186,6 +186,14 @@ def worker(out_dir: str, case_dir: str) -> None:
                                            "moe/mismatch_kl_k3_no_replay", "step_skipped")}  # fmt: skip
         result["router_moved"] = float((after[gate] - before[gate]).abs().max())
         if tp is not None:
+            backend.save([actor], Path(out_dir) / f"checkpoint_{layout}")
+            resumed = backend.build("policy", learner_dir, optim=OptimConfig(lr=1e-3))
+            backend.load([resumed], Path(out_dir) / f"checkpoint_{layout}")
+            result["resume_equal"] = all(torch.equal(t, after[n]) for n, t in backend.full_tensors(resumed))
+            result["resume_adam_equal"] = all(
+                torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+                for a, b in zip(actor.optimizer.state.values(), resumed.optimizer.state.values(), strict=True)
+            )
             out = backend.export(actor, Path(out_dir) / f"export_{layout}", learner_dir)
             reloaded = backend.build("policy", out)
             again = dict(backend.full_tensors(reloaded))
@@ -324,10 +332,11 @@ def test_qwen3_moe_with_a_dense_layer_loads_exactly_and_matches_transformers(two
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2"])
-def test_megatron_moe_export_round_trips(two_ranks, layout):
+def test_megatron_moe_export_and_checkpoint_round_trip(two_ranks, layout):
     got = two_ranks[0][layout]
     assert got["export_equal"]  # the exported checkpoint loads in transformers as the trained weights
     assert got["reload_equal"]  # and a Megatron model loaded from it gives them back
+    assert got["resume_equal"] and got["resume_adam_equal"]  # a resumable checkpoint: weights and AdamW
 
 
 if __name__ == "__main__":
