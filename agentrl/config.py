@@ -166,10 +166,16 @@ class AgentRLConfig(Section):
                 "learner.moe.router_replay: needs inference.routed_experts: true (the rollers then ask the "
                 "servers for each token's routed experts and keep them in the episodes)"
             )
-        if self.learner.backend != "fsdp2":
+        if self.learner.backend not in ("fsdp2", "megatron"):
             raise ValueError(
                 f"learner.moe.router_replay: the {self.learner.backend} backend does not replay routing; use "
-                "learner.backend: fsdp2"
+                "learner.backend: fsdp2 or megatron"
+            )
+        if self.learner.backend == "megatron" and self.learner.megatron.pp > 1:
+            raise ValueError(
+                f"learner.moe.router_replay with learner.megatron.pp {self.learner.megatron.pp}: the log-probs "
+                "without replay (the moe/mismatch_kl_k3_no_replay metric) take a second forward inside the "
+                "last stage's loss, which needs one pipeline stage; set learner.megatron.pp: 1"
             )
         if self.mode == "colocated":
             raise ValueError(

@@ -15,6 +15,8 @@ top_k_index)` for hidden states [N, H]: `Qwen2MoeTopKRouter` and `Qwen3MoeTopKRo
 (`REPLAYABLE`), one per MoE layer in layer order. Routers of other MoE architectures compute their
 weights differently (softmax after top-k, grouped or biased selection) and are not recognised: such
 a model counts as having no router here, and the server refuses `return_routed_experts` for it.
+The Megatron learner replays the same records inside Megatron-core's router instead
+(`learner/megatron_model.py` `RoutingReplay`).
 
 The layout of recorded routing follows SGLang 0.5.23's `return_routed_experts`: one row per token
 fed to the model, `[tokens, layers, top_k]` int32; a request's rows cover its prompt and output

@@ -276,7 +276,7 @@ class MoeConfig(Section):
     trains. Without it a MoE model's top-k can flip between inference and training, and the
     log-probs disagree by far more than rounding. With it, `moe/mismatch_kl_no_replay` logs what
     the mismatch KL would have been without replay (one more forward per micro-batch, no gradient).
-    FSDP2 only."""
+    Learner backends fsdp2, and megatron with `learner.megatron.pp: 1`."""
 
 
 class LearnerConfig(Section):

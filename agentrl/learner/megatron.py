@@ -30,6 +30,11 @@ the HF token-classification names (`model.*`, `score.*`) the FSDP2 critic uses. 
 reference is a policy built without an optimizer. `local_shards` gives the colocated HybridEngine
 each rank's TP shard in HF layout (one pipeline stage).
 
+A mixture-of-experts model (Qwen2-MoE, Qwen3-MoE; `megatron_convert.moe_config`) has Megatron MoE
+layers whose routed experts are whole on every TP rank; with `routed_experts` in a micro-batch
+(`learner.moe.router_replay`) each router takes the recorded experts (`megatron_model.RoutingReplay`,
+set per micro-batch in the schedule's forward step).
+
 With `learner.lora` the policy is frozen and carries LoRA adapters on its parallel linear layers
 (`megatron_lora`): only they are in AdamW and in checkpoints, the KL reference is the same model
 with them off (`adapter_disabled`), and `adapter_tensors` / `merged_tensors` give them in PEFT's
@@ -58,8 +63,10 @@ from agentrl.learner.megatron_model import (
     ValueHead,
     causal_mask,
     grad_through,
+    layer_spec,
     load_hf,
     padding_idx,
+    replayable_moe,
 )
 from agentrl.learner.packing import MicroBatch
 from agentrl.log import get_logger
@@ -84,7 +91,10 @@ class MegatronBackend:
                              "ranks (learner.num_processes)")  # fmt: skip
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        # routed experts whole on every TP rank (megatron_convert.moe_config); no effect on dense models
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_tensor_parallel_size=1
+        )
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
         self.ps = ps
         self.tp, self.pp, self.seed = tp, pp, seed
@@ -95,6 +105,7 @@ class MegatronBackend:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self._output: torch.Tensor | None = None  # the last stage's output inside the schedule
+        self._mb: MicroBatch | None = None  # the micro-batch whose forward the schedule is running
         self._tp_mesh: Any = None  # the TP group as a DeviceMesh (local_shards' placements)
         log.info("megatron: rank %d is tp %d/%d, pp %d/%d, dp %d/%d", self.rank, self.tp_rank, tp,
                  self.pp_rank, pp, self.dp_rank, self.dp_size)  # fmt: skip
@@ -115,7 +126,6 @@ class MegatronBackend:
         lora: Any = None,
     ) -> ModelPart:
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from transformers import AutoConfig
 
         if shard is not None:
@@ -132,12 +142,15 @@ class MegatronBackend:
         path = Path(path)
         hf = AutoConfig.from_pretrained(str(path))
         shape = convert.shape_of(hf)
+        if lora is not None and shape.experts:
+            raise ValueError(f"learner.lora with learner.backend megatron: {hf.model_type} is a mixture-of-experts "
+                             "model, whose experts the Megatron adapters do not cover; use learner.backend fsdp2")  # fmt: skip
         if kind == "value":  # the decoder's embedding alone: the head is not the vocabulary
             shape = dataclasses.replace(shape, tied=False)
         config = convert.transformer_config(hf, self.tp, self.pp, torch.float32, activation_checkpointing)
         gpt = GPTModel(
             config,
-            get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm"),
+            layer_spec(config, shape),
             vocab_size=shape.vocab,
             max_sequence_length=hf.max_position_embeddings,
             pre_process=self.first,
@@ -151,6 +164,8 @@ class MegatronBackend:
         if kind == "value" and self.last:
             gpt.output_layer = ValueHead(shape.hidden).to(self.device)
         module = MegatronModel(gpt, hf, shape, kind)
+        if shape.experts:
+            replayable_moe(module)
         load_hf(module, path, self.tp, self.tp_rank)
         if optim is None:
             module.eval().requires_grad_(False)
@@ -186,6 +201,8 @@ class MegatronBackend:
 
         def forward_step(data: Iterator[MicroBatch], gpt: nn.Module) -> tuple[torch.Tensor, Callable]:
             mb = next(data)
+            self._mb = mb
+            self._route(part, mb.routed_experts, mb.input_ids.shape[0])
             out = gpt(mb.input_ids, mb.position_ids, causal_mask(mb.position_ids))
 
             def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -203,11 +220,39 @@ class MegatronBackend:
         rows, width = mbs[0].input_ids.shape
         # a LoRA actor's KL reference runs the actor's model with its adapters off
         disabled = isinstance(part.module, megatron_lora.AdapterDisabled)
-        with part.module.off() if disabled else contextlib.nullcontext():
-            get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(mbs), model=[part.module.gpt],
-                num_microbatches=len(mbs), seq_length=width, micro_batch_size=rows, forward_only=forward_only,
-            )  # fmt: skip
+        try:
+            with part.module.off() if disabled else contextlib.nullcontext():
+                get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=iter(mbs), model=[part.module.gpt],
+                    num_microbatches=len(mbs), seq_length=width, micro_batch_size=rows, forward_only=forward_only,
+                )  # fmt: skip
+        finally:
+            self._mb = None
+            self._route(part, None, rows)
+
+    def _route(self, part: ModelPart, routed: torch.Tensor | None, rows: int) -> None:
+        """Set this stage's routers to replay `routed` ([rows·T, layers·top_k], in the layout of
+        `input_ids.reshape(-1)`; None: their own top-k). Megatron routes the tokens of its
+        [T, rows, H] hidden states, position-major, so the rows are transposed to that order.
+        With activation recompute the recomputed forward runs right after the micro-batch's own
+        (one pipeline stage), with the same target."""
+        routers = getattr(part.module, "routers", [])
+        if routed is None:
+            for _, router in routers:
+                router.router_replay.target = None
+            return
+        shape = part.module.shape
+        layers = sum(shape.sparse)
+        if not layers:
+            raise ValueError(f"router replay: {shape} is not a mixture-of-experts model")
+        if routed.dim() != 2 or routed.shape[1] != layers * shape.top_k or routed.shape[0] % rows:
+            raise ValueError(f"router replay: routed experts of shape {tuple(routed.shape)}, the model has "
+                             f"{layers} MoE layers of top-{shape.top_k} ([tokens, layers·top_k] expected)")  # fmt: skip
+        seq_major = (
+            routed.view(rows, -1, layers, shape.top_k).transpose(0, 1).reshape(-1, layers, shape.top_k)
+        )
+        for moe_layer, router in routers:
+            router.router_replay.target = seq_major[:, moe_layer]
 
     def _forward_only(
         self, part: ModelPart, mb: MicroBatch, compute: Callable[[MicroBatch], torch.Tensor]
@@ -233,11 +278,46 @@ class MegatronBackend:
         from agentrl.learner.hf_model import logprobs_from_logits
 
         if self._output is not None:  # inside the schedule, on the last stage
+            if self._own_routing_of_current(mb):
+                return self._own_routing_logprobs(part, mb, temperature), None
             return logprobs_from_logits(self._output, mb, temperature, entropy)
         if entropy != "none":
             raise ValueError("MegatronBackend.logprobs: entropy is computed inside forward_backward only")
         logp = self._forward_only(part, mb, lambda mb: logprobs_from_logits(self._output, mb, temperature)[0])
         return logp, None
+
+    def _own_routing_of_current(self, mb: MicroBatch) -> bool:
+        """Whether `mb` is the micro-batch the schedule is running with its routed experts left out
+        (`train_step.mismatch_without_replay`): its log-probs need a forward of their own."""
+        current = self._mb
+        return (
+            current is not None
+            and current.routed_experts is not None
+            and mb.routed_experts is None
+            and mb.input_ids is current.input_ids
+        )
+
+    def _own_routing_logprobs(self, part: ModelPart, mb: MicroBatch, temperature: float) -> torch.Tensor:
+        """Inside the schedule's loss function: the log-probs of the running micro-batch under the
+        model's own routing, from a second forward without gradient on this (only) stage; the
+        replay targets are restored for the backward's recompute."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        from agentrl.learner.hf_model import logprobs_from_logits
+
+        if self.pp > 1:
+            raise NotImplementedError(
+                "learner.backend megatron: the log-probs without router replay need one pipeline stage (pp 1)"
+            )
+        current = self._mb
+        self._route(part, None, mb.input_ids.shape[0])
+        try:
+            with torch.no_grad():
+                out = part.module.gpt(mb.input_ids, mb.position_ids, causal_mask(mb.position_ids))
+                logits = gather_from_tensor_model_parallel_region(out)
+                return logprobs_from_logits(logits, mb, temperature)[0]
+        finally:
+            self._route(part, current.routed_experts, current.input_ids.shape[0])
 
     def values(self, part: ModelPart, mb: MicroBatch) -> torch.Tensor:
         if self._output is not None:  # inside the schedule, on the last stage: [rows, T, 1]
@@ -383,7 +463,8 @@ class MegatronBackend:
         return torch.Size(full)
 
     def full_tensors(self, part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
-        """The base model's tensors under HF names (a LoRA model's adapters are `adapter_tensors`)."""
+        """The base model's tensors under HF names (a LoRA model's adapters are `adapter_tensors`); an
+        MoE model's experts fused per layer as transformers holds them (`convert.fuse_experts`)."""
         module = part.module
         params = [(n, p) for n, p in module.base_parameters()
                   if not (p is self._tied_copy(part) and self.last and not self.first)]  # fmt: skip
@@ -399,7 +480,8 @@ class MegatronBackend:
             name, param = params[i]
             return convert.to_hf(name, self._full(part, name, param), module.shape, self.tp)
 
-        return self._over_stages(mine, make)
+        tensors = self._over_stages(mine, make)
+        return convert.fuse_experts(tensors, module.shape.experts) if module.shape.experts else tensors
 
     def adapter_tensors(self, part: ModelPart) -> Iterator[tuple[str, torch.Tensor]]:
         """A LoRA actor's lora_A / lora_B, whole (gathered over TP), under PEFT's saved names
@@ -436,6 +518,11 @@ class MegatronBackend:
             )
         if part.module.lora is not None:
             raise NotImplementedError("learner.lora: the colocated HybridEngine does not take adapters")
+        if part.module.shape.experts:
+            raise NotImplementedError(
+                "learner.backend megatron: the colocated HybridEngine does not reshard a mixture-of-experts "
+                "model's experts from Megatron (use learner.backend fsdp2, or mode: decoupled)"
+            )
         if self._tp_mesh is None:
             self._tp_mesh = DeviceMesh.from_group(self.ps.get_tensor_model_parallel_group(), self.device.type)
         module = part.module

@@ -144,6 +144,7 @@ def test_the_config_refuses_replay_it_cannot_do() -> None:
 
     on = ["--learner.moe.router_replay", "true", "--inference.routed_experts", "true"]
     assert load_config(None, on).learner.moe.router_replay
+    assert load_config(None, [*on, "--learner.backend", "megatron"]).learner.moe.router_replay
     for extra, message in [
         (["--inference.routed_experts", "false"], r"needs inference\.routed_experts: true"),
         (
@@ -154,7 +155,7 @@ def test_the_config_refuses_replay_it_cannot_do() -> None:
             ["--inference.type", "vllm", "--inference.routed_experts", "false"],
             r"router_replay with inference\.type: vllm: .*requires Triton",
         ),
-        (["--learner.backend", "megatron"], "megatron backend does not replay routing"),
+        (["--learner.backend", "megatron", "--learner.megatron.pp", "2"], r"needs one pipeline stage"),
         (["--mode", "colocated"], "colocated does not carry routed experts"),
     ]:
         with pytest.raises(ConfigError, match=message):
