@@ -74,6 +74,24 @@ from agentrl.log import get_logger
 log = get_logger("learner.megatron")
 
 
+def _refuse(
+    kind: PartKind, hf: Any, shape: Any, *, trained: bool, sharded: bool, bf16: bool, lora: Any
+) -> None:
+    """What `MegatronBackend.build` cannot build, refused with the setting to change."""
+    if sharded:
+        raise ValueError(
+            "learner.backend megatron: `shard` is an FSDP2 layout; the Megatron backend keeps its own TP "
+            "layout (colocated mode reads it through local_shards)"
+        )
+    if bf16:
+        raise ValueError("learner.backend megatron: learner.dtype bfloat16 is not wired here; use float32")
+    if lora is not None and (kind != "policy" or not trained):
+        raise ValueError("learner.lora: adapters go on the trained policy only")
+    if lora is not None and shape.experts:
+        raise ValueError(f"learner.lora with learner.backend megatron: {hf.model_type} is a mixture-of-experts "
+                         "model, whose experts the Megatron adapters do not cover; use learner.backend fsdp2")  # fmt: skip
+
+
 class MegatronBackend:
     """`LearnerBackend` on Megatron-core (see `backend.py` for each method's contract)."""
 
@@ -128,23 +146,10 @@ class MegatronBackend:
         from megatron.core.models.gpt import GPTModel
         from transformers import AutoConfig
 
-        if shard is not None:
-            raise ValueError(
-                "learner.backend megatron: `shard` is an FSDP2 layout; the Megatron backend keeps its own TP "
-                "layout (colocated mode reads it through local_shards)"
-            )
-        if bf16:
-            raise ValueError(
-                "learner.backend megatron: learner.dtype bfloat16 is not wired here; use float32"
-            )
-        if lora is not None and (kind != "policy" or optim is None):
-            raise ValueError("learner.lora: adapters go on the trained policy only")
         path = Path(path)
         hf = AutoConfig.from_pretrained(str(path))
         shape = convert.shape_of(hf)
-        if lora is not None and shape.experts:
-            raise ValueError(f"learner.lora with learner.backend megatron: {hf.model_type} is a mixture-of-experts "
-                             "model, whose experts the Megatron adapters do not cover; use learner.backend fsdp2")  # fmt: skip
+        _refuse(kind, hf, shape, trained=optim is not None, sharded=shard is not None, bf16=bf16, lora=lora)
         if kind == "value":  # the decoder's embedding alone: the head is not the vocabulary
             shape = dataclasses.replace(shape, tied=False)
         config = convert.transformer_config(hf, self.tp, self.pp, torch.float32, activation_checkpointing)
