@@ -53,7 +53,12 @@ output processor joins the rows only when the request finishes (`RequestState` i
 `vllm/v1/engine/output_processor.py`), an abort included; an abort before any forward has none
 (None), which this client passes on as no routing (the rollers resume the request, and the
 resumed one covers those tokens); any other reply without them is an error, and so is an array
-whose shape is not [prompt + output − 1, layers, top_k] (`routed_rows`).
+whose shape is not [prompt + output − 1, layers, top_k] (`routed_rows`). vLLM's `layers` is
+every hidden layer (`_get_routed_experts_shape`), agentrl's the MoE ones: the same for models whose
+every layer is MoE (the presets; Qwen2/3-MoE with `decoder_sparse_step: 1`), and router replay
+refuses rows of another width. Untested against a real vLLM (it needs a GPU:
+`scripts/gpu_check.py`'s `moe_vllm` step); the decoding is tested on CPU against replies built
+as vLLM builds them (tests/unit/inference/test_vllm_client.py).
 
 The weight-update and LoRA control half of the client (agentrl's worker extension through
 `/collective_rpc`, pause / resume, vLLM's runtime LoRA routes) is `VLLMControl` in

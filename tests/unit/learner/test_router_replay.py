@@ -158,3 +158,27 @@ def test_the_config_refuses_replay_it_cannot_do() -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, on + extra)
+
+
+def test_routed_experts_of_another_width_are_refused_by_name(tiny_moe_model: Path) -> None:
+    """Rows recorded over more layers than the model's MoE ones (vLLM records every hidden layer)."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.learner.hf_model import forward_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_moe_model), dtype=torch.float32)
+    layers, top_k = len(routers(model)), int(routers(model)[0].top_k)
+    n = len(PROMPT)
+    sample = Sample(
+        np.array(PROMPT),
+        np.array([0] * (n - 1) + [1]),
+        np.zeros(n, np.float32),
+        np.array([-1] * (n - 1) + [0]),
+        advantage=1.0,
+        weight=1.0,
+        routed_experts=np.zeros((n, (layers + 1) * top_k), np.int32),
+    )
+    with pytest.raises(
+        ValueError, match=rf"{(layers + 1) * top_k} recorded experts per token.*need {layers * top_k}"
+    ):
+        forward_logprobs(model, packed_microbatch([sample]), 1.0)
