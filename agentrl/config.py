@@ -33,7 +33,7 @@ from agentrl.envs.sandbox.config import (
     RemoteSandboxConfig,
     SandboxConfig,
 )
-from agentrl.inference.config import VLLM_NO_ROUTED_EXPERTS, InferenceConfig, VLLMLaunchConfig
+from agentrl.inference.config import InferenceConfig, VLLMLaunchConfig
 from agentrl.launch.config import LauncherConfig
 from agentrl.learner.config import (
     MOVED,
@@ -159,8 +159,6 @@ class AgentRLConfig(Section):
 
     def _check_router_replay(self) -> None:
         """Router replay needs the servers' routed experts in the episodes, and a learner that replays."""
-        if self.inference.type == "vllm":
-            raise ValueError(f"learner.moe.router_replay with inference.type: vllm: {VLLM_NO_ROUTED_EXPERTS}")
         if not self.inference.routed_experts:
             raise ValueError(
                 "learner.moe.router_replay: needs inference.routed_experts: true (the rollers then ask the "

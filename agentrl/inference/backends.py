@@ -30,7 +30,7 @@ def _embedded_client(url: str, config: InferenceConfig, **kwargs: Any):
 def _vllm_client(url: str, config: InferenceConfig, **kwargs: Any):
     from agentrl.inference.vllm import VLLMClient
 
-    return VLLMClient(url, model=config.served_model_name, **kwargs)
+    return VLLMClient(url, model=config.served_model_name, routed_experts=config.routed_experts, **kwargs)
 
 
 def _serve_embedded(model_path: str, host: str, port: int, config: InferenceConfig) -> int:

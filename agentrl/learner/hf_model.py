@@ -38,6 +38,12 @@ def forward_logprobs(
         shape = routing_shape(model)
         if shape is None:
             raise ValueError(f"router replay: {type(model).__name__} is not a mixture-of-experts model")
+        if mb.routed_experts.shape[1] != shape[0] * shape[1]:
+            raise ValueError(
+                f"router replay: {mb.routed_experts.shape[1]} recorded experts per token, the model's "
+                f"{shape[0]} MoE layers × top-{shape[1]} need {shape[0] * shape[1]} (vLLM records every "
+                "hidden layer: a model with dense layers among its MoE ones does not fit)"
+            )
         replay = replay_routing(model, mb.routed_experts.view(mb.routed_experts.shape[0], *shape))
     with replay:
         out = model(

@@ -1,6 +1,7 @@
 """scripts/gpu_check.py's dry run, as CI runs it: the plan, every step's command, the report, and the
 steps that can run on CPU at tiny size (the push into the embedded server over gloo, the engine's
-release / rebuild) run for real; the GPU-only steps are reported skipped, with the reason."""
+release / rebuild, the MoE routing and router replay comparison) run for real; the GPU-only steps
+are reported skipped, with the reason."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def test_dry_run_runs_the_cpu_steps_and_reports_every_step(tmp_path: Path) -> No
     report = json.loads(report_path.read_text())
     assert report["dry_run"] is True and report["device"] == "cpu"
     steps = {s["name"]: s for s in report["steps"]}
-    assert list(steps) == ["environment", "install", "push_embedded", "offload", "push_vllm", "colocated_run",
-                           "bench_sync", "bench_peer"]  # fmt: skip
-    assert report["summary"] == {"pass": 3, "fail": 0, "skipped": 5}
+    assert list(steps) == ["environment", "install", "push_embedded", "offload", "push_vllm", "moe_vllm",
+                           "colocated_run", "bench_sync", "bench_peer"]  # fmt: skip
+    assert report["summary"] == {"pass": 4, "fail": 0, "skipped": 5}
     for step in steps.values():
         assert step["command"], step  # every step's command is built, run or not
         if step["status"] == "skipped":
@@ -42,6 +43,11 @@ def test_dry_run_runs_the_cpu_steps_and_reports_every_step(tmp_path: Path) -> No
     assert push["max_abs_logprob_diff_after_push"] < 1e-3 < push["max_abs_logprob_diff_before_push"]
     offload = steps["offload"]["details"]
     assert offload["param_bytes_released"] > 0 and offload["max_abs_logprob_diff"] <= 1e-6
+    moe = steps["moe_vllm"]["details"]  # the routing / replay comparison, against the embedded server
+    assert moe["served_by"].startswith("agentrl embedded") and moe["repeated_prompt_rows_equal"]
+    assert moe["token_layers_equal_to_transformers"] == moe["token_layers_compared"] > 0
+    assert moe["learner_token_layers_routed_elsewhere"] > 0
+    assert moe["mean_abs_logprob_diff_replay"] < moe["mean_abs_logprob_diff_no_replay"]
     assert steps["install"]["command"] == ["make", "setup", "vllm"]
     assert "--preset" in steps["bench_sync"]["command"] and "peer" in steps["bench_peer"]["command"]
 

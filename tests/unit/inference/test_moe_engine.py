@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from agentrl.inference.base import InferenceError
 from agentrl.inference.engine import Engine, Request
 from agentrl.inference.sampling import SamplingParams
+from agentrl.inference.sglang import SGLangClient
 from agentrl.moe import RoutingRecorder, decode_routed_experts, encode_routed_experts, routing_shape
 
 
@@ -88,7 +90,6 @@ async def test_routed_experts_reach_the_episode_over_http(tiny_moe_model: Path, 
     turn that first fed it), -1 on the last token, and survive the queue's wire format; a dense
     model's server refuses the request."""
     from agentrl.inference.base import BadRequestError
-    from agentrl.inference.sglang import SGLangClient
     from agentrl.rollers.agent_loop import _generate_turn, _Trace
     from agentrl.types import Episode, Group
     from agentrl.wire import decode_group, encode_group
@@ -121,3 +122,20 @@ async def test_routed_experts_reach_the_episode_over_http(tiny_moe_model: Path, 
                 await client.generate([5, 17], params)
     finally:
         dense.stop()
+
+
+def test_an_abort_before_any_forward_carries_no_routing():
+    """The embedded server's reply to a request aborted before its prefill (`_routed_experts` in
+    agentrl/inference/server.py: an empty array): no routing, rather than rows of width 0 that the
+    rollers would keep for those tokens in place of the resumed request's."""
+    empty = encode_routed_experts(np.zeros((0, 2, 2), np.int32))
+    client = SGLangClient("http://127.0.0.1:1", routed_experts=True)
+
+    def reply(kind: str, output_ids: list[int]) -> dict:
+        meta = {"finish_reason": {"type": kind}, "prompt_tokens": 5, "routed_experts": empty,
+                "output_token_logprobs": [[-1.0, t, None] for t in output_ids]}  # fmt: skip
+        return {"output_ids": output_ids, "meta_info": meta}
+
+    assert client.parse_generate(reply("abort", []), 5).routed_experts is None
+    with pytest.raises(InferenceError, match="0 routed experts are not 5 rows"):
+        client.parse_generate(reply("stop", [7]), 5)

@@ -6,10 +6,13 @@ would when a request does not fit; its scripted responses are validated too."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+import numpy as np
 import pytest
 from aiohttp import web
 from pydantic import ValidationError
@@ -39,6 +42,13 @@ class FakeVLLM:
         self.rpc_error: str | None = None  # scripted worker error of the next /collective_rpc
         self.generate_route = "absent"  # /inference/v1/generate: absent (404), disabled (403) or "on"
         self.spans: list[dict] | None = None  # scripted weight_versions of the next generate reply
+        self.routing: Callable[[list[int]], np.ndarray | None] | None = None
+        """Routed experts (a server started with --enable-return-routed-experts): the array for the
+        tokens fed to the model (prompt + output - 1), sent as `numpy2base64` sends it."""
+
+    def routed_experts(self, prompt: list[int], tokens: list[int]) -> str | None:
+        array = self.routing(prompt + tokens[:-1]) if self.routing is not None else None
+        return None if array is None else numpy2base64(array)
 
     async def generate(self, request: web.Request) -> web.Response:
         """`/inference/v1/generate` (vllm/entrypoints/scale_out/token_in_token_out/, vLLM 0.32): 403
@@ -64,6 +74,7 @@ class FakeVLLM:
             "stop_reason": None,
             "token_ids": tokens,
             "weight_versions": spans,
+            "routed_experts": self.routed_experts(prompt, tokens),
             "logprobs": {
                 "content": [{"token_id": t, "logprob": -0.5 * (i + 1)} for i, t in enumerate(tokens)]
             },
@@ -96,6 +107,7 @@ class FakeVLLM:
             "finish_reason": "stop" if stopped or self.paused else "length",
             "stop_reason": tokens[-1] if stopped else None,
             "token_ids": tokens if req.return_token_ids else None,
+            "routed_experts": self.routed_experts(prompt, tokens),
         }
         if self.paused:
             choice["finish_reason"] = "abort"
@@ -160,6 +172,15 @@ class FakeVLLM:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response()
+
+
+def numpy2base64(array: np.ndarray) -> str:
+    """vLLM 0.32's encoding of `routed_experts` (`numpy2base64` in `vllm/utils/serial_utils.py`,
+    which both generate routes call): the array's `.npy` bytes, base64 (vLLM uses pybase64, whose
+    output is the standard alphabet, as `base64`'s)."""
+    with io.BytesIO() as buffer:
+        np.save(buffer, array, allow_pickle=False)
+        return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
 @pytest.fixture
@@ -373,3 +394,85 @@ async def test_a_generate_route_that_worked_is_not_given_up_on(vllm):
         fake.generate_route = "disabled"  # e.g. a different server restarted on the address
         with pytest.raises(BadRequestError):
             await client.generate([5], {"max_new_tokens": 2})
+
+
+LAYERS, TOP_K = 3, 2
+
+
+def routing(num_experts: int, extra_rows: int = 0) -> Callable[[list[int]], np.ndarray]:
+    """What a MoE server routes each fed token to, in vLLM's dtype for `num_experts` (uint8 up to
+    256 experts, else uint16: `RoutedExpertsCapturer.output_dtype_name`,
+    `vllm/model_executor/layers/fused_moe/routed_experts_capturer.py`), [fed, layers, top_k]."""
+    dtype = np.uint8 if num_experts <= 256 else np.uint16
+
+    def route(fed: list[int]) -> np.ndarray:
+        ids = [[[(t * 7 + layer * 31 + k * 101 + 250) % num_experts for k in range(TOP_K)] for layer in range(LAYERS)]
+               for t in fed + fed[: extra_rows]]  # fmt: skip
+        return np.array(ids, dtype=dtype)
+
+    return route
+
+
+@pytest.mark.parametrize("route", ["on", "absent"])  # /inference/v1/generate, or the /v1/completions fallback
+@pytest.mark.parametrize("num_experts", [60, 300])  # uint8, uint16 on the wire
+async def test_routed_experts_are_the_rows_vllm_sent(vllm, route: str, num_experts: int) -> None:
+    from agentrl.rollers.agent_loop import _Trace
+
+    fake, url = vllm
+    fake.generate_route, fake.routing = route, routing(num_experts)
+    prompt = [5, 40, 9, 77]
+    async with VLLMClient(url, routed_experts=True) as client:
+        res = await client.generate(prompt, {"max_new_tokens": 3})
+    fed = prompt + res.output_ids[:-1]
+    expected = routing(num_experts)(fed).astype(np.int32).reshape(len(fed), LAYERS * TOP_K)
+    assert res.routed_experts.dtype == np.int32 and np.array_equal(res.routed_experts, expected)
+    assert expected.max() > 255 if num_experts > 256 else expected.max() < 256  # the dtype mattered
+    # as the rollers keep it: every fed token its row, the last output token (never fed) none
+    trace = _Trace()
+    trace.add_context(prompt)
+    trace.add_generated(res)
+    kept = trace.routed_experts()
+    assert np.array_equal(kept[:-1], expected) and (kept[-1] == -1).all()
+    async with VLLMClient(url) as client:  # not asked: not read
+        assert (await client.generate(prompt, {"max_new_tokens": 3})).routed_experts is None
+
+
+async def test_routed_experts_that_are_not_one_row_per_fed_token_are_refused(vllm) -> None:
+    fake, url = vllm
+    fake.generate_route = "on"
+    bad: list[tuple[Callable[[list[int]], np.ndarray], str]] = [
+        (
+            routing(60, extra_rows=1),
+            r"shape \[8, 3, 2\]: expected \[7, layers, top_k\].*prompt 5 \+ output 3 - 1",
+        ),
+        (lambda fed: routing(60)(fed)[:-1], r"shape \[6, 3, 2\]: expected \[7"),
+        (lambda fed: routing(60)(fed).reshape(len(fed), -1), r"shape \[7, 6\]"),
+        (lambda fed: routing(60)(fed).astype(np.float32), "dtype float32"),
+        (lambda fed: np.zeros((len(fed), 0, 2), np.uint8), r"shape \[7, 0, 2\]"),
+    ]
+    async with VLLMClient(url, routed_experts=True) as client:
+        for route, message in bad:
+            fake.routing = route
+            with pytest.raises(InferenceError, match=message):
+                await client.generate([1, 2, 3, 4, 5], {"max_new_tokens": 3})
+        fake.routing = None
+        fake.routed_experts = lambda prompt, tokens: "bm90IG5weQ=="  # base64, not of a .npy
+        with pytest.raises(InferenceError, match=r"not the base64 of a \.npy"):
+            await client.generate([1, 2], {"max_new_tokens": 3})
+
+
+async def test_routed_experts_absent_fail_a_finished_request_not_an_aborted_one(vllm) -> None:
+    """vLLM sends none for a request aborted before any forward (`GenerateChoiceBase.routed_experts`
+    in `token_in_token_out/protocol.py`): the result has no routing, the resumed request covers the
+    tokens; a finished request without them comes from a server without the flag."""
+    fake, url = vllm
+    fake.generate_route = "on"
+    async with VLLMClient(url, routed_experts=True) as client:
+        with pytest.raises(InferenceError, match="--enable-return-routed-experts"):
+            await client.generate([1, 2], {"max_new_tokens": 3})
+        fake.paused = True  # replies finish with "abort"
+        res = await client.generate([1, 2], {"max_new_tokens": 3})
+        assert res.finish_reason == "abort" and res.routed_experts is None
+        fake.routing = routing(60)  # an abort after some forwards: the rows so far, checked the same way
+        res = await client.generate([1, 2], {"max_new_tokens": 3})
+        assert res.finish_reason == "abort" and res.routed_experts.shape == (4, LAYERS * TOP_K)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +81,36 @@ def test_sglang_lora_flags() -> None:
     assert "--enable-lora" not in sglang_command(
         "/m", "127.0.0.1", 1, InferenceConfig(type="sglang"), sys.executable
     )
+
+
+def vllm_environment(tmp_path: Path, cuda: bool, triton: bool) -> str:
+    """A stand-in for vLLM's Python that answers the launcher's two probes as a vLLM environment
+    would: `torch.cuda.is_available()` and vLLM's `HAS_TRITON` (`vllm/triton_utils/importing.py`)."""
+    python = tmp_path / "python"
+    python.write_text(
+        f'#!/bin/sh\ncase "$2" in *HAS_TRITON*) echo "HAS_TRITON {triton}";; *) echo "{cuda}";; esac\n'
+    )
+    python.chmod(0o755)
+    return str(python)
+
+
+def test_routed_experts_start_vllm_with_model_runner_v2_where_it_has_triton(tmp_path: Path) -> None:
+    """What vLLM 0.32 requires to return routed experts (`_verify_aux_output_compatibility` in
+    `vllm/config/vllm.py`): the flag, prefix caching, Model Runner V2; without the setting, none."""
+    inference = InferenceConfig(type="vllm", routed_experts=True)
+    gpu = vllm_environment(tmp_path, cuda=True, triton=True)
+    argv, env = vllm_launch.command("/m", "127.0.0.1", 1, inference, python=gpu)
+    assert "--enable-return-routed-experts" in argv and "--enable-prefix-caching" in argv
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and "--gpu-memory-utilization" in argv
+    plain, env = vllm_launch.command("/m", "127.0.0.1", 1, InferenceConfig(type="vllm"), python=gpu)
+    assert "--enable-return-routed-experts" not in plain and "VLLM_USE_V2_MODEL_RUNNER" not in env
+
+
+def test_routed_experts_are_refused_where_vllm_has_no_triton(tmp_path: Path) -> None:
+    inference = InferenceConfig(type="vllm", routed_experts=True)
+    cpu = vllm_environment(tmp_path, cuda=False, triton=False)
+    with pytest.raises(RuntimeError, match=r"routed experts only from its Model Runner V2.*requires Triton"):
+        vllm_launch.command("/m", "127.0.0.1", 1, inference, python=cpu)
+    # a Python without vLLM: the launcher says it could not ask, rather than guess
+    with pytest.raises(RuntimeError, match=r"could not ask vLLM in .* whether it has Triton"):
+        vllm_launch.command("/m", "127.0.0.1", 1, inference, python=sys.executable)

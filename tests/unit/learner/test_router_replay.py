@@ -145,18 +145,41 @@ def test_the_config_refuses_replay_it_cannot_do() -> None:
     on = ["--learner.moe.router_replay", "true", "--inference.routed_experts", "true"]
     assert load_config(None, on).learner.moe.router_replay
     assert load_config(None, [*on, "--learner.backend", "megatron"]).learner.moe.router_replay
+    # vLLM: the config cannot know the server's device; its launcher refuses where vLLM has no
+    # Triton (tests/unit/inference/test_vllm_launch.py, tests/integration/test_vllm_moe.py)
+    assert load_config(None, [*on, "--inference.type", "vllm"]).inference.routed_experts
     for extra, message in [
         (["--inference.routed_experts", "false"], r"needs inference\.routed_experts: true"),
         (
-            ["--inference.type", "vllm"],
-            r"inference\.routed_experts with inference\.type: vllm: .*Model Runner V2",
-        ),
-        (
             ["--inference.type", "vllm", "--inference.routed_experts", "false"],
-            r"router_replay with inference\.type: vllm: .*requires Triton",
+            r"needs inference\.routed_experts",
         ),
         (["--learner.backend", "megatron", "--learner.megatron.pp", "2"], r"needs one pipeline stage"),
         (["--mode", "colocated"], "colocated does not carry routed experts"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, on + extra)
+
+
+def test_routed_experts_of_another_width_are_refused_by_name(tiny_moe_model: Path) -> None:
+    """Rows recorded over more layers than the model's MoE ones (vLLM records every hidden layer)."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.learner.hf_model import forward_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_moe_model), dtype=torch.float32)
+    layers, top_k = len(routers(model)), int(routers(model)[0].top_k)
+    n = len(PROMPT)
+    sample = Sample(
+        np.array(PROMPT),
+        np.array([0] * (n - 1) + [1]),
+        np.zeros(n, np.float32),
+        np.array([-1] * (n - 1) + [0]),
+        advantage=1.0,
+        weight=1.0,
+        routed_experts=np.zeros((n, (layers + 1) * top_k), np.int32),
+    )
+    with pytest.raises(
+        ValueError, match=rf"{(layers + 1) * top_k} recorded experts per token.*need {layers * top_k}"
+    ):
+        forward_logprobs(model, packed_microbatch([sample]), 1.0)
