@@ -29,8 +29,9 @@ Ratios (higher is better): `vs_raw_broadcast` = raw / ours (target ≥ 0.9), `vs
 disk / ours (target ≥ 3); the JSON carries both sides' seconds (`push_s`, `raw_broadcast_s`,
 `disk_s`, medians, and every repeat's). A phase table splits our push (median per phase over
 the repeats, from the engine's `PushStats.phases`): regroup, pause, begin, waiting for the
-gather thread, broadcast, the servers' replies after each broadcast (their receive and checks),
-commit, version read-back, continue; then, not summed, the packing of buckets into flat buffers on
+gather thread, announcing each bucket (its HTTP request handed to the event loop), broadcast,
+the servers' replies after each broadcast (their receive and checks), commit, version
+read-back, continue; then, not summed, the packing of buckets into flat buffers on
 the gather thread (overlapped with the broadcast of the bucket before), and each bucket's round
 trip (announce to last reply). The peak extra memory of a push is shown as the learner's
 resident-set growth while pushing, next to the bucket size and the packing buffers the engine
@@ -72,8 +73,8 @@ for _ in range(int(sys.argv[2])):
     group.barrier()
 import os; os._exit(0)
 """
-PHASES = ["regroup", "pause", "begin", "gather_wait", "broadcast", "replies", "commit", "read_back",
-          "continue"]  # fmt: skip
+PHASES = ["regroup", "pause", "begin", "gather_wait", "announce", "broadcast", "replies", "commit",
+          "read_back", "continue"]  # fmt: skip
 OVERLAPPED = ["flatten"]  # on the gather thread, while the previous bucket is broadcast: not summed
 
 

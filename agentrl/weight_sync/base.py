@@ -232,7 +232,7 @@ class PushStats:
     """Every server of the live list, by URL: committed, or dropped and why."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds by phase of the push, summed over buckets and attempts, where the engine times them
-    (the broadcast engine: regroup, pause, begin, gather_wait, broadcast, replies, commit,
+    (the broadcast engine: regroup, pause, begin, gather_wait, announce, broadcast, replies, commit,
     read_back, continue on the pushing thread; flatten on the gather thread, overlapped with the
     broadcast); not logged, for `agentrl bench sync`'s phase table."""
     bucket_round_trips: list[float] = field(default_factory=list)

@@ -409,30 +409,12 @@ class BroadcastEngine(AdapterOverHTTP):
         servers), broadcast it, and await the replies unless `index` is given; returns ({url: why}
         for the servers that failed it: every member, if the broadcast failed and none says why;
         the bucket in flight, its replies not yet awaited, or None)."""
-        names = bucket.names
-        dtypes = [dtype_name(t.dtype) for t in bucket.tensors]
-        shapes = [list(t.shape) for t in bucket.tensors]
         assert self.group is not None, "a push streams only over a built group"
         flat = bucket.flat
         self._touched.update(self.members)
         announced = time.perf_counter()
-        futures = {
-            url: self._bridge.submit(
-                asyncio.wait_for(
-                    self.clients[url].update_weights_from_distributed(
-                        names,
-                        dtypes,
-                        shapes,
-                        self.group.group_name,
-                        version,
-                        flattened=flat is not None,
-                        **({} if index is None else {"bucket": index}),
-                    ),
-                    2 * self.config.timeout_s,
-                )
-            )
-            for url in self.members
-        }
+        with Phase(stats, "announce"):
+            futures = self._announce(bucket, version, flat is not None, index)
         device = "cuda" if self.backend == "nccl" else "cpu"
         try:
             with Phase(stats, "broadcast"):
@@ -457,6 +439,33 @@ class BroadcastEngine(AdapterOverHTTP):
         if index is not None:
             return {}, sent
         return self._collect(sent, stats), None
+
+    def _announce(
+        self, bucket: Bucket, version: int | None, flattened: bool, index: int | None
+    ) -> dict[str, Any]:
+        """Send every member the bucket's description (names, dtypes, shapes; its receive then waits
+        for the broadcast); {url: future of its reply}."""
+        assert self.group is not None
+        dtypes = [dtype_name(t.dtype) for t in bucket.tensors]
+        shapes = [list(t.shape) for t in bucket.tensors]
+        order = {} if index is None else {"bucket": index}
+        return {
+            url: self._bridge.submit(
+                asyncio.wait_for(
+                    self.clients[url].update_weights_from_distributed(
+                        bucket.names,
+                        dtypes,
+                        shapes,
+                        self.group.group_name,
+                        version,
+                        flattened=flattened,
+                        **order,
+                    ),
+                    2 * self.config.timeout_s,
+                )
+            )
+            for url in self.members
+        }
 
     def _collect(self, sent: InFlight, stats: PushStats) -> dict[str, str]:
         """Await a broadcast bucket's replies and count it; {url: why} for the servers that failed it."""
