@@ -129,16 +129,22 @@ class Episode:
     def num_generated(self) -> int:
         return int(self.loss_mask.sum())
 
+    def _generated_versions(self) -> np.ndarray:
+        """The versions of the generated tokens: `versions` itself when every token is (no copy;
+        `all` stops at the first prompt token otherwise)."""
+        mask = self.loss_mask
+        return self.versions if mask.all() else self.versions[mask.astype(bool)]
+
     @property
     def min_version(self) -> int:
         """Oldest weight version behind any generated token (-1 if none were generated)."""
-        generated = self.versions[self.loss_mask.astype(bool)]
+        generated = self._generated_versions()
         return int(generated.min()) if generated.size else -1
 
     @property
     def max_version(self) -> int:
         """Newest weight version behind any generated token (-1 if none were generated)."""
-        generated = self.versions[self.loss_mask.astype(bool)]
+        generated = self._generated_versions()
         return int(generated.max()) if generated.size else -1
 
     def without_tokens_before(self, oldest_version: int) -> tuple[Episode, int]:
@@ -182,7 +188,7 @@ class Group:
     @property
     def min_version(self) -> int:
         """Oldest weight version behind any generated token of the group (-1 if none)."""
-        versions = [e.min_version for e in self.episodes if e.num_generated]
+        versions = [int(v.min()) for v in (e._generated_versions() for e in self.episodes) if v.size]
         return min(versions) if versions else -1
 
     @property
@@ -195,12 +201,13 @@ class Group:
 
     def staleness(self, learner_version: int) -> int:
         """Learner steps since the oldest weights that produced this group."""
-        return learner_version - self.min_version if self.min_version >= 0 else 0
+        oldest = self.min_version
+        return learner_version - oldest if oldest >= 0 else 0
 
     @property
     def max_version(self) -> int:
         """Newest weight version behind any generated token of the group (-1 if none)."""
-        versions = [e.max_version for e in self.episodes if e.num_generated]
+        versions = [int(v.max()) for v in (e._generated_versions() for e in self.episodes) if v.size]
         return max(versions) if versions else -1
 
     def is_admissible(self, learner_version: int, max_staleness: int, per_token: bool = False) -> bool:

@@ -130,14 +130,16 @@ class ZmqConsumer(Consumer):
         else:
             frames = unpack(reply["lens"], reply["segs"], segments)
         pos = 0
-        for gid, nframes, age, staleness in reply["groups"]:
+        for gid, nframes, age, _ in reply["groups"]:
             group_frames = None if self._server is not None else frames[pos : pos + nframes]
             pos += nframes
             if gid in self._held:
                 continue  # redelivered after a server restart; we already have it
             self._held.add(gid)
             group = local[gid] if group_frames is None else decode_group(group_frames, max_bytes=1 << 62)
-            self._buffer.append((group, age, staleness))
+            # its oldest generated token's version, read once: staleness and the stale check at every
+            # later step come from it (a pass over every token's version costs ~0.2 ms per MiB)
+            self._buffer.append((group, age, group.min_version))
 
     def get_batch(
         self, num_groups: int, learner_version: int, max_staleness: int, timeout_s: float | None = None
@@ -159,15 +161,25 @@ class ZmqConsumer(Consumer):
             self._take(reply, frames)
         taken, self._buffer = self._buffer[:num_groups], self._buffer[num_groups:]
         return self._hand_out(
-            [g for g, _, _ in taken], [a for _, a, _ in taken], learner_version, max_staleness, dropped
+            [g for g, _, _ in taken],
+            [a for _, a, _ in taken],
+            learner_version,
+            max_staleness,
+            dropped,
+            staleness=[learner_version - oldest if oldest >= 0 else 0 for _, _, oldest in taken],
         )
 
     def _drop_stale_buffered(self, version: int, max_staleness: int) -> int:
-        stale = [
-            g.group_id
-            for g, _, _ in self._buffer
-            if not g.is_admissible(version, max_staleness, self.per_token_staleness)
-        ]
+        if self.per_token_staleness:
+            stale = [
+                g.group_id for g, _, _ in self._buffer if not g.is_admissible(version, max_staleness, True)
+            ]
+        else:
+            stale = [
+                g.group_id
+                for g, _, oldest in self._buffer
+                if oldest >= 0 and version - oldest > max_staleness
+            ]
         if stale:
             self._buffer = [b for b in self._buffer if b[0].group_id not in stale]
             self.ack(stale, dropped="stale")  # leaves the queue; counted as dropped
