@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from typing import Any
 
 
 def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
-    """A readable table on stdout (rich), before the JSON line."""
+    """A readable table on stdout (rich), before the JSON line; 200 columns wide where stdout is
+    not a terminal (a log or a pipe, where rich would fall back to 80 and cut every cell short)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -17,7 +19,7 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
         table.add_column(column)
     for row in rows:
         table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
 def emit(bench: str, metrics: dict[str, Any], ratios: dict[str, float]) -> None:
