@@ -60,7 +60,7 @@ demo: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
