@@ -99,15 +99,36 @@ class PeakResident:
         return self.peak - self.base
 
 
-def fix_mmap_threshold() -> bool:
-    """Map every allocation of 64 KiB or more afresh (glibc `mallopt(M_MMAP_THRESHOLD)`, which also
+def fix_mmap_threshold(nbytes: int = 64 * 1024) -> bool:
+    """Map every allocation of `nbytes` or more afresh (glibc `mallopt(M_MMAP_THRESHOLD)`, which also
     turns off the dynamic threshold), so a freed buffer's pages leave the resident set and a later
-    allocation shows in it; False where the C library has no `mallopt`."""
+    allocation shows in it; False where the C library has no `mallopt`. Allocations that are mapped
+    afresh each time also fault their pages in each time: time nothing under the 64 KiB default
+    that a like-for-like baseline does not pay as well (`REUSE_THRESHOLD` gives the heap back)."""
     import ctypes
     import ctypes.util
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, 64 * 1024))  # -3: M_MMAP_THRESHOLD
+        return bool(libc.mallopt(-3, nbytes))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+REUSE_THRESHOLD = 32 << 20
+"""glibc's largest dynamic mmap threshold on 64-bit (`DEFAULT_MMAP_THRESHOLD_MAX`): where a process
+that freed buffers of up to this size settles, serving them again from its heap."""
+
+
+def trim_heap() -> bool:
+    """Give the heap's free pages back to the kernel (glibc `malloc_trim(0)`), so memory reused from
+    it afterwards faults in again and shows in the resident set; False where there is none."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+        return True
     except (OSError, AttributeError):
         return False

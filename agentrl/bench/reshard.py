@@ -24,8 +24,13 @@ The three take turns within each repeat (the machine's load falls on all alike).
 layouts with tg > 1 and dg > 1 (where the reshard both gathers and shards; the worst of them).
 `metrics.peak_param_bytes_per_rank` is the training shard plus the growth of the rank process's
 resident set over one untimed reshard, from the kernel's high-water mark (`VmHWM`, reset before
-it; `common.PeakResident`, with glibc mapping every large allocation afresh so freed pages leave
-and new ones show): gloo's internal flat buffers count, not only tensors Python can see. Beside
+it; `common.PeakResident`, the heap trimmed first and glibc mapping every large allocation afresh
+during it, so freed pages leave and new or reused ones show): gloo's internal flat buffers count,
+not only tensors Python can see. The timed passes run with glibc reusing its heap (its defaults
+for the first layout, then the threshold at the top of its dynamic range): mapping afresh would
+fault in every page of gloo's per-operation flat buffers on every reshard, a cost the raw
+baseline's one reused buffer does not pay (with it, the small 2-rank reshard took 2.2× longer).
+Beside
 it: the bound training + generation shard and the staging the engine sizes
 (`staging_bytes_per_rank`; `within_bound`: peak <= bound + staging) — a bound the measurement
 can exceed.
@@ -50,7 +55,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentrl.bench.common import PeakResident, emit, fix_mmap_threshold, print_table
+from agentrl.bench.common import (
+    REUSE_THRESHOLD,
+    PeakResident,
+    emit,
+    fix_mmap_threshold,
+    print_table,
+    trim_heap,
+)
 
 LAYOUTS = {2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1)]}
 
@@ -143,7 +155,7 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
     from agentrl.hybrid.tp import check_tp_degree, parallelize_generation_model, param_specs
     from agentrl.learner.fsdp import local_shards
 
-    exact = fix_mmap_threshold()  # before any large allocation: every one maps fresh pages
+    fix_mmap_threshold()  # before any large allocation: the first layout's memory pass sees all
     init_gloo(rank, world, port)
     config = preset_config(preset)
     with torch.device("meta"):
@@ -186,6 +198,16 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
             else:
                 raw_out.copy_(raw_in)
 
+        # first, one untimed pass that measures the process's resident-set growth, whatever
+        # allocated it: every large allocation mapped afresh (and, after an earlier layout's
+        # timing, the heap trimmed), so freed pages leave and new or reused ones show; timing then
+        # goes back to heap reuse (mapping afresh faults in every page of gloo's per-operation flat
+        # buffers on every reshard, a cost the raw baseline's one buffer does not pay)
+        exact = fix_mmap_threshold() and (not rows or trim_heap())
+        with PeakResident() as resident:
+            stats = engine.to_generation()
+        engine.release()
+        fix_mmap_threshold(REUSE_THRESHOLD)
         _say(rank, f"{preset} world={world} tg={tg} dg={dg}: timing ({engine.transport})")
         timed = _timed({"raw": raw, "reshard": lambda engine=engine: (engine.release(), engine.to_generation()),
                         "naive": lambda engine=engine: (engine.release(), _naive(engine))}, repeats)  # fmt: skip
@@ -196,10 +218,6 @@ def _worker(rank: int, world: int, port: int, preset: str, repeats: int, bucket_
             rank,
             f"{preset} world={world} tg={tg} dg={dg}: reshard {reshard_s:.3f}s raw {raw_s:.3f}s naive {naive_s:.3f}s",
         )
-        # one untimed pass that measures the process's resident-set growth, whatever allocated it
-        with PeakResident() as resident:
-            stats = engine.to_generation()
-        engine.release()
         train_map = 4 * sum(box_numel(layout.train_box(rank, sp)) for sp in specs)
         gen_map = 4 * sum(box_numel(layout.gen_box(rank, sp)) for sp in specs)
         rows.append(
