@@ -87,6 +87,23 @@ def _episode(ids: list[int], n: int, routed):
                   np.array([-1] * p + [0] * n), advantage=1.0, weight=1.0 / n, routed_experts=routed)  # fmt: skip
 
 
+def _recorded_episodes(model) -> list:
+    """The `EPISODES` as samples, each with `model`'s own routing recorded while it reads them."""
+    import torch
+
+    from agentrl.moe import RoutingRecorder
+
+    recorder = RoutingRecorder(model)
+    samples = []
+    for ids, n in EPISODES:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+        routed = recorder.take().permute(1, 0, 2).reshape(len(ids), -1).numpy()
+        samples.append(_episode(ids, n, routed))
+    recorder.close()
+    return samples
+
+
 def _samples(server_dir: Path) -> dict:
     """Two episodes (the prompt with the output, and a shorter one) with the server copy's
     recorded routing ([T, layers·top_k], the last token unrecorded as the engine leaves it) and
@@ -97,17 +114,9 @@ def _samples(server_dir: Path) -> dict:
 
     from agentrl.learner.hf_model import forward_logprobs
     from agentrl.learner.packing import packed_microbatch, padded_microbatch
-    from agentrl.moe import RoutingRecorder
 
     model = AutoModelForCausalLM.from_pretrained(str(server_dir), dtype=torch.float32).eval()
-    recorder = RoutingRecorder(model)
-    samples = []
-    for ids, n in EPISODES:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([ids]))
-        routed = recorder.take().permute(1, 0, 2).reshape(len(ids), -1).numpy()
-        samples.append(_episode(ids, n, routed))
-    recorder.close()
+    samples = _recorded_episodes(model)
     hf_logp = {}
     for name, pack in (("packed", packed_microbatch), ("padded", padded_microbatch)):
         with torch.no_grad():
@@ -226,7 +235,6 @@ def _save_qwen3_moe(path: Path) -> dict:
 
     from agentrl.learner.hf_model import forward_logprobs
     from agentrl.learner.packing import packed_microbatch
-    from agentrl.moe import RoutingRecorder
 
     config = Qwen3MoeConfig(vocab_size=1024, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[0],
@@ -238,14 +246,7 @@ def _save_qwen3_moe(path: Path) -> dict:
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
     model.save_pretrained(path)
-    recorder = RoutingRecorder(model)
-    samples = []
-    for ids, n in EPISODES:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([ids]))
-        routed = recorder.take().permute(1, 0, 2).reshape(len(ids), -1).numpy()
-        samples.append(_episode(ids, n, routed))
-    recorder.close()
+    samples = _recorded_episodes(model)
     mb = packed_microbatch(samples)
     with torch.no_grad():
         logp = forward_logprobs(model, dataclasses.replace(mb, routed_experts=None))[0]
