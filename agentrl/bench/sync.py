@@ -5,7 +5,7 @@ a raw gloo broadcast of the same tensors and with the disk engine, in one run.
     agentrl bench sync --preset mini --repeats 1 --bucket-mb 1   # seconds: several buckets, ~4 MB
     agentrl bench sync --lora-rank 8     # (the default) adds the LoRA adapter push row; 0 leaves it out
 
-One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter model.
+An embedded server (`agentrl serve`, a child process) holds a ~100M-parameter model.
 - ours: `BroadcastEngine.push` — pause, bucketed broadcast (each bucket packed on the gather
   thread while the one before is broadcast; the next bucket announced before the last one's
   replies are awaited) with the server receiving each bucket into buffers it keeps between
@@ -23,8 +23,9 @@ One embedded server (`agentrl serve`, a child process) holds a ~100M-parameter m
   stages every bucket and loads the whole set with vLLM's in-place reload at the end.
 - LoRA (`--lora-rank`, default 8; needs `peft` in the server): `BroadcastEngine.push` of a rank-r
   adapter on every attention and MLP projection of the same model (`lora_mode: adapter`: only the
-  adapter's tensors travel, the server applies them on the base it holds), measured first, while the
-  server still holds its base; `lora_vs_full_push` = adapter / full push seconds (lower is better).
+  adapter's tensors travel, the server applies them on the base it holds), on a server of its own
+  (the LoRA layers an adapter injects stay in its server and would weigh on the full pushes, which
+  raw does not pay for); `lora_vs_full_push` = adapter / full push seconds (lower is better).
 Ratios (higher is better): `vs_raw_broadcast` = raw / ours (target ≥ 0.9), `vs_disk` =
 disk / ours (target ≥ 3); the JSON carries both sides' seconds (`push_s`, `raw_broadcast_s`,
 `disk_s`, medians, and every repeat's). A phase table splits our push (median per phase over
@@ -46,6 +47,7 @@ allocation maps fresh pages and shows in the resident set while it lives.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -54,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +243,29 @@ def _interleaved(model: Any, inference: Any, opts: argparse.Namespace, server_pi
         engine.close()
 
 
+@contextlib.contextmanager
+def _served(model_dir: Path) -> Iterator[tuple[Any, int]]:
+    """An embedded server (`agentrl serve`, a child process) of `model_dir`, healthy: (its
+    `InferenceConfig`, its pid); killed on the way out."""
+    from agentrl.inference.config import InferenceConfig
+    from agentrl.net import free_port, wait_healthy
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "agentrl", "serve", "--model", str(model_dir), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_healthy([url], [server])
+        yield InferenceConfig(servers=[url]), server.pid
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait()
+
+
 def main(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agentrl bench sync")
     parser.add_argument("--preset", default="base100m", help="model size to push (tiny, small, base100m)")
@@ -256,8 +282,6 @@ def main(args: list[str]) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from agentrl.inference.config import InferenceConfig
-    from agentrl.net import free_port, wait_healthy
     from agentrl.tiny_model import init_model
     from agentrl.weight_sync.config import DiskSyncConfig
     from agentrl.weight_sync.registry import create
@@ -270,20 +294,14 @@ def main(args: list[str]) -> int:
         model_dir = init_model(opts.preset, workdir / "model")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen(
-            [sys.executable, "-m", "agentrl", "serve", "--model", str(model_dir), "--port", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            wait_healthy([url], [server])
-            inference = InferenceConfig(servers=[url])
-            # first, while the server holds the base it loaded: an adapter on a replaced base is refused
-            lora = _lora_pushes(model, inference, opts) if opts.lora_rank else None
-            side = _interleaved(model, inference, opts, server.pid)
+        # on a server of its own: the adapter's LoRA layers stay injected in the server that took
+        # it, and would run in the full pushes' checks and loads, which raw never pays for
+        lora = None
+        if opts.lora_rank:
+            with _served(model_dir) as (inference, _):
+                lora = _lora_pushes(model, inference, opts)
+        with _served(model_dir) as (inference, server_pid):
+            side = _interleaved(model, inference, opts, server_pid)
             ours, raw, peaks, phases, round_trips = (
                 side[k] for k in ("ours", "raw", "peaks", "phases", "round_trips")
             )
@@ -300,9 +318,6 @@ def main(args: list[str]) -> int:
                 ][1:]
             finally:
                 disk_engine.close()
-        finally:
-            os.killpg(server.pid, 9)
-            server.wait()
         vllm = _vllm_pushes(model, str(model_dir), opts) if opts.vllm else []
 
     ours_s, raw_s, disk_s = statistics.median(ours), statistics.median(raw), statistics.median(disk)
