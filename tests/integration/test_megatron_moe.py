@@ -3,8 +3,8 @@
 
 The model: `tiny-moe` with its experts scaled so that routing matters, the "server" copy with its
 layer-0 router edited so that at the last prompt token the (k+1)-th expert sits GAP below the k-th,
-the "learner" copy a ~1e-5 perturbation further, which flips that token's top-k (the construction
-of tests/unit/learner/test_router_replay.py). The recorded routing and the behaviour log-probs come
+the "learner" copy a ~1e-5 perturbation further, which flips that token's top-k
+(`tests/moe_cases.near_tie`, shared with tests/unit/learner/test_router_replay.py). The recorded routing and the behaviour log-probs come
 from transformers' forward of the server copy (what the embedded engine records; that test runs
 the engine itself).
 
@@ -22,13 +22,13 @@ This file is also the worker: `torchrun ... test_megatron_moe.py OUT_DIR CASE_DI
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import end_rank, run_torchrun
+from tests.moe_cases import near_tie
 
 pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed (pip install 'agentrl[megatron]')"
@@ -37,41 +37,7 @@ pytest.importorskip(
 PROMPT = [17, 402, 33, 918, 5, 260, 71, 640, 88, 12]
 OUTPUT = [301, 44, 590, 7, 128, 66, 903, 250, 19, 411, 3, 777]
 EPISODES = ((PROMPT + OUTPUT, len(OUTPUT)), (PROMPT[:6] + OUTPUT[:5], 5))  # (tokens, output length)
-GAP = 1e-5  # router-logit margin of the constructed near tie (fp32 noise is ~1e-7)
-EXPERT_SCALE = 30.0  # random init makes every expert's output ~0: scale them so routing matters
 LAYOUTS = {"tp1": 1, "tp2": 2, "fsdp2": None}
-
-
-def _make_case(tiny_moe_model: Path, root: Path) -> tuple[Path, Path, tuple[int, int, int]]:
-    """The server and learner checkpoints, and the flipped (position, a, b) of layer 0."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from agentrl.moe import routers
-
-    server_dir, learner_dir = root / "server", root / "learner"
-    shutil.copytree(tiny_moe_model, server_dir)
-    shutil.copytree(tiny_moe_model, learner_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_moe_model), dtype=torch.float32)
-    router = routers(model)[0]
-    seen = {}
-    handle = router.register_forward_pre_hook(lambda _m, args: seen.setdefault("h", args[0]))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.experts.down_proj.mul_(EXPERT_SCALE)
-        model(input_ids=torch.tensor([PROMPT]))
-        handle.remove()
-        t = len(PROMPT) - 1
-        x = seen["h"].reshape(len(PROMPT), -1)[t]
-        logits = router.weight @ x
-        order = logits.argsort(descending=True).tolist()
-        a, b = order[router.top_k - 1], order[router.top_k]
-        direction = x / x.dot(x)
-        router.weight[b] += (logits[a] - logits[b] - GAP) * direction
-        model.save_pretrained(server_dir)
-        router.weight[b] += 2 * GAP * direction
-        model.save_pretrained(learner_dir)
-    return server_dir, learner_dir, (t, a, b)
 
 
 def _episode(ids: list[int], n: int, routed):
@@ -286,7 +252,7 @@ def two_ranks(tiny_moe_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     case_dir, out_dir = root / "case", root / "out"
     case_dir.mkdir()
     out_dir.mkdir()
-    _server, _learner, flip = _make_case(tiny_moe_model, case_dir)
+    _server, _learner, flip = near_tie(tiny_moe_model, case_dir, PROMPT)
     case = _samples(case_dir / "server") | {"qwen3_moe": _save_qwen3_moe(case_dir / "qwen3_moe")}
     torch.save(case, case_dir / "case.pt")
     run_torchrun(__file__, 2, str(out_dir), str(case_dir), timeout=600)

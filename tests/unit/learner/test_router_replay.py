@@ -7,7 +7,6 @@ both ways, and the router still gets its gradient."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 from pathlib import Path
 
@@ -23,54 +22,16 @@ from agentrl.learner.packing import Sample, packed_microbatch, padded_microbatch
 from agentrl.learner.registry import create
 from agentrl.learner.train_step import optimizer_step
 from agentrl.moe import RoutingRecorder, routers
+from tests.moe_cases import near_tie
 
 PROMPT = [17, 402, 33, 918, 5, 260, 71, 640, 88, 12]
-GAP = 1e-5  # router-logit margin of the constructed near tie (fp32 noise is ~1e-7)
-EXPERT_SCALE = 30.0  # random init makes every expert's output ~0: scale them so routing matters
-
-
-def _router_input(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """The layer-0 router's input hidden states [T, H] on `ids`."""
-    seen = {}
-    handle = routers(model)[0].register_forward_pre_hook(lambda _m, args: seen.setdefault("h", args[0]))
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([ids]))
-    finally:
-        handle.remove()
-    return seen["h"].reshape(len(ids), -1)
 
 
 @pytest.fixture(scope="module")
 def case(tiny_moe_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    """(server checkpoint, learner checkpoint, the finished request, flipped (position, a, b)).
-
-    The server's weights: the tiny-moe model with its experts scaled, and its layer-0 router edited
-    so that at the last prompt token expert `b` (the (k+1)-th) sits GAP below expert `a` (the k-th).
-    The learner's: the same plus 2·GAP for `b` along that token's hidden state, a perturbation of
-    ~1e-5 in norm that makes `b` win: the argmax routing of that token flips."""
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("replay")
-    server_dir, learner_dir = root / "server", root / "learner"
-    shutil.copytree(tiny_moe_model, server_dir)
-    shutil.copytree(tiny_moe_model, learner_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_moe_model), dtype=torch.float32)
-    router = routers(model)[0]
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.experts.down_proj.mul_(EXPERT_SCALE)
-        t = len(PROMPT) - 1
-        x = _router_input(model, PROMPT)[t]
-        logits = router.weight @ x
-        order = logits.argsort(descending=True).tolist()
-        a, b = order[router.top_k - 1], order[router.top_k]
-        direction = x / x.dot(x)
-        router.weight[b] += (logits[a] - logits[b] - GAP) * direction
-        model.save_pretrained(server_dir)
-        router.weight[b] += 2 * GAP * direction
-        model.save_pretrained(learner_dir)
-
+    """(server checkpoint, learner checkpoint, the finished request, flipped (position, a, b)):
+    `tests/moe_cases.near_tie`, the server copy's request run through the embedded engine."""
+    server_dir, learner_dir, (t, a, b) = near_tie(tiny_moe_model, tmp_path_factory.mktemp("replay"), PROMPT)
     engine = Engine(str(server_dir))
     engine.start()
     try:
