@@ -403,12 +403,15 @@ class Engine(BufferPhases, ReplicaFollowing):
         describes on this model (`peft_adapter.ServedAdapter.check`)."""
         from agentrl.inference.peft_adapter import ServedAdapter
 
+        self._refuse_on_a_replaced_base()
+        (self._adapter or ServedAdapter(self.model)).check(tensors, config)
+
+    def _refuse_on_a_replaced_base(self) -> None:
         if self._base_replaced is not None:
             raise ValueError(
                 f"this server's base weights were replaced by a full-weight push (version {self._base_replaced}): "
                 "an adapter trained on the original base would not apply; restart the server from the base model"
             )
-        (self._adapter or ServedAdapter(self.model)).check(tensors, config)
 
     def load_adapter(
         self, tensors: dict[str, torch.Tensor], config: dict[str, Any], weight_version: str | None
@@ -421,9 +424,9 @@ class Engine(BufferPhases, ReplicaFollowing):
             raise RuntimeError("load_adapter on released buffers: call rebuild() first")
         if self.replica is not None:
             raise ValueError("LoRA adapters on a tensor-parallel replica are not supported")
-        self.check_adapter(tensors, config)
+        self._refuse_on_a_replaced_base()
         adapter = self._adapter or ServedAdapter(self.model)
-        adapter.load(tensors, config)
+        adapter.load(tensors, config)  # checks the whole adapter before it injects or copies anything
         self._adapter = adapter
         if weight_version is not None:
             self.weight_version = str(weight_version)

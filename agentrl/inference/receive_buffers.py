@@ -24,11 +24,25 @@ import torch
 
 def storages_in_use(model: torch.nn.Module) -> set[int]:
     """The storage addresses behind every parameter and buffer of `model` (a DTensor's local shard)."""
-    used = set()
-    for tensor in [*model.parameters(), *model.buffers()]:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        used.add(local.untyped_storage().data_ptr())
-    return used
+    return _in_use(model)[0]
+
+
+def _in_use(model: torch.nn.Module) -> tuple[set[int], int]:
+    """(`storages_in_use`, the bytes of the model's parameters), in one walk of its modules: a
+    model with LoRA layers injected has thousands, and each of `parameters()`, `buffers()` walks
+    them all (~1.5 ms apiece on the 100M preset, at every commit)."""
+    used, param_bytes, seen = set(), 0, set()
+    for module in model.modules():
+        for kind, tensors in ((0, module._parameters), (1, module._buffers)):
+            for tensor in tensors.values():
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                used.add(local.untyped_storage().data_ptr())
+                if kind == 0:
+                    param_bytes += tensor.numel() * tensor.element_size()
+    return used, param_bytes
 
 
 class ReceiveBuffers:
@@ -48,11 +62,12 @@ class ReceiveBuffers:
         self.owned.append(buffer)
         return buffer
 
-    def settle(self, model: torch.nn.Module, cap: int) -> None:
+    def settle(self, model: torch.nn.Module, cap: int | None = None) -> None:
         """After a session ends (committed or aborted): every owned buffer the model does not use is
-        free again, up to `cap` bytes (newest first, so the buffers of the push just received stay);
-        the rest are let go."""
-        used = storages_in_use(model)
+        free again, up to `cap` bytes (default: the model's parameter bytes; newest first, so the
+        buffers of the push just received stay); the rest are let go."""
+        used, param_bytes = _in_use(model)
+        cap = param_bytes if cap is None else cap
         kept, free, free_bytes = [], [], 0
         for buffer in reversed(self.owned):
             if buffer.untyped_storage().data_ptr() in used:

@@ -102,6 +102,10 @@ def test_settle_frees_only_buffers_the_model_does_not_use() -> None:
     assert pool.take(64, torch.device("cpu")).data_ptr() not in storages_in_use(model)  # a new one
     pool.settle(model, cap=64)  # over the cap: free buffers are let go, newest kept
     assert pool.free_bytes == 64 and len(pool.owned) == 2
+    pool.take(64, torch.device("cpu"))
+    pool.take(64, torch.device("cpu"))
+    pool.settle(model)  # the default cap: the model's parameter bytes (64), one copy of its weights
+    assert pool.free_bytes == 64 and len(pool.owned) == 2
 
 
 def _state(srv: ServerThread) -> dict:

@@ -45,3 +45,36 @@ def test_packing_on_the_gather_thread_keeps_every_bucket_intact_until_the_next_t
         assert torch.equal(bucket.flat, want)
         seen += 1
     assert seen == 12 and packer.packed == 12
+
+
+def test_packing_runs_on_one_thread_and_leaves_every_threads_setting_as_it_was() -> None:
+    """The copy runs with one intra-op thread (an OpenMP team would wait on a busy core); the
+    packing thread's setting is restored after, and other threads' never change."""
+    import threading
+
+    seen = {}
+    main_threads = torch.get_num_threads()
+
+    def pack() -> None:
+        torch.set_num_threads(2)
+        packer = Packer()
+        tensors = [torch.randn(1024), torch.randn(512)]
+        original = torch.cat
+
+        def cat(parts, **kw):  # the setting at the moment of the copy
+            seen["during"] = torch.get_num_threads()
+            return original(parts, **kw)
+
+        torch.cat = cat
+        try:
+            flat = packer.pack(tensors)
+        finally:
+            torch.cat = original
+        seen["after"] = torch.get_num_threads()
+        seen["ok"] = torch.equal(flat, original([t.view(torch.uint8) for t in tensors]))
+
+    thread = threading.Thread(target=pack)
+    thread.start()
+    thread.join()
+    assert seen == {"during": 1, "after": 2, "ok": True}
+    assert torch.get_num_threads() == main_threads
