@@ -6,18 +6,23 @@ a raw gloo broadcast of the same tensors and with the disk engine, in one run.
     agentrl bench sync --lora-rank 8     # (the default) adds the LoRA adapter push row; 0 leaves it out
 
 An embedded server (`agentrl serve`, a child process) holds a ~100M-parameter model.
-- ours: `BroadcastEngine.push` — pause, bucketed broadcast (each bucket packed on the gather
-  thread while the one before is broadcast; the next bucket announced before the last one's
-  replies are awaited) with the server receiving each bucket into buffers it keeps between
-  pushes and, at the commit, taking the received tensors as its parameters (no copy), continue
-  (what the learner does after every step);
+- ours: `BroadcastEngine.push` of the learner's own actor, built as `agentrl learner` builds it
+  (`FSDP2Backend.build` on one rank, its weights laid out in the push's buckets:
+  `learner.fsdp.home_for_push`), its full tensors read as the learner reads them (`full_tensors`)
+  — pause, bucketed broadcast (each bucket announced from the gather thread as soon as it is
+  gathered, so the server's receive is queued before the broadcast before it ends; a bucket whose
+  tensors lie back to back is sent as a view of the weights, any other is packed on the gather
+  thread while the one before is broadcast; bucket i+1 broadcast before bucket i's replies are
+  awaited) with the server receiving each bucket into buffers it keeps between pushes and, at
+  the commit, taking the received tensors as its parameters (no copy), continue (what the
+  learner does after every step);
 - raw: the like-for-like baseline, the best a bare `ProcessGroupGloo` broadcast of the same bytes
   does: the model packed once, before timing, into one flat uint8 buffer per bucket (the buckets
   ours sends, same `--bucket-mb`), each broadcast from this process to one receiver process that
   only receives into buffers it allocated once (no HTTP, no gather, no load), with the server
   alive; raw and ours take turns within every repeat, so the machine's load falls on both alike:
   the transport's limit here;
-- disk: `DiskEngine.push` — safetensors written, then `/update_weights_from_disk`;
+- disk: `DiskEngine.push` of the same actor — safetensors written, then `/update_weights_from_disk`;
 - vllm (`--vllm`, needs `make vllm`): `BroadcastEngine.push` into a real vLLM server started
   after the embedded one has stopped: the same broadcast into agentrl's worker extension, which
   stages every bucket and loads the whole set with vLLM's in-place reload at the end.
@@ -30,11 +35,11 @@ Ratios (higher is better): `vs_raw_broadcast` = raw / ours (target ≥ 0.9), `vs
 disk / ours (target ≥ 3); the JSON carries both sides' seconds (`push_s`, `raw_broadcast_s`,
 `disk_s`, medians, and every repeat's). A phase table splits our push (median per phase over
 the repeats, from the engine's `PushStats.phases`): regroup, pause, begin, waiting for the
-gather thread, announcing each bucket (its HTTP request handed to the event loop), broadcast,
-the servers' replies after each broadcast (their receive and checks), commit, version
-read-back, continue; then, not summed, the packing of buckets into flat buffers on
-the gather thread (overlapped with the broadcast of the bucket before), and each bucket's round
-trip (announce to last reply). The peak extra memory of a push is shown as the learner's
+gather thread, announcing a bucket from the push's own thread (servers that take buckets in any
+order only), broadcast, the servers' replies after each broadcast (their receive and checks),
+commit, version read-back, continue; then, not summed, what the gather thread does while the
+bucket before is broadcast (announcing each bucket ahead, packing those that are not laid out
+back to back), and each bucket's round trip (announce to last reply). The peak extra memory of a push is shown as the learner's
 resident-set growth while pushing, next to the bucket size and the packing buffers the engine
 keeps from push to push (so a warm push maps no fresh memory; at most three buckets); the
 server's resident set after the pushes holds its weights and the free receive buffers it keeps
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import statistics
@@ -78,7 +84,7 @@ import os; os._exit(0)
 """
 PHASES = ["regroup", "pause", "begin", "gather_wait", "announce", "broadcast", "replies", "commit",
           "read_back", "continue"]  # fmt: skip
-OVERLAPPED = ["flatten"]  # on the gather thread, while the previous bucket is broadcast: not summed
+OVERLAPPED = ["announce_ahead", "flatten"]  # on the gather thread, during the broadcast before: not summed
 
 
 def _rss(pid: int | str = "self") -> int:
@@ -144,7 +150,7 @@ class RawBroadcast:
                 self.receiver.kill()
 
 
-def _vllm_pushes(model: torch.nn.Module, model_dir: str, opts: argparse.Namespace) -> list[float]:
+def _vllm_pushes(weights: Any, model_dir: str, opts: argparse.Namespace) -> list[float]:
     """Seconds of each broadcast push into a real vLLM server (the first, warm-up, not counted)."""
     from agentrl.inference.config import InferenceConfig
     from agentrl.inference.vllm_launch import VLLMServer
@@ -158,7 +164,7 @@ def _vllm_pushes(model: torch.nn.Module, model_dir: str, opts: argparse.Namespac
         engine = create(config, inference.model_copy(update={"servers": [server.url]}))
         engine.init()
         try:
-            pushes = [engine.push(model.named_parameters, v) for v in range(1, opts.repeats + 2)]
+            pushes = [engine.push(weights, v) for v in range(1, opts.repeats + 2)]
             served = engine._bridge.run(engine.clients[server.url].get_weight_version(), timeout_s=30)
         finally:
             engine.close()
@@ -209,9 +215,12 @@ def _lora_pushes(model: torch.nn.Module, inference: Any, opts: argparse.Namespac
     return {"seconds": seconds, "bytes": pushed}
 
 
-def _interleaved(model: Any, inference: Any, opts: argparse.Namespace, server_pid: int) -> dict[str, Any]:
-    """Ours and raw, taking turns within every repeat while the server stays alive; the first
-    round warms up connections and allocations and is not counted."""
+def _interleaved(
+    model: Any, weights: Any, inference: Any, opts: argparse.Namespace, server_pid: int
+) -> dict[str, Any]:
+    """Ours (pushing `weights`, the learner's) and raw (`model`'s bytes), taking turns within every
+    repeat while the server stays alive; the first round warms up connections and allocations and
+    is not counted."""
     from agentrl.weight_sync.config import BroadcastSyncConfig
     from agentrl.weight_sync.registry import create
 
@@ -222,7 +231,7 @@ def _interleaved(model: Any, inference: Any, opts: argparse.Namespace, server_pi
     try:
         for version in range(1, opts.repeats + 2):
             with PeakRSS() as rss:
-                stats = engine.push(model.named_parameters, version)
+                stats = engine.push(weights, version)
             raw_s = baseline.once()
             if stats.servers_updated != 1:
                 raise RuntimeError(f"push {version} did not commit on the server: {stats.outcomes}")
@@ -236,6 +245,7 @@ def _interleaved(model: Any, inference: Any, opts: argparse.Namespace, server_pi
             "ours": ours, "raw": raw, "peaks": peaks, "phases": phases, "round_trips": round_trips,
             "bucket": stats.peak_bucket_bytes, "pushed": stats.bytes, "buckets": stats.buckets, "raw_buckets": len(baseline.buffers),
             "packing": engine.packer.nbytes,  # the learner's packing buffers, kept between pushes
+            "viewed": engine.packer.viewed // (opts.repeats + 1), "packed": engine.packer.packed // (opts.repeats + 1),
             "server_rss": _rss(server_pid),  # weights + the free receive buffers kept for the next push
         }  # fmt: skip
     finally:
@@ -280,8 +290,11 @@ def main(args: list[str]) -> int:
         parser.error("--repeats and --bucket-mb must be at least 1")
     exact_rss = fix_mmap_threshold()
 
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from agentrl.config import OptimConfig
+    from agentrl.learner.registry import create as create_backend
     from agentrl.tiny_model import init_model
     from agentrl.weight_sync.config import DiskSyncConfig
     from agentrl.weight_sync.registry import create
@@ -294,6 +307,11 @@ def main(args: list[str]) -> int:
         model_dir = init_model(opts.preset, workdir / "model")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # the learner's actor, as `agentrl learner` builds it for a broadcast push (one rank)
+        backend = create_backend("fsdp2")
+        actor = backend.build("policy", model_dir, optim=OptimConfig(),
+                              push_buckets=int(opts.bucket_mb * (1 << 20)))  # fmt: skip
+        weights = functools.partial(backend.full_tensors, actor)
         # on a server of its own: the adapter's LoRA layers stay injected in the server that took
         # it, and would run in the full pushes' checks and loads, which raw never pays for
         lora = None
@@ -301,7 +319,7 @@ def main(args: list[str]) -> int:
             with _served(model_dir) as (inference, _):
                 lora = _lora_pushes(model, inference, opts)
         with _served(model_dir) as (inference, server_pid):
-            side = _interleaved(model, inference, opts, server_pid)
+            side = _interleaved(model, weights, inference, opts, server_pid)
             ours, raw, peaks, phases, round_trips = (
                 side[k] for k in ("ours", "raw", "peaks", "phases", "round_trips")
             )
@@ -313,18 +331,25 @@ def main(args: list[str]) -> int:
             disk_engine.init()
             try:
                 # warmed up like the other two paths: the first push is not counted
-                disk = [
-                    disk_engine.push(model.named_parameters, 100 + i).seconds for i in range(opts.repeats + 1)
-                ][1:]
+                disk = [disk_engine.push(weights, 100 + i).seconds for i in range(opts.repeats + 1)][1:]
             finally:
                 disk_engine.close()
-        vllm = _vllm_pushes(model, str(model_dir), opts) if opts.vllm else []
+        vllm = _vllm_pushes(weights, str(model_dir), opts) if opts.vllm else []
+    dist.destroy_process_group()
 
     ours_s, raw_s, disk_s = statistics.median(ours), statistics.median(raw), statistics.median(disk)
     rows = [
-        ["ours: broadcast engine (pause, buckets, load, continue)", ours_s, nbytes / ours_s / 1e9],
+        [
+            "ours: the learner's actor, broadcast engine (pause, buckets, load, continue)",
+            ours_s,
+            nbytes / ours_s / 1e9,
+        ],
         ["raw gloo broadcast, same bytes, one flat buffer per bucket", raw_s, nbytes / raw_s / 1e9],
-        ["disk engine (safetensors + /update_weights_from_disk)", disk_s, nbytes / disk_s / 1e9],
+        [
+            "the learner's actor, disk engine (safetensors + /update_weights_from_disk)",
+            disk_s,
+            nbytes / disk_s / 1e9,
+        ],
     ]
     if vllm:
         vllm_s = statistics.median(vllm)
@@ -345,6 +370,11 @@ def main(args: list[str]) -> int:
     phase_rows += [[f"{name} (gather thread, overlapped)", 1e3 * phase_s[name], "-"] for name in OVERLAPPED]
     phase_rows.append(["each bucket's round trip (median)", 1e3 * statistics.median(round_trips), "-"])
     print_table(f"our push by phase (median of {opts.repeats})", ["phase", "ms", "share"], phase_rows)
+    print(
+        f"buckets of a push sent as views of the weights (laid out back to back, no packing): "
+        f"{side['viewed']}; packed: {side['packed']}; one tensor, sent as it is: "
+        f"{buckets - side['viewed'] - side['packed']}"
+    )
     print(
         f"peak extra resident memory during our push: {max(peaks) / 1e6:.1f} MB "
         f"(bucket {bucket / 1e6:.1f} MB; model {nbytes / 1e6:.0f} MB); packing buffers kept between pushes: "
@@ -374,6 +404,8 @@ def main(args: list[str]) -> int:
             "peak_extra_rss_exact": exact_rss,
             "bucket_bytes": bucket,
             "pack_buffer_bytes": packing,
+            "buckets_viewed": side["viewed"],  # per push: sent as views of the laid-out weights
+            "buckets_packed": side["packed"],
             "server_rss_bytes": server_rss,
             **(
                 {

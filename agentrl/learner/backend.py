@@ -103,13 +103,17 @@ class LearnerBackend(Protocol):
         bf16: bool = False,
         shard: Callable[[nn.Module], nn.Module] | None = None,
         lora: Any = None,
+        push_buckets: int | None = None,
     ) -> ModelPart:
         """Load a model of `kind` from the HF checkpoint at `path` and distribute it. With
         `optim` (an `OptimConfig`: lr, betas, weight decay) it is trained by AdamW under the LR
         schedule `lr_lambda`; without, it is frozen (eval mode, no gradients). `shard`, when given,
         distributes the loaded module instead of the backend's default layout (the colocated
         HybridEngine's placement). `lora` (a `learner.lora.LoraConfig`, policies only) wraps it with
-        LoRA adapters first: only their parameters train (a backend without LoRA refuses it)."""
+        LoRA adapters first: only their parameters train (a backend without LoRA refuses it).
+        `push_buckets` (bytes: the broadcast weight push's bucket size, when the model is pushed
+        that way) lets a backend lay the weights out in the push's buckets so that a push sends
+        them without packing (FSDP2 on one rank does; the others ignore it)."""
         ...
 
     def logprobs(

@@ -117,6 +117,52 @@ def shard_model(
     return model
 
 
+def home_for_push(model: nn.Module, bucket_bytes: int) -> int:
+    """One rank (every parameter whole on it): lay the parameters out in the weight push's buckets,
+    one flat buffer per bucket, each tensor where the broadcast engine's packing would put it (the
+    buckets `weight_sync.buckets.iter_buckets` cuts at `bucket_bytes`, in `named_parameters()`
+    order, as `iter_full_tensors` yields them), so a push sends every bucket as it lies, without
+    copying the model into packing buffers first (`Packer.pack` finds the tensors back to back).
+
+    Goes through `load_state_dict(assign=True)`, which FSDP2 follows (its post-load hook points
+    each sharded parameter's data at the new tensor): the parameters are new objects, so call it
+    before the optimizer is built. Tied parameters stay one parameter. A bucket that cannot travel
+    flat (`buckets.flat_layout`: one tensor, or one at an offset its dtype does not divide) is left
+    as it is: it is sent without packing anyway. Returns the buckets laid out."""
+    from torch.distributed.tensor import DTensor
+
+    from agentrl.weight_sync.buckets import flat_layout, iter_buckets
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("home_for_push: the parameters are sharded over several ranks")
+    named = list(model.named_parameters())  # tied parameters once, as the push reads them
+    params = dict(named)
+    local = [(name, p.detach().to_local() if isinstance(p, DTensor) else p.detach()) for name, p in named]
+    homed: dict[int, nn.Parameter] = {}
+    laid = 0
+    with torch.no_grad():
+        for bucket in iter_buckets(local, bucket_bytes):
+            if not flat_layout(bucket.tensors):  # it travels as it is, or tensor by tensor
+                continue
+            sizes = [t.numel() * t.element_size() for t in bucket.tensors]
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=bucket.tensors[0].device)
+            for name, tensor, start, size in zip(bucket.names, bucket.tensors, starts, sizes, strict=True):
+                view = flat[start : start + size].view(tensor.dtype).view(tensor.shape)
+                view.copy_(tensor)
+                old = params[name]
+                if isinstance(old, DTensor):
+                    view = DTensor.from_local(view, old.device_mesh, old.placements, run_check=False,
+                                              shape=old.shape, stride=old.stride())  # fmt: skip
+                homed[id(old)] = nn.Parameter(view, requires_grad=old.requires_grad)
+            laid += 1
+    state = {
+        name: homed[id(p)] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in homed
+    }
+    model.load_state_dict(state, strict=False, assign=True)
+    return laid
+
+
 def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every parameter, gathered one at a time (`DTensor.full_tensor()`).
 
@@ -244,6 +290,7 @@ class FSDP2Backend:
         bf16: bool = False,
         shard: Callable[[nn.Module], nn.Module] | None = None,
         lora: Any = None,
+        push_buckets: int | None = None,
     ) -> ModelPart:
         # `shard` replaces the default FSDP2 wrapping (the colocated HybridEngine shards each
         # parameter on its TP dim so that training shards lie inside generation shards); `lora`
@@ -260,6 +307,9 @@ class FSDP2Backend:
             module = shard(module)
         else:
             module = shard_model(module, self.device, bf16, activation_checkpointing and optim is not None)
+            if push_buckets and self.world_size == 1 and lora is None:
+                log.info("%s: weights laid out in %d weight-push bucket(s)", name,
+                         home_for_push(module, push_buckets))  # fmt: skip
         if optim is None:
             module.eval().requires_grad_(False)
             return ModelPart(name, kind, module)

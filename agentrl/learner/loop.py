@@ -77,12 +77,14 @@ def build_learner(
     run_dir: str | Path,
     backend: LearnerBackend | None = None,
     shard: Callable[[nn.Module], nn.Module] | None = None,
+    push_buckets: int | None = None,
 ) -> Learner:
     """The backend (process group; `learner.backend` unless one is given), the actor with AdamW
     and its LR schedule (distributed by `shard` when given: the colocated HybridEngine's layout;
     with `learner.lora`, LoRA adapters on the frozen policy, only they in AdamW), the frozen
     reference when kl_coef > 0 (a LoRA actor's: itself with the adapter disabled), and the critic
-    with its own AdamW when `loss.advantage: gae` (both in the backend's own layout)."""
+    with its own AdamW when `loss.advantage: gae` (both in the backend's own layout).
+    `push_buckets`: the broadcast weight push's bucket bytes, when the actor is pushed that way."""
     if cfg.lora is not None and shard is not None and cfg.backend != "fsdp2":
         raise ValueError(
             f"learner.lora: colocated mode trains adapters on learner.backend fsdp2 only, not {cfg.backend}"
@@ -93,7 +95,8 @@ def build_learner(
     schedule = lr_lambda(cfg.schedule, cfg.max_steps * cfg.mini_batches)
     lora = {"lora": cfg.lora} if cfg.lora is not None else {}
     actor = backend.build("policy", cfg.model_path, name="actor", optim=cfg.optim, lr_lambda=schedule,
-                          activation_checkpointing=cfg.activation_checkpointing, bf16=bf16, shard=shard, **lora)  # fmt: skip
+                          activation_checkpointing=cfg.activation_checkpointing, bf16=bf16, shard=shard,
+                          push_buckets=push_buckets, **lora)  # fmt: skip
     ref = None
     if cfg.loss.kl_coef > 0 and cfg.lora is not None:  # the base: the actor with its adapter disabled
         ref = backend.adapter_disabled(actor)

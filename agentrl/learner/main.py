@@ -127,6 +127,15 @@ def open_weight_sync(cfg: AgentRLConfig, rank: int) -> Any:
     return engine
 
 
+def push_buckets(cfg: AgentRLConfig) -> int | None:
+    """The broadcast weight push's bucket size in bytes, when the actor's full weights are pushed
+    that way (the learner then lays its weights out in those buckets); else None."""
+    sync = cfg.weight_sync
+    if sync.type != "broadcast" or (cfg.learner.lora is not None and sync.lora_mode == "adapter"):
+        return None
+    return int(sync.bucket_mb * (1 << 20))
+
+
 def _stop_on_signals() -> tuple[threading.Event, list[int]]:
     """SIGTERM / SIGINT set the returned event (the loop stops at a step boundary); a second one
     raises KeyboardInterrupt. The list receives the signal numbers."""
@@ -184,7 +193,7 @@ def main(cfg: AgentRLConfig, resume: bool = False, weight_sync: Any = None) -> i
     from agentrl.queue.base import QueueError
 
     stop, received = _stop_on_signals()
-    learner = build_learner(cfg.learner, cfg.run_dir)
+    learner = build_learner(cfg.learner, cfg.run_dir, push_buckets=push_buckets(cfg))
     consumer = server = metrics = exporter = None
     endpoints: list = []
     code, final = 0, None

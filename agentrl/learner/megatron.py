@@ -142,6 +142,7 @@ class MegatronBackend:
         bf16: bool = False,
         shard: Callable[[nn.Module], nn.Module] | None = None,
         lora: Any = None,
+        push_buckets: int | None = None,  # ignored: a push converts to HF layout (a copy) anyway
     ) -> ModelPart:
         from megatron.core.models.gpt import GPTModel
         from transformers import AutoConfig

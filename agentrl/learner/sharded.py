@@ -18,6 +18,12 @@ def reshard_units(model: nn.Module) -> None:
 
 
 def full(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole tensor: `DTensor.full_tensor()` (a collective) or the tensor itself."""
+    """A parameter's whole tensor: `DTensor.full_tensor()` (a collective) or the tensor itself. On
+    a one-rank mesh the local tensor is the whole one: it is returned as it is, in place (no
+    dispatch through DTensor's redistribution, ~75 us a parameter on CPU)."""
     data = param.detach()
-    return data.full_tensor() if hasattr(data, "full_tensor") else data
+    if not hasattr(data, "full_tensor"):
+        return data
+    if data.device_mesh.size() == 1 and tuple(data.to_local().shape) == tuple(data.shape):
+        return data.to_local()
+    return data.full_tensor()

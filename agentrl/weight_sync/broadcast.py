@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -71,7 +73,16 @@ from agentrl.weight_sync.base import (
     no_adapters,
     resolve,
 )
-from agentrl.weight_sync.buckets import Bucket, Packer, Phase, agree, iter_buckets, prefetch, timed_iter
+from agentrl.weight_sync.buckets import (
+    Bucket,
+    Packer,
+    Phase,
+    agree,
+    flat_layout,
+    iter_buckets,
+    prefetch,
+    timed_iter,
+)
 from agentrl.weight_sync.watch import DOWN, ServerWatch
 
 if TYPE_CHECKING:
@@ -197,6 +208,8 @@ class BroadcastEngine(AdapterOverHTTP):
         self._why, self._dead, self._touched, self._gave_up = {}, set(), set(), ""
         with Phase(stats, "regroup"):
             self._regroup()
+            if self.group is None and self.members:  # closed by an earlier push that stopped early
+                self._build_group(list(self.members))
         with Phase(stats, "pause"):
             self._pause_members()
         with Phase(stats, "begin"):
@@ -248,34 +261,72 @@ class BroadcastEngine(AdapterOverHTTP):
     def _stream(self, weights: WeightSource, version: int, stats: PushStats | None) -> dict[str, str]:
         """One attempt: every bucket of `weights()` gathered (every rank) and, on rank 0, sent to the
         members until one fails; {url: why} for the servers that failed it. Where every member
-        receives buckets in index order (`ordered_buckets`), bucket i+1 is announced and broadcast
-        before bucket i's replies are awaited (one reply in flight); each reply is still checked,
-        and a failure stops the attempt (a server that failed the earlier bucket is blamed first)."""
+        receives buckets in index order (`ordered_buckets`), each bucket is announced from the
+        gather thread as soon as it is gathered (before it is packed), so a server queues its
+        receive before the broadcast before it ends, and bucket i+1 is broadcast before bucket i's
+        replies are awaited (one reply in flight); each reply is still checked, and a failure stops
+        the attempt (a server that failed the earlier bucket is blamed first)."""
         failed: dict[str, str] = {}
         ordered = (
             self.rank == 0
             and bool(self.members)
             and all(self.clients[u].ordered_buckets for u in self.members)
         )
-        pack = functools.partial(self._pack, self.packer if self._flattens() else None, stats)
-        buckets = prefetch(map(pack, iter_buckets(weights(), int(self.config.bucket_mb * (1 << 20)))))
-        in_flight, index = None, 0
-        for bucket in timed_iter(buckets, stats, "gather_wait"):
-            if self.rank != 0 or failed or not self.members:
-                continue  # other ranks only gather; after a failure the rest is drained unsent
-            # the version travels with the last bucket only: a server that loads buckets as they
-            # arrive (SGLang) never labels a partial update with it
-            failed, sent = self._send_bucket(
-                bucket, version if bucket.last else None, stats, index if ordered else None
-            )
-            index += 1
-            if in_flight is not None and (before := self._collect(in_flight, stats)):
-                failed = before if sent is None else {**self._collect(sent, stats), **before}
-                sent = None
-            in_flight = sent
-        if in_flight is not None:
-            failed = self._collect(in_flight, stats)
+        packer = self.packer if self._flattens() else None
+        ahead: list[Bucket] = []  # announced from the gather thread, in order
+        stop = threading.Event()  # a bucket failed: announce no more
+        order = itertools.count()
+
+        def gathered(bucket: Bucket) -> Bucket:
+            """(gather thread) Decide how `bucket` travels; to ordered members, announce it now."""
+            bucket.flattened = self._travels_flat(packer, bucket)
+            if ordered and not stop.is_set():
+                bucket.index = next(order)
+                with Phase(stats, "announce_ahead"):
+                    self._announce_bucket(bucket, version)
+                ahead.append(bucket)
+            return bucket
+
+        pack = functools.partial(self._pack, packer, stats)
+        bucket_bytes = int(self.config.bucket_mb * (1 << 20))
+        buckets = prefetch(map(pack, map(gathered, iter_buckets(weights(), bucket_bytes))))
+        in_flight = None
+        try:
+            for bucket in timed_iter(buckets, stats, "gather_wait"):
+                if self.rank != 0 or failed or not self.members:
+                    continue  # other ranks only gather; after a failure the rest is drained unsent
+                failed, sent = self._send_bucket(bucket, version, stats)
+                if in_flight is not None and (before := self._collect(in_flight, stats)):
+                    failed = before if sent is None else {**self._collect(sent, stats), **before}
+                    sent = None
+                in_flight = sent
+                if failed:
+                    stop.set()
+            if in_flight is not None:
+                failed = self._collect(in_flight, stats)
+        finally:
+            stop.set()
+            self._close_for_unsent(ahead)
         return failed
+
+    def _close_for_unsent(self, ahead: list[Bucket]) -> None:
+        """After an attempt that stopped early: a bucket announced ahead but never broadcast holds a
+        server's receive (its engine thread, on the embedded server) until the group times out, so
+        our end of the group is closed and those receives fail now; the next attempt or push
+        rebuilds the group. Their replies are not awaited (each is bounded by its own timeout)."""
+        if self.group is None or all(bucket.sent for bucket in ahead):
+            return
+        logger.warning("closing the weight group: %d bucket(s) announced were never broadcast",
+                       sum(not bucket.sent for bucket in ahead))  # fmt: skip
+        self._close_group()
+
+    def _close_group(self) -> None:
+        """Close our end of the group: the servers still waiting for a broadcast in it then fail
+        fast instead of waiting out their timeout. It is rebuilt before anything else is sent."""
+        assert self.group is not None
+        self._stale_group = self.group.group_name
+        self.group.close()
+        self.group = None
 
     def _after_failure(self, failed: dict[str, str], failures: dict[str, int], stats: PushStats) -> bool:
         """Rank 0, after an attempt failed on `failed` ({url: why}): abort it on every member,
@@ -385,36 +436,42 @@ class BroadcastEngine(AdapterOverHTTP):
         )
 
     @staticmethod
+    def _travels_flat(packer: Packer | None, bucket: Bucket) -> bool:
+        """`bucket` travels as one uint8 tensor: when a `packer` is given (every member takes
+        `flattened_bucket`) and its layout allows it (`buckets.flat_layout`)."""
+        return packer is not None and flat_layout(bucket.tensors)
+
+    @staticmethod
     def _pack(packer: Packer | None, stats: PushStats | None, bucket: Bucket) -> Bucket:
-        """(gather thread) Set `bucket.flat`: the bucket as one uint8 tensor in
-        `FlattenedTensorBucket` layout (SGLang 0.5.23 `srt/weight_sync/tensor_bucket.py`), when a
-        `packer` is given (every member takes it) and every tensor starts at an offset its dtype
-        divides (SGLang's `FlattenedTensorBucket.empty` refuses others); a one-tensor bucket travels
-        as it is."""
-        if packer is None or len(bucket.tensors) < 2:
-            return bucket
-        offset = 0
-        for tensor in bucket.tensors:
-            if offset % tensor.element_size():
-                return bucket
-            offset += tensor.numel() * tensor.element_size()
-        with Phase(stats, "flatten"):
-            bucket.flat = packer.pack(bucket.tensors)
+        """(gather thread) Set `bucket.flat` when it travels flat (a view where its tensors already
+        lie back to back: `Packer.pack`)."""
+        if bucket.flattened:
+            assert packer is not None
+            with Phase(stats, "flatten"):
+                bucket.flat = packer.pack(bucket.tensors)
         return bucket
 
     def _send_bucket(
-        self, bucket: Bucket, version: int | None, stats: PushStats, index: int | None
+        self, bucket: Bucket, version: int, stats: PushStats
     ) -> tuple[dict[str, str], InFlight | None]:
-        """Announce one bucket to every member (with its `index` in the push, to `ordered_buckets`
-        servers), broadcast it, and await the replies unless `index` is given; returns ({url: why}
-        for the servers that failed it: every member, if the broadcast failed and none says why;
-        the bucket in flight, its replies not yet awaited, or None)."""
+        """Broadcast one bucket, announced to every member first unless it was announced ahead (an
+        ordered push), and await the replies unless the push is ordered; returns ({url: why} for
+        the servers that failed it: every member, if the broadcast failed and none says why; the
+        bucket in flight, its replies not yet awaited, or None)."""
         assert self.group is not None, "a push streams only over a built group"
         flat = bucket.flat
         self._touched.update(self.members)
-        announced = time.perf_counter()
-        with Phase(stats, "announce"):
-            futures = self._announce(bucket, version, flat is not None, index)
+        if bucket.futures is None:
+            with Phase(stats, "announce"):
+                self._announce_bucket(bucket, version)
+        futures = bucket.futures
+        assert futures is not None
+        bucket.sent = True
+        refused = [u for u, f in futures.items() if f.done() and f.exception() is not None]
+        if refused:  # refused before the broadcast (announced ahead): they will not receive it
+            self._close_group()  # the members waiting for it fail fast rather than at their timeout
+            failed = self._replies(futures)
+            return {u: failed[u] for u in refused}, None
         device = "cuda" if self.backend == "nccl" else "cpu"
         try:
             with Phase(stats, "broadcast"):
@@ -425,20 +482,25 @@ class BroadcastEngine(AdapterOverHTTP):
             # a server that already answered with an error broke the collective; the others then fail
             # only because our end closes: they are not blamed
             early = [u for u, f in futures.items() if f.done() and f.exception() is not None]
-            # Close our end first: the servers still waiting for this bucket then fail fast instead of
-            # waiting out their timeout. The group is rebuilt before anything else is sent.
-            self._stale_group = self.group.group_name
-            self.group.close()
-            self.group = None
+            self._close_group()
             failed = self._replies(futures)
             if early:
                 return {u: failed[u] for u in early}, None
             return failed or {u: f"broadcast failed: {exc}" for u in self.members}, None
         broadcasts = 1 if flat is not None else len(bucket.tensors)
-        sent = InFlight(futures, announced, bucket.nbytes, len(bucket.tensors), broadcasts)
-        if index is not None:
+        sent = InFlight(futures, bucket.announced, bucket.nbytes, len(bucket.tensors), broadcasts)
+        if bucket.index is not None:
             return {}, sent
         return self._collect(sent, stats), None
+
+    def _announce_bucket(self, bucket: Bucket, version: int) -> None:
+        """Announce `bucket` to every member (`bucket.futures`: their replies, `bucket.announced`:
+        when); the version travels with the last bucket only: a server that loads buckets as they
+        arrive (SGLang) never labels a partial update with it."""
+        bucket.announced = time.perf_counter()
+        bucket.futures = self._announce(
+            bucket, version if bucket.last else None, bucket.flattened, bucket.index
+        )
 
     def _announce(
         self, bucket: Bucket, version: int | None, flattened: bool, index: int | None

@@ -33,6 +33,14 @@ class Bucket:
     """The last bucket of the stream (known at no cost: the tensors ran out)."""
     flat: torch.Tensor | None = None
     """The bucket packed as one uint8 tensor (packed on the gather thread), when it travels as one."""
+    flattened: bool = False
+    """It travels as one uint8 tensor (decided when gathered, before it is packed)."""
+    index: int | None = None
+    """Its place in the push, for servers that receive buckets in index order."""
+    futures: dict | None = None
+    """The members' replies to its announcement, when it was announced from the gather thread."""
+    announced: float = 0.0
+    sent: bool = False
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
@@ -62,9 +70,17 @@ class Packer:
     def __init__(self, slots: int = 3) -> None:
         self.buffers: list[torch.Tensor | None] = [None] * slots
         self.packed = 0
+        self.viewed = 0
+        """Buckets handed out as views of tensors already back to back (no copy)."""
         self.largest = 0
 
     def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """`tensors` back to back as one uint8 tensor: a view, without a copy, where they already
+        lie back to back in one storage (a learner that keeps its weights in the push's buckets:
+        `learner.fsdp.home_for_push`); else packed into a buffer."""
+        if (whole := adjacent(tensors)) is not None:
+            self.viewed += 1
+            return whole
         parts = [t.reshape(-1).view(torch.uint8) for t in tensors]
         if parts[0].device.type != "cpu":
             return torch.cat(parts)
@@ -89,6 +105,39 @@ class Packer:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers if b is not None)
+
+
+def flat_layout(tensors: list[torch.Tensor]) -> bool:
+    """A bucket of `tensors` can travel as one uint8 tensor in `FlattenedTensorBucket` layout
+    (SGLang 0.5.23 `srt/weight_sync/tensor_bucket.py`): two tensors or more, each starting at an
+    offset its dtype divides (SGLang's `FlattenedTensorBucket.empty` refuses others); a one-tensor
+    bucket travels as it is."""
+    if len(tensors) < 2:
+        return False
+    offset = 0
+    for tensor in tensors:
+        if offset % tensor.element_size():
+            return False
+        offset += tensor.numel() * tensor.element_size()
+    return True
+
+
+def adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bytes of `tensors` as one uint8 view, if they are contiguous and lie back to back, in
+    order, in one storage; else None."""
+    first = tensors[0]
+    storage = first.untyped_storage()
+    start = end = first.storage_offset() * first.element_size()
+    for tensor in tensors:
+        if (
+            not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+            or tensor.storage_offset() * tensor.element_size() != end
+        ):
+            return None
+        end += tensor.numel() * tensor.element_size()
+    whole = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
+    return whole[start:end]
 
 
 def prefetch(buckets: Iterator[Bucket], depth: int = 1) -> Iterator[Bucket]:

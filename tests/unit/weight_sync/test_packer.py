@@ -78,3 +78,21 @@ def test_packing_runs_on_one_thread_and_leaves_every_threads_setting_as_it_was()
     thread.join()
     assert seen == {"during": 1, "after": 2, "ok": True}
     assert torch.get_num_threads() == main_threads
+
+
+def test_tensors_already_back_to_back_in_one_storage_are_sent_as_a_view_without_a_copy() -> None:
+    """A learner that keeps its weights in the push's buckets (`home_for_push`) is not copied; any
+    gap, other order, other storage or non-contiguous tensor is packed as before."""
+    flat = torch.arange(40, dtype=torch.float32)
+    a, b, c = flat[0:8].view(2, 4), flat[8:20], flat[20:40].view(4, 5)
+    packer = Packer()
+    view = packer.pack([a, b, c])
+    assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert torch.equal(view, flat.view(torch.uint8)) and packer.viewed == 1 and packer.packed == 0
+    tail = packer.pack([b, c])  # starts inside the storage
+    assert torch.equal(tail, flat[8:].view(torch.uint8)) and packer.viewed == 2
+    for tensors in ([a, c], [b, a], [a, b.clone()], [flat[0:8], flat[8:40].view(4, 8).t()]):
+        packed = packer.pack(tensors)
+        assert packed.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+        assert torch.equal(packed, torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]))
+    assert packer.viewed == 2 and packer.packed == 4
