@@ -20,8 +20,8 @@ An embedded server (`agentrl serve`, a child process) holds a ~100M-parameter mo
   does: the model packed once, before timing, into one flat uint8 buffer per bucket (the buckets
   ours sends, same `--bucket-mb`), each broadcast from this process to one receiver process that
   only receives into buffers it allocated once (no HTTP, no gather, no load), with the server
-  alive; raw and ours take turns within every repeat, so the machine's load falls on both alike:
-  the transport's limit here;
+  alive; raw and ours take turns within every repeat, so the machine's load falls on both alike,
+  after `WARMUP` rounds of each that are not counted: the transport's limit here;
 - disk: `DiskEngine.push` of the same actor — safetensors written, then `/update_weights_from_disk`;
 - vllm (`--vllm`, needs `make vllm`): `BroadcastEngine.push` into a real vLLM server started
   after the embedded one has stopped: the same broadcast into agentrl's worker extension, which
@@ -39,8 +39,9 @@ gather thread, announcing a bucket from the push's own thread (servers that take
 order only), broadcast, the servers' replies after each broadcast (their receive and checks),
 commit, version read-back, continue; then, not summed, what the gather thread does while the
 bucket before is broadcast (announcing each bucket ahead, packing those that are not laid out
-back to back), and each bucket's round trip (announce to last reply). The peak extra memory of a push is shown as the learner's
-resident-set growth while pushing, next to the bucket size and the packing buffers the engine
+back to back), and each bucket's round trip (announce to last reply). The peak extra memory of
+a push is shown as the learner's resident-set growth during one more push after the timed ones
+(sampled every 5 ms by a thread, which the timed pushes do not carry), next to the bucket size and the packing buffers the engine
 keeps from push to push (so a warm push maps no fresh memory; at most three buckets); the
 server's resident set after the pushes holds its weights and the free receive buffers it keeps
 for the next push (at most one copy of the weights). glibc's dynamic mmap threshold
@@ -215,37 +216,47 @@ def _lora_pushes(model: torch.nn.Module, inference: Any, opts: argparse.Namespac
     return {"seconds": seconds, "bytes": pushed}
 
 
+WARMUP = 2
+"""Rounds of ours and raw not counted: connections, allocations, and the server's receive buffers,
+which reach their steady state at the second push (the first push's buffers become the weights,
+the weights it replaced were not receive buffers, so the second push maps a fresh set)."""
+
+
 def _interleaved(
     model: Any, weights: Any, inference: Any, opts: argparse.Namespace, server_pid: int
 ) -> dict[str, Any]:
     """Ours (pushing `weights`, the learner's) and raw (`model`'s bytes), taking turns within every
-    repeat while the server stays alive; the first round warms up connections and allocations and
-    is not counted."""
+    repeat while the server stays alive, after `WARMUP` rounds of both that are not counted. The
+    timed pushes run bare; the learner's memory is sampled in one more push after them (the
+    sampling thread would otherwise weigh on ours and not on raw)."""
     from agentrl.weight_sync.config import BroadcastSyncConfig
     from agentrl.weight_sync.registry import create
 
-    ours, raw, peaks, phases, round_trips = [], [], [], [], []
+    ours, raw, phases, round_trips = [], [], [], []
     engine = create(BroadcastSyncConfig(bucket_mb=opts.bucket_mb, timeout_s=300), inference)
     engine.init()
-    baseline = RawBroadcast(model, int(opts.bucket_mb * (1 << 20)), opts.repeats + 1)
+    baseline = RawBroadcast(model, int(opts.bucket_mb * (1 << 20)), opts.repeats + WARMUP)
+    pushes = opts.repeats + WARMUP + 1
     try:
-        for version in range(1, opts.repeats + 2):
-            with PeakRSS() as rss:
+        for version in range(1, pushes + 1):
+            if version == pushes:  # the memory sample, not timed
+                with PeakRSS() as rss:
+                    stats = engine.push(weights, version)
+            else:
                 stats = engine.push(weights, version)
-            raw_s = baseline.once()
+                raw_s = baseline.once()
             if stats.servers_updated != 1:
                 raise RuntimeError(f"push {version} did not commit on the server: {stats.outcomes}")
-            if version > 1:
+            if WARMUP < version < pushes:
                 ours.append(stats.seconds)
                 raw.append(raw_s)
-                peaks.append(rss.extra)
                 phases.append(stats.phases)
                 round_trips.extend(stats.bucket_round_trips)
         return {
-            "ours": ours, "raw": raw, "peaks": peaks, "phases": phases, "round_trips": round_trips,
+            "ours": ours, "raw": raw, "peaks": [rss.extra], "phases": phases, "round_trips": round_trips,
             "bucket": stats.peak_bucket_bytes, "pushed": stats.bytes, "buckets": stats.buckets, "raw_buckets": len(baseline.buffers),
             "packing": engine.packer.nbytes,  # the learner's packing buffers, kept between pushes
-            "viewed": engine.packer.viewed // (opts.repeats + 1), "packed": engine.packer.packed // (opts.repeats + 1),
+            "viewed": engine.packer.viewed // pushes, "packed": engine.packer.packed // pushes,
             "server_rss": _rss(server_pid),  # weights + the free receive buffers kept for the next push
         }  # fmt: skip
     finally:
