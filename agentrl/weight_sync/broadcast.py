@@ -15,13 +15,17 @@ A push, on rank 0 (other learner ranks only join the FSDP gathers):
 2. a gather thread pulls full tensors from `weights()` (layer by layer from FSDP2), groups them into
    buckets of about `bucket_mb` and, where every member takes SGLang's `flattened_bucket`, packs
    each bucket into one flat uint8 tensor (`buckets.Packer`: on CPU into buffers kept from push
-   to push), at most one bucket ahead — so bucket i+1 is gathered and packed while bucket i is
-   broadcast, and extra memory is about three buckets;
+   to push; a view, no copy, where the tensors already lie back to back, as a one-rank FSDP2
+   learner lays them out: `learner.fsdp.home_for_push`), at most one bucket ahead — so bucket
+   i+1 is gathered and packed while bucket i is broadcast, and extra memory is about three
+   buckets;
 3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`;
    the version travels with the last bucket only), broadcast the packed bucket (or each tensor
-   in that order), await the servers' replies — after the next bucket's broadcast where every
-   member receives buckets in the order of their index (`ordered_buckets`: the embedded
-   server), else before the next is announced (SGLang, vLLM: out-of-order broadcasts deadlock);
+   in that order), await the servers' replies. Where every member receives buckets in the order
+   of their index (`ordered_buckets`: the embedded server), the gather thread announces each
+   bucket as soon as it is gathered (the server queues its receive behind the one in progress)
+   and bucket i's replies are awaited after bucket i+1's broadcast; elsewhere (SGLang, vLLM:
+   out-of-order broadcasts deadlock) a bucket is announced once the one before has its replies;
 4. commit every session (`/end_weight_update`), read each server's version back, and resume
    generation.
 Each push is a transaction per server: every server of the live list ends committed at the

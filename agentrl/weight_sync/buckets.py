@@ -3,9 +3,9 @@ most one bucket ahead of the broadcast, each phase of the push timed into `PushS
 rank 0's decisions shared with the other learner ranks (which repeat the gathers in step).
 
 The gather (`weights()`, layer by layer from FSDP2) and the packing of each bucket into one flat
-buffer (`Packer`) run on their own thread (`prefetch`), so bucket i+1 is gathered and packed while
-bucket i is broadcast; extra memory is about three buckets (on CPU, the packing buffers, kept from
-push to push).
+buffer (`Packer`; a view where the tensors already lie back to back: `adjacent`) run on their own
+thread (`prefetch`), so bucket i+1 is gathered and packed while bucket i is broadcast; extra
+memory is about three buckets (on CPU, the packing buffers, kept from push to push).
 """
 
 from __future__ import annotations
