@@ -20,7 +20,8 @@ class BroadcastSyncConfig(Section):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective backend; auto picks nccl on CUDA, gloo otherwise."""
     bucket_mb: float = Field(256, gt=0)
-    """Size of one broadcast bucket in MiB; peak extra memory is about two buckets."""
+    """Size of one broadcast bucket in MiB; peak extra memory on the learner is about three buckets
+    (the packing buffers; none on one FSDP2 rank, which lays its weights out in the buckets)."""
     master_address: str = "127.0.0.1"
     """Address of learner rank 0 as the inference servers reach it."""
     master_port: int = Field(0, ge=0, le=65535)
