@@ -51,5 +51,7 @@ def test_an_actor_laid_out_in_push_buckets_trains_alike_and_is_pushed_without_a_
 
     # a checkpoint load (in place, as DCP's `set_state_dict` does) keeps the layout
     homed.module.load_state_dict(homed.module.state_dict())
-    assert all(packer.pack(b.tensors) is not None for b in iter_buckets(backend.full_tensors(homed), bucket))
-    assert packer.packed == 0
+    for b in iter_buckets(backend.full_tensors(homed), bucket):
+        if len(b.tensors) > 1:
+            packer.pack(b.tensors)
+    assert packer.viewed == 2 * multi and packer.packed == 0
