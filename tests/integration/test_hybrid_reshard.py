@@ -77,7 +77,10 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -
                 logits = engine.gen_model(ids).logits
             gc.collect()
             released_before = live_tensor_bytes()
+            buffers = [s.buffer.untyped_storage() for s in engine.slots if not s.view]
+            held_before = sum(b.nbytes() for b in buffers)
             engine.release()
+            held_after = sum(b.nbytes() for b in buffers)
             gc.collect()
             after_release = live_tensor_bytes()
             results.append(
@@ -95,6 +98,7 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -
                     "rep_bytes": sum(s.nbytes for s in engine.slots if s.kind == "rep"),
                     "extra_peak_bytes": max(peak) - baseline,
                     "freed_bytes": released_before - after_release,
+                    "engine_freed_bytes": held_before - held_after,
                     "training_bytes": engine.training_bytes,
                     "generation_bytes": engine.generation_bytes,
                     "added_bytes": engine.added_bytes,
@@ -163,8 +167,11 @@ def _check(per_rank: list[list[dict]], cases: list[dict]) -> None:
             assert r["training_bytes"] + r["extra_peak_bytes"] <= (
                 r["train_map_bytes"] + r["gen_map_bytes"] + r["staging_bytes"]
             ), where
-            # ... and release gives all of it back
-            assert r["freed_bytes"] == r["added_bytes"], where
+            # ... and release gives all of it back: exactly, counted on the engine's own buffers; at
+            # least that, seen from live tensors (a tensor of the test's own whose Python object goes
+            # between the two walks reads as freed too: 49152 bytes once, in a fresh-clone run)
+            assert r["engine_freed_bytes"] == r["added_bytes"], where
+            assert r["freed_bytes"] >= r["added_bytes"], where
             gathered = r["params"] - r["views"]
             if r["bucket_bytes"] == NO_BUCKETS or gathered == 0:
                 assert r["collectives"] == gathered, where  # one per gathered parameter
