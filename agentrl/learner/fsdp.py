@@ -131,6 +131,7 @@ def home_for_push(model: nn.Module, bucket_bytes: int) -> int:
     as it is: it is sent without packing anyway. Returns the buckets laid out."""
     from torch.distributed.tensor import DTensor
 
+    from agentrl.inference.weight_group import unflatten
     from agentrl.weight_sync.buckets import flat_layout, iter_buckets
 
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -144,12 +145,11 @@ def home_for_push(model: nn.Module, bucket_bytes: int) -> int:
         for bucket in iter_buckets(local, bucket_bytes):
             if not flat_layout(bucket.tensors):  # it travels as it is, or tensor by tensor
                 continue
-            sizes = [t.numel() * t.element_size() for t in bucket.tensors]
-            starts = [sum(sizes[:i]) for i in range(len(sizes))]
-            flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=bucket.tensors[0].device)
-            for name, tensor, start, size in zip(bucket.names, bucket.tensors, starts, sizes, strict=True):
-                view = flat[start : start + size].view(tensor.dtype).view(tensor.shape)
-                view.copy_(tensor)
+            # packed as the engine packs a bucket, then each parameter a view of it, as a server
+            # unflattens one
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.tensors])
+            specs = [(name, t.dtype, t.shape) for name, t in zip(bucket.names, bucket.tensors, strict=True)]
+            for name, view in unflatten(flat, specs).items():
                 old = params[name]
                 if isinstance(old, DTensor):
                     view = DTensor.from_local(view, old.device_mesh, old.placements, run_check=False,

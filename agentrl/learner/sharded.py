@@ -24,6 +24,7 @@ def full(param: torch.Tensor) -> torch.Tensor:
     data = param.detach()
     if not hasattr(data, "full_tensor"):
         return data
-    if data.device_mesh.size() == 1 and tuple(data.to_local().shape) == tuple(data.shape):
-        return data.to_local()
+    local = data.to_local()
+    if data.device_mesh.size() == 1 and tuple(local.shape) == tuple(data.shape):
+        return local
     return data.full_tensor()

@@ -471,7 +471,7 @@ class BroadcastEngine(AdapterOverHTTP):
         futures = bucket.futures
         assert futures is not None
         bucket.sent = True
-        refused = [u for u, f in futures.items() if f.done() and f.exception() is not None]
+        refused = self._answered_with_error(futures)
         if refused:  # refused before the broadcast (announced ahead): they will not receive it
             self._close_group()  # the members waiting for it fail fast rather than at their timeout
             failed = self._replies(futures)
@@ -485,7 +485,7 @@ class BroadcastEngine(AdapterOverHTTP):
             logger.error("broadcast of a bucket failed (%s); finding the server that failed", exc)
             # a server that already answered with an error broke the collective; the others then fail
             # only because our end closes: they are not blamed
-            early = [u for u, f in futures.items() if f.done() and f.exception() is not None]
+            early = self._answered_with_error(futures)
             self._close_group()
             failed = self._replies(futures)
             if early:
@@ -497,25 +497,23 @@ class BroadcastEngine(AdapterOverHTTP):
             return {}, sent
         return self._collect(sent, stats), None
 
-    def _announce_bucket(self, bucket: Bucket, version: int) -> None:
-        """Announce `bucket` to every member (`bucket.futures`: their replies, `bucket.announced`:
-        when); the version travels with the last bucket only: a server that loads buckets as they
-        arrive (SGLang) never labels a partial update with it."""
-        bucket.announced = time.perf_counter()
-        bucket.futures = self._announce(
-            bucket, version if bucket.last else None, bucket.flattened, bucket.index
-        )
+    @staticmethod
+    def _answered_with_error(futures: dict[str, Any]) -> list[str]:
+        """The members whose reply to a bucket's announcement is already in, and an error."""
+        return [u for u, f in futures.items() if f.done() and f.exception() is not None]
 
-    def _announce(
-        self, bucket: Bucket, version: int | None, flattened: bool, index: int | None
-    ) -> dict[str, Any]:
+    def _announce_bucket(self, bucket: Bucket, version: int) -> None:
         """Send every member the bucket's description (names, dtypes, shapes; its receive then waits
-        for the broadcast); {url: future of its reply}."""
+        for the broadcast; its index in the push to servers that receive in index order):
+        `bucket.futures` are their replies, `bucket.announced` when. The version travels with the
+        last bucket only: a server that loads buckets as they arrive (SGLang) never labels a
+        partial update with it."""
         assert self.group is not None
         dtypes = [dtype_name(t.dtype) for t in bucket.tensors]
         shapes = [list(t.shape) for t in bucket.tensors]
-        order = {} if index is None else {"bucket": index}
-        return {
+        order = {} if bucket.index is None else {"bucket": bucket.index}
+        bucket.announced = time.perf_counter()
+        bucket.futures = {
             url: self._bridge.submit(
                 asyncio.wait_for(
                     self.clients[url].update_weights_from_distributed(
@@ -523,8 +521,8 @@ class BroadcastEngine(AdapterOverHTTP):
                         dtypes,
                         shapes,
                         self.group.group_name,
-                        version,
-                        flattened=flattened,
+                        version if bucket.last else None,
+                        flattened=bucket.flattened,
                         **order,
                     ),
                     2 * self.config.timeout_s,
