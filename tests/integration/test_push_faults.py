@@ -159,6 +159,24 @@ def test_a_lost_reply_on_the_last_bucket_is_redone_and_committed(fleet, engine) 
     fleet.check(stats)
 
 
+def test_a_lost_reply_mid_push_closes_the_group_under_buckets_announced_ahead_and_is_redone(
+    fleet, engine, caplog
+) -> None:
+    """The first bucket's reply is lost (the server staged it); the learner sees that only after
+    the second bucket's broadcast, when later buckets were already announced from the gather
+    thread: their receives are released by closing the group (not left to time out), and the
+    push is redone and committed on both."""
+    sync = engine()
+    assert _buckets(fleet) >= 3
+    fleet.proxy.fail(BUCKET, nth=1, count=1, status=502, forward=True, only_if=at_bucket(1))
+    with caplog.at_level("WARNING", logger="agentrl.weight_sync.broadcast"):
+        stats = fleet.push(sync)
+    assert stats.attempts == 2 and all(o.committed for o in stats.outcomes.values()), stats.outcomes
+    assert fleet.proxy.failed == [f"{BUCKET} 502 (after forwarding)"]
+    assert any("announced were never broadcast" in r.getMessage() for r in caplog.records)
+    fleet.check(stats)
+
+
 def test_a_refused_commit_leaves_that_server_whole_on_its_previous_version(fleet, engine) -> None:
     sync = engine()
     fleet.proxy.fail("/end_weight_update", nth=1, skip_if="abort", status=503)
