@@ -9,8 +9,10 @@ An embedded server (`agentrl serve`, a child process) holds a ~100M-parameter mo
 - ours: `BroadcastEngine.push` of the learner's own actor, built as `agentrl learner` builds it
   (`FSDP2Backend.build` on one rank, its weights laid out in the push's buckets:
   `learner.fsdp.home_for_push`), its full tensors read as the learner reads them (`full_tensors`)
-  — pause, bucketed broadcast (each bucket announced from the gather thread as soon as it is
-  gathered, so the server's receive is queued before the broadcast before it ends; a bucket whose
+  — pause, bucketed broadcast (the gather thread starts during pause and begin; each bucket is
+  announced from it as soon as it is gathered, and since the actor's tensors are its parameters
+  in place the gather runs ahead through all of them, so the server has posted every receive
+  before the broadcasts reach it, waiting for each off its engine thread; a bucket whose
   tensors lie back to back is sent as a view of the weights, any other is packed on the gather
   thread while the one before is broadcast; bucket i+1 broadcast before bucket i's replies are
   awaited) with the server receiving each bucket into buffers it keeps between pushes and, at

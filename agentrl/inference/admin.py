@@ -17,7 +17,9 @@ between pushes as those free buffers. `load_format:
 aborts match rid prefixes and answer an empty body; `/ping` is a liveness flag that answers
 while paused (`sagemaker_health`). Everything that touches the model or the
 running batch runs in the engine thread between two decode steps (`Engine.call`), so a
-weight update never lands inside a step.
+weight update never lands inside a step. A bucket's receive is posted there, in index order,
+and awaited off it (gloo), into a buffer the model does not use: the engine thread is free to
+post the next bucket's receive while this one's bytes arrive.
 """
 
 from __future__ import annotations
@@ -145,34 +147,55 @@ async def _receive_bucket(request: web.Request, body: P.UpdateDistributedIn) -> 
         return _spoil(state, str(exc))
     device = engine.device if group.backend == "nccl" else torch.device("cpu")
 
-    def receive() -> dict[str, torch.Tensor]:
+    specs = list(zip(body.names, dtypes, body.shapes, strict=True))
+    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
+    flat = body.load_format == "flattened_bucket"
+
+    pool: ReceiveBuffers = state["receive_buffers"]
+    into: list[torch.Tensor] = []
+
+    def post() -> tuple[list, Exception | None]:
+        """(engine thread) Post the receive, in the order the buckets are queued, and check the
+        bucket against the model while it arrives (names and shapes are all the check needs)."""
         # receive everything the trainer sends even if it will be refused: the collective stays aligned
         if body.abort_all_requests:
             engine.abort(abort_all=True, message="weights updated")
-        pool: ReceiveBuffers = state["receive_buffers"]
-        specs = list(zip(body.names, dtypes, body.shapes, strict=True))
-        sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
-        if body.load_format == "flattened_bucket":
-            tensors = unflatten(group.broadcast(pool.take(sum(sizes), device), 0), specs)
+        if flat:
+            into.append(pool.take(sum(sizes), device, receiving=True))
         else:
-            tensors = {}
-            for (name, dtype, shape), size in zip(specs, sizes, strict=True):
-                into = pool.take(size, device).view(dtype).reshape(shape)
-                tensors[name] = group.broadcast(into, 0)
-        if adapter is not None:
-            engine.check_adapter(tensors, adapter)
-        else:
-            engine.check_weights(tensors)
-        return tensors
+            into.extend(pool.take(size, device, receiving=True).view(dtype).reshape(shape)
+                        for (_, dtype, shape), size in zip(specs, sizes, strict=True))  # fmt: skip
+        works = [group.post(t, 0) for t in into]
+        if group.backend == "nccl":  # waited here: the engine's stream is the one that must wait
+            wait(works)
+            works = []
+        try:
+            meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, dtype, shape in specs}
+            engine.check_adapter(meta, adapter) if adapter is not None else engine.check_weights(meta)
+        except Exception as exc:
+            return works, exc
+        return works, None
 
-    queued = engine.call(receive)
+    def wait(works: list) -> None:
+        for work in works:
+            group.wait(work)
+
+    queued = engine.call(post)
     _pass_turn(state, session, body.bucket)  # the next bucket's receive queues behind this one
     try:
-        tensors = await asyncio.wrap_future(queued)
+        works, refused = await asyncio.wrap_future(queued)
+        # off the engine thread (gloo): it is free to post the next bucket's receive meanwhile
+        await asyncio.get_running_loop().run_in_executor(None, wait, works)
+        if refused is not None:
+            raise refused
+        tensors = unflatten(into[0], specs) if flat else dict(zip(body.names, into, strict=True))
     except ValueError as exc:
         return _spoil(state, f"update rejected, weights unchanged: {exc}", session)
     except Exception as exc:
         return _spoil(state, f"update failed, weights unchanged: {type(exc).__name__}: {exc}", session, 500)
+    finally:
+        for buffer in into:
+            pool.received(buffer)
     if state["session"] != session:  # aborted while receiving
         return _fail("the weight-update session was closed while receiving; nothing staged")
     if state["staged"] is None:

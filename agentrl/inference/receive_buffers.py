@@ -52,25 +52,38 @@ class ReceiveBuffers:
         self.owned: list[torch.Tensor] = []
         """Every buffer handed out and not yet let go: used by the model, staged, or free."""
         self.free: list[torch.Tensor] = []
+        self.receiving: set[int] = set()
+        """Storage addresses of buffers a receive may still write into: never handed out again
+        until it ended (`received`), even if their session was closed meanwhile."""
 
-    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A uint8 buffer of exactly `nbytes` on `device`: a free one of that size, else a new one."""
+    def take(self, nbytes: int, device: torch.device, receiving: bool = False) -> torch.Tensor:
+        """A uint8 buffer of exactly `nbytes` on `device`: a free one of that size, else a new one;
+        `receiving`: a receive is posted into it, until `received(buffer)`."""
         for i, buffer in enumerate(self.free):
             if buffer.numel() == nbytes and buffer.device == device:
-                return self.free.pop(i)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.owned.append(buffer)
+                buffer = self.free.pop(i)
+                break
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.owned.append(buffer)
+        if receiving:
+            self.receiving.add(buffer.untyped_storage().data_ptr())
         return buffer
 
+    def received(self, buffer: torch.Tensor) -> None:
+        """The receive into `buffer` (taken with `take(..., receiving=True)`) has ended."""
+        self.receiving.discard(buffer.untyped_storage().data_ptr())
+
     def settle(self, model: torch.nn.Module, cap: int | None = None) -> None:
-        """After a session ends (committed or aborted): every owned buffer the model does not use is
-        free again, up to `cap` bytes (default: the model's parameter bytes; newest first, so the
-        buffers of the push just received stay); the rest are let go."""
+        """After a session ends (committed or aborted): every owned buffer the model does not use and
+        no receive may still write into is free again, up to `cap` bytes (default: the model's
+        parameter bytes; newest first, so the buffers of the push just received stay); the rest are
+        let go."""
         used, param_bytes = _in_use(model)
         cap = param_bytes if cap is None else cap
         kept, free, free_bytes = [], [], 0
         for buffer in reversed(self.owned):
-            if buffer.untyped_storage().data_ptr() in used:
+            if (ptr := buffer.untyped_storage().data_ptr()) in used or ptr in self.receiving:
                 kept.append(buffer)
             elif free_bytes + buffer.numel() <= cap:
                 free.append(buffer)

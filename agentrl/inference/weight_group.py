@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -84,12 +85,20 @@ class WeightGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast `tensor` in place from rank `src` (send on src, receive elsewhere); waits with timeout."""
-        work = self._pg.broadcast(tensor, src, datetime.timedelta(seconds=self.timeout_s))
+        self.wait(self.post(tensor, src))
+        return tensor
+
+    def post(self, tensor: torch.Tensor, src: int = 0) -> Any:
+        """Queue the broadcast of `tensor` from rank `src` and return at once: the backend's work
+        handle, for `wait`. Collectives run in the order they are posted, from any thread."""
+        return self._pg.broadcast(tensor, src, datetime.timedelta(seconds=self.timeout_s))
+
+    def wait(self, work: Any) -> None:
+        """Wait for a posted collective, bounded by the group's timeout."""
         if not work.wait(datetime.timedelta(seconds=self.timeout_s)):
             raise TimeoutError(
                 f"weight group {self.group_name!r}: broadcast timed out after {self.timeout_s}s"
             )
-        return tensor
 
     def barrier(self) -> None:
         """All ranks meet; a one-element broadcast keeps it backend-agnostic."""

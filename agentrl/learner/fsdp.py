@@ -29,8 +29,9 @@ from torch import nn
 from agentrl.learner import hf_model
 from agentrl.learner.backend import LocalShard, ModelPart, NonFiniteError, PartKind
 from agentrl.learner.packing import MicroBatch
-from agentrl.learner.sharded import full, reshard_units
+from agentrl.learner.sharded import full, in_place, reshard_units
 from agentrl.log import get_logger
+from agentrl.weight_sync.base import Resident
 
 log = get_logger("learner.fsdp")
 
@@ -167,10 +168,11 @@ def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every parameter, gathered one at a time (`DTensor.full_tensor()`).
 
     A collective: every rank must iterate to the end in the same order; typically only rank 0
-    uses the tensors (weight sync broadcasts them to inference servers). Tied weights appear once."""
+    uses the tensors (weight sync broadcasts them to inference servers). Tied weights appear once.
+    On one rank the tensors are the parameters themselves, in place: the pairs come `Resident`."""
     reshard_units(model)
-    for name, param in model.named_parameters():
-        yield name, full(param)
+    pairs = ((name, full(param)) for name, param in model.named_parameters())
+    return Resident(pairs) if all(in_place(p) for p in model.parameters()) else pairs
 
 
 def local_shards(model: nn.Module) -> Iterator[LocalShard]:

@@ -17,6 +17,15 @@ def reshard_units(model: nn.Module) -> None:
             module.reshard()
 
 
+def in_place(param: torch.Tensor) -> bool:
+    """`full(param)` is the parameter's own memory (a plain tensor, or a DTensor whole on a one-rank
+    mesh), not a gathered copy."""
+    data = param.detach()
+    if not hasattr(data, "full_tensor"):
+        return True
+    return data.device_mesh.size() == 1 and tuple(data.to_local().shape) == tuple(data.shape)
+
+
 def full(param: torch.Tensor) -> torch.Tensor:
     """A parameter's whole tensor: `DTensor.full_tensor()` (a collective) or the tensor itself. On
     a one-rank mesh the local tensor is the whole one: it is returned as it is, in place (no

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,6 +41,22 @@ WeightSource = Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
 """What `push` takes: a function that returns the `(HF name, full tensor)` pairs to push, tied
 weights once. It is called once per attempt (a push redone without a failed server calls it
 again) and on every learner rank in step, since it may run collectives (FSDP2 gathers)."""
+
+
+class Resident(Iterator[tuple[str, "torch.Tensor"]]):
+    """What a `WeightSource` returns when its tensors are the learner's own weights in place (a
+    one-rank FSDP2 actor: `learner.fsdp.iter_full_tensors`), not gathered copies: a push may then
+    gather ahead of the broadcast as far as it likes, since holding them costs no memory. Any
+    other iterable is taken to hold a fresh copy per tensor (bounded look-ahead)."""
+
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._pairs = iter(pairs)
+
+    def __iter__(self) -> Resident:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._pairs)
 
 
 @dataclass(frozen=True)

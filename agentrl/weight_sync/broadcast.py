@@ -18,7 +18,9 @@ A push, on rank 0 (other learner ranks only join the FSDP gathers):
    to push; a view, no copy, where the tensors already lie back to back, as a one-rank FSDP2
    learner lays them out: `learner.fsdp.home_for_push`), at most one bucket ahead — so bucket
    i+1 is gathered and packed while bucket i is broadcast, and extra memory is about three
-   buckets;
+   buckets; buckets of the learner's own weights sent as they lie (a `Resident` source) hold no
+   memory and the gather runs ahead through all of them. The gather thread starts while the
+   servers are paused and their sessions opened, and waits for that before it announces;
 3. per bucket: tell each server its names/dtypes/shapes (`/update_weights_from_distributed`;
    the version travels with the last bucket only), broadcast the packed bucket (or each tensor
    in that order), await the servers' replies. Where every member receives buckets in the order
@@ -62,6 +64,7 @@ import functools
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +75,7 @@ from agentrl.weight_sync.base import (
     AdapterSpec,
     Outcome,
     PushStats,
+    Resident,
     WeightSource,
     loads_adapters,
     no_adapters,
@@ -238,13 +242,15 @@ class BroadcastEngine(AdapterOverHTTP):
                 return self._adapter_push_over_http(pairs, adapter, version, stats, start)
         if self.rank == 0:
             self._over_http = False  # this push goes over the group: membership counts again
-            self._start_push(stats)
         attempt = 0
         failures: dict[str, int] = {}  # failed attempts per server in this push
         try:
             while True:
                 attempt += 1
-                failed = self._stream(weights, version, stats)
+                opening = (
+                    functools.partial(self._start_push, stats) if self.rank == 0 and attempt == 1 else None
+                )
+                failed = self._stream(weights, version, stats, opening)
                 redo = self.rank == 0 and bool(failed) and self._after_failure(failed, failures, stats)
                 if not agree(redo):
                     break
@@ -262,40 +268,56 @@ class BroadcastEngine(AdapterOverHTTP):
             self._report(stats, f"by broadcast in {attempt} attempt(s)")
         return stats
 
-    def _stream(self, weights: WeightSource, version: int, stats: PushStats | None) -> dict[str, str]:
+    def _stream(
+        self, weights: WeightSource, version: int, stats: PushStats | None, opening: Callable[[], None] | None
+    ) -> dict[str, str]:
         """One attempt: every bucket of `weights()` gathered (every rank) and, on rank 0, sent to the
-        members until one fails; {url: why} for the servers that failed it. Where every member
-        receives buckets in index order (`ordered_buckets`), each bucket is announced from the
-        gather thread as soon as it is gathered (before it is packed), so a server queues its
-        receive before the broadcast before it ends, and bucket i+1 is broadcast before bucket i's
-        replies are awaited (one reply in flight); each reply is still checked, and a failure stops
-        the attempt (a server that failed the earlier bucket is blamed first)."""
+        members until one fails; {url: why} for the servers that failed it. `opening` (the first
+        attempt's pause and begin, on rank 0) runs while the gather thread takes the first buckets,
+        which wait for it before they are announced or packed. Where every member receives buckets
+        in index order (`ordered_buckets`), each bucket is announced from the gather thread as soon
+        as it is gathered (before it is packed), so a server queues its receive before the
+        broadcast before it ends, and bucket i+1 is broadcast before bucket i's replies are awaited
+        (one reply in flight); each reply is still checked, and a failure stops the attempt (a
+        server that failed the earlier bucket is blamed first)."""
         failed: dict[str, str] = {}
-        ordered = (
-            self.rank == 0
-            and bool(self.members)
-            and all(self.clients[u].ordered_buckets for u in self.members)
-        )
-        packer = self.packer if self._flattens() else None
         ahead: list[Bucket] = []  # announced from the gather thread, in order
         stop = threading.Event()  # a bucket failed: announce no more
+        opened = threading.Event()  # the members are known: buckets may be announced and packed
         order = itertools.count()
+        how: dict[str, Any] = {"ordered": False, "packer": None}  # set once `opening` ran
 
         def gathered(bucket: Bucket) -> Bucket:
             """(gather thread) Decide how `bucket` travels; to ordered members, announce it now."""
-            bucket.flattened = self._travels_flat(packer, bucket)
-            if ordered and not stop.is_set():
+            opened.wait()
+            bucket.flattened = self._travels_flat(how["packer"], bucket)
+            if how["ordered"] and not stop.is_set():
                 bucket.index = next(order)
                 with Phase(stats, "announce_ahead"):
                     self._announce_bucket(bucket, version)
                 ahead.append(bucket)
             return bucket
 
-        pack = functools.partial(self._pack, packer, stats)
+        def pack(bucket: Bucket) -> Bucket:
+            return self._pack(how["packer"], stats, resident, bucket)
+
+        pairs = weights()
+        resident = isinstance(pairs, Resident)
         bucket_bytes = int(self.config.bucket_mb * (1 << 20))
-        buckets = prefetch(map(pack, map(gathered, iter_buckets(weights(), bucket_bytes))))
+        buckets = prefetch(map(pack, map(gathered, iter_buckets(pairs, bucket_bytes))))
         in_flight = None
         try:
+            try:
+                if opening is not None:
+                    opening()
+                how["ordered"] = (
+                    self.rank == 0
+                    and bool(self.members)
+                    and all(self.clients[u].ordered_buckets for u in self.members)
+                )
+                how["packer"] = self.packer if self._flattens() else None
+            finally:
+                opened.set()
             for bucket in timed_iter(buckets, stats, "gather_wait"):
                 if self.rank != 0 or failed or not self.members:
                     continue  # other ranks only gather; after a failure the rest is drained unsent
@@ -446,13 +468,17 @@ class BroadcastEngine(AdapterOverHTTP):
         return packer is not None and flat_layout(bucket.tensors)
 
     @staticmethod
-    def _pack(packer: Packer | None, stats: PushStats | None, bucket: Bucket) -> Bucket:
+    def _pack(packer: Packer | None, stats: PushStats | None, resident: bool, bucket: Bucket) -> Bucket:
         """(gather thread) Set `bucket.flat` when it travels flat (a view where its tensors already
-        lie back to back: `Packer.pack`)."""
+        lie back to back: `Packer.pack`); a bucket of `resident` weights that travels as they lie
+        holds no memory of its own (`Bucket.held`)."""
         if bucket.flattened:
             assert packer is not None
             with Phase(stats, "flatten"):
                 bucket.flat = packer.pack(bucket.tensors)
+        storage = bucket.tensors[0].untyped_storage().data_ptr()
+        packed = bucket.flat is not None and bucket.flat.untyped_storage().data_ptr() != storage
+        bucket.held = not resident or bucket.copied or packed
         return bucket
 
     def _send_bucket(

@@ -5,7 +5,9 @@ rank 0's decisions shared with the other learner ranks (which repeat the gathers
 The gather (`weights()`, layer by layer from FSDP2) and the packing of each bucket into one flat
 buffer (`Packer`; a view where the tensors already lie back to back: `adjacent`) run on their own
 thread (`prefetch`), so bucket i+1 is gathered and packed while bucket i is broadcast; extra
-memory is about three buckets (on CPU, the packing buffers, kept from push to push).
+memory is about three buckets (on CPU, the packing buffers, kept from push to push). Buckets of
+the learner's own weights sent as they lie (a `Resident` source, laid out back to back) hold no
+memory, and the gather runs ahead through all of them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class Bucket:
     """The members' replies to its announcement, when it was announced from the gather thread."""
     announced: float = 0.0
     sent: bool = False
+    copied: bool = False
+    """A tensor of it was copied to make it contiguous."""
+    held: bool = True
+    """It holds memory of its own (gathered copies, a packing buffer), which bounds how far the
+    gather runs ahead; False for the learner's own weights sent as they lie (`Resident`)."""
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
@@ -52,7 +59,8 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
             yield bucket
             bucket = Bucket()
         bucket.names.append(name)
-        bucket.tensors.append(tensor.contiguous())
+        bucket.tensors.append(whole := tensor.contiguous())
+        bucket.copied |= whole is not tensor
         bucket.nbytes += size
     if bucket.tensors:
         bucket.last = True
@@ -141,25 +149,36 @@ def adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def prefetch(buckets: Iterator[Bucket], depth: int = 1) -> Iterator[Bucket]:
-    """Run `buckets` on a thread, at most `depth` buckets ahead of the consumer."""
-    box: queue.Queue = queue.Queue(maxsize=depth)
+    """Run `buckets` on a thread, at most `depth` buckets that hold memory of their own
+    (`Bucket.held`) ahead of the consumer; the others (the learner's own weights, sent as they
+    lie) run ahead freely, so all of a resident push is gathered and announced before its first
+    broadcast ends."""
+    box: queue.Queue = queue.Queue()
+    slots = threading.Semaphore(depth)
     done = object()
 
     def produce() -> None:
         try:
             for bucket in buckets:
+                if bucket.held:
+                    slots.acquire()
                 box.put(bucket)
         except BaseException as exc:  # surface gather errors in the consumer
             box.put(exc)
         box.put(done)
 
+    def consume() -> Iterator[Bucket]:
+        while (item := box.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            if item.held:
+                slots.release()
+            yield item
+        thread.join()
+
     thread = threading.Thread(target=produce, name="weight-sync-gather", daemon=True)
-    thread.start()
-    while (item := box.get()) is not done:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-    thread.join()
+    thread.start()  # now, not at the first bucket asked for: the gather starts before it is awaited
+    return consume()
 
 
 def timed_iter(items: Iterator[Bucket], stats: PushStats | None, phase: str) -> Iterator[Bucket]:

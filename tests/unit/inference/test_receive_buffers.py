@@ -297,3 +297,18 @@ def test_full_weights_adopted_over_a_served_adapter_replace_its_base(tiny_model:
     with torch.no_grad():
         got, want = engine.model(input_ids=ids).logits, _reference(tiny_model, new)(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_buffer_still_being_received_into_is_not_freed_when_its_session_closes() -> None:
+    """The embedded server posts a bucket's receive and waits for it off the engine thread, so a
+    session can close (abort) while a receive may still write: that buffer stays out of the free
+    list until the receive ended."""
+    model = torch.nn.Linear(4, 4, bias=False)
+    pool = ReceiveBuffers()
+    receiving = pool.take(64, torch.device("cpu"), receiving=True)
+    done = pool.take(64, torch.device("cpu"))
+    pool.settle(model, cap=1 << 20)
+    assert [x.data_ptr() for x in pool.free] == [done.data_ptr()]
+    pool.received(receiving)
+    pool.settle(model, cap=1 << 20)
+    assert sorted(x.data_ptr() for x in pool.free) == sorted([done.data_ptr(), receiving.data_ptr()])

@@ -8,6 +8,7 @@ import torch
 
 from agentrl.config import OptimConfig
 from agentrl.learner.registry import create
+from agentrl.weight_sync.base import Resident
 from agentrl.weight_sync.buckets import Packer, iter_buckets
 
 
@@ -34,6 +35,10 @@ def test_an_actor_laid_out_in_push_buckets_trains_alike_and_is_pushed_without_a_
         assert homed.module.get_output_embeddings().weight is homed.module.get_input_embeddings().weight
 
     assert _steps(backend, homed) == _steps(backend, plain)
+    # on one rank the pushed tensors are the parameters in place: the push may gather ahead freely
+    assert isinstance(backend.full_tensors(homed), Resident)
+    params = {p.to_local().data_ptr() for p in homed.module.parameters()}
+    assert all(t.data_ptr() in params for _, t in backend.full_tensors(homed))
     pushed, want = dict(backend.full_tensors(homed)), dict(backend.full_tensors(plain))
     assert list(pushed) == list(want)
     for name in want:

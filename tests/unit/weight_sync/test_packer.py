@@ -96,3 +96,32 @@ def test_tensors_already_back_to_back_in_one_storage_are_sent_as_a_view_without_
         assert packed.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
         assert torch.equal(packed, torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]))
     assert packer.viewed == 2 and packer.packed == 4
+
+
+def test_the_gather_runs_ahead_through_buckets_that_hold_no_memory_and_one_ahead_otherwise() -> None:
+    """`prefetch` holds at most one bucket of its own memory ahead of the consumer (the memory
+    bound), while buckets of the learner's resident weights (`held=False`) run ahead freely."""
+    import threading
+
+    def gathered(held: bool, ran: list[int]):
+        def mark(bucket):
+            bucket.held = held
+            ran.append(len(ran))
+            return bucket
+
+        return mark
+
+    tensors = [(f"t{i}", torch.zeros(4)) for i in range(6)]  # one tensor a bucket
+    for held, ahead in ((True, 2), (False, 6)):
+        ran: list[int] = []
+        buckets = prefetch(map(gathered(held, ran), iter_buckets(tensors, 16)))
+        first = next(buckets)  # the consumer holds the first bucket and takes no more
+        for _ in range(100):  # let the gather thread go as far as it may
+            if len(ran) >= ahead:
+                break
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.05)
+        # held: the one consumed, one queued, one gathered and waiting: 3; resident: all 6
+        assert len(ran) == (3 if held else 6), (held, len(ran))
+        assert first.names == ["t0"]
+        assert [b.names[0] for b in buckets] == [f"t{i}" for i in range(1, 6)]
