@@ -41,7 +41,8 @@ class Fault:
     """Only requests whose body contains this text are counted (e.g. one `/collective_rpc` method)."""
     seen: int = 0
     on_request: Callable[[], None] | None = None
-    """Called (in the proxy's thread) when the `nth` request arrives, instead of failing it."""
+    """Called (in the proxy's thread) when the `nth` request arrives, instead of failing it (with
+    `forward`: and then its reply is lost as well)."""
 
 
 class FaultProxy:
@@ -51,6 +52,7 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self.faults: list[Fault] = []
         self.failed: list[str] = []  # "path status" of every request failed on purpose
+        self.requests: list[tuple[str, bytes]] = []  # (path, body) of every request, in order
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"fault-proxy-{self.port}", daemon=True)
@@ -104,10 +106,11 @@ class FaultProxy:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        self.requests.append((request.path, body))
         fault = self._match(request.path, body)
         if fault is not None and fault.on_request is not None:
             fault.on_request()
-            fault = None
+            fault = fault if fault.forward else None
         if fault is not None and not fault.forward:
             self.failed.append(f"{request.path} {fault.status}")
             return web.Response(status=fault.status, text=f"fault proxy: {request.path} refused")

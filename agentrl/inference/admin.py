@@ -46,8 +46,8 @@ def _ok(message: str = "", **extra: Any) -> web.Response:
     return web.json_response({"success": True, "message": message, **extra})
 
 
-def _fail(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=status)
+def _fail(message: str, status: int = 400, **extra: Any) -> web.Response:
+    return web.json_response({"success": False, "message": message, **extra}, status=status)
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
@@ -277,18 +277,25 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
 
 
 async def begin_weight_update(request: web.Request) -> web.Response:
-    """Open a session; `staged_commit` (an agentrl extra) tells the client that buckets are staged
-    until `/end_weight_update`, `ordered_buckets` (another) that buckets with an index are received
-    in index order."""
+    """Open a session, pausing generation first if asked (`pause_generation`). Agentrl extras in
+    the reply tell the client how this server takes a push: `staged_commit` (buckets are staged
+    until `/end_weight_update`), `ordered_buckets` (buckets with an index are received in index
+    order), `session_control` (begin pauses and end continues generation when asked, and end
+    answers with the version served after it)."""
     body: P.BeginUpdateIn = await parse(request, P.BeginUpdateIn)
-    state = request.app[STATE]
+    engine, state = request.app[ENGINE], request.app[STATE]
     if state["session"]:
         return _fail("a weight-update session is already open; call end_weight_update() first")
+    if body.pause_generation:
+        await _in_engine(engine, lambda: engine.pause("abort"))
+        if state["session"]:  # another begin opened one while this one paused
+            return _fail("a weight-update session is already open; call end_weight_update() first")
     state["sessions"] += 1
     state["session"], state["staged"], state["staged_version"] = state["sessions"], {}, None
     state["staged_adapter"], state["turn"] = body.lora, 0
     _wake_turns(state)  # buckets still waiting from an earlier session give up
-    return _ok("Success", staged_commit=True, ordered_buckets=True)
+    return _ok("Success", staged_commit=True, ordered_buckets=True, session_control=True,
+               paused=body.pause_generation)  # fmt: skip
 
 
 async def end_weight_update(request: web.Request) -> web.Response:
@@ -304,40 +311,52 @@ async def end_weight_update(request: web.Request) -> web.Response:
     state["session"], state["staged"], state["staged_version"], state["staged_adapter"] = 0, None, None, None
     _wake_turns(state)  # buckets still waiting give up
 
-    def settled(load: Any = None) -> Any:
-        """Run `load` (if any) in the engine thread, then free the buffers the model does not use;
-        the engine's future of that."""
+    resume = body.continue_generation
+    extra = {"continued": True} if resume else {}
 
-        def run() -> None:
+    def settled(load: Any = None) -> Any:
+        """Run `load` (if any) in the engine thread, then free the buffers the model does not use
+        and continue generation if asked (whether the load succeeded or not: staged buckets never
+        leave the weights a mix); the engine's future of that."""
+
+        def run() -> str:
             try:
                 if load is not None:
                     load()
             finally:
                 state["receive_buffers"].settle(engine.model)  # up to one copy of the weights
+                if resume:
+                    engine.resume()
+            return engine.weight_version  # read in the engine thread, after the load
 
         return engine.call(run)
 
     if body.abort or staged is None:
-        settled()  # not awaited: the reply does not wait behind a receive still blocked in the engine
+        resumed = settled()  # not awaited unless it continues: a receive may still be in flight
+        if resume:
+            await asyncio.wrap_future(resumed)
         if body.abort:
             return _ok(f"aborted, {len(staged or {})} staged tensors discarded",
-                       weight_version=engine.weight_version)  # fmt: skip
+                       weight_version=engine.weight_version, **extra)  # fmt: skip
         return _fail(
-            f"a bucket of this session failed: nothing applied, weights stay at {engine.weight_version}"
+            f"a bucket of this session failed: nothing applied, weights stay at {engine.weight_version}",
+            **extra,
         )
     if adapter is not None:
-        try:
-            await asyncio.wrap_future(settled(lambda: engine.load_adapter(staged, adapter, version)))
-        except ValueError as exc:
-            return _fail(f"adapter refused, weights unchanged: {exc}")
-        except Exception as exc:
-            return _fail(f"commit failed, weights unchanged: {type(exc).__name__}: {exc}", status=500)
+        load = lambda: engine.load_adapter(staged, adapter, version)  # noqa: E731
     elif staged:
-        try:
-            await asyncio.wrap_future(settled(lambda: engine.load_weights(staged, version, adopt=True)))
-        except Exception as exc:
-            return _fail(f"commit failed, weights unchanged: {type(exc).__name__}: {exc}", status=500)
-    return _ok("Success", weight_version=engine.weight_version)
+        load = lambda: engine.load_weights(staged, version, adopt=True)  # noqa: E731
+    else:
+        load = None
+    try:
+        served = await asyncio.wrap_future(settled(load))
+    except ValueError as exc:
+        if adapter is None:
+            return _fail(f"commit failed, weights unchanged: ValueError: {exc}", status=500, **extra)
+        return _fail(f"adapter refused, weights unchanged: {exc}", **extra)
+    except Exception as exc:
+        return _fail(f"commit failed, weights unchanged: {type(exc).__name__}: {exc}", status=500, **extra)
+    return _ok("Success", weight_version=served, **extra)
 
 
 async def pause_generation(request: web.Request) -> web.Response:

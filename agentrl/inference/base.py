@@ -186,6 +186,10 @@ class DistributedWeightUpdateClient(WeightUpdateClient):
     """True when the server receives the buckets of a session in the order of their `bucket`
     index, whatever order their requests arrive in, so the next bucket may be announced before
     the last one's reply (the embedded server says so in its `/begin_weight_update` reply)."""
+    session_control: bool = False
+    """True when `begin_weight_update(pause=True)` pauses generation in the same round trip and
+    `end_weight_update(resume=True)` continues it after the commit, answering with the version the
+    server serves after it (the embedded server says so in its `/begin_weight_update` reply)."""
 
     @abc.abstractmethod
     async def init_weights_update_group(
@@ -204,8 +208,10 @@ class DistributedWeightUpdateClient(WeightUpdateClient):
         """Leave the weight-update group."""
 
     @abc.abstractmethod
-    async def begin_weight_update(self) -> None:
-        """Open a weight-update session; `update_weights_from_distributed` calls go inside it."""
+    async def begin_weight_update(self, pause: bool = False) -> None:
+        """Open a weight-update session; `update_weights_from_distributed` calls go inside it.
+        `pause` (asked only of servers with `session_control`): pause generation first, in the
+        same round trip."""
 
     @abc.abstractmethod
     async def update_weights_from_distributed(
@@ -224,9 +230,12 @@ class DistributedWeightUpdateClient(WeightUpdateClient):
         to servers with `ordered_buckets`."""
 
     @abc.abstractmethod
-    async def end_weight_update(self, weight_version: int | None = None) -> None:
+    async def end_weight_update(self, weight_version: int | None = None, resume: bool = False) -> int | None:
         """Commit the session opened by `begin_weight_update`: the server then generates with every
-        bucket received (a staging server applies them here, all or none)."""
+        bucket received (a staging server applies them here, all or none). `resume` (asked only of
+        servers with `session_control`): continue generation after it, in the same round trip.
+        Returns the version the server says it serves after the commit, where its reply carries
+        one (None elsewhere: read it back with `get_weight_version`)."""
 
     @abc.abstractmethod
     async def abort_weight_update(self) -> None:

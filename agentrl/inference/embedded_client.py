@@ -17,12 +17,14 @@ from agentrl.inference.sglang import SGLangClient, _check_success
 class EmbeddedClient(SGLangClient):
     """`SGLangClient` for agentrl's embedded server, which also serves LoRA adapters."""
 
-    async def begin_adapter_update(self, adapter: dict[str, Any]) -> None:
-        reply = await self.http.request("POST", "/begin_weight_update", {"lora": adapter})
+    async def begin_adapter_update(self, adapter: dict[str, Any], pause: bool = False) -> None:
+        body: dict[str, Any] = {"lora": adapter, **({"pause_generation": True} if pause else {})}
+        reply = await self.http.request("POST", "/begin_weight_update", body)
         _check_success("/begin_weight_update", reply)
         self.has_session = True
-        self.stages_updates = isinstance(reply, dict) and reply.get("staged_commit") is True
-        self.ordered_buckets = isinstance(reply, dict) and reply.get("ordered_buckets") is True
+        self._learn(reply)
+        if pause and not (isinstance(reply, dict) and reply.get("paused") is True):
+            await self.pause_generation()
 
     async def load_lora_adapter(self, name: str, path: str, weight_version: int | None = None) -> None:
         body: dict[str, Any] = {"lora_name": name, "lora_path": path}

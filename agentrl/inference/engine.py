@@ -302,12 +302,13 @@ class Engine(BufferPhases, ReplicaFollowing):
 
     # ------------------------------------------------------------------ weights (engine thread)
 
-    def check_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def check_weights(self, tensors: dict[str, torch.Tensor], state: dict | None = None) -> None:
         """Raise ValueError naming every name the model lacks and every shape that differs (a
-        tensor-parallel shard takes its full tensor or its local shard)."""
+        tensor-parallel shard takes its full tensor or its local shard). `state`: the model's
+        state dict, when the caller has it already."""
         if self._adapter is not None:
             tensors = self._adapter.base_names(tensors)
-        state = self.model.state_dict()
+        state = self.model.state_dict() if state is None else state
         unknown = [n for n in tensors if n not in state]
         wrong = [
             f"{n}: got {list(t.shape)}, model has {list(state[n].shape)}"
@@ -339,12 +340,13 @@ class Engine(BufferPhases, ReplicaFollowing):
         the reshard fills those buffers in place) are always copied into."""
         if self._offloaded is not None:
             raise RuntimeError("load_weights on released buffers: call rebuild() first")
-        self.check_weights(tensors)
+        state = self.model.state_dict()
+        self.check_weights(tensors, state)
         if self._adapter is not None:  # full weights (merged, or a full model) replace the adapter
             tensors = self._adapter.base_names(tensors)
             self._adapter.clear()
+            state = self.model.state_dict()
         self._base_replaced = str(weight_version)
-        state = self.model.state_dict()
         params = self._adoptable() if adopt and self.owns_params else {}
         adopted = 0
         with torch.no_grad():

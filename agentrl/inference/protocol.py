@@ -207,6 +207,9 @@ class BeginUpdateIn(Admin):
     lora: dict[str, Any] | None = None
     """agentrl extra: the session's buckets form this LoRA adapter (PEFT's `r`, `lora_alpha`,
     `target_modules`, and the `name` it is served under), applied on the base at the commit."""
+    pause_generation: bool = False
+    """agentrl extra: pause generation first, as `/pause_generation` does (mode "abort"), in the
+    same round trip (the reply then says `paused`)."""
 
 
 class LoadLoraIn(Admin):
@@ -221,6 +224,9 @@ class LoadLoraIn(Admin):
 class EndUpdateIn(Admin):
     abort: bool = False
     """agentrl extra: discard the session's staged buckets instead of committing them."""
+    continue_generation: bool = False
+    """agentrl extra: continue generation after the commit (or the abort), as
+    `/continue_generation` does, in the same round trip (the reply then says `continued`)."""
 
 
 class UpdateVersionIn(Admin):

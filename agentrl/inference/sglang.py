@@ -255,9 +255,13 @@ class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
         reply = await self.http.request("POST", "/update_weights_from_distributed", body)
         _check_success("/update_weights_from_distributed", reply)
 
-    async def begin_weight_update(self) -> None:
+    async def begin_weight_update(self, pause: bool = False) -> None:
+        """`pause`: the embedded server pauses in the same request (`session_control`); a server
+        whose reply does not say it paused is paused with `/pause_generation` after it."""
         try:
-            reply = await self.http.request("POST", "/begin_weight_update", {})
+            reply = await self.http.request(
+                "POST", "/begin_weight_update", {"pause_generation": True} if pause else {}
+            )
         except BadRequestError as exc:
             if exc.status != 404:
                 raise
@@ -273,14 +277,39 @@ class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
             logger.info("%s has the weight-update session API (begin/end, flattened_bucket)", self.url)
         self.has_session = True
         _check_success("/begin_weight_update", reply)
-        self.stages_updates = isinstance(reply, dict) and reply.get("staged_commit") is True
-        self.ordered_buckets = isinstance(reply, dict) and reply.get("ordered_buckets") is True
+        self._learn(reply)
+        if pause and not (isinstance(reply, dict) and reply.get("paused") is True):
+            await self.pause_generation()
 
-    async def end_weight_update(self, weight_version: int | None = None) -> None:
-        """SGLang records the version with each bucket; `weight_version` is not sent here."""
+    def _learn(self, reply: Any) -> None:
+        """What a `/begin_weight_update` reply says of how this server takes a push."""
+        said = reply if isinstance(reply, dict) else {}
+        self.stages_updates = said.get("staged_commit") is True
+        self.ordered_buckets = said.get("ordered_buckets") is True
+        self.session_control = said.get("session_control") is True
+
+    async def end_weight_update(self, weight_version: int | None = None, resume: bool = False) -> int | None:
+        """SGLang records the version with each bucket; `weight_version` is not sent here. `resume`:
+        the embedded server continues in the same request; a server whose reply does not say it
+        continued is continued with `/continue_generation` after it (when the commit fails, the
+        caller, not knowing, continues it). Returns the version the reply says the server serves
+        after the commit (the embedded server's), else None."""
         if self.has_session is False:
-            return
-        _check_success("/end_weight_update", await self.http.request("POST", "/end_weight_update", {}))
+            if resume:
+                await self.continue_generation()
+            return None
+        body = {"continue_generation": True} if resume else {}
+        reply = await self.http.request(
+            "POST", "/end_weight_update", body
+        )  # a failure: the caller continues it
+        _check_success("/end_weight_update", reply)
+        if resume and not (isinstance(reply, dict) and reply.get("continued") is True):
+            await self.continue_generation()
+        served = reply.get("weight_version") if isinstance(reply, dict) else None
+        try:
+            return int(served) if served is not None else None
+        except (TypeError, ValueError):
+            return None
 
     async def abort_weight_update(self) -> None:
         """`/end_weight_update` with `abort` (the embedded server discards what it staged; SGLang

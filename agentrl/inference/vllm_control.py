@@ -119,8 +119,11 @@ class VLLMControl(HTTPServerClient, DistributedWeightUpdateClient):
     async def continue_generation(self) -> None:
         await self.http.request("POST", "/resume")
 
-    async def begin_weight_update(self) -> None:
-        """Drop anything a previous, unfinished push left staged."""
+    async def begin_weight_update(self, pause: bool = False) -> None:
+        """Drop anything a previous, unfinished push left staged (`pause`: pause generation first;
+        vLLM has no `session_control`, so this is two requests)."""
+        if pause:
+            await self.pause_generation()
         self._pending_version = None
         await self.rpc("agentrl_discard")
 
@@ -147,13 +150,16 @@ class VLLMControl(HTTPServerClient, DistributedWeightUpdateClient):
             flattened=flattened,
         )
 
-    async def end_weight_update(self, weight_version: int | None = None) -> None:
+    async def end_weight_update(self, weight_version: int | None = None, resume: bool = False) -> None:
         """Commit what was staged, all of it or nothing (the worker checks it is a whole checkpoint),
-        then tag the server with `weight_version`. After a failed bucket nothing is staged, so the
-        commit fails and the server keeps its previous weights and version."""
+        then tag the server with `weight_version` (`resume`: then continue generation). After a
+        failed bucket nothing is staged, so the commit fails and the server keeps its previous
+        weights and version. Returns None: the caller reads the version back."""
         pending, self._pending_version = self._pending_version, None
         await self.rpc("agentrl_commit")
         await self._set_version(weight_version if weight_version is not None else pending)
+        if resume:
+            await self.continue_generation()
 
     async def abort_weight_update(self) -> None:
         """Drop what the workers staged: the model and its version stay as they were."""

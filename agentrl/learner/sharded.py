@@ -20,20 +20,21 @@ def reshard_units(model: nn.Module) -> None:
 def in_place(param: torch.Tensor) -> bool:
     """`full(param)` is the parameter's own memory (a plain tensor, or a DTensor whole on a one-rank
     mesh), not a gathered copy."""
-    data = param.detach()
-    if not hasattr(data, "full_tensor"):
+    if not hasattr(param, "full_tensor"):
         return True
-    return data.device_mesh.size() == 1 and tuple(data.to_local().shape) == tuple(data.shape)
+    with torch.no_grad():  # to_local without autograd: ~3 us, against ~15 through detach()
+        return param.device_mesh.size() == 1 and tuple(param.to_local().shape) == tuple(param.shape)
 
 
 def full(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole tensor: `DTensor.full_tensor()` (a collective) or the tensor itself. On
-    a one-rank mesh the local tensor is the whole one: it is returned as it is, in place (no
-    dispatch through DTensor's redistribution, ~75 us a parameter on CPU)."""
-    data = param.detach()
-    if not hasattr(data, "full_tensor"):
-        return data
-    local = data.to_local()
-    if data.device_mesh.size() == 1 and tuple(local.shape) == tuple(data.shape):
+    """A parameter's whole tensor, detached: `DTensor.full_tensor()` (a collective) or the tensor
+    itself. On a one-rank mesh the local tensor is the whole one: it is returned as it is, in place
+    (no dispatch through DTensor's redistribution, ~75 us a parameter on CPU, nor through
+    `detach()`, ~15 us)."""
+    if not hasattr(param, "full_tensor"):
+        return param.detach()
+    with torch.no_grad():
+        local = param.to_local()
+    if param.device_mesh.size() == 1 and tuple(local.shape) == tuple(param.shape):
         return local
-    return data.full_tensor()
+    return param.detach().full_tensor()

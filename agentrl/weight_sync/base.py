@@ -160,8 +160,9 @@ class AdapterUpdates(Protocol):
     Disk (every backend): `load_lora_adapter(name, directory, version)` of a PEFT adapter
     directory, between pause and continue. Success is read back (`get_weight_version`)."""
 
-    async def begin_adapter_update(self, adapter: dict[str, Any]) -> None:
-        """Open a session whose buckets form the adapter `adapter` (`AdapterSpec.config`)."""
+    async def begin_adapter_update(self, adapter: dict[str, Any], pause: bool = False) -> None:
+        """Open a session whose buckets form the adapter `adapter` (`AdapterSpec.config`); `pause`
+        as for `begin_weight_update`."""
         ...
 
     async def load_lora_tensors(
@@ -416,22 +417,35 @@ class WeightSyncEngine(abc.ABC):
 
     def _all(self, method: str, urls: list[str], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> dict:
         """Call `method` on the clients of `urls` concurrently; {url: exception or None}."""
+        results = self._each(method, {u: kwargs for u in urls}, *args, timeout_s=timeout_s)
+        return {u: r if isinstance(r, BaseException) else None for u, r in results.items()}
 
-        async def one(url: str) -> BaseException | None:
+    def _each(
+        self, method: str, calls: dict[str, dict[str, Any]], *args: Any, timeout_s: float = 120.0
+    ) -> dict:
+        """Call `method(*args, **calls[url])` on the client of each url concurrently; {url: its
+        result, or the exception it raised}."""
+        if not calls:  # no round trip through the bridge for nothing
+            return {}
+
+        async def one(url: str) -> Any:
             try:
-                await asyncio.wait_for(getattr(self.clients[url], method)(*args, **kwargs), timeout_s)
+                return await asyncio.wait_for(
+                    getattr(self.clients[url], method)(*args, **calls[url]), timeout_s
+                )
             except Exception as exc:
                 return exc
-            return None
 
         async def every() -> list:
-            return await asyncio.gather(*(one(u) for u in urls))
+            return await asyncio.gather(*(one(u) for u in calls))
 
         assert self._bridge is not None
-        return dict(zip(urls, self._bridge.run(every()), strict=True))
+        return dict(zip(calls, self._bridge.run(every()), strict=True))
 
     def _read_versions(self, urls: list[str], timeout_s: float) -> dict[str, int | BaseException]:
         """Each server's weight version, read back from it (an exception where it did not answer)."""
+        if not urls:
+            return {}
 
         async def one(url: str) -> int | BaseException:
             try:

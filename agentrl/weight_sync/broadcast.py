@@ -188,11 +188,19 @@ class BroadcastEngine(AdapterOverHTTP):
             method, args = "begin_adapter_update", (self._adapter,)
         else:
             unable, method, args = {}, "begin_weight_update", ()
-        errors = self._all(method, urls, *args, timeout_s=self.config.timeout_s)
+
+        def opened(among: list[str]) -> dict[str, BaseException | None]:
+            """{url: why it refused, or None}; a server with `session_control` pauses in the same
+            round trip (the others were paused before: `_pause_members`)."""
+            calls = {u: {"pause": True} if self.clients[u].session_control else {} for u in among}
+            results = self._each(method, calls, *args, timeout_s=self.config.timeout_s)
+            return {u: r if isinstance(r, BaseException) else None for u, r in results.items()}
+
+        errors = opened(urls)
         stale = [u for u, exc in errors.items() if exc is not None and "already open" in str(exc)]
         if stale:
             self._abort(stale)
-            errors.update(self._all(method, stale, *args, timeout_s=self.config.timeout_s))
+            errors.update(opened(stale))
         refused = {u: f"/begin_weight_update refused: {exc}" for u, exc in errors.items() if exc is not None}
         return {**unable, **refused}
 
@@ -394,17 +402,25 @@ class BroadcastEngine(AdapterOverHTTP):
         server's version back, resume those with whole weights, record and log one outcome per
         server of the live list."""
         committing = [] if self._gave_up else list(self.members)
+        # a server with `session_control` stages (its weights are whole whatever the commit did), so
+        # it continues in the commit's round trip, and answers with the version it serves after it
+        control = {u for u in committing if self.clients[u].session_control}
         with Phase(stats, "commit"):
-            errors = self._all("end_weight_update", committing, timeout_s=self.config.timeout_s)
+            calls = {u: {"resume": True} if u in control else {} for u in committing}
+            replies = self._each("end_weight_update", calls, timeout_s=self.config.timeout_s)
+        errors = {u: r if isinstance(r, BaseException) else None for u, r in replies.items()}
         asked = [u for u in self.urls if u not in self._dead and (u in self.members or u in self._why)]
         with Phase(stats, "read_back"):
-            read = self._read_versions(asked, self.config.timeout_s)
+            # read back in the commit's reply where it carries the version served after the commit
+            read = {u: replies[u] for u in asked if type(replies.get(u)) is int}
+            read.update(self._read_versions([u for u in asked if u not in read], self.config.timeout_s))
             unread = [u for u in asked if not isinstance(read[u], int)]
             read.update(self._read_versions(unread, self.config.timeout_s))  # once more: a lost reply
         self._abort([u for u in committing if errors[u] is not None])  # no session is left open
         outcomes = {url: self._outcome(url, version, committing, errors, read.get(url)) for url in self.urls}
+        resumed = {u for u in control if errors[u] is None}
         with Phase(stats, "continue"):
-            self._resume(asked, outcomes)
+            self._resume([u for u in asked if u not in resumed], outcomes)
         committed = [u for u, o in outcomes.items() if o.committed]
         stats.outcomes, stats.servers_updated, stats.servers_dropped = (
             outcomes,
@@ -420,7 +436,9 @@ class BroadcastEngine(AdapterOverHTTP):
 
     def _outcome(self, url: str, version: int, committing: list[str], errors: dict, seen: Any) -> Outcome:
         """How `url` left the push: committed only if it reads `version` back after its commit (the
-        read-back decides, not the reply); otherwise dropped with the reason."""
+        read-back decides, not the reply's success: the version the server serves after the commit,
+        from the commit's reply where it carries one, else from `get_weight_version`); otherwise
+        dropped with the reason."""
         if url in committing and seen == version:
             if errors[url] is not None:
                 logger.warning("server %s: the commit's reply failed (%s), yet it reads back %d", url,
@@ -429,6 +447,8 @@ class BroadcastEngine(AdapterOverHTTP):
         if url in committing:
             if errors[url] is not None:
                 why = f"commit failed: {errors[url]}"
+                if not isinstance(seen, int):
+                    why += f"; reading its version back failed: {seen}"
             elif isinstance(seen, int):
                 why = f"read back version {seen} after the commit"
             else:

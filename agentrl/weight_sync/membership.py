@@ -258,9 +258,11 @@ class GroupMembership(WeightSyncEngine):
             self._retry_at[url] = now + min(60.0, 2.0 ** self._attempts[url])
 
     def _pause_members(self) -> None:
-        """Pause every member; one that cannot be paused is dead: rebuild the group without it
-        before anything is broadcast (a dead peer would stall the others mid-bucket)."""
-        errors = self._all("pause_generation", self.members, timeout_s=self.config.timeout_s)
+        """Pause every member (but those that pause as their session opens: `session_control`); one
+        that cannot be paused is dead: rebuild the group without it before anything is broadcast (a
+        dead peer would stall the others mid-bucket)."""
+        apart = [u for u in self.members if not self.clients[u].session_control]
+        errors = self._all("pause_generation", apart, timeout_s=self.config.timeout_s)
         dead = {url: f"/pause_generation failed: {exc}" for url, exc in errors.items() if exc is not None}
         if dead:
             self._dead.update(dead)

@@ -177,6 +177,26 @@ def test_a_lost_reply_mid_push_closes_the_group_under_buckets_announced_ahead_an
     fleet.check(stats)
 
 
+def test_a_push_to_the_embedded_server_pauses_in_begin_and_continues_and_reads_back_in_the_commit(
+    fleet, engine
+) -> None:
+    """From the second push on (the first begin's reply says `session_control`), a push to the
+    embedded server makes no /pause_generation, /continue_generation or version read of its own:
+    begin pauses, the commit continues and answers the version, which the outcome is judged by."""
+    sync = engine()
+    fleet.check(fleet.push(sync))
+    fleet.proxy.requests.clear()
+    stats = fleet.push(sync)
+    paths = [path for path, _ in fleet.proxy.requests]
+    assert "/pause_generation" not in paths and "/continue_generation" not in paths, paths
+    begin = [body for path, body in fleet.proxy.requests if path == "/begin_weight_update"]
+    end = [body for path, body in fleet.proxy.requests if path == "/end_weight_update"]
+    assert [json.loads(b) for b in begin] == [{"pause_generation": True}]
+    assert [json.loads(b) for b in end] == [{"continue_generation": True}]
+    assert all(o.committed for o in stats.outcomes.values()), stats.outcomes
+    fleet.check(stats)
+
+
 def test_a_refused_commit_leaves_that_server_whole_on_its_previous_version(fleet, engine) -> None:
     sync = engine()
     fleet.proxy.fail("/end_weight_update", nth=1, skip_if="abort", status=503)
@@ -191,11 +211,14 @@ def test_a_refused_commit_leaves_that_server_whole_on_its_previous_version(fleet
 
 def test_a_failed_version_read_back_is_recorded_as_unknown_never_as_committed(fleet, engine) -> None:
     sync = engine()
-    # from the commit on, A's /model_info answers 500: it committed, but the learner cannot verify it
+    # A commits, but the reply (which carries the version it serves) is lost, and from then on its
+    # /model_info answers 500: the learner cannot verify the commit
     fleet.proxy.fail(
         "/end_weight_update",
         nth=1,
         skip_if="abort",
+        status=503,
+        forward=True,
         on_request=lambda: fleet.proxy.fail("/model_info", nth=1, count=10**6),
     )
     stats = fleet.push(sync)

@@ -275,6 +275,56 @@ async def test_indexed_buckets_are_received_in_index_order_whatever_order_they_a
             trainer["g"].close()
 
 
+async def test_begin_pauses_and_the_commit_continues_and_answers_its_version_in_one_round_trip(
+    tiny_model: Path,
+) -> None:
+    """`session_control`: `/begin_weight_update` with `pause_generation` pauses the engine before
+    the session opens; `/end_weight_update` with `continue_generation` continues it after the commit
+    and answers the version read after it, and continues it too when the commit is refused (staged
+    buckets never leave a mix)."""
+    from agentrl.inference.weight_group import join_group
+
+    srv = ServerThread(tiny_model).start()
+    port = find_free_port()
+    trainer: dict = {}
+    joined = threading.Thread(
+        target=lambda: trainer.update(g=join_group("127.0.0.1", port, 0, 2, "wg", "gloo", 30))
+    )
+    model = srv.engine.model
+    names = [n for n, _ in model.named_parameters()]
+    try:
+        async with SGLangClient(srv.url) as client:
+            joined.start()
+            await client.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo")
+            joined.join(30)
+            assert not client.session_control
+            await client.begin_weight_update()  # the first begin's reply tells the client
+            assert client.session_control and not srv.engine.paused
+            await client.abort_weight_update()
+
+            new = _weights(model, seed=30)
+            await client.begin_weight_update(pause=True)
+            assert srv.engine.paused
+            await _send(client, trainer["g"], new, names, 7, flat=True)
+            assert srv.engine.paused  # still paused while staged
+            assert await client.end_weight_update(resume=True) == 7
+            assert not srv.engine.paused and await client.get_weight_version() == 7
+            assert all(torch.equal(p, new[n]) for n, p in model.named_parameters())
+
+            await client.begin_weight_update(pause=True)
+            wrong = {names[0]: torch.zeros(3, 2)}  # a shape the model does not have: the bucket spoils
+            with pytest.raises(BadRequestError, match="shape mismatch"):
+                await _send(client, trainer["g"], wrong, names[:1], None, flat=False)
+            assert srv.engine.paused
+            with pytest.raises(BadRequestError, match="a bucket of this session failed"):
+                await client.end_weight_update(resume=True)
+            assert not srv.engine.paused and await client.get_weight_version() == 7
+    finally:
+        srv.stop()
+        if "g" in trainer:
+            trainer["g"].close()
+
+
 def test_full_weights_adopted_over_a_served_adapter_replace_its_base(tiny_model: Path) -> None:
     """After a LoRA adapter was served, a full-weight push adopts the base Linear weights under
     their injected names (`base_layer.weight`); the adapter is cleared and the model serves exactly
