@@ -171,7 +171,12 @@ async def _receive_bucket(request: web.Request, body: P.UpdateDistributedIn) -> 
             works = []
         try:
             meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, dtype, shape in specs}
-            engine.check_adapter(meta, adapter) if adapter is not None else engine.check_weights(meta)
+            if adapter is not None:
+                engine.check_adapter(meta, adapter)
+            else:  # the model does not change within a session: its state dict is taken once
+                if state["model_state"] is None:
+                    state["model_state"] = engine.model.state_dict()
+                engine.check_weights(meta, state["model_state"])
         except Exception as exc:
             return works, exc
         return works, None
@@ -292,7 +297,7 @@ async def begin_weight_update(request: web.Request) -> web.Response:
             return _fail("a weight-update session is already open; call end_weight_update() first")
     state["sessions"] += 1
     state["session"], state["staged"], state["staged_version"] = state["sessions"], {}, None
-    state["staged_adapter"], state["turn"] = body.lora, 0
+    state["staged_adapter"], state["turn"], state["model_state"] = body.lora, 0, None
     _wake_turns(state)  # buckets still waiting from an earlier session give up
     return _ok("Success", staged_commit=True, ordered_buckets=True, session_control=True,
                paused=body.pause_generation)  # fmt: skip
@@ -309,6 +314,7 @@ async def end_weight_update(request: web.Request) -> web.Response:
         return _fail("no weight-update session is open; call begin_weight_update() first")
     staged, version, adapter = state["staged"], state["staged_version"], state["staged_adapter"]
     state["session"], state["staged"], state["staged_version"], state["staged_adapter"] = 0, None, None, None
+    state["model_state"] = None
     _wake_turns(state)  # buckets still waiting give up
 
     resume = body.continue_generation

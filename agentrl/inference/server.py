@@ -266,6 +266,7 @@ def make_app(
         "staged_adapter": None,  # the LoRA config of an adapter session (its buckets form the adapter)
         "receive_buffers": ReceiveBuffers(),  # kept between pushes (inference/receive_buffers.py)
         "turn": 0,  # the index of the next bucket of the session to be received (`ordered_buckets`)
+        "model_state": None,  # the model's state dict, taken once per session to check its buckets
         "turn_moved": asyncio.Event(),  # set (and replaced) whenever the turn moves or the session ends
     }
     post = {

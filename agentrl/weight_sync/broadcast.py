@@ -64,7 +64,7 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -306,13 +306,17 @@ class BroadcastEngine(AdapterOverHTTP):
                 ahead.append(bucket)
             return bucket
 
-        def pack(bucket: Bucket) -> Bucket:
-            return self._pack(how["packer"], stats, resident, bucket)
+        def stream() -> Iterator[Bucket]:
+            """(gather thread) The attempt's buckets, gathered, announced and packed in turn."""
+            pairs = weights()
+            resident = isinstance(pairs, Resident)
 
-        pairs = weights()
-        resident = isinstance(pairs, Resident)
-        bucket_bytes = int(self.config.bucket_mb * (1 << 20))
-        buckets = prefetch(map(pack, map(gathered, iter_buckets(pairs, bucket_bytes))))
+            def pack(bucket: Bucket) -> Bucket:  # after `gathered`: the packer is chosen by then
+                return self._pack(how["packer"], stats, resident, bucket)
+
+            return map(pack, map(gathered, iter_buckets(pairs, int(self.config.bucket_mb * (1 << 20)))))
+
+        buckets = prefetch(stream)
         in_flight = None
         try:
             try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -148,18 +148,18 @@ def adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return whole[start:end]
 
 
-def prefetch(buckets: Iterator[Bucket], depth: int = 1) -> Iterator[Bucket]:
-    """Run `buckets` on a thread, at most `depth` buckets that hold memory of their own
-    (`Bucket.held`) ahead of the consumer; the others (the learner's own weights, sent as they
-    lie) run ahead freely, so all of a resident push is gathered and announced before its first
-    broadcast ends."""
+def prefetch(buckets: Iterator[Bucket] | Callable[[], Iterator[Bucket]], depth: int = 1) -> Iterator[Bucket]:
+    """Run `buckets` (or the iterator `buckets()` returns, made on the thread too) on a thread, at
+    most `depth` buckets that hold memory of their own (`Bucket.held`) ahead of the consumer; the
+    others (the learner's own weights, sent as they lie) run ahead freely, so all of a resident
+    push is gathered and announced before its first broadcast ends."""
     box: queue.Queue = queue.Queue()
     slots = threading.Semaphore(depth)
     done = object()
 
     def produce() -> None:
         try:
-            for bucket in buckets:
+            for bucket in buckets() if callable(buckets) else buckets:
                 if bucket.held:
                     slots.acquire()
                 box.put(bucket)
