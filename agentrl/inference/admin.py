@@ -314,7 +314,7 @@ async def end_weight_update(request: web.Request) -> web.Response:
         return _fail("no weight-update session is open; call begin_weight_update() first")
     staged, version, adapter = state["staged"], state["staged_version"], state["staged_adapter"]
     state["session"], state["staged"], state["staged_version"], state["staged_adapter"] = 0, None, None, None
-    state["model_state"] = None
+    model_state, state["model_state"] = state["model_state"], None  # taken in this session, if any
     _wake_turns(state)  # buckets still waiting give up
 
     resume = body.continue_generation
@@ -351,7 +351,7 @@ async def end_weight_update(request: web.Request) -> web.Response:
     if adapter is not None:
         load = lambda: engine.load_adapter(staged, adapter, version)  # noqa: E731
     elif staged:
-        load = lambda: engine.load_weights(staged, version, adopt=True)  # noqa: E731
+        load = lambda: engine.load_weights(staged, version, adopt=True, state=model_state)  # noqa: E731
     else:
         load = None
     try:

@@ -324,7 +324,11 @@ class Engine(BufferPhases, ReplicaFollowing):
             raise ValueError("; ".join(problems))
 
     def load_weights(
-        self, tensors: dict[str, torch.Tensor], weight_version: str | None, adopt: bool = False
+        self,
+        tensors: dict[str, torch.Tensor],
+        weight_version: str | None,
+        adopt: bool = False,
+        state: dict | None = None,
     ) -> None:
         """Load `tensors` into the model (checked first, so a bad update changes nothing). A DTensor
         parameter given its full tensor keeps its own slice (no communication). On a model that
@@ -337,10 +341,11 @@ class Engine(BufferPhases, ReplicaFollowing):
         (`param.data = tensor`, no copy; every module holding that parameter, tied ones included,
         sees it). Parameters that share storage with another parameter object, DTensor shards,
         buffers, and the parameters of an engine built on a module it was given (colocated mode:
-        the reshard fills those buffers in place) are always copied into."""
+        the reshard fills those buffers in place) are always copied into. `state`: the model's
+        state dict, when the caller took it since the model last changed (a push's session)."""
         if self._offloaded is not None:
             raise RuntimeError("load_weights on released buffers: call rebuild() first")
-        state = self.model.state_dict()
+        state = self.model.state_dict() if state is None else state
         self.check_weights(tensors, state)
         if self._adapter is not None:  # full weights (merged, or a full model) replace the adapter
             tensors = self._adapter.base_names(tensors)
