@@ -39,7 +39,9 @@ disk / ours (target ≥ 3); the JSON carries both sides' seconds (`push_s`, `raw
 the repeats, from the engine's `PushStats.phases`): regroup, pause, begin, waiting for the
 gather thread, announcing a bucket from the push's own thread (servers that take buckets in any
 order only), broadcast, the servers' replies after each broadcast (their receive and checks),
-commit, version read-back, continue; then, not summed, what the gather thread does while the
+commit, version read-back, continue (the embedded server says `session_control`, so from the
+second push on it pauses in begin's round trip and continues and answers its version in the
+commit's: those three rows are then near zero); then, not summed, what the gather thread does while the
 bucket before is broadcast (announcing each bucket ahead, packing those that are not laid out
 back to back), and each bucket's round trip (announce to last reply). The peak extra memory of
 a push is shown as the learner's resident-set growth during one more push after the timed ones
