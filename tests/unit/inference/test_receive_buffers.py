@@ -9,7 +9,6 @@ that indexed buckets (`ordered_buckets`) are received in index order."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 import pytest
@@ -137,23 +136,41 @@ async def _send(client, group, weights: dict[str, torch.Tensor], names: list[str
     await asyncio.wait_for(call, 30)
 
 
-async def test_reused_buffers_never_leak_an_aborted_push_into_the_model(tiny_model: Path) -> None:
-    from agentrl.inference.weight_group import join_group
+class _Trainer:
+    """An embedded server in this process and the trainer's end (rank 0) of a gloo weight group
+    "wg" with it, joined by `join`."""
 
-    srv = ServerThread(tiny_model).start()
-    port = find_free_port()
-    trainer: dict = {}
-    joined = threading.Thread(
-        target=lambda: trainer.update(g=join_group("127.0.0.1", port, 0, 2, "wg", "gloo", 30))
-    )
+    def __init__(self, tiny_model: Path) -> None:
+        self.srv = ServerThread(tiny_model).start()
+        self.port = find_free_port()
+        self.group = None
+
+    async def join(self, client: SGLangClient) -> None:
+        from agentrl.inference.weight_group import join_group
+
+        joined = asyncio.create_task(
+            asyncio.to_thread(join_group, "127.0.0.1", self.port, 0, 2, "wg", "gloo", 30)
+        )
+        await client.init_weights_update_group("127.0.0.1", self.port, 1, 2, "wg", "gloo")
+        self.group = await asyncio.wait_for(joined, 30)
+
+    def close(self) -> None:
+        self.srv.stop()
+        if self.group is not None:
+            self.group.close()
+
+
+async def test_reused_buffers_never_leak_an_aborted_push_into_the_model(tiny_model: Path) -> None:
+    trainer = _Trainer(tiny_model)
+    srv = trainer.srv
     model = srv.engine.model
     names = [n for n, _ in model.named_parameters()]
     embed, rest = names[:1], names[1:]  # a one-tensor bucket (sent as it is) and a flattened one
 
     async def push(client, weights, version, commit=True):
         await client.begin_weight_update()
-        await _send(client, trainer["g"], weights, embed, None, flat=False)
-        await _send(client, trainer["g"], weights, rest, version, flat=True)
+        await _send(client, trainer.group, weights, embed, None, flat=False)
+        await _send(client, trainer.group, weights, rest, version, flat=True)
         if commit:
             await client.end_weight_update()
         else:
@@ -164,9 +181,7 @@ async def test_reused_buffers_never_leak_an_aborted_push_into_the_model(tiny_mod
 
     try:
         async with SGLangClient(srv.url) as client:
-            joined.start()
-            await client.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo")
-            joined.join(30)
+            await trainer.join(client)
             a, b, c, d = (_weights(model, seed) for seed in (10, 11, 12, 13))
             await push(client, a, 1)
             assert all(torch.equal(t, a[n]) for n, t in served().items())
@@ -197,14 +212,12 @@ async def test_reused_buffers_never_leak_an_aborted_push_into_the_model(tiny_mod
 
             # d arrives in a's old buffers and half of it is aborted: c stays, bit for bit
             await client.begin_weight_update()
-            await _send(client, trainer["g"], d, embed, None, flat=False)
+            await _send(client, trainer.group, d, embed, None, flat=False)
             await client.abort_weight_update()
             assert await client.get_weight_version() == 3
             assert all(torch.equal(t, c[n]) for n, t in served().items())
     finally:
-        srv.stop()
-        if "g" in trainer:
-            trainer["g"].close()
+        trainer.close()
 
 
 async def test_indexed_buckets_are_received_in_index_order_whatever_order_they_arrive(
@@ -213,14 +226,10 @@ async def test_indexed_buckets_are_received_in_index_order_whatever_order_they_a
     """`ordered_buckets`: the trainer may announce bucket i+1 before bucket i's reply, so the two
     requests can reach the server in either order; the server receives them in index order (the
     order of the broadcasts), and refuses an index it has already passed."""
-    from agentrl.inference.weight_group import dtype_name, join_group
+    from agentrl.inference.weight_group import dtype_name
 
-    srv = ServerThread(tiny_model).start()
-    port = find_free_port()
-    trainer: dict = {}
-    joined = threading.Thread(
-        target=lambda: trainer.update(g=join_group("127.0.0.1", port, 0, 2, "wg", "gloo", 30))
-    )
+    trainer = _Trainer(tiny_model)
+    srv = trainer.srv
     model = srv.engine.model
     names = [n for n, _ in model.named_parameters()]
     first, second = names[:10], names[10:]
@@ -244,17 +253,15 @@ async def test_indexed_buckets_are_received_in_index_order_whatever_order_they_a
 
     try:
         async with SGLangClient(srv.url) as client:
-            joined.start()
-            await client.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo")
-            joined.join(30)
+            await trainer.join(client)
             await client.begin_weight_update()
             assert client.ordered_buckets
             later = announce(client, second, 1, version=5)  # bucket 1 announced first ...
             await asyncio.sleep(0.2)
             assert not later.done()  # ... waits for bucket 0
             earlier = announce(client, first, 0)
-            await asyncio.to_thread(trainer["g"].broadcast, packed(first), 0)
-            await asyncio.to_thread(trainer["g"].broadcast, packed(second), 0)
+            await asyncio.to_thread(trainer.group.broadcast, packed(first), 0)
+            await asyncio.to_thread(trainer.group.broadcast, packed(second), 0)
             await asyncio.wait_for(asyncio.gather(earlier, later), 30)
             await client.end_weight_update()
             assert await client.get_weight_version() == 5
@@ -262,7 +269,7 @@ async def test_indexed_buckets_are_received_in_index_order_whatever_order_they_a
 
             await client.begin_weight_update()
             done = announce(client, first, 0)
-            await asyncio.to_thread(trainer["g"].broadcast, packed(first), 0)
+            await asyncio.to_thread(trainer.group.broadcast, packed(first), 0)
             await asyncio.wait_for(done, 30)
             with pytest.raises(BadRequestError, match="came after bucket 0"):
                 await asyncio.wait_for(announce(client, first, 0), 30)  # a repeated index: refused unreceived
@@ -270,9 +277,7 @@ async def test_indexed_buckets_are_received_in_index_order_whatever_order_they_a
                 await client.end_weight_update()
             assert await client.get_weight_version() == 5
     finally:
-        srv.stop()
-        if "g" in trainer:
-            trainer["g"].close()
+        trainer.close()
 
 
 async def test_begin_pauses_and_the_commit_continues_and_answers_its_version_in_one_round_trip(
@@ -282,21 +287,13 @@ async def test_begin_pauses_and_the_commit_continues_and_answers_its_version_in_
     the session opens; `/end_weight_update` with `continue_generation` continues it after the commit
     and answers the version read after it, and continues it too when the commit is refused (staged
     buckets never leave a mix)."""
-    from agentrl.inference.weight_group import join_group
-
-    srv = ServerThread(tiny_model).start()
-    port = find_free_port()
-    trainer: dict = {}
-    joined = threading.Thread(
-        target=lambda: trainer.update(g=join_group("127.0.0.1", port, 0, 2, "wg", "gloo", 30))
-    )
+    trainer = _Trainer(tiny_model)
+    srv = trainer.srv
     model = srv.engine.model
     names = [n for n, _ in model.named_parameters()]
     try:
         async with SGLangClient(srv.url) as client:
-            joined.start()
-            await client.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo")
-            joined.join(30)
+            await trainer.join(client)
             assert not client.session_control
             await client.begin_weight_update()  # the first begin's reply tells the client
             assert client.session_control and not srv.engine.paused
@@ -305,7 +302,7 @@ async def test_begin_pauses_and_the_commit_continues_and_answers_its_version_in_
             new = _weights(model, seed=30)
             await client.begin_weight_update(pause=True)
             assert srv.engine.paused
-            await _send(client, trainer["g"], new, names, 7, flat=True)
+            await _send(client, trainer.group, new, names, 7, flat=True)
             assert srv.engine.paused  # still paused while staged
             assert await client.end_weight_update(resume=True) == 7
             assert not srv.engine.paused and await client.get_weight_version() == 7
@@ -314,15 +311,13 @@ async def test_begin_pauses_and_the_commit_continues_and_answers_its_version_in_
             await client.begin_weight_update(pause=True)
             wrong = {names[0]: torch.zeros(3, 2)}  # a shape the model does not have: the bucket spoils
             with pytest.raises(BadRequestError, match="shape mismatch"):
-                await _send(client, trainer["g"], wrong, names[:1], None, flat=False)
+                await _send(client, trainer.group, wrong, names[:1], None, flat=False)
             assert srv.engine.paused
             with pytest.raises(BadRequestError, match="a bucket of this session failed"):
                 await client.end_weight_update(resume=True)
             assert not srv.engine.paused and await client.get_weight_version() == 7
     finally:
-        srv.stop()
-        if "g" in trainer:
-            trainer["g"].close()
+        trainer.close()
 
 
 def test_full_weights_adopted_over_a_served_adapter_replace_its_base(tiny_model: Path) -> None:
