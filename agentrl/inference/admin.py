@@ -94,7 +94,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
             return _spoil(state, refused, session)
         return await _receive_bucket(request, body)
     finally:  # whatever happened, the next bucket is not held up by this one
-        _pass_turn(state, session, body.bucket)
+        _pass_turn(state, session, body.bucket, 1 + len(body.more))
 
 
 async def _await_turn(state: dict, bucket: int) -> str | None:
@@ -117,10 +117,11 @@ async def _await_turn(state: dict, bucket: int) -> str | None:
     return None
 
 
-def _pass_turn(state: dict, session: int, bucket: int | None) -> None:
-    """Bucket `bucket` of `session` is queued (or refused): the next one may go."""
+def _pass_turn(state: dict, session: int, bucket: int | None, count: int = 1) -> None:
+    """Buckets `bucket` … `bucket + count - 1` of `session` are queued (or refused): the next one
+    may go."""
     if bucket is not None and state["session"] == session and state["turn"] == bucket:
-        state["turn"] += 1
+        state["turn"] += count
         _wake_turns(state)
 
 
@@ -130,53 +131,54 @@ def _wake_turns(state: dict) -> None:
 
 
 async def _receive_bucket(request: web.Request, body: P.UpdateDistributedIn) -> web.Response:
+    """Receive the bucket `body` describes, and the ones it announces after it (`more`), into
+    receive buffers; stage them all, or spoil the session."""
     import torch
 
     from agentrl.inference.weight_group import parse_dtype, unflatten
 
     engine, state = request.app[ENGINE], request.app[STATE]
-    if body.load_format not in (None, "flattened_bucket"):
-        return _fail(f"load_format {body.load_format!r}: the embedded server takes none or flattened_bucket")
+    parts: list[P.BucketIn] = [body, *body.more]
+    if bad := [p.load_format for p in parts if p.load_format not in (None, "flattened_bucket")]:
+        return _fail(f"load_format {bad[0]!r}: the embedded server takes none or flattened_bucket")
     session, adapter = state["session"], state["staged_adapter"]
     group = state["groups"].get(body.group_name)
     if group is None:
         return _spoil(state, f"no weight group {body.group_name!r}; call /init_weights_update_group first")
     try:
-        dtypes = [parse_dtype(d) for d in body.dtypes]
+        specs = [list(zip(p.names, [parse_dtype(d) for d in p.dtypes], p.shapes, strict=True)) for p in parts]
     except ValueError as exc:
         return _spoil(state, str(exc))
     device = engine.device if group.backend == "nccl" else torch.device("cpu")
-
-    specs = list(zip(body.names, dtypes, body.shapes, strict=True))
-    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
-    flat = body.load_format == "flattened_bucket"
-
     pool: ReceiveBuffers = state["receive_buffers"]
-    into: list[torch.Tensor] = []
+    into: list[list[torch.Tensor]] = []  # per bucket: one flat buffer, or one tensor per name
 
     def post() -> tuple[list, Exception | None]:
-        """(engine thread) Post the receive, in the order the buckets are queued, and check the
-        bucket against the model while it arrives (names and shapes are all the check needs)."""
+        """(engine thread) Post the receives, in the order the buckets are queued, and check the
+        buckets against the model while they arrive (names and shapes are all the check needs)."""
         # receive everything the trainer sends even if it will be refused: the collective stays aligned
         if body.abort_all_requests:
             engine.abort(abort_all=True, message="weights updated")
-        if flat:
-            into.append(pool.take(sum(sizes), device, receiving=True))
-        else:
-            into.extend(pool.take(size, device, receiving=True).view(dtype).reshape(shape)
-                        for (_, dtype, shape), size in zip(specs, sizes, strict=True))  # fmt: skip
-        works = [group.post(t, 0) for t in into]
+        for part, spec in zip(parts, specs, strict=True):
+            sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in spec]
+            if part.load_format == "flattened_bucket":
+                into.append([pool.take(sum(sizes), device, receiving=True)])
+            else:
+                into.append([pool.take(size, device, receiving=True).view(dtype).reshape(shape)
+                             for (_, dtype, shape), size in zip(spec, sizes, strict=True)])  # fmt: skip
+        works = [group.post(t, 0) for bucket in into for t in bucket]
         if group.backend == "nccl":  # waited here: the engine's stream is the one that must wait
             wait(works)
             works = []
         try:
-            meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, dtype, shape in specs}
-            if adapter is not None:
-                engine.check_adapter(meta, adapter)
-            else:  # the model does not change within a session: its state dict is taken once
-                if state["model_state"] is None:
-                    state["model_state"] = engine.model.state_dict()
-                engine.check_weights(meta, state["model_state"])
+            for spec in specs:
+                meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, dtype, shape in spec}
+                if adapter is not None:
+                    engine.check_adapter(meta, adapter)
+                else:  # the model does not change within a session: its state dict is taken once
+                    if state["model_state"] is None:
+                        state["model_state"] = engine.model.state_dict()
+                    engine.check_weights(meta, state["model_state"])
         except Exception as exc:
             return works, exc
         return works, None
@@ -186,21 +188,27 @@ async def _receive_bucket(request: web.Request, body: P.UpdateDistributedIn) -> 
             group.wait(work)
 
     queued = engine.call(post)
-    _pass_turn(state, session, body.bucket)  # the next bucket's receive queues behind this one
+    _pass_turn(state, session, body.bucket, len(parts))  # the next bucket's receive queues behind these
+    tensors: dict[str, torch.Tensor] = {}
     try:
         works, refused = await asyncio.wrap_future(queued)
         # off the engine thread (gloo): it is free to post the next bucket's receive meanwhile
         await asyncio.get_running_loop().run_in_executor(None, wait, works)
         if refused is not None:
             raise refused
-        tensors = unflatten(into[0], specs) if flat else dict(zip(body.names, into, strict=True))
+        for part, spec, buffers in zip(parts, specs, into, strict=True):
+            if part.load_format == "flattened_bucket":
+                tensors.update(unflatten(buffers[0], spec))
+            else:
+                tensors.update(zip(part.names, buffers, strict=True))
     except ValueError as exc:
         return _spoil(state, f"update rejected, weights unchanged: {exc}", session)
     except Exception as exc:
         return _spoil(state, f"update failed, weights unchanged: {type(exc).__name__}: {exc}", session, 500)
     finally:
-        for buffer in into:
-            pool.received(buffer)
+        for bucket in into:
+            for buffer in bucket:
+                pool.received(buffer)
     if state["session"] != session:  # aborted while receiving
         return _fail("the weight-update session was closed while receiving; nothing staged")
     if state["staged"] is None:
@@ -208,7 +216,9 @@ async def _receive_bucket(request: web.Request, body: P.UpdateDistributedIn) -> 
     state["staged"].update(tensors)
     if body.weight_version is not None:
         state["staged_version"] = str(body.weight_version)
-    return _ok(f"staged {len(body.names)} tensors", weight_version=engine.weight_version)
+    return _ok(
+        f"staged {len(tensors)} tensors in {len(parts)} bucket(s)", weight_version=engine.weight_version
+    )
 
 
 def _spoil(state: dict, message: str, session: int | None = None, status: int = 400) -> web.Response:
@@ -299,8 +309,8 @@ async def begin_weight_update(request: web.Request) -> web.Response:
     state["session"], state["staged"], state["staged_version"] = state["sessions"], {}, None
     state["staged_adapter"], state["turn"], state["model_state"] = body.lora, 0, None
     _wake_turns(state)  # buckets still waiting from an earlier session give up
-    return _ok("Success", staged_commit=True, ordered_buckets=True, session_control=True,
-               paused=body.pause_generation)  # fmt: skip
+    return _ok("Success", staged_commit=True, ordered_buckets=True, bucket_batches=True,
+               session_control=True, paused=body.pause_generation)  # fmt: skip
 
 
 async def end_weight_update(request: web.Request) -> web.Response:

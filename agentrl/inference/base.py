@@ -186,6 +186,10 @@ class DistributedWeightUpdateClient(WeightUpdateClient):
     """True when the server receives the buckets of a session in the order of their `bucket`
     index, whatever order their requests arrive in, so the next bucket may be announced before
     the last one's reply (the embedded server says so in its `/begin_weight_update` reply)."""
+    bucket_batches: bool = False
+    """True when one `update_weights_from_distributed` request may announce several buckets
+    (`more`), broadcast one after the other and answered by one reply (the embedded server says so
+    in its `/begin_weight_update` reply)."""
     session_control: bool = False
     """True when `begin_weight_update(pause=True)` pauses generation in the same round trip and
     `end_weight_update(resume=True)` continues it after the commit, answering with the version the
@@ -223,11 +227,14 @@ class DistributedWeightUpdateClient(WeightUpdateClient):
         weight_version: int | None = None,
         flattened: bool = False,
         bucket: int | None = None,
+        more: list[dict[str, Any]] | None = None,
     ) -> None:
         """Receive one bucket broadcast by rank 0, then load it: one broadcast per tensor in the order
         of `names`, or with `flattened` one uint8 tensor holding them back to back (SGLang's
         `FlattenedTensorBucket` layout). `bucket`: its index in the session (0, 1, …), sent only
-        to servers with `ordered_buckets`."""
+        to servers with `ordered_buckets`. `more` (only to servers with `bucket_batches`): the
+        buckets broadcast right after it (each `{"names", "dtypes", "shapes", "load_format"}`),
+        received with it and answered by this one reply."""
 
     @abc.abstractmethod
     async def end_weight_update(self, weight_version: int | None = None, resume: bool = False) -> int | None:

@@ -157,26 +157,41 @@ class InitGroupIn(Admin):
     backend: str = "nccl"
 
 
-class UpdateDistributedIn(Admin):
+class BucketIn(Admin):
+    """One bucket's description: its tensors' names, dtypes and shapes, in broadcast order."""
+
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | int | None = None
     load_format: str | None = None
-    bucket: int | None = Field(default=None, ge=0)
-    """agentrl extra: the bucket's index in the session; the server receives buckets in this order
-    whatever order their requests arrive in (it says `ordered_buckets` when a session opens)."""
 
     @model_validator(mode="after")
-    def _aligned(self) -> UpdateDistributedIn:
+    def _aligned(self) -> BucketIn:
         if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
             raise ValueError(
                 f"names, dtypes and shapes differ in length ({len(self.names)}, {len(self.dtypes)}, "
                 f"{len(self.shapes)})"
             )
+        return self
+
+
+class UpdateDistributedIn(BucketIn):
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | int | None = None
+    bucket: int | None = Field(default=None, ge=0)
+    """agentrl extra: the bucket's index in the session; the server receives buckets in this order
+    whatever order their requests arrive in (it says `ordered_buckets` when a session opens)."""
+    more: list[BucketIn] = Field(default_factory=list)
+    """agentrl extra: the buckets broadcast right after this one (indices `bucket` + 1, …),
+    announced in the same request; one reply covers them all (the server says `bucket_batches`
+    when a session opens). Needs `bucket`."""
+
+    @model_validator(mode="after")
+    def _indexed(self) -> UpdateDistributedIn:
+        if self.more and self.bucket is None:
+            raise ValueError("`more` buckets need the first one's index (`bucket`)")
         return self
 
 

@@ -244,6 +244,7 @@ class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
         weight_version: int | None = None,
         flattened: bool = False,
         bucket: int | None = None,
+        more: list[dict[str, Any]] | None = None,
     ) -> None:
         body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
         if weight_version is not None:
@@ -252,6 +253,8 @@ class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
             body["load_format"] = "flattened_bucket"
         if bucket is not None:  # an agentrl extra, only for servers that said `ordered_buckets`
             body["bucket"] = bucket
+        if more:  # another, only for servers that said `bucket_batches`
+            body["more"] = more
         reply = await self.http.request("POST", "/update_weights_from_distributed", body)
         _check_success("/update_weights_from_distributed", reply)
 
@@ -287,6 +290,7 @@ class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
         self.stages_updates = said.get("staged_commit") is True
         self.ordered_buckets = said.get("ordered_buckets") is True
         self.session_control = said.get("session_control") is True
+        self.bucket_batches = said.get("bucket_batches") is True
 
     async def end_weight_update(self, weight_version: int | None = None, resume: bool = False) -> int | None:
         """SGLang records the version with each bucket; `weight_version` is not sent here. `resume`:

@@ -136,10 +136,14 @@ class VLLMControl(HTTPServerClient, DistributedWeightUpdateClient):
         weight_version: int | None = None,
         flattened: bool = False,
         bucket: int | None = None,
+        more: list[dict[str, Any]] | None = None,
     ) -> None:
         """Receive one bucket into the workers' staging area; the model changes at `end_weight_update`,
         which tags it with this `weight_version` unless given one itself. (`bucket` is unused: vLLM
-        is not `ordered_buckets`, so each bucket's reply comes before the next is announced.)"""
+        is not `ordered_buckets`, so each bucket's reply comes before the next is announced; it
+        takes no `more`: it is not `bucket_batches`.)"""
+        if more:
+            raise ValueError("vLLM's worker receives one bucket per request (no bucket_batches)")
         self._pending_version = weight_version
         await self.rpc(
             "agentrl_receive",

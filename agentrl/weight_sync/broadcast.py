@@ -110,6 +110,8 @@ class InFlight:
     nbytes: int
     tensors: int
     broadcasts: int
+    covered: bool = False
+    """Its replies are a later bucket's (announced together): nothing to await for it."""
 
 
 class BroadcastEngine(AdapterOverHTTP):
@@ -293,7 +295,7 @@ class BroadcastEngine(AdapterOverHTTP):
         stop = threading.Event()  # a bucket failed: announce no more
         opened = threading.Event()  # the members are known: buckets may be announced and packed
         order = itertools.count()
-        how: dict[str, Any] = {"ordered": False, "packer": None}  # set once `opening` ran
+        how: dict[str, Any] = {"ordered": False, "batches": False, "packer": None}  # set once `opening` ran
 
         def gathered(bucket: Bucket) -> Bucket:
             """(gather thread) Decide how `bucket` travels; to ordered members, announce it now."""
@@ -307,14 +309,30 @@ class BroadcastEngine(AdapterOverHTTP):
             return bucket
 
         def stream() -> Iterator[Bucket]:
-            """(gather thread) The attempt's buckets, gathered, announced and packed in turn."""
+            """(gather thread) The attempt's buckets, gathered, announced and packed in turn; a
+            resident push to members that take bucket batches is gathered whole (it costs no
+            memory) and announced in one request per member."""
             pairs = weights()
             resident = isinstance(pairs, Resident)
 
             def pack(bucket: Bucket) -> Bucket:  # after `gathered`: the packer is chosen by then
                 return self._pack(how["packer"], stats, resident, bucket)
 
-            return map(pack, map(gathered, iter_buckets(pairs, int(self.config.bucket_mb * (1 << 20)))))
+            bucketed = iter_buckets(pairs, int(self.config.bucket_mb * (1 << 20)))
+            if not resident:
+                return map(pack, map(gathered, bucketed))
+            every = list(bucketed)
+            opened.wait()
+            if not how["batches"]:
+                return map(pack, map(gathered, every))
+            for bucket in every:
+                bucket.flattened = self._travels_flat(how["packer"], bucket)
+                bucket.index = next(order)
+            if not stop.is_set():
+                with Phase(stats, "announce_ahead"):
+                    self._announce_batch(every, version)
+                ahead.extend(every)
+            return map(pack, every)  # packed as they are taken: the packer's slots bound how far
 
         buckets = prefetch(stream)
         in_flight = None
@@ -327,6 +345,7 @@ class BroadcastEngine(AdapterOverHTTP):
                     and bool(self.members)
                     and all(self.clients[u].ordered_buckets for u in self.members)
                 )
+                how["batches"] = how["ordered"] and all(self.clients[u].bucket_batches for u in self.members)
                 how["packer"] = self.packer if self._flattens() else None
             finally:
                 opened.set()
@@ -542,7 +561,9 @@ class BroadcastEngine(AdapterOverHTTP):
                 return {u: failed[u] for u in early}, None
             return failed or {u: f"broadcast failed: {exc}" for u in self.members}, None
         broadcasts = 1 if flat is not None else len(bucket.tensors)
-        sent = InFlight(futures, bucket.announced, bucket.nbytes, len(bucket.tensors), broadcasts)
+        sent = InFlight(
+            futures, bucket.announced, bucket.nbytes, len(bucket.tensors), broadcasts, bucket.covered
+        )
         if bucket.index is not None:
             return {}, sent
         return self._collect(sent, stats), None
@@ -581,10 +602,49 @@ class BroadcastEngine(AdapterOverHTTP):
             for url in self.members
         }
 
+    def _announce_batch(self, buckets: list[Bucket], version: int) -> None:
+        """Announce `buckets` (indexed, in order, the last of the push among them) to every member
+        in one request (`more`: members with `bucket_batches`): they share its replies, which come
+        once all of them are received, so every bucket but the last is `covered`."""
+        assert self.group is not None
+        first, rest = buckets[0], buckets[1:]
+
+        def described(bucket: Bucket) -> dict[str, Any]:
+            return {
+                "names": bucket.names,
+                "dtypes": [dtype_name(t.dtype) for t in bucket.tensors],
+                "shapes": [list(t.shape) for t in bucket.tensors],
+                "load_format": "flattened_bucket" if bucket.flattened else None,
+            }
+
+        head = described(first)
+        announced = time.perf_counter()
+        futures = {
+            url: self._bridge.submit(
+                asyncio.wait_for(
+                    self.clients[url].update_weights_from_distributed(
+                        head["names"],
+                        head["dtypes"],
+                        head["shapes"],
+                        self.group.group_name,
+                        version if buckets[-1].last else None,
+                        flattened=first.flattened,
+                        bucket=first.index,
+                        more=[described(b) for b in rest],
+                    ),
+                    2 * self.config.timeout_s,
+                )
+            )
+            for url in self.members
+        }
+        for bucket in buckets:
+            bucket.futures, bucket.announced, bucket.covered = futures, announced, bucket is not buckets[-1]
+
     def _collect(self, sent: InFlight, stats: PushStats) -> dict[str, str]:
-        """Await a broadcast bucket's replies and count it; {url: why} for the servers that failed it."""
+        """Await a broadcast bucket's replies (none for a bucket a later one's reply covers) and
+        count it; {url: why} for the servers that failed it."""
         with Phase(stats, "replies"):
-            failed = self._replies(sent.futures)
+            failed = {} if sent.covered else self._replies(sent.futures)
         stats.bucket_round_trips.append(time.perf_counter() - sent.announced)
         stats.bytes += sent.nbytes
         stats.tensors += sent.tensors

@@ -43,6 +43,9 @@ class Bucket:
     """The members' replies to its announcement, when it was announced from the gather thread."""
     announced: float = 0.0
     sent: bool = False
+    covered: bool = False
+    """Announced with later buckets in one request whose reply, awaited at the last of them,
+    covers it (`bucket_batches`)."""
     copied: bool = False
     """A tensor of it was copied to make it contiguous."""
     held: bool = True

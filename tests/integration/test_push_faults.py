@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agentrl.config import BroadcastSyncConfig, InferenceConfig
+from agentrl.weight_sync.base import Resident
 from agentrl.weight_sync.registry import create
 from tests.conftest import Processes, find_free_port
 from tests.fault_proxy import FaultProxy
@@ -53,18 +54,21 @@ class Fleet:
         self.version = 0
         self.states = {0: {k: v.clone() for k, v in self.model.state_dict().items()}}
 
-    def engine(self, transactional: str = "any"):
-        config = BroadcastSyncConfig(bucket_mb=0.1, timeout_s=TIMEOUT_S, transactional=transactional)
+    def engine(self, transactional: str = "any", bucket_mb: float = 0.1):
+        config = BroadcastSyncConfig(bucket_mb=bucket_mb, timeout_s=TIMEOUT_S, transactional=transactional)
         engine = create(config, InferenceConfig(servers=self.urls, connect_timeout_s=2.0))
         engine.init()
         return engine
 
-    def push(self, engine):
-        """Train a step (perturb), push it; the stats of the push."""
+    def push(self, engine, resident: bool = False):
+        """Train a step (perturb), push it; the stats of the push. `resident`: the tensors come as
+        the learner's own (`Resident`: gathered whole, announced in one request per server)."""
         self.version += 1
         perturb(self.model, self.version)
         self.states[self.version] = {k: v.clone() for k, v in self.model.state_dict().items()}
-        weights = dict(self.model.named_parameters())
+        weights = {n: p.detach() for n, p in self.model.named_parameters()}
+        if resident:
+            return engine.push(lambda: Resident(weights.items()), self.version)
         return engine.push(lambda: iter(weights.items()), self.version)
 
     def check(self, stats, urls: list[str] | None = None) -> None:
@@ -105,8 +109,8 @@ def fleet(tiny_model: Path):
 def engine(fleet: Fleet):
     engines = []
 
-    def make(transactional: str = "any"):
-        engines.append(fleet.engine(transactional))
+    def make(transactional: str = "any", bucket_mb: float = 0.1):
+        engines.append(fleet.engine(transactional, bucket_mb))
         return engines[-1]
 
     yield make
@@ -194,6 +198,26 @@ def test_a_push_to_the_embedded_server_pauses_in_begin_and_continues_and_reads_b
     assert [json.loads(b) for b in begin] == [{"pause_generation": True}]
     assert [json.loads(b) for b in end] == [{"continue_generation": True}]
     assert all(o.committed for o in stats.outcomes.values()), stats.outcomes
+    fleet.check(stats)
+
+
+def test_a_resident_push_is_announced_in_one_request_and_a_lost_reply_to_it_is_redone(fleet, engine) -> None:
+    """The learner's own tensors (`Resident`) are gathered whole and announced to the embedded
+    server in one request (`more`: the buckets after the first, packed only as they are sent);
+    its reply covers them all. That reply lost (after forwarding): the attempt fails at the last
+    bucket, the push is redone and commits on both servers, every byte intact."""
+    sync = engine(bucket_mb=0.03)  # a dozen buckets of one size: the packer reuses its slots
+    fleet.proxy.requests.clear()
+    stats = fleet.push(sync, resident=True)
+    announced = [json.loads(body) for path, body in fleet.proxy.requests if path == BUCKET]
+    assert len(announced) == 1 and announced[0]["bucket"] == 0, announced
+    assert 1 + len(announced[0]["more"]) == stats.buckets > 6  # over twice the packer's three slots
+    assert stats.attempts == 1
+    fleet.check(stats)
+    fleet.proxy.fail(BUCKET, nth=1, status=502, forward=True)
+    stats = fleet.push(sync, resident=True)
+    assert stats.attempts == 2 and all(o.committed for o in stats.outcomes.values()), stats.outcomes
+    assert fleet.proxy.failed == [f"{BUCKET} 502 (after forwarding)"]
     fleet.check(stats)
 
 

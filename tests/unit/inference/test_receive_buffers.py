@@ -280,6 +280,54 @@ async def test_indexed_buckets_are_received_in_index_order_whatever_order_they_a
         trainer.close()
 
 
+async def test_buckets_announced_together_are_received_in_order_and_answered_once(tiny_model: Path) -> None:
+    """`bucket_batches`: one request announces a bucket and the ones broadcast after it (`more`);
+    the server posts every receive, and one reply comes once all are staged; a bucket announced
+    after the batch takes the index after its last."""
+    from agentrl.inference.weight_group import dtype_name
+
+    trainer = _Trainer(tiny_model)
+    model = trainer.srv.engine.model
+    names = [n for n, _ in model.named_parameters()]
+    parts = [names[:1], names[1:8], names[8:]]  # one tensor sent as it is, then two flat buckets
+    new = _weights(model, seed=40)
+
+    def described(bucket_names, flat):
+        return {"names": bucket_names, "dtypes": [dtype_name(new[n].dtype) for n in bucket_names],
+                "shapes": [list(new[n].shape) for n in bucket_names],
+                "load_format": "flattened_bucket" if flat else None}  # fmt: skip
+
+    try:
+        async with SGLangClient(trainer.srv.url) as client:
+            await trainer.join(client)
+            await client.begin_weight_update()
+            assert client.bucket_batches
+            head = described(parts[0], False)
+            batch = asyncio.create_task(
+                client.update_weights_from_distributed(
+                    head["names"], head["dtypes"], head["shapes"], "wg", bucket=0,
+                    more=[described(parts[1], True)],
+                )
+            )  # fmt: skip
+            last = asyncio.create_task(
+                client.update_weights_from_distributed(
+                    parts[2], described(parts[2], True)["dtypes"], described(parts[2], True)["shapes"], "wg",
+                    weight_version=9, flattened=True, bucket=2,
+                )
+            )  # fmt: skip
+            await asyncio.to_thread(trainer.group.broadcast, new[parts[0][0]].clone(), 0)
+            await asyncio.sleep(0.2)
+            assert not batch.done()  # its reply waits for the batch's second bucket
+            for bucket_names in parts[1:]:
+                packed = torch.cat([new[n].reshape(-1).view(torch.uint8) for n in bucket_names])
+                await asyncio.to_thread(trainer.group.broadcast, packed, 0)
+            await asyncio.wait_for(asyncio.gather(batch, last), 30)
+            assert await client.end_weight_update() == 9
+            assert all(torch.equal(p, new[n]) for n, p in model.named_parameters())
+    finally:
+        trainer.close()
+
+
 async def test_begin_pauses_and_the_commit_continues_and_answers_its_version_in_one_round_trip(
     tiny_model: Path,
 ) -> None:
