@@ -11,8 +11,9 @@ An embedded server (`agentrl serve`, a child process) holds a ~100M-parameter mo
   `learner.fsdp.home_for_push`), its full tensors read as the learner reads them (`full_tensors`)
   — pause, bucketed broadcast (the gather thread starts during pause and begin; each bucket is
   announced from it as soon as it is gathered, and since the actor's tensors are its parameters
-  in place the gather runs ahead through all of them, so the server has posted every receive
-  before the broadcasts reach it, waiting for each off its engine thread; a bucket whose
+  in place the gather takes them all at once and announces every bucket in one request
+  (`bucket_batches`), so the server has posted every receive before the broadcasts reach it,
+  waiting for each off its engine thread; a bucket whose
   tensors lie back to back is sent as a view of the weights, any other is packed on the gather
   thread while the one before is broadcast; bucket i+1 broadcast before bucket i's replies are
   awaited) with the server receiving each bucket into buffers it keeps between pushes and, at

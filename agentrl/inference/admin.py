@@ -81,7 +81,9 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     and its version change only at `/end_weight_update`. A bucket that fails spoils the session:
     its commit is refused and the server keeps its weights and version. A bucket with an index
     (`bucket`, an agentrl extra) waits for the buckets before it to be queued for receiving, so a
-    trainer may announce the next bucket before this one's reply (`ordered_buckets`)."""
+    trainer may announce the next bucket before this one's reply (`ordered_buckets`); one that
+    lists the buckets broadcast after it (`more`, another) is received with them and answers once
+    (`bucket_batches`)."""
     state = request.app[STATE]
     body: P.UpdateDistributedIn = await parse(request, P.UpdateDistributedIn)
     if not state["session"]:

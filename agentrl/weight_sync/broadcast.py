@@ -11,7 +11,8 @@ rejoins), `adapter_http.py` (`AdapterOverHTTP`: adapter pushes over HTTP) and `b
 A push, on rank 0 (other learner ranks only join the FSDP gathers):
 1. pause generation on every server (in-flight requests come back aborted; rollers resume)
    and open a weight-update session on each (`/begin_weight_update`: SGLang 0.5.23 refuses
-   `/update_weights_from_distributed` outside one);
+   `/update_weights_from_distributed` outside one); a server with `session_control` (the
+   embedded server, from its first begin on) pauses in its begin's round trip;
 2. a gather thread pulls full tensors from `weights()` (layer by layer from FSDP2), groups them into
    buckets of about `bucket_mb` and, where every member takes SGLang's `flattened_bucket`, packs
    each bucket into one flat uint8 tensor (`buckets.Packer`: on CPU into buffers kept from push
@@ -26,10 +27,13 @@ A push, on rank 0 (other learner ranks only join the FSDP gathers):
    in that order), await the servers' replies. Where every member receives buckets in the order
    of their index (`ordered_buckets`: the embedded server), the gather thread announces each
    bucket as soon as it is gathered (the server queues its receive behind the one in progress)
-   and bucket i's replies are awaited after bucket i+1's broadcast; elsewhere (SGLang, vLLM:
+   and bucket i's replies are awaited after bucket i+1's broadcast; a resident push to members
+   that take bucket batches (`bucket_batches`) announces all its buckets in one request per
+   member, answered once; elsewhere (SGLang, vLLM:
    out-of-order broadcasts deadlock) a bucket is announced once the one before has its replies;
 4. commit every session (`/end_weight_update`), read each server's version back, and resume
-   generation.
+   generation (a server with `session_control` continues in its commit's round trip and its
+   reply carries the version it serves after the commit: that is its read-back).
 Each push is a transaction per server: every server of the live list ends committed at the
 version (read back), or dropped from the push with its reason (`PushStats.outcomes`, one log
 line per server); no server failure raises into the learner loop. A failed bucket aborts the
