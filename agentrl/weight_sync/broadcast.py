@@ -327,7 +327,7 @@ class BroadcastEngine(AdapterOverHTTP):
                 return map(pack, map(gathered, bucketed))
             every = list(bucketed)
             opened.wait()
-            if not how["batches"]:
+            if not how["batches"] or not every:
                 return map(pack, map(gathered, every))
             for bucket in every:
                 bucket.flattened = self._travels_flat(how["packer"], bucket)
