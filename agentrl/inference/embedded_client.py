@@ -22,9 +22,7 @@ class EmbeddedClient(SGLangClient):
         reply = await self.http.request("POST", "/begin_weight_update", body)
         _check_success("/begin_weight_update", reply)
         self.has_session = True
-        self._learn(reply)
-        if pause and not (isinstance(reply, dict) and reply.get("paused") is True):
-            await self.pause_generation()
+        await self._opened(reply, pause)
 
     async def load_lora_adapter(self, name: str, path: str, weight_version: int | None = None) -> None:
         body: dict[str, Any] = {"lora_name": name, "lora_path": path}

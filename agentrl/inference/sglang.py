@@ -280,17 +280,18 @@ class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
             logger.info("%s has the weight-update session API (begin/end, flattened_bucket)", self.url)
         self.has_session = True
         _check_success("/begin_weight_update", reply)
-        self._learn(reply)
-        if pause and not (isinstance(reply, dict) and reply.get("paused") is True):
-            await self.pause_generation()
+        await self._opened(reply, pause)
 
-    def _learn(self, reply: Any) -> None:
-        """What a `/begin_weight_update` reply says of how this server takes a push."""
+    async def _opened(self, reply: Any, pause: bool) -> None:
+        """After a `/begin_weight_update` that succeeded: learn from its reply how this server takes
+        a push; if `pause` was asked and the reply does not say it paused, pause it now."""
         said = reply if isinstance(reply, dict) else {}
         self.stages_updates = said.get("staged_commit") is True
         self.ordered_buckets = said.get("ordered_buckets") is True
         self.session_control = said.get("session_control") is True
         self.bucket_batches = said.get("bucket_batches") is True
+        if pause and said.get("paused") is not True:
+            await self.pause_generation()
 
     async def end_weight_update(self, weight_version: int | None = None, resume: bool = False) -> int | None:
         """SGLang records the version with each bucket; `weight_version` is not sent here. `resume`:
@@ -303,9 +304,8 @@ class SGLangClient(HTTPServerClient, DistributedWeightUpdateClient):
                 await self.continue_generation()
             return None
         body = {"continue_generation": True} if resume else {}
-        reply = await self.http.request(
-            "POST", "/end_weight_update", body
-        )  # a failure: the caller continues it
+        # a commit that fails raises here: the caller, not knowing whether it continued, continues it
+        reply = await self.http.request("POST", "/end_weight_update", body)
         _check_success("/end_weight_update", reply)
         if resume and not (isinstance(reply, dict) and reply.get("continued") is True):
             await self.continue_generation()

@@ -30,8 +30,7 @@ def full(param: torch.Tensor) -> torch.Tensor:
     `detach()`, ~15 us)."""
     if not hasattr(param, "full_tensor"):
         return param.detach()
-    with torch.no_grad():
-        local = param.to_local()
-    if param.device_mesh.size() == 1 and tuple(local.shape) == tuple(param.shape):
-        return local
+    if in_place(param):
+        with torch.no_grad():
+            return param.to_local()
     return param.detach().full_tensor()

@@ -43,6 +43,11 @@ weights once. It is called once per attempt (a push redone without a failed serv
 again) and on every learner rank in step, since it may run collectives (FSDP2 gathers)."""
 
 
+def errors_of(results: dict[str, Any]) -> dict[str, BaseException | None]:
+    """{url: the exception its call raised, or None} of `WeightSyncEngine._each`'s results."""
+    return {u: r if isinstance(r, BaseException) else None for u, r in results.items()}
+
+
 class Resident(Iterator[tuple[str, "torch.Tensor"]]):
     """What a `WeightSource` returns when its tensors are the learner's own weights in place (a
     one-rank FSDP2 actor: `learner.fsdp.iter_full_tensors`), not gathered copies: a push may then
@@ -417,8 +422,7 @@ class WeightSyncEngine(abc.ABC):
 
     def _all(self, method: str, urls: list[str], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> dict:
         """Call `method` on the clients of `urls` concurrently; {url: exception or None}."""
-        results = self._each(method, {u: kwargs for u in urls}, *args, timeout_s=timeout_s)
-        return {u: r if isinstance(r, BaseException) else None for u, r in results.items()}
+        return errors_of(self._each(method, {u: kwargs for u in urls}, *args, timeout_s=timeout_s))
 
     def _each(
         self, method: str, calls: dict[str, dict[str, Any]], *args: Any, timeout_s: float = 120.0

@@ -81,6 +81,7 @@ from agentrl.weight_sync.base import (
     PushStats,
     Resident,
     WeightSource,
+    errors_of,
     loads_adapters,
     no_adapters,
     resolve,
@@ -199,8 +200,7 @@ class BroadcastEngine(AdapterOverHTTP):
             """{url: why it refused, or None}; a server with `session_control` pauses in the same
             round trip (the others were paused before: `_pause_members`)."""
             calls = {u: {"pause": True} if self.clients[u].session_control else {} for u in among}
-            results = self._each(method, calls, *args, timeout_s=self.config.timeout_s)
-            return {u: r if isinstance(r, BaseException) else None for u, r in results.items()}
+            return errors_of(self._each(method, calls, *args, timeout_s=self.config.timeout_s))
 
         errors = opened(urls)
         stale = [u for u, exc in errors.items() if exc is not None and "already open" in str(exc)]
@@ -301,14 +301,20 @@ class BroadcastEngine(AdapterOverHTTP):
         order = itertools.count()
         how: dict[str, Any] = {"ordered": False, "batches": False, "packer": None}  # set once `opening` ran
 
-        def gathered(bucket: Bucket) -> Bucket:
-            """(gather thread) Decide how `bucket` travels; to ordered members, announce it now."""
-            opened.wait()
+        def decided(bucket: Bucket) -> Bucket:
+            """(gather thread, the sessions open) How `bucket` travels, and its index in the push to
+            ordered members (none once a bucket failed: it will not be announced)."""
             bucket.flattened = self._travels_flat(how["packer"], bucket)
             if how["ordered"] and not stop.is_set():
                 bucket.index = next(order)
+            return bucket
+
+        def gathered(bucket: Bucket) -> Bucket:
+            """(gather thread) Decide how `bucket` travels; to ordered members, announce it now."""
+            opened.wait()
+            if decided(bucket).index is not None:
                 with Phase(stats, "announce_ahead"):
-                    self._announce_bucket(bucket, version)
+                    self._announce([bucket], version)
                 ahead.append(bucket)
             return bucket
 
@@ -330,11 +336,10 @@ class BroadcastEngine(AdapterOverHTTP):
             if not how["batches"] or not every:
                 return map(pack, map(gathered, every))
             for bucket in every:
-                bucket.flattened = self._travels_flat(how["packer"], bucket)
-                bucket.index = next(order)
-            if not stop.is_set():
+                decided(bucket)
+            if every[-1].index is not None and not stop.is_set():  # all indexed: none failed yet
                 with Phase(stats, "announce_ahead"):
-                    self._announce_batch(every, version)
+                    self._announce(every, version)
                 ahead.extend(every)
             return map(pack, every)  # packed as they are taken: the packer's slots bound how far
 
@@ -435,7 +440,7 @@ class BroadcastEngine(AdapterOverHTTP):
         with Phase(stats, "commit"):
             calls = {u: {"resume": True} if u in control else {} for u in committing}
             replies = self._each("end_weight_update", calls, timeout_s=self.config.timeout_s)
-        errors = {u: r if isinstance(r, BaseException) else None for u, r in replies.items()}
+        errors = errors_of(replies)
         asked = [u for u in self.urls if u not in self._dead and (u in self.members or u in self._why)]
         with Phase(stats, "read_back"):
             # read back in the commit's reply where it carries the version served after the commit
@@ -540,7 +545,7 @@ class BroadcastEngine(AdapterOverHTTP):
         self._touched.update(self.members)
         if bucket.futures is None:
             with Phase(stats, "announce"):
-                self._announce_bucket(bucket, version)
+                self._announce([bucket], version)
         futures = bucket.futures
         assert futures is not None
         bucket.sent = True
@@ -577,39 +582,14 @@ class BroadcastEngine(AdapterOverHTTP):
         """The members whose reply to a bucket's announcement is already in, and an error."""
         return [u for u, f in futures.items() if f.done() and f.exception() is not None]
 
-    def _announce_bucket(self, bucket: Bucket, version: int) -> None:
-        """Send every member the bucket's description (names, dtypes, shapes; its receive then waits
-        for the broadcast; its index in the push to servers that receive in index order):
-        `bucket.futures` are their replies, `bucket.announced` when. The version travels with the
-        last bucket only: a server that loads buckets as they arrive (SGLang) never labels a
-        partial update with it."""
-        assert self.group is not None
-        dtypes = [dtype_name(t.dtype) for t in bucket.tensors]
-        shapes = [list(t.shape) for t in bucket.tensors]
-        order = {} if bucket.index is None else {"bucket": bucket.index}
-        bucket.announced = time.perf_counter()
-        bucket.futures = {
-            url: self._bridge.submit(
-                asyncio.wait_for(
-                    self.clients[url].update_weights_from_distributed(
-                        bucket.names,
-                        dtypes,
-                        shapes,
-                        self.group.group_name,
-                        version if bucket.last else None,
-                        flattened=bucket.flattened,
-                        **order,
-                    ),
-                    2 * self.config.timeout_s,
-                )
-            )
-            for url in self.members
-        }
-
-    def _announce_batch(self, buckets: list[Bucket], version: int) -> None:
-        """Announce `buckets` (indexed, in order, the last of the push among them) to every member
-        in one request (`more`: members with `bucket_batches`): they share its replies, which come
-        once all of them are received, so every bucket but the last is `covered`."""
+    def _announce(self, buckets: list[Bucket], version: int) -> None:
+        """Send every member the description of `buckets` (names, dtypes, shapes; its receives then
+        wait for the broadcasts; their index in the push to servers that receive in index order),
+        in one request: `bucket.futures` are the members' replies, `bucket.announced` when. Several
+        buckets (in order, to members with `bucket_batches`) go as the first and `more`: they share
+        its replies, which come once all of them are received, so every bucket but the last is
+        `covered`. The version travels with the last bucket only: a server that loads buckets as
+        they arrive (SGLang) never labels a partial update with it."""
         assert self.group is not None
         first, rest = buckets[0], buckets[1:]
 
@@ -622,6 +602,9 @@ class BroadcastEngine(AdapterOverHTTP):
             }
 
         head = described(first)
+        extras: dict[str, Any] = {} if first.index is None else {"bucket": first.index}
+        if rest:
+            extras["more"] = [described(b) for b in rest]
         announced = time.perf_counter()
         futures = {
             url: self._bridge.submit(
@@ -633,8 +616,7 @@ class BroadcastEngine(AdapterOverHTTP):
                         self.group.group_name,
                         version if buckets[-1].last else None,
                         flattened=first.flattened,
-                        bucket=first.index,
-                        more=[described(b) for b in rest],
+                        **extras,
                     ),
                     2 * self.config.timeout_s,
                 )

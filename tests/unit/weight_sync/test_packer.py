@@ -112,16 +112,16 @@ def test_the_gather_runs_ahead_through_buckets_that_hold_no_memory_and_one_ahead
         return mark
 
     tensors = [(f"t{i}", torch.zeros(4)) for i in range(6)]  # one tensor a bucket
-    for held, ahead in ((True, 2), (False, 6)):
+    # held: the one consumed, one queued, one gathered and waiting: 3; resident: all 6
+    for held, ahead in ((True, 3), (False, 6)):
         ran: list[int] = []
         buckets = prefetch(map(gathered(held, ran), iter_buckets(tensors, 16)))
         first = next(buckets)  # the consumer holds the first bucket and takes no more
-        for _ in range(100):  # let the gather thread go as far as it may
+        for _ in range(500):  # let the gather thread go as far as it may
             if len(ran) >= ahead:
                 break
             threading.Event().wait(0.01)
-        threading.Event().wait(0.05)
-        # held: the one consumed, one queued, one gathered and waiting: 3; resident: all 6
-        assert len(ran) == (3 if held else 6), (held, len(ran))
+        threading.Event().wait(0.05)  # and a little further, were it not bounded
+        assert len(ran) == ahead, (held, len(ran))
         assert first.names == ["t0"]
         assert [b.names[0] for b in buckets] == [f"t{i}" for i in range(1, 6)]
